@@ -1,0 +1,123 @@
+"""Every knob in one place, typed.
+
+``ModelConfig`` describes the network (read from GGUF metadata or config.json);
+``CacheConfig`` the paged KV pool; ``SchedulerConfig`` the batching limits;
+``EngineConfig`` bundles them with the device and dtype choices the user makes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of float32, bfloat16") from None
+
+
+def parse_size(value: str | int | float | None) -> int | None:
+    """'2GiB', '512M', '1.5G', 1234 -> bytes. None stays None."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    text = value.strip().upper().replace("IB", "").replace("B", "")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(float(text))
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder. Names follow Hugging Face's config.json."""
+
+    architecture: str = "llama"  # llama | qwen2 | qwen3 | mistral
+    vocab_size: int = 32000
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int | None = None  # defaults to hidden_size // num_attention_heads
+    max_position_embeddings: int = 8192
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict (llama3, linear, ...)
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False  # qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # qwen3: RMSNorm on per-head q and k
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Elements of K+V stored for one token across all layers."""
+        assert self.head_dim is not None
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the whole pool; None: derive
+    kv_cache_fraction: float = 0.2  # of available memory when kv_cache_memory is None
+    num_blocks: int | None = None  # explicit override (tests)
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    batching: str = "continuous"  # continuous | static | dynamic
+    dynamic_window_s: float = 0.05  # collection window of the dynamic policy
+    max_waiting: int | None = None  # bound on the waiting queue (server returns 429 past it)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local GGUF file or HF folder; None: bundled SmolLM2
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantization: str = "none"
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from flat keyword options (as ``LLM(...)`` and the CLI give them)."""
+        cfg = cls()
+        sections = (cfg.cache, cfg.scheduler)
+        for key, value in options.items():
+            if key == "kv_cache_memory":
+                value = parse_size(value)
+            if hasattr(cfg, key) and key not in ("cache", "scheduler"):
+                setattr(cfg, key, value)
+                continue
+            for section in sections:
+                if hasattr(section, key):
+                    setattr(section, key, value)
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        return cfg
