@@ -1,0 +1,394 @@
+"""Weights in: GGUF files and Hugging Face safetensors folders.
+
+Everything leaves this module under Hugging Face parameter names and in
+Hugging Face layout, so the model code has one naming scheme and the tests can
+compare tensor-for-tensor with ``transformers``.
+
+GGUF specifics handled here:
+
+* block formats are dequantized (Q8_0, Q4_0 and Q4_1 with our own vectorised
+  numpy; the K-quants and float types through ``gguf.quants``);
+* llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` of Llama
+  models so that each head's rotary pairs sit next to each other (its
+  "interleaved" RoPE). Our model uses Hugging Face's ``rotate_half`` RoPE, where
+  the pairs are the two halves of a head, so the rows are put back;
+* the raw Q8_0/Q4_0/Q4_1 block bytes are kept (``raw_quantized``) so a
+  quantized linear layer can use them without re-quantizing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+# GGUF block geometry: (elements per block, bytes per block)
+BLOCK_SHAPES: dict[str, tuple[int, int]] = {
+    "Q8_0": (32, 2 + 32),
+    "Q4_0": (32, 2 + 16),
+    "Q4_1": (32, 2 + 2 + 16),
+}
+RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES)
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint read into memory, named and laid out as Hugging Face does."""
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    quant_types: dict[str, str]
+    raw_quantized: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] = field(default_factory=dict)
+    source: str = ""
+    format: str = "gguf"
+
+
+# --------------------------------------------------------------------------- dequantization
+
+
+def _blocks(data: np.ndarray, type_name: str) -> np.ndarray:
+    """View raw bytes as ``[n_blocks, bytes_per_block]`` uint8."""
+    _, nbytes = BLOCK_SHAPES[type_name]
+    flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+    if flat.size % nbytes:
+        raise ValueError(f"{type_name}: {flat.size} bytes is not a whole number of {nbytes}-byte blocks")
+    return flat.reshape(-1, nbytes)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The little-endian fp16 at byte ``start`` of every block, as float32 ``[n, 1]``."""
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 packed bytes -> 32 values: low nibbles are elements 0..15, high nibbles 16..31."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+
+
+def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0: fp16 scale d, 32 signed bytes q; x = d * q. Returns flat float32."""
+    b = _blocks(data, "Q8_0")
+    q = b[:, 2:].view(np.int8).astype(np.float32)
+    return (_f16(b, 0) * q).reshape(-1)
+
+
+def dequantize_q4_0(data: np.ndarray) -> np.ndarray:
+    """Q4_0: fp16 scale d, 32 unsigned nibbles q; x = d * (q - 8). Returns flat float32."""
+    b = _blocks(data, "Q4_0")
+    q = _nibbles(b[:, 2:]).astype(np.int8) - np.int8(8)
+    return (_f16(b, 0) * q.astype(np.float32)).reshape(-1)
+
+
+def dequantize_q4_1(data: np.ndarray) -> np.ndarray:
+    """Q4_1: fp16 scale d, fp16 offset m, 32 unsigned nibbles q; x = d * q + m. Returns flat float32."""
+    b = _blocks(data, "Q4_1")
+    q = _nibbles(b[:, 4:]).astype(np.float32)
+    return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
+
+
+_OWN_DEQUANT = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1}
+_GGUF_QUANTS_OK = ("F16", "BF16", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_K", "Q2_K", "Q3_K")
+
+
+def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw GGUF tensor data of type ``type_name`` -> float32 array of logical ``shape``."""
+    if type_name == "F32":
+        return np.asarray(data, dtype=np.float32).reshape(shape)
+    if type_name in _OWN_DEQUANT:
+        return _OWN_DEQUANT[type_name](data).reshape(shape)
+    if type_name in _GGUF_QUANTS_OK:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
+        return np.asarray(out, dtype=np.float32).reshape(shape)
+    raise ValueError(
+        f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
+        "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
+    )
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# Tensors a GGUF may carry that Hugging Face recomputes instead of storing.
+_GGUF_SKIPPED = {"rope_freqs.weight"}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face parameter name (None for tensors we drop)."""
+    if name in _GGUF_SKIPPED:
+        return None
+    if name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[name]
+    m = _BLK.match(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    raise ValueError(f"unexpected tensor {name!r} in GGUF file (not a Llama/Qwen decoder tensor)")
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row index turning llama.cpp's interleaved q/k rows back into HF's half-split order.
+
+    Within one head of size ``hd`` llama.cpp stores rotary pairs adjacently
+    (row ``2*i + p``); Hugging Face stores first halves then second halves
+    (row ``p*hd/2 + i``). ``hf = gguf[index]``.
+    """
+    head_dim = n_rows // n_heads
+    if head_dim * n_heads != n_rows or head_dim % 2:
+        raise ValueError(f"cannot split {n_rows} rows into {n_heads} heads of even size")
+    gguf_rows = np.arange(n_rows).reshape(n_heads, head_dim // 2, 2)  # [head, i, pair]
+    return gguf_rows.transpose(0, 2, 1).reshape(-1)  # read in [head, pair, i] order
+
+
+def _field_value(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _short_float(value: float) -> float:
+    """GGUF stores float32; print-round so 1e-5 reads back as 1e-5, not 9.99999974e-06."""
+    return float(str(np.float32(value)))
+
+
+def _gguf_config(reader: Any, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    arch = _field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def meta(suffix: str, default: Any = None) -> Any:
+        return _field_value(reader, f"{arch}.{suffix}", default)
+
+    hidden = int(meta("embedding_length"))
+    heads = int(meta("attention.head_count"))
+    kv_heads = meta("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer lists exist in some files; we need a uniform count
+        if len(set(kv_heads)) != 1:
+            raise ValueError("GGUF with per-layer KV head counts is not supported")
+        kv_heads = kv_heads[0]
+    # The embedding's row count is what the model can emit; it equals the token list's
+    # length in well-formed files, and wins when they disagree.
+    vocab = tensor_shapes["model.embed_tokens.weight"][0]
+    rope_scaling = None
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        rope_scaling = {"rope_type": scaling_type, "factor": float(meta("rope.scaling.factor", 1.0))}
+        orig = meta("rope.scaling.original_context_length")
+        if orig is not None:
+            rope_scaling["original_max_position_embeddings"] = int(orig)
+    elif meta("rope.scale_linear") is not None:
+        rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scale_linear"))}
+    ffn = meta("feed_forward_length")
+    if isinstance(ffn, list):
+        ffn = ffn[0]
+    layer0 = "model.layers.0.self_attn."
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(ffn),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        rms_norm_eps=_short_float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_short_float(meta("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="lm_head.weight" not in tensor_shapes,
+        attention_bias=f"{layer0}q_proj.bias" in tensor_shapes,
+        qk_norm=f"{layer0}q_norm.weight" in tensor_shapes,
+        bos_token_id=_field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field_value(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Read a GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    entries = []
+    for t in reader.tensors:
+        hf = gguf_to_hf_name(t.name)
+        if hf is None:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists dims fastest-first
+        entries.append((hf, t, shape))
+    shapes = {hf: shape for hf, _, shape in entries}
+    if "model.embed_tokens.weight" not in shapes:
+        raise ValueError(f"{path}: no token_embd.weight tensor; not a decoder-only language model")
+    config = _gguf_config(reader, shapes)
+    # Only Llama-arch files were written with the interleaving permutation; Qwen's RoPE is
+    # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
+    permuted = config.architecture in ("llama", "mistral")
+
+    weights: dict[str, torch.Tensor] = {}
+    quant_types: dict[str, str] = {}
+    raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] = {}
+    for hf, t, shape in entries:
+        type_name = t.tensor_type.name
+        values = dequantize(t.data, type_name, shape)
+        row_index = None
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
+            heads = config.num_attention_heads if ".q_proj." in hf else config.num_key_value_heads
+            row_index = unpermute_rows(shape[0], heads)
+            values = values[row_index]
+        if not values.flags.writeable or not values.flags.c_contiguous:
+            values = np.array(values, copy=True)  # F32 tensors are read-only views of the file
+        weights[hf] = torch.from_numpy(values).to(dtype)
+        quant_types[hf] = type_name
+        if type_name in RAW_KEPT_TYPES and len(shape) == 2:
+            blocks = t.data  # [rows, bytes_per_row] uint8 view into the memory map
+            if row_index is not None:
+                blocks = blocks[row_index]  # small copy: q/k rows in HF order, like the weights
+            raw[hf] = (type_name, blocks, shape)
+    return LoadedModel(config, weights, quant_types, raw, source=str(path), format="gguf")
+
+
+# --------------------------------------------------------------------------- Hugging Face folder
+
+
+def hf_config(cfg: dict[str, Any]) -> ModelConfig:
+    """config.json (transformers 4 or 5 spelling) -> ModelConfig."""
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in config.json; tokenmill runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; use GGUF")
+    # transformers 5 moved rope_theta/rope_scaling into one "rope_parameters" dict.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        if "type" in rope_scaling and "rope_type" not in rope_scaling:
+            rope_scaling["rope_type"] = rope_scaling.pop("type")
+        if rope_scaling.get("rope_type") == "default":
+            rope_scaling = None
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+    )
+
+
+_SAFETENSORS_TYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+}
+
+
+def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """config.json + model.safetensors (or shards listed in model.safetensors.index.json)."""
+    from safetensors import safe_open
+
+    folder = Path(path)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path}: not a Hugging Face model folder (no config.json)")
+    config = hf_config(json.loads(config_path.read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    quant_types: dict[str, str] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):
+                    continue
+                tensor = f.get_tensor(key)
+                quant_types[key] = _SAFETENSORS_TYPES.get(tensor.dtype, str(tensor.dtype))
+                weights[key] = tensor.to(dtype)
+    if config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+        quant_types.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in weights:
+        raise ValueError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight")
+    if "model.embed_tokens.weight" not in weights:
+        raise ValueError(f"{path}: no model.embed_tokens.weight; expected a *ForCausalLM checkpoint")
+    return LoadedModel(config, weights, quant_types, {}, source=str(path), format="hf")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a local GGUF file or Hugging Face folder; ``None`` means the bundled SmolLM2."""
+    if path is None:
+        from tokenmill.model.bundled import default_model_path
+
+        path = default_model_path()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf_folder(path, dtype)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist (no hub downloads: give a local path)")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (magic {magic!r}); give a .gguf file or an HF folder")
+    return load_gguf(path, dtype)
