@@ -1,0 +1,92 @@
+"""`tokenmill route`: the cache-aware router (and Envoy endpoint picker).
+
+Imports nothing heavy at registration time, so `tokenmill --help` stays fast
+and the router never pulls in torch or the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from .config import POLICIES, RouterConfig
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "route",
+        help="cache-aware router over many tokenmill (or vLLM) replicas",
+        description="OpenAI-compatible reverse proxy that sends each request to the replica most "
+                    "likely to hold its prefix in cache, unless that replica is overloaded. With "
+                    "--endpoint-picker it also serves Envoy ext_proc for the Gateway API Inference Extension.",
+    )
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="backend base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
+    p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="DNS name whose addresses are backends, re-resolved every health interval "
+                        "(e.g. a headless Service in Kubernetes)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
+    p.add_argument("--backend-api-key", default=None, help="key sent to backends (default: forward the client's)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json (or a folder holding it) of the served model; default: ask a "
+                        "backend's POST /tokenize, else route on character chunks")
+    p.add_argument("--no-remote-tokenize", action="store_true",
+                   help="never call a backend's /tokenize (character chunks unless --tokenizer)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block on the backends (default 16)")
+    p.add_argument("--chars-per-block", type=int, default=64,
+                   help="block size of the character-chunk fallback (default 64)")
+    p.add_argument("--index-capacity", type=int, default=4096, metavar="BLOCKS",
+                   help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
+    p.add_argument("--imbalance-abs", type=float, default=2.0,
+                   help="a backend is overloaded when its load exceeds the least loaded by more than "
+                        "this many requests ... (default 2)")
+    p.add_argument("--imbalance-rel", type=float, default=1.5,
+                   help="... and by more than this factor (default 1.5)")
+    p.add_argument("--shed-load", type=float, default=0.0,
+                   help="answer 429 when every ready backend's load is at least this (default 0: never)")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
+    p.add_argument("--endpoint-picker", action="store_true",
+                   help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
+    p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
+    p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        backends=list(args.backend), backend_dns=list(args.backend_dns), host=args.host, port=args.port,
+        policy=args.policy, api_key=args.api_key, backend_api_key=args.backend_api_key,
+        tokenizer=args.tokenizer, remote_tokenize=not args.no_remote_tokenize, block_size=args.block_size,
+        chars_per_block=args.chars_per_block, index_capacity_blocks=args.index_capacity,
+        imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
+        health_interval=args.health_interval, request_timeout=args.request_timeout,
+        endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .server import RouterServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        logging.getLogger("tokenmill.router").error("%s", exc)
+        return 2
+    server = RouterServer(config, log_level=args.log_level)
+    logging.getLogger("tokenmill.router").info(
+        "routing %s with policy %s on http://%s:%d (tokenizer: %s)",
+        ", ".join(config.backends + config.backend_dns), config.policy, config.host, config.port,
+        server.router.tokenizer.mode)
+    try:
+        asyncio.run(server.serve())
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,70 @@
+"""Router knobs, typed, in one place.
+
+The router only speaks HTTP (and gRPC in endpoint-picker mode), so nothing
+here refers to the engine; every default is chosen for a handful of replicas
+on one host or one Kubernetes namespace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICIES = ("prefix", "least-load", "round-robin")
+
+
+@dataclass
+class RouterConfig:
+    """Everything `tokenmill route` can be told.
+
+    ``backends`` are base URLs (``http://10.0.0.5:8000``); ``backend_dns``
+    entries are ``name:port`` pairs re-resolved every health interval, which is
+    how the endpoint picker follows the pods of a headless Service.
+    """
+
+    backends: list[str] = field(default_factory=list)
+    backend_dns: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "prefix"
+    api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    backend_api_key: str | None = None  # sent to backends instead of the client's
+
+    # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,
+    # else fixed-size character chunks.
+    tokenizer: str | None = None
+    remote_tokenize: bool = True
+    block_size: int = 16  # tokens per block, as the backends' KV cache
+    chars_per_block: int = 64  # block size of the character-chunk fallback
+
+    # Prefix index per backend: capacity in blocks. When a backend exports
+    # vllm:cache_config_info{num_gpu_blocks} that number wins.
+    index_capacity_blocks: int = 4096
+    min_match_blocks: int = 1  # fewer matched blocks than this is a miss
+
+    # Load balance: a backend is overloaded when its load exceeds the least
+    # loaded healthy backend's by more than ``imbalance_abs`` requests AND by
+    # more than a factor of ``imbalance_rel``.
+    imbalance_abs: float = 2.0
+    imbalance_rel: float = 1.5
+    kv_usage_weight: float = 2.0  # load added per unit of scraped KV usage
+    shed_load: float = 0.0  # >0: answer 429 when every ready backend's load >= this
+
+    # Health and scraping.
+    health_interval: float = 2.0
+    health_timeout: float = 1.0
+    connect_timeout: float = 3.0
+    request_timeout: float = 600.0
+
+    # Endpoint-picker (Envoy ext_proc) mode.
+    endpoint_picker: bool = False
+    grpc_port: int = 9002
+    grpc_host: str | None = None  # default: same as host
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if not self.backends and not self.backend_dns:
+            raise ValueError("give at least one --backend URL or --backend-dns name:port")
+        if self.block_size < 1 or self.chars_per_block < 1:
+            raise ValueError("block sizes must be positive")
+        if self.health_interval <= 0:
+            raise ValueError("--health-interval must be positive")

@@ -1,0 +1,148 @@
+"""The router's shared brain: pool + tokenizer + policy + metrics.
+
+Both front ends use it: the HTTP reverse proxy (proxy.py) and the Envoy
+ext_proc endpoint picker (ext_proc.py). ``route`` picks a backend and counts
+the request as in flight there until ``release``; the chosen backend's prefix
+index records the request's blocks at once, so the next request sharing the
+prefix follows it even before the first one finishes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Collection
+
+import httpx
+
+from .backend import Backend
+from .config import RouterConfig
+from .metrics import RouterMetrics
+from .policy import Decision, make_policy
+from .pool import BackendPool
+from .prefix_index import block_hashes
+from .tokenize import CharChunker, LocalTokenizer, RemoteTokenizer, Tokenizer, prompt_of
+
+log = logging.getLogger("tokenmill.router")
+
+
+class NoBackendError(Exception):
+    """No ready backend (HTTP 503)."""
+
+
+class ShedError(Exception):
+    """Every ready backend is past the shedding threshold (HTTP 429)."""
+
+
+def make_client(config: RouterConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.request_timeout, connect=config.connect_timeout)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.client = client or make_client(config)
+        self.metrics = RouterMetrics()
+        self._listeners: list[Callable[[], None]] = []
+        self.pool = BackendPool(config, self.client, on_health_change=self._health_changed)
+        self.policy = make_policy(config)
+        self.tokenizer = self._make_tokenizer()
+        self.metrics.tokenizer.labels(self.tokenizer.mode).set(1)
+
+    def _make_tokenizer(self) -> Tokenizer:
+        c = self.config
+        chars = CharChunker(c.chars_per_block)
+        if c.tokenizer:
+            return LocalTokenizer(c.tokenizer, c.block_size)
+        if c.remote_tokenize:
+            headers = {"Authorization": f"Bearer {c.backend_api_key}"} if c.backend_api_key else {}
+            return RemoteTokenizer(self.client, c.block_size, chars, headers=headers)
+        log.warning("no tokenizer: routing on %d-character chunks", c.chars_per_block)
+        return chars
+
+    # -- lifecycle --------------------------------------------------------
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.client.aclose()
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Called whenever a backend enters or leaves rotation."""
+        self._listeners.append(fn)
+
+    def _health_changed(self, backend: Backend, healthy: bool) -> None:
+        self.metrics.health_changes.labels(backend.url, "up" if healthy else "down").inc()
+        self.metrics.healthy.labels(backend.url).set(1 if healthy else 0)
+        for fn in self._listeners:
+            fn()
+
+    def ready(self) -> bool:
+        return bool(self.pool.healthy())
+
+    # -- routing ----------------------------------------------------------
+    async def block_keys(self, path: str, body: Any, candidates: list[Backend]) -> list[bytes]:
+        text, ids = prompt_of(path, body)
+        if ids is not None:
+            return block_hashes(ids, self.config.block_size)
+        if not text:
+            return []
+        model = body.get("model") if isinstance(body, dict) else None
+        # Ask the least-loaded candidate when tokenizing remotely.
+        w = self.config.kv_usage_weight
+        via = min(candidates, key=lambda b: b.load(w)).url if candidates else None
+        toks = await self.tokenizer.encode(text, model, via)
+        if toks.mode != self.tokenizer.mode:
+            self.metrics.tokenizer.labels(self.tokenizer.mode).set(0)
+            self.metrics.tokenizer.labels(toks.mode).set(1)
+        return block_hashes(toks.ids, toks.block_size)
+
+    def candidates(self, exclude: Collection[str] = (), subset: Collection[str] | None = None) -> list[Backend]:
+        out = [b for b in self.pool.healthy() if b.url not in exclude]
+        if subset is not None:
+            allowed = set(subset)
+            out = [b for b in out if b.endpoint in allowed]
+        return out
+
+    async def route(self, path: str, body: Any, exclude: Collection[str] = (),
+                    subset: Collection[str] | None = None) -> Decision:
+        """Pick a backend and count the request in flight there (call ``release``)."""
+        cands = self.candidates(exclude, subset)
+        if not cands:
+            raise NoBackendError("no ready backend")
+        c = self.config
+        if c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in cands):
+            self.metrics.decisions.labels("shed").inc()
+            raise ShedError("all backends are saturated")
+        keys = await self.block_keys(path, body, cands) if self.policy.name == "prefix" else []
+        # Health may have changed while tokenizing remotely.
+        cands = [b for b in cands if b.healthy] or self.candidates(exclude, subset)
+        if not cands:
+            raise NoBackendError("no ready backend")
+        decision = self.policy.choose(cands, keys)
+        self.acquire(decision, keys)
+        return decision
+
+    def acquire(self, decision: Decision, keys: list[bytes]) -> None:
+        b = decision.backend
+        b.in_flight += 1
+        b.requests_total += 1
+        if keys:
+            b.index.insert(keys)
+            self.metrics.match_ratio.observe(decision.matched_blocks / len(keys))
+        self.metrics.requests.labels(b.url).inc()
+        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.in_flight.labels(b.url).set(b.in_flight)
+
+    def release(self, backend: Backend) -> None:
+        backend.in_flight = max(0, backend.in_flight - 1)
+        self.metrics.in_flight.labels(backend.url).set(backend.in_flight)
+
+    def snapshot(self) -> dict:
+        return {
+            "policy": self.policy.name,
+            "tokenizer": self.tokenizer.mode,
+            "backends": [b.snapshot() for b in self.pool.backends.values()],
+        }
