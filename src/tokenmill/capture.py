@@ -1,0 +1,245 @@
+"""Traffic capture: one JSON line per finished request, for `tokenmill trace analyze`.
+
+Why: sizing and cache tuning need the *shape* of real traffic (lengths, arrival
+times, how much of each prompt is shared with earlier prompts), not its text.
+So by default we keep block hashes of the prompt instead of the prompt itself;
+two prompts share a cached prefix exactly when their leading chained hashes
+are equal, which is all the analyser needs.
+
+The server calls, once at start-up (``--capture-traffic FILE``)::
+
+    cap = TrafficCapture(path, capture_text=args.capture_text)
+
+once per finished (or aborted) request::
+
+    cap.record(arrival_time=..., prompt_token_ids=[...], cached_tokens=...,
+               output_tokens=..., sampling={...}, ttft=..., e2e=...,
+               prompt_text=None, endpoint="chat", request_id=..., finish_reason=...)
+
+and ``cap.close()`` at shutdown. ``record`` is thread-safe, appends one line,
+flushes it, and rotates the file by size (``FILE.1`` .. ``FILE.<backups>``).
+It never raises into the server: an I/O error is counted and reported once.
+
+Record schema (version 1), one JSON object per line:
+
+- ``v``: 1
+- ``arrival_time``: Unix time (float seconds) the request arrived
+- ``request_id``: server's id, or null
+- ``endpoint``: "completions" | "chat" (whatever the server passes)
+- ``prompt_tokens``: number of prompt tokens
+- ``cached_tokens``: prompt tokens served from the prefix cache
+- ``output_tokens``: generated tokens
+- ``sampling``: dict of sampling parameters (max_tokens, temperature, ...)
+- ``ttft``: seconds from arrival to first token (null if none was produced)
+- ``e2e``: seconds from arrival to the end of the request
+- ``finish_reason``: "stop" | "length" | "abort" | ... or null
+- ``block_size``: tokens per hashed block (16)
+- ``block_hashes``: chained hash of each *full* prompt block, in order:
+  ``h[i] = sha256(h[i-1] || token ids of block i)`` (hex, first 16 chars).
+  Equal ``h[i]`` means equal prompts up to the end of block i.
+- ``block_content_hashes``: hash of each full block's token ids alone (not
+  chained). Lets the analyser see content shared *after* a unique block, e.g.
+  a system prompt that follows a timestamp.
+- ``prompt_text``: the prompt text, present only with ``capture_text=True``
+
+Hashes are unkeyed, so low-entropy prompts could be guessed from them by
+someone holding the same tokenizer; pass ``hash_key`` to key them when the
+capture file leaves the operator's hands.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+BLOCK_SIZE = 16
+HASH_HEX_CHARS = 16
+_ROOT = b"tokenmill-block-hash-v1"
+
+
+def _ids_bytes(ids: Sequence[int]) -> bytes:
+    return array("q", ids).tobytes()
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int = BLOCK_SIZE, key: bytes = b""
+) -> tuple[list[str], list[str]]:
+    """Chained and content-only hashes of every full block of ``token_ids``.
+
+    The trailing partial block is not hashed: only full blocks can be shared
+    by a paged prefix cache.
+    """
+    chained: list[str] = []
+    content: list[str] = []
+    parent = hashlib.sha256(_ROOT + key).digest()
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        data = _ids_bytes(token_ids[start : start + block_size])
+        parent = hashlib.sha256(parent + data).digest()
+        chained.append(parent.hex()[:HASH_HEX_CHARS])
+        content.append(hashlib.sha256(key + data).hexdigest()[:HASH_HEX_CHARS])
+    return chained, content
+
+
+def chain_hashes(content_hashes: Sequence[str]) -> list[str]:
+    """Chain a sequence of content hashes (used by the analyser to simulate a
+    different prompt layout). Not equal to ``block_hashes``'s chained values,
+    but equal inputs give equal outputs, which is all comparisons need."""
+    out: list[str] = []
+    parent = b""
+    for h in content_hashes:
+        parent = hashlib.sha256(parent + h.encode()).digest()
+        out.append(parent.hex()[:HASH_HEX_CHARS])
+    return out
+
+
+class TrafficCapture:
+    """Append-only, size-rotated JSONL writer of per-request traffic records."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capture_text: bool = False,
+        max_bytes: int = 256 << 20,
+        backups: int = 5,
+        block_size: int = BLOCK_SIZE,
+        hash_key: bytes | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.capture_text = capture_text
+        self.max_bytes = max_bytes
+        self.backups = max(0, backups)
+        self.block_size = block_size
+        self.hash_key = hash_key or b""
+        self.records_written = 0
+        self.errors = 0
+        self._lock = threading.Lock()
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self._size = self._fh.tell()
+
+    def make_record(
+        self,
+        arrival_time: float,
+        prompt_token_ids: Sequence[int],
+        cached_tokens: int,
+        output_tokens: int,
+        sampling: dict[str, Any] | None,
+        ttft: float | None,
+        e2e: float | None,
+        prompt_text: str | None = None,
+        endpoint: str = "completions",
+        request_id: str | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """Build the record dict (no I/O); split out so tests can inspect it."""
+        chained, content = block_hashes(prompt_token_ids, self.block_size, self.hash_key)
+        rec: dict[str, Any] = {
+            "v": 1,
+            "arrival_time": float(arrival_time),
+            "request_id": request_id,
+            "endpoint": endpoint,
+            "prompt_tokens": len(prompt_token_ids),
+            "cached_tokens": int(cached_tokens or 0),
+            "output_tokens": int(output_tokens or 0),
+            "sampling": _jsonable(sampling or {}),
+            "ttft": None if ttft is None else round(float(ttft), 6),
+            "e2e": None if e2e is None else round(float(e2e), 6),
+            "finish_reason": finish_reason,
+            "block_size": self.block_size,
+            "block_hashes": chained,
+            "block_content_hashes": content,
+        }
+        if self.capture_text and prompt_text is not None:
+            rec["prompt_text"] = prompt_text
+        return rec
+
+    def record(self, arrival_time: float, prompt_token_ids: Sequence[int], cached_tokens: int,
+               output_tokens: int, sampling: dict[str, Any] | None, ttft: float | None,
+               e2e: float | None, prompt_text: str | None = None, endpoint: str = "completions",
+               request_id: str | None = None, finish_reason: str | None = None) -> None:
+        """Hash, serialise and append one request. Never raises."""
+        try:
+            line = json.dumps(
+                self.make_record(arrival_time, prompt_token_ids, cached_tokens, output_tokens,
+                                 sampling, ttft, e2e, prompt_text, endpoint, request_id,
+                                 finish_reason),
+                separators=(",", ":"), ensure_ascii=False,
+            ) + "\n"
+            data_len = len(line.encode("utf-8"))
+            with self._lock:
+                if self._fh.closed:
+                    return
+                if self._size and self._size + data_len > self.max_bytes:
+                    self._rotate()
+                self._fh.write(line)
+                self._fh.flush()
+                self._size += data_len
+                self.records_written += 1
+        except Exception as exc:  # capture must never take the server down
+            self.errors += 1
+            if self.errors == 1:
+                print(f"tokenmill: traffic capture to {self.path} failed: {exc}", file=sys.stderr)
+
+    def _rotate(self) -> None:
+        """FILE -> FILE.1 -> FILE.2 ...; the oldest beyond ``backups`` is dropped."""
+        self._fh.close()
+        if self.backups == 0:
+            os.remove(self.path)
+        else:
+            for i in range(self.backups - 1, 0, -1):
+                src = f"{self.path}.{i}"
+                if os.path.exists(src):
+                    os.replace(src, f"{self.path}.{i + 1}")
+            os.replace(self.path, f"{self.path}.1")
+        self._fh = open(self.path, "a", encoding="utf-8")
+        self._size = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._fh.closed:
+                self._fh.close()
+
+    def __enter__(self) -> "TrafficCapture":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    """Keep JSON-serialisable sampling values; stringify anything else."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(isinstance(x, (int, float, str)) for x in v):
+            out[k] = list(v)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def read_capture(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """Load records from one or more capture files (rotated parts included by the
+    caller), skipping malformed lines, sorted by arrival time."""
+    records: list[dict[str, Any]] = []
+    for p in paths:
+        with open(p, encoding="utf-8") as fh:
+            for line in fh:
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "prompt_tokens" in rec:
+                    records.append(rec)
+    records.sort(key=lambda r: r.get("arrival_time") or 0.0)
+    return records
