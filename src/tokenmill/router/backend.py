@@ -45,6 +45,7 @@ class BackendStats:
     num_gpu_blocks: int | None = None
     block_size: int | None = None
     scraped_at: float = 0.0
+    inflight_at_scrape: int = 0  # the router's own in-flight count when scraped
 
 
 @dataclass
@@ -64,9 +65,15 @@ class Backend:
     def endpoint(self) -> str:
         return endpoint_of(self.url)
 
+    def external_load(self) -> float:
+        """Requests others (clients, other routers) had running or waiting at the last scrape."""
+        scraped = self.stats.running + self.stats.waiting
+        return max(0.0, scraped - self.stats.inflight_at_scrape)
+
     def load(self, kv_usage_weight: float = 0.0) -> float:
-        fresh = self.stats.running + self.stats.waiting
-        return max(float(self.in_flight), fresh) + kv_usage_weight * self.stats.kv_usage
+        # Our own in-flight count is exact and current; the scrape is only as
+        # fresh as the health interval, so it contributes just what is not ours.
+        return self.in_flight + self.external_load() + kv_usage_weight * self.stats.kv_usage
 
     def mark_down(self, reason: str) -> bool:
         """Take the backend out of rotation; True when it was in rotation."""

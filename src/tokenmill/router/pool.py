@@ -151,9 +151,13 @@ class BackendPool:
             self._set(backend, False, f"health check: HTTP {r.status_code}")
             return
         try:
+            inflight = backend.in_flight
             m = await self.client.get(backend.url + "/metrics", timeout=timeout, headers=self._headers())
             if m.status_code == 200:
-                self._apply_stats(backend, parse_backend_metrics(m.text))
+                stats = parse_backend_metrics(m.text)
+                # Ours while the scrape was under way: the smaller count errs toward "external".
+                stats.inflight_at_scrape = min(inflight, backend.in_flight)
+                self._apply_stats(backend, stats)
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("metrics scrape of %s failed: %s", backend.url, exc)
         self._set(backend, True)
