@@ -392,3 +392,18 @@ def test_bundled_matches_transformers(bundled) -> None:
     assert np.float32(rc.rms_norm_eps) == np.float32(c.rms_norm_eps)
     theta = getattr(rc, "rope_theta", None) or rc.rope_parameters["rope_theta"]
     assert theta == c.rope_theta
+
+
+def test_own_gguf_reader_matches_gguf_package(bundled) -> None:
+    """read_gguf (our fast parser) agrees with gguf.GGUFReader on every field and tensor byte."""
+    from gguf import GGUFReader
+
+    ours = loader.read_gguf(bundled.source)
+    ref = GGUFReader(bundled.source)
+    for key, f in ref.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.metadata[key] == f.contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ref.tensors, ours.tensors):
+        assert (a.tensor_type.name, tuple(reversed(a.shape.tolist()))) == (b.type_name, b.shape)
+        assert np.array_equal(np.asarray(a.data).view(np.uint8).reshape(b.data.shape), b.data), a.name

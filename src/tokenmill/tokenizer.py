@@ -127,10 +127,9 @@ def render_chat_template(template: str, messages: list[dict], **context: Any) ->
 
 
 def _gguf_fields(path: str) -> dict[str, Any]:
-    from gguf import GGUFReader
+    from tokenmill.model.loader import read_gguf
 
-    reader = GGUFReader(path)
-    return {k: f.contents() for k, f in reader.fields.items() if k.startswith(("tokenizer.", "general."))}
+    return read_gguf(path, with_tensors=False).metadata
 
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> FastTokenizer:
