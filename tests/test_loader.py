@@ -115,7 +115,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 
 
 def _write_tiny_gguf(path: str, arch: str, hf: dict[str, np.ndarray], cfg: ModelConfig,
-                     quant: str = "F32") -> None:
+                     quant: str = "F32", extra_tensors: dict[str, np.ndarray] | None = None) -> None:
     """Write an HF-named state dict as a GGUF the way llama.cpp's converter would."""
     names = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
     layer_names = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
@@ -146,6 +146,8 @@ def _write_tiny_gguf(path: str, arch: str, hf: dict[str, np.ndarray], cfg: Model
             w.add_tensor(gname, gguf_quantize(value, QT[quant]), raw_dtype=QT[quant])
         else:
             w.add_tensor(gname, value)
+    for gname, value in (extra_tensors or {}).items():
+        w.add_tensor(gname, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -231,6 +233,31 @@ def test_tiny_gguf_quantized_raw_blocks_follow_hf_rows(tmp_path, quant: str) -> 
     err = (m.weights[name].float() - torch.from_numpy(sd[name])).abs().max().item()
     assert err < {"Q8_0": 0.05, "Q4_1": 0.6, "Q4_0": 0.8}[quant]
     assert set(m.raw_quantized) == {k for k, v in sd.items() if v.ndim == 2}
+
+
+def test_float_types_and_k_quant_plumbing() -> None:
+    x = np.array([[1.5, -2.25], [3.0e4, 1e-3]], dtype=np.float32)
+    np.testing.assert_array_equal(dequantize(x.astype(np.float16).view(np.uint8), "F16", (2, 2)),
+                                  x.astype(np.float16).astype(np.float32))
+    bf16 = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncation: exact for these values
+    want = (bf16.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(dequantize(bf16.view(np.uint8), "BF16", (2, 2)), want)
+    assert dequantize(x.view(np.uint8), "F32", (4,)).tolist() == x.reshape(-1).tolist()
+    # K-quants go through gguf.quants; an all-zero Q4_K super-block (144 bytes) is 256 zeros
+    out = dequantize(np.zeros((2, 144), dtype=np.uint8), "Q4_K", (2, 256))
+    assert out.shape == (2, 256) and not out.any()
+
+
+def test_rope_freqs_tensor_becomes_rope_scaling(tmp_path) -> None:
+    cfg = ModelConfig(architecture="llama", **TINY)
+    sd = _tiny_state(cfg)
+    path = str(tmp_path / "l3.gguf")
+    factors = np.linspace(1.0, 8.0, cfg.head_dim // 2).astype(np.float32)
+    _write_tiny_gguf(path, "llama", sd, cfg, extra_tensors={"rope_freqs.weight": factors})
+    m = load_model(path)
+    assert m.config.rope_scaling["rope_type"] == "freq_factors"
+    np.testing.assert_array_equal(np.array(m.config.rope_scaling["freq_factors"], dtype=np.float32), factors)
+    assert "rope_freqs.weight" not in m.weights and set(m.weights) == set(sd)
 
 
 def test_gguf_unsupported_architecture(tmp_path) -> None:

@@ -253,7 +253,8 @@ _GGUF_TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors a GGUF may carry that Hugging Face recomputes instead of storing.
+# Tensors a GGUF may carry that Hugging Face recomputes instead of storing
+# (rope_freqs becomes config.rope_scaling["freq_factors"]).
 _GGUF_SKIPPED = {"rope_freqs.weight"}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -355,6 +356,12 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     if "model.embed_tokens.weight" not in shapes:
         raise ValueError(f"{path}: no token_embd.weight tensor; not a decoder-only language model")
     config = _gguf_config(gguf_file.metadata, shapes)
+    freqs = next((t for t in gguf_file.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and config.rope_scaling is None:
+        # Llama 3.1+ files store the per-frequency divisors of llama3 RoPE scaling as a tensor
+        # instead of the HF parameters; hand them over as-is: inv_freq[i] /= freq_factors[i].
+        factors = dequantize(freqs.data, freqs.type_name, freqs.shape)
+        config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     # Only Llama-arch files were written with the interleaving permutation; Qwen's RoPE is
     # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
     permuted = config.architecture in ("llama", "mistral")
