@@ -78,6 +78,7 @@ class FakeServer:
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop.close()
 
     async def _start(self) -> None:
         self._sem = asyncio.Semaphore(self.cfg.slots)

@@ -166,7 +166,10 @@ def bench_main(args: argparse.Namespace) -> int:
         result.target["model"] = target.model
         counter = await asyncio.to_thread(make_counter, args.tokenizer, base, target.model,
                                           args.api_key)
-        await run_bench(cfg, target, counter, result)
+        try:
+            await run_bench(cfg, target, counter, result)
+        finally:
+            counter.close()
 
     interrupted = False
     try:

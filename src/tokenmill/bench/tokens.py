@@ -25,6 +25,9 @@ class TokenCounter:
     def count(self, text: str) -> int:
         return max(1, round(len(text) / 4)) if text else 0
 
+    def close(self) -> None:
+        """Release any connection the counter holds."""
+
 
 class LocalTokenizer(TokenCounter):
     """A ``tokenizer.json`` file (or a folder holding one)."""
