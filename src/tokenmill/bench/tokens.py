@@ -107,7 +107,7 @@ def corpus_words() -> list[str]:
     return text.split()
 
 
-FILLER = "the"
+FILLERS = ("the", "a", "and", ".", "x")
 
 
 class TextBuilder:
@@ -133,45 +133,48 @@ class TextBuilder:
         start = self.rng.randrange(len(self.words))
         count = self.counter.count
 
-        def make(k: int, pad: int) -> str:
-            body = " ".join(self._slice(start, k) + [FILLER] * pad)
+        def make(k: int, pad: int, filler: str = FILLERS[0]) -> str:
+            body = " ".join(self._slice(start, k) + [filler] * pad)
             return head + (sep + body if body else "")
 
         base = count(head) if head else 0
-        k = max(0, int((n_tokens - base) / self.ratio))
         best: tuple[str, int] = (head, base)
-        c = base
-        for _ in range(24):
+        if base >= n_tokens:
+            return best
+        # Bracket the word count: lo = most words still <= target, hi = fewest over it.
+        lo: tuple[int, int] = (0, base)
+        hi: int | None = None
+        k = max(1, int((n_tokens - base) / self.ratio))
+        for _ in range(40):
             text = make(k, 0)
             c = count(text)
             if abs(c - n_tokens) < abs(best[1] - n_tokens) or c == n_tokens:
                 best = (text, c)
             if c == n_tokens:
                 return best
-            if c > n_tokens:
-                if k == 0:
+            if c < n_tokens and k >= lo[0]:
+                lo = (k, c)
+            elif c > n_tokens and (hi is None or k < hi):
+                hi = k
+            if hi is not None and hi - lo[0] <= 1:
+                break
+            step = int(round((n_tokens - c) / self.ratio)) or (1 if c < n_tokens else -1)
+            nxt = k + step
+            if nxt <= lo[0] or (hi is not None and nxt >= hi):
+                nxt = (lo[0] + hi) // 2 if hi is not None else lo[0] + 1
+            k = nxt
+        k, c = lo
+        # Below the target by a little: pad with a filler word that is one token.
+        for filler in FILLERS:
+            pad = n_tokens - c
+            for _ in range(6):
+                if pad < 0:
+                    break
+                text = make(k, pad, filler)
+                c2 = count(text)
+                if abs(c2 - n_tokens) < abs(best[1] - n_tokens):
+                    best = (text, c2)
+                if c2 == n_tokens:
                     return best
-                k -= max(1, int((c - n_tokens) / self.ratio))
-                continue
-            step = int((n_tokens - c) / self.ratio)
-            if step <= 1:
-                break
-            k += step
-        # Below the target by a little: pad with a one-token filler word.
-        pad = n_tokens - c
-        for _ in range(8):
-            if pad < 0:
-                break
-            text = make(k, pad)
-            c2 = count(text)
-            if abs(c2 - n_tokens) < abs(best[1] - n_tokens):
-                best = (text, c2)
-            if c2 == n_tokens:
-                return best
-            pad += n_tokens - c2
+                pad += n_tokens - c2
         return best
-
-    def words_text(self, n_words: int, seed: int) -> str:
-        """Deterministic word text from ``seed`` (trace replay: same seed, same text)."""
-        rng = random.Random(seed)
-        return " ".join(rng.choice(self.words) for _ in range(n_words))

@@ -186,7 +186,8 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
             tail = p_tokens - bos - len(words)
             r = random.Random(f"tail-{i}-{t_first}")
             words += [r.choice(pool) for _ in range(max(0, tail))]
-            trim = min(salt_tokens, max(0, tail))
+            # The salt's tokens come off the end, so the total length stays the capture's.
+            trim = min(salt_tokens, max(0, len(words) - 1))
             if trim:
                 words = words[:-trim]
             prompt = salt + " ".join(words)
