@@ -180,3 +180,25 @@ def test_backends_discovered_through_dns():
     finally:
         router.stop()
         fake.kill()
+
+
+def test_client_disconnect_releases_backend_and_aborts_upstream():
+    (fake,) = start_fakes(1, decode_s_per_token=0.1)
+    router = _router([fake.url])
+    try:
+        body = {"prompt": "a long answer please", "max_tokens": 100, "stream": True}
+        with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=15) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # hang up after the first event
+        _wait(lambda: _state(router)[fake.url]["in_flight"] == 0, 3)
+
+        def backend_idle() -> bool:
+            m = httpx.get(fake.url + "/metrics").text
+            return 'vllm:num_requests_running{model_name="fake-model"} 0' in m
+
+        # The router closed its upstream stream too, so the backend stopped generating.
+        _wait(backend_idle, 3)
+    finally:
+        router.stop()
+        fake.kill()

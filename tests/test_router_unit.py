@@ -83,6 +83,19 @@ def test_prefix_policy_miss_goes_to_least_loaded_then_emptiest():
     assert d.backend is c and d.reason == "prefix_miss"
 
 
+def test_short_shared_system_prompt_does_not_herd():
+    cfg = RouterConfig(backends=["x"], kv_usage_weight=0, min_match_ratio=0.1)
+    system = list(range(16))  # one block everybody shares
+    keys = block_hashes(system + [500 + i for i in range(16 * 19)], 16)  # 20 blocks, 1 shared
+    a = _backend("http://a:1", in_flight=1, blocks=block_hashes(system + [7] * 32, 16))
+    b = _backend("http://b:1")
+    d = PrefixAware(cfg).choose([a, b], keys)
+    assert d.backend is b and d.reason == "prefix_miss"
+    # Two shared blocks of twenty reach the 10% bar: the overlap wins again.
+    keys2 = block_hashes(system + [7] * 16 + [900 + i for i in range(16 * 18)], 16)
+    assert PrefixAware(cfg).choose([a, b], keys2).backend is a
+
+
 def test_load_counts_external_requests_but_not_ours_twice():
     b = _backend("http://a:1", in_flight=2)
     b.stats = BackendStats(running=3, waiting=2, inflight_at_scrape=2, kv_usage=0.5)

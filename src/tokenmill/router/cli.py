@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="block size of the character-chunk fallback (default 64)")
     p.add_argument("--index-capacity", type=int, default=4096, metavar="BLOCKS",
                    help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
+    p.add_argument("--min-match-ratio", type=float, default=0.1,
+                   help="share of a request's blocks a replica must hold to count as a prefix hit (default 0.1)")
     p.add_argument("--imbalance-abs", type=float, default=2.0,
                    help="a backend is overloaded when its load exceeds the least loaded by more than "
                         "this many requests ... (default 2)")
@@ -62,6 +64,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         policy=args.policy, api_key=args.api_key, backend_api_key=args.backend_api_key,
         tokenizer=args.tokenizer, remote_tokenize=not args.no_remote_tokenize, block_size=args.block_size,
         chars_per_block=args.chars_per_block, index_capacity_blocks=args.index_capacity,
+        min_match_ratio=args.min_match_ratio,
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,

@@ -38,7 +38,11 @@ class RouterConfig:
     # Prefix index per backend: capacity in blocks. When a backend exports
     # vllm:cache_config_info{num_gpu_blocks} that number wins.
     index_capacity_blocks: int = 4096
-    min_match_blocks: int = 1  # fewer matched blocks than this is a miss
+    # A match shorter than this many blocks, or than this share of the
+    # request's blocks, is treated as a miss: a short common system prompt
+    # alone should not herd every request onto one replica.
+    min_match_blocks: int = 1
+    min_match_ratio: float = 0.1
 
     # Load balance: a backend is overloaded when its load exceeds the least
     # loaded healthy backend's by more than ``imbalance_abs`` requests AND by

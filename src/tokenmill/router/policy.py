@@ -9,11 +9,15 @@ and above min * ``imbalance_rel``); then the best-overlap backend among the
 others wins. That is how a hot prefix spreads once one replica saturates,
 while cold prefixes still land where they are cached. A request with no
 useful overlap anywhere goes to the least-loaded backend, ties broken by the
-emptiest index (most room to cache a new prefix), then in turn.
+emptiest index (most room to cache a new prefix), then in turn. "Useful"
+means at least ``min_match_blocks`` blocks and ``min_match_ratio`` of the
+request's blocks, so a short system prompt shared by everyone does not herd
+all traffic onto one replica.
 """
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -81,7 +85,8 @@ class PrefixAware:
             return (-matches[b.url], loads[b.url], order[b.url])
 
         best = min(candidates, key=by_overlap)
-        if matches[best.url] >= max(1, self.config.min_match_blocks):
+        enough = max(1, self.config.min_match_blocks, math.ceil(self.config.min_match_ratio * len(keys)))
+        if matches[best.url] >= enough:
             if not self.overloaded(loads[best.url], min_load):
                 return Decision(best, "prefix_hit", matches[best.url], len(keys))
             ok = [b for b in candidates if not self.overloaded(loads[b.url], min_load)]
