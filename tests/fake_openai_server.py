@@ -74,6 +74,10 @@ class FakeServer:
         async def stop() -> None:
             assert self._server is not None
             self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -98,7 +102,8 @@ class FakeServer:
                 keep = await self._handle(method, path, body, writer)
                 if not keep:
                     break
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError,
+                asyncio.CancelledError):  # cancelled: the server is shutting down
             pass
         finally:
             writer.close()

@@ -206,6 +206,7 @@ def _finish(args: argparse.Namespace, result: Any, interrupted: bool) -> int:
     total = sum(p.summary.completed + p.summary.failed for p in result.points)
     failed = sum(p.summary.failed for p in result.points)
     if interrupted:
+        print("tokenmill bench: interrupted; the results above are partial", file=sys.stderr)
         return 130
     if result.aborted:
         print(f"tokenmill bench: stopped early: {result.aborted}", file=sys.stderr)

@@ -74,7 +74,8 @@ class Progress:
         frac = min(1.0, el / self.duration) if self.duration else done / max(1, self.total)
         bar = "#" * int(frac * 24) + "." * (24 - int(frac * 24))
         rate = done / el if el > 0 else 0.0
-        sys.stderr.write(f"\r{self.label:>10} [{bar}] {done}/{self.total} ok {self.ok} "
+        counts = f"{done} sent" if self.duration else f"{done}/{self.total}"
+        sys.stderr.write(f"\r{self.label:>10} [{bar}] {counts} ok {self.ok} "
                          f"err {self.err} | {rate:5.1f} req/s | {el:6.1f} s ")
         sys.stderr.flush()
 
@@ -115,8 +116,7 @@ async def run_point(client: httpx.AsyncClient, target: Target, specs: list[Reque
     def stop() -> bool:
         return bool(run.aborted) or (deadline is not None and time.perf_counter() >= deadline)
 
-    async def one(i: int, scheduled: float | None) -> None:
-        lateness = 0.0 if scheduled is None else max(0.0, time.perf_counter() - t0 - scheduled)
+    async def one(i: int, lateness: float = 0.0) -> None:
         rec = await send_request(client, target, specs[i], i, t0, count_tokens)
         rec.lateness = lateness
         run.add(rec)
@@ -131,7 +131,7 @@ async def run_point(client: httpx.AsyncClient, target: Target, specs: list[Reque
             while not stop() and next_i < len(specs):
                 i = next_i
                 next_i += 1
-                await one(i, None)
+                await one(i)
 
         await asyncio.gather(*(worker() for _ in range(max(1, shape.concurrency or 1))))
         return run
@@ -144,12 +144,15 @@ async def run_point(client: httpx.AsyncClient, target: Target, specs: list[Reque
     tasks: list[asyncio.Task[None]] = []
 
     async def gated(i: int, scheduled: float) -> None:
+        # Lateness is the client's own lag behind the schedule (event loop
+        # overload), measured before any --max-concurrency wait on purpose.
+        lateness = max(0.0, time.perf_counter() - t0 - scheduled)
         if sem is None:
-            await one(i, scheduled)
+            await one(i, lateness)
             return
         async with sem:
             if not run.aborted:
-                await one(i, scheduled)
+                await one(i, lateness)
 
     try:
         for i, at in enumerate(times):
