@@ -242,3 +242,39 @@ def test_dead_url_ends_cleanly(capsys):
     assert rc == 1 and "server unreachable" in cap.err
     assert "cannot connect to http://127.0.0.1:9" in cap.out
     assert "Traceback" not in cap.out + cap.err
+
+
+RUN_CLI = ("import sys; from tokenmill.bench.cli import register; import argparse; "
+           "p = argparse.ArgumentParser(); register(p.add_subparsers()); "
+           "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+
+
+def test_ctrl_c_prints_partial_results_without_traceback():
+    import signal
+    import subprocess
+    import time
+
+    with FakeServer(FakeConfig(ttft=0.02, itl=0.01)) as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", RUN_CLI, "bench", "--url", srv.url, "--num-requests", "500",
+             "--input-len", "20", "--output-len", "10", "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 30
+        while len(srv.state.requests) < 5 and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "interrupted" in err and "Traceback" not in out + err
+    row = next(ln for ln in out.splitlines() if ln.startswith("c=1 "))
+    assert 3 <= int(row.split()[1]) < 500  # some completed, not all
+
+
+def test_load_tester_never_imports_torch_or_the_engine():
+    import subprocess
+
+    code = ("import sys, tokenmill.bench.cli, tokenmill.bench.runner, tokenmill.bench.plot, "
+            "tokenmill.bench.trace_analysis, tokenmill.capture; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('tokenmill.engine')]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,289 @@
+"""LLMEngine.step(): schedule -> run -> sample -> detokenize -> outputs.
+
+The engine is synchronous and single-threaded; the async wrapper drives it
+from its own thread. Requests with ``n > 1`` become n sequences sharing one
+request id (``<id>`` and index); each step returns, per sequence that changed,
+a ``SequenceDelta`` with the new tokens and text since the last step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import EngineConfig, parse_dtype
+from ..model.llama import LlamaForCausalLM
+from ..model.loader import LoadedModel, load_model
+from ..model.sampler import Logprob, sample
+from ..tokenizer import Tokenizer
+from .block_pool import BlockPool
+from .detokenizer import IncrementalDetokenizer
+from .prefix_cache import PrefixCache
+from .request import Request, RequestStatus, SamplingParams
+from .runner import ModelRunner, num_blocks_for_budget
+from .scheduler import Scheduler
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class SequenceDelta:
+    """What changed for one sequence in one step."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[Logprob]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    request: Request
+    index: int
+    detok: IncrementalDetokenizer
+    sent_tokens: int = 0
+
+
+@dataclass
+class StepStats:
+    """Figures of the last step, for metrics."""
+
+    num_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    duration_s: float = 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.device = torch.device(config.device)
+        self.dtype = parse_dtype(config.dtype)
+        loaded = loaded or load_model(config.model, dtype=self.dtype)
+        self.model_config = loaded.config
+        self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
+        cfg = loaded.config
+        max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = max_len
+        with torch.device(self.device):
+            model = LlamaForCausalLM(cfg, max_positions=max_len)
+        model.to(self.dtype)
+        model.load_weights(loaded.weights)
+        model.eval()
+        self.model = model
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # When the checkpoint ties embeddings, lm_head is a copy: count it once.
+        if cfg.tie_word_embeddings:
+            self.weight_bytes -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+
+        cache_cfg = config.cache
+        block_size = cache_cfg.block_size
+        num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
+            cfg, block_size, self.dtype, cache_cfg.kv_cache_memory or _default_kv_budget(cache_cfg.kv_cache_fraction))
+        self.block_size = block_size
+        self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
+        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self._groups: dict[str, list[_Sequence]] = {}
+        self._by_request: dict[int, _Sequence] = {}
+        self.last_step = StepStats()
+        self.total_preemptions = 0
+
+    # -- requests ------------------------------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> list[Request]:
+        """Queue a request (n sequences). Raises ValueError for what cannot run."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already running")
+        token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group: list[_Sequence] = []
+        for index in range(params.n):
+            req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
+                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+            if params.seed is not None:
+                req.generator = torch.Generator(device=self.device)
+                req.generator.manual_seed(params.seed + index)
+            detok = IncrementalDetokenizer(self.tokenizer.backend, params.skip_special_tokens,
+                                           params.stop, params.include_stop_str_in_output)  # type: ignore[arg-type]
+            group.append(_Sequence(req, index, detok))
+        for seq in group:
+            self.scheduler.add(seq.request)  # raises before anything is registered if it can never fit
+        self._groups[request_id] = group
+        for seq in group:
+            self._by_request[id(seq.request)] = seq
+        return [s.request for s in group]
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish every sequence of a request now; idempotent."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group:
+            self.scheduler.abort(seq.request)
+            self._by_request.pop(id(seq.request), None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step ------------------------------------------------------
+    def step(self) -> list[SequenceDelta]:
+        started = time.monotonic()
+        batch = self.scheduler.schedule(started)
+        self.total_preemptions += len(batch.preempted)
+        if not batch:
+            self.last_step = StepStats(num_preempted=len(batch.preempted))
+            return []
+        logits, sampled = self.runner.execute(batch.items)
+        self.scheduler.after_step(batch)
+        result = sample(logits, sampled, self.generator) if sampled else None
+        now = time.monotonic()
+        deltas: list[SequenceDelta] = []
+        touched: list[_Sequence] = []
+        if result is not None:
+            for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
+                seq = self._by_request[id(req)]
+                self._append_token(seq, token, lp, now)
+                touched.append(seq)
+        for seq in touched:
+            deltas.append(self._delta(seq, now))
+        for seq in touched:
+            if seq.request.is_finished:
+                self._forget(seq)
+        decode_tokens = sum(1 for _, n in batch.items if n == 1)
+        self.last_step = StepStats(
+            num_tokens=batch.num_tokens,
+            num_prefill_tokens=batch.num_tokens - decode_tokens,
+            num_decode_tokens=decode_tokens,
+            num_preempted=len(batch.preempted),
+            duration_s=now - started,
+        )
+        return deltas
+
+    def _append_token(self, seq: _Sequence, token: int, lp: Logprob | None, now: float) -> None:
+        req = seq.request
+        req.output_token_ids.append(token)
+        if lp is not None:
+            req.output_logprobs.append(lp)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        stop_str = seq.detok.add_token(token)
+        params = req.params
+        if stop_str is not None:
+            self._finish(req, "stop", stop_str)
+        elif token in req.eos_token_ids:  # the sampler masks EOS until min_tokens
+            self._finish(req, "stop", None)
+        elif token in (params.stop_token_ids or []):
+            self._finish(req, "stop", token)
+        elif len(req.output_token_ids) >= req.max_tokens:
+            self._finish(req, "length", None)
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, "length", None)
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        self.scheduler.finish(req, reason)
+
+    def _delta(self, seq: _Sequence, now: float) -> SequenceDelta:
+        req = seq.request
+        finished = req.is_finished
+        new_tokens = req.output_token_ids[seq.sent_tokens :]
+        new_logprobs = req.output_logprobs[seq.sent_tokens :] if req.params.logprobs is not None else []
+        seq.sent_tokens = len(req.output_token_ids)
+        metrics: dict[str, float] = {}
+        if finished:
+            metrics = {
+                "arrival_time": req.arrival_time,
+                "queue_time": (req.first_scheduled_time or now) - req.arrival_time,
+                "ttft": (req.first_token_time or now) - req.arrival_time,
+                "prefill_time": (req.first_token_time or now) - (req.first_scheduled_time or now),
+                "e2e": now - req.arrival_time,
+                "num_preemptions": req.num_preemptions,
+            }
+        group_id = req.request_id.rsplit("#", 1)[0]
+        return SequenceDelta(
+            request_id=group_id, index=seq.index, token_ids=new_tokens,
+            text=seq.detok.take_delta(finished), logprobs=new_logprobs, finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            stop_reason=req.stop_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    def _forget(self, seq: _Sequence) -> None:
+        self._by_request.pop(id(seq.request), None)
+        group_id = seq.request.request_id.rsplit("#", 1)[0]
+        group = self._groups.get(group_id)
+        if group is not None and all(s.request.is_finished for s in group):
+            del self._groups[group_id]
+
+    # -- cache admin -----------------------------------------------------
+    def reset_prefix_cache(self) -> int:
+        """Drop every idle cached block; returns how many were freed."""
+        if self.prefix_cache is None:
+            return 0
+        freed = self.prefix_cache.evict_all_idle()
+        for block in freed:
+            self.pool.return_evicted(block)
+        return len(freed)
+
+    def check_idle_invariants(self) -> None:
+        """Debug check: with nothing running, every block is free or cached-idle."""
+        self.pool.check_invariants(idle=not self.scheduler.has_work())
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants(self.pool.ref_counts)
+
+
+def _default_kv_budget(fraction: float) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * fraction)
+    except OSError:
+        pass
+    return 1 << 30

@@ -1,0 +1,148 @@
+"""Prefix cache: a radix tree of token blocks pointing at KV blocks in the pool.
+
+Each edge holds exactly one full block of token ids (block granularity, as in
+SGLang's RadixAttention and vLLM's chained block hashes). Children are keyed by
+the block's token-id tuple itself, so a hit compares token ids exactly; no hash
+can ever serve another prompt's KV.
+
+A node is *busy* while some request holds its block (ref count > 0) and *idle*
+otherwise. Requests always hold whole root paths, so a busy node's ancestors
+are busy and every idle subtree has an idle leaf: evicting idle leaves in LRU
+order can always reclaim every idle block.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class _Node:
+    key: tuple[int, ...]
+    block: int
+    parent: "_Node | None"
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    last_used: int = 0
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens looked up
+    hit_tokens: int = 0  # of which served from cache
+
+
+class PrefixCache:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.root = _Node(key=(), block=-1, parent=None)
+        self._by_block: dict[int, _Node] = {}
+        self._idle: set[int] = set()
+        self._heap: list[tuple[int, int]] = []  # (last_used, block) of idle leaves; lazy
+        self._clock = itertools.count(1)
+        self.stats = PrefixCacheStats()
+
+    # -- queries -------------------------------------------------------
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_block)
+
+    def contains_block(self, block: int) -> bool:
+        return block in self._by_block
+
+    def _block_key(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+        start = index * self.block_size
+        return tuple(token_ids[start : start + self.block_size])
+
+    def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
+        """Block ids of the longest cached prefix of ``token_ids`` (at most
+        ``max_blocks`` full blocks). The caller must acquire them."""
+        node = self.root
+        blocks: list[int] = []
+        for i in range(max_blocks):
+            child = node.children.get(self._block_key(token_ids, i))
+            if child is None:
+                break
+            blocks.append(child.block)
+            node = child
+        return blocks
+
+    # -- updates -------------------------------------------------------
+    def insert(self, token_ids: list[int], block_table: list[int], start: int, end: int) -> dict[int, int]:
+        """Index the full, computed blocks ``start..end-1`` of a request.
+
+        Blocks before ``start`` must already be indexed along this path.
+        Returns ``{index: cached_block}`` for blocks whose content was already
+        cached under another block id: the caller swaps its private copy for
+        the cached one so that its path stays in the tree (deduplication).
+        """
+        node = self.root
+        for i in range(start):
+            node = node.children[self._block_key(token_ids, i)]
+        swaps: dict[int, int] = {}
+        for i in range(start, end):
+            key = self._block_key(token_ids, i)
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(key=key, block=block_table[i], parent=node)
+                node.children[key] = child
+                self._by_block[child.block] = child
+            elif child.block != block_table[i]:
+                swaps[i] = child.block
+            child.last_used = next(self._clock)
+            node = child
+        return swaps
+
+    def mark_busy(self, block: int) -> None:
+        """A request took a reference on an idle cached block."""
+        self._idle.discard(block)
+        self._by_block[block].last_used = next(self._clock)
+
+    def mark_idle(self, block: int) -> None:
+        """The last reference on a cached block was dropped."""
+        node = self._by_block[block]
+        node.last_used = next(self._clock)
+        self._idle.add(block)
+        if not node.children:
+            heapq.heappush(self._heap, (node.last_used, block))
+
+    def evict_one(self) -> int:
+        """Remove the least recently used idle leaf; return its block id."""
+        while self._heap:
+            last_used, block = heapq.heappop(self._heap)
+            node = self._by_block.get(block)
+            if node is None or block not in self._idle or node.children or node.last_used != last_used:
+                continue  # stale heap entry
+            self._remove(node)
+            return block
+        raise RuntimeError("no evictable cached block")
+
+    def _remove(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key]
+        del self._by_block[node.block]
+        self._idle.discard(node.block)
+        if parent is not self.root and not parent.children and parent.block in self._idle:
+            heapq.heappush(self._heap, (parent.last_used, parent.block))
+
+    def evict_all_idle(self) -> list[int]:
+        """Drop every idle block (``/reset_prefix_cache``); return their ids."""
+        freed: list[int] = []
+        while self._idle:
+            freed.append(self.evict_one())
+        return freed
+
+    def check_invariants(self, ref_counts: list[int]) -> None:
+        """Tree and ref counts agree: idle iff unreferenced; busy nodes' parents busy."""
+        for block, node in self._by_block.items():
+            assert (ref_counts[block] == 0) == (block in self._idle), f"block {block} idle state wrong"
+            if ref_counts[block] > 0 and node.parent is not self.root:
+                assert node.parent is not None and ref_counts[node.parent.block] > 0, (
+                    f"busy block {block} has an idle parent"
+                )
+            assert node.parent is not None and node.parent.children.get(node.key) is node

@@ -1,0 +1,110 @@
+"""Builds the flattened batch for one step and runs the model on it.
+
+The runner owns the KV pool tensors (allocated once, from a memory budget)
+and turns a scheduled batch into: token ids, positions, a slot for each new
+token's K/V, padded block tables, and the row of each sequence whose logits
+are sampled. Prefill chunks and decodes go through one forward pass.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..model.attention import AttentionMetadata
+from ..model.llama import LlamaForCausalLM
+from .request import Request
+
+
+def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    per_block = cfg.kv_elements_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    return max(1, budget_bytes // per_block)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
+    sampled: list[Request]  # the requests those rows belong to, in order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        cfg = model.config
+        assert cfg.head_dim is not None
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def prepare(self, items: list[tuple[Request, int]]) -> StepInputs:
+        # Decodes (one new token) first: the attention kernel batches them.
+        items = sorted(items, key=lambda item: item[1] != 1)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[Request] = []
+        bs = self.block_size
+        for request, num_new in items:
+            start = request.num_computed_tokens
+            end = start + num_new
+            tokens = request.all_token_ids
+            ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            table = request.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            query_lens.append(num_new)
+            if end == request.num_tokens:  # the chunk reaches the end: sample
+                logits_rows.append(len(ids) - 1)
+                sampled.append(request)
+        num_decodes = sum(1 for q in query_lens if q == 1)
+        # A 1-token prefill chunk is treated as a decode: same math.
+        max_blocks = max(len(r.block_table) for r, _ in items)
+        tables = torch.zeros((len(items), max_blocks), dtype=torch.long)
+        for row, (request, _) in enumerate(items):
+            tables[row, : len(request.block_table)] = torch.tensor(request.block_table, dtype=torch.long)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev),
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            num_decodes=num_decodes,
+            block_size=bs,
+            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev),
+            max_decode_len=max(seq_lens[:num_decodes], default=0),
+        )
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            sampled=sampled,
+        )
+
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """Run one forward pass; return float32 logits of the sampled rows and their requests."""
+        inputs = self.prepare(items)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sampled:
+            return torch.empty((0, self.model.config.vocab_size)), []
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
+        return logits, inputs.sampled

@@ -1,0 +1,87 @@
+"""Offline API, shaped like vLLM's so users already know it.
+
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(dtype="float32")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from ..config import EngineConfig
+from ..engine.engine import LLMEngine, SequenceDelta
+from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
+        loaded = engine_options.pop("loaded_model", None)
+        tokenizer = engine_options.pop("tokenizer", None)
+        config = EngineConfig.from_options(model=model, dtype=dtype, **engine_options)
+        self.engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings or token-id lists) to completion, continuously batched."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompts, params_list):
+            rid = f"offline-{next(self._ids)}"
+            reqs = self.engine.add_request(rid, prompt, params)
+            order.append(rid)
+            outputs[rid] = RequestOutput(
+                request_id=rid, prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=list(reqs[0].prompt_token_ids),
+                outputs=[CompletionOutput(index=i, text="", token_ids=[],
+                                          logprobs=[] if params.logprobs is not None else None)
+                         for i in range(params.n)])
+        while self.engine.has_unfinished():
+            deltas = self.engine.step()
+            if not deltas and not self.engine.scheduler.running:
+                time.sleep(0.001)  # a batching policy is waiting for its window
+            for delta in deltas:
+                _apply_delta(outputs[delta.request_id], delta)
+        return [outputs[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)  # type: ignore[arg-type]
+                   for conv in conversations]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        results = self.generate(token_lists, sampling_params)
+        for result, text in zip(results, prompts):
+            result.prompt = text
+        return results
+
+
+def _apply_delta(out: RequestOutput, delta: SequenceDelta) -> None:
+    completion = out.outputs[delta.index]
+    completion.text += delta.text
+    completion.token_ids.extend(delta.token_ids)
+    if completion.logprobs is not None:
+        completion.logprobs.extend(delta.logprobs)
+    out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finished:
+        completion.finish_reason = delta.finish_reason
+        completion.stop_reason = delta.stop_reason
+        out.metrics = delta.metrics
+        out.finished = all(c.finish_reason is not None for c in out.outputs)

@@ -1,0 +1,205 @@
+"""Llama-family decoder over a paged KV cache.
+
+Covers SmolLM2, Llama 2/3, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
+bias) and Qwen3 (per-head q/k RMSNorm). Weights arrive with Hugging Face names
+and are fused at load: q/k/v into one projection, gate/up into another, so a
+layer is four matmuls. The model knows nothing of requests: it takes the
+flattened batch (token ids, positions, attention metadata) and returns hidden
+states; ``compute_logits`` turns selected rows into float32 logits.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import AttentionMetadata, paged_attention, write_kv
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies with the rope scaling types Llama-family models use."""
+    dim = cfg.head_dim
+    assert dim is not None
+    # float32 as the reference implementation computes it, so positions match bit for bit.
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(cfg.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    attention_factor = 1.0
+    if kind in (None, "default"):
+        pass
+    elif kind == "freq_factors":  # llama.cpp stores Llama 3 scaling as per-frequency divisors
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    elif kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    else:
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, looked up per token (rotate-half layout)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, factor = _rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions)[:, None, :].to(q.dtype)
+        sin = self.sin.index_select(0, positions)[:, None, :].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+        cfg = self.config
+        params = dict(self.named_parameters())
+
+        def take(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return weights[name]
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.copy_(tensor.to(param.dtype))
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        lm_head = weights.get("lm_head.weight")
+        put("lm_head.weight", lm_head if lm_head is not None and not cfg.tie_word_embeddings
+            else take("model.embed_tokens.weight"))
+        for i in range(cfg.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn = src + "self_attn."
+            put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")]))
+            if cfg.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                    [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")]))
+            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            if cfg.qk_norm:
+                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
+            mlp = src + "mlp."
+            put(dst + "mlp.gate_up_proj.weight", torch.cat(
+                [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
+            put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))

@@ -1,0 +1,140 @@
+"""Logits -> next tokens, each row with its own parameters, in one batch.
+
+Order of operations (as the common engines do): penalties on the raw logits,
+min_tokens masking, then greedy rows take the argmax; random rows are divided
+by temperature, filtered by top-k, top-p and min-p, and sampled with the
+exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded row
+draw its noise from its own generator: the same seed and prompt give the
+same text whatever else shares the batch. Reported logprobs are the model's
+raw log-softmax (before penalties and temperature).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Logprob:
+    """Log-probability of a chosen token, with the top alternatives (incl. itself)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one sequence (the engine's Request fits)."""
+
+    params: Any  # SamplingParams: temperature, top_k, top_p, min_p, penalties, logprobs, ...
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[Logprob | None]
+
+
+def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    vocab = logits.shape[-1]
+    for row, req in enumerate(requests):
+        p = req.params
+        if not p.needs_penalties:
+            continue
+        device = logits.device
+        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.all_token_ids, dtype=torch.long, device=device).unique()
+            vals = logits[row, seen]
+            logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out.numel() and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    for row, req in enumerate(requests):
+        if len(req.output_token_ids) < req.params.min_tokens:
+            banned = set(req.params.stop_token_ids or [])
+            if not req.params.ignore_eos:
+                banned |= set(req.eos_token_ids)
+            if banned:
+                logits[row, list(banned)] = float("-inf")
+
+
+def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens outside top-k / top-p / min-p; rows with k=V, p=1, min_p=0 pass unchanged."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    remove |= (cum - probs) >= top_p[:, None]  # keep the smallest set reaching top_p
+    remove |= probs < (min_p[:, None] * probs[:, :1])
+    remove[:, 0] = False  # the best token always survives
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` ([B, V] float32)."""
+    batch, vocab = logits.shape
+    want_logprobs = any(r.params.logprobs is not None for r in requests)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+
+    penalties = any(r.params.needs_penalties for r in requests)
+    min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
+    if penalties or min_tokens:
+        logits = logits.clone()
+        if penalties:
+            _apply_penalties(logits, requests)
+        if min_tokens:
+            _mask_min_tokens(logits, requests)
+
+    chosen = logits.argmax(dim=-1)
+    random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits.index_select(0, rows)
+        params = [requests[i].params for i in random_rows]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=sub.dtype)
+        sub = sub / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=sub.dtype)
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=sub.dtype)
+            sub = _filter(sub, top_k, top_p, min_p)
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            gen = requests[i].generator or generator
+            noise[j].exponential_(generator=gen)
+        picked = (probs / noise).argmax(dim=-1)
+        chosen = chosen.index_copy(0, rows, picked)
+
+    token_ids = chosen.tolist()
+    logprobs: list[Logprob | None] = [None] * batch
+    if raw_logprobs is not None:
+        for i, req in enumerate(requests):
+            k = req.params.logprobs
+            if k is None:
+                continue
+            tok = token_ids[i]
+            row = raw_logprobs[i]
+            top: dict[int, float] = {}
+            if k > 0:
+                vals, ids = row.topk(k)
+                top = dict(zip(ids.tolist(), vals.tolist()))
+            chosen_lp = float(row[tok])
+            top.setdefault(tok, chosen_lp)
+            logprobs[i] = Logprob(token_id=tok, logprob=chosen_lp, top=top)
+    return SampleResult(token_ids=token_ids, logprobs=logprobs)

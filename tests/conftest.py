@@ -1,0 +1,111 @@
+"""Shared fixtures: a tiny random Llama (fast unit tests) and the bundled model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenmill.config import ModelConfig
+from tokenmill.model.loader import LoadedModel
+
+TINY_VOCAB = 257
+TINY_EOS = 256
+
+
+def tiny_tokenizer():
+    """A real byte-level BPE tokenizer with no merges: one token per UTF-8 byte,
+    so multi-byte characters always span tokens (good for detokenizer tests)."""
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from tokenmill.tokenizer import Tokenizer
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: ord(ch))
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    backend = FastTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<eos>"])
+    assert backend.token_to_id("<eos>") == TINY_EOS
+    return Tokenizer(backend, bos_token_id=None, eos_token_id=TINY_EOS, vocab_size=TINY_VOCAB)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=TINY_EOS)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    hd = cfg.head_dim
+    w = {"model.embed_tokens.weight": rnd(cfg.vocab_size, cfg.hidden_size, scale=1.0),
+         "model.norm.weight": 1 + rnd(cfg.hidden_size, scale=0.1),
+         "lm_head.weight": rnd(cfg.vocab_size, cfg.hidden_size, scale=0.5)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rnd(cfg.num_attention_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = rnd(cfg.num_key_value_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = rnd(cfg.num_key_value_heads * hd, cfg.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = rnd(cfg.hidden_size, cfg.num_attention_heads * hd)
+        w[p + "mlp.gate_proj.weight"] = rnd(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.up_proj.weight"] = rnd(cfg.intermediate_size, cfg.hidden_size)
+        w[p + "mlp.down_proj.weight"] = rnd(cfg.hidden_size, cfg.intermediate_size)
+        w[p + "input_layernorm.weight"] = 1 + rnd(cfg.hidden_size, scale=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1 + rnd(cfg.hidden_size, scale=0.1)
+    return w
+
+
+def tiny_loaded(seed: int = 0, **overrides) -> LoadedModel:
+    cfg = tiny_config(**overrides)
+    return LoadedModel(config=cfg, weights=tiny_weights(cfg, seed), quant_types={}, source="tiny", format="hf")
+
+
+def make_tiny_llm(**options):
+    """An LLM over the tiny random model (fp32 unless told otherwise)."""
+    from tokenmill import LLM
+
+    options.setdefault("num_blocks", 256)
+    options.setdefault("max_num_batched_tokens", 256)
+    seed = options.pop("weights_seed", 0)
+    overrides = options.pop("model_overrides", {})
+    return LLM(loaded_model=tiny_loaded(seed, **overrides), tokenizer=tiny_tokenizer(), **options)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_factory():
+    return make_tiny_llm
+
+
+@pytest.fixture(scope="session")
+def bundled_model_path() -> str:
+    from tokenmill.model.bundled import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def real_loaded(bundled_model_path):
+    """The bundled SmolLM2 weights, dequantized to fp32 (loaded once per session)."""
+    from tokenmill.model.loader import load_model
+
+    return load_model(bundled_model_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(bundled_model_path):
+    from tokenmill.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(bundled_model_path)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(os.cpu_count() or 1)
