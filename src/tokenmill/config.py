@@ -98,7 +98,10 @@ class EngineConfig:
     model: str | None = None  # local GGUF file or HF folder; None: bundled SmolLM2
     dtype: str = "float32"
     device: str = "cpu"
-    quantization: str = "none"
+    quantization: str = "none"  # none | int8 | int4 | gguf (keep the file's own blocks where a kernel exists)
+    quant_group_size: int = 32  # int4 group size along the input dimension
+    quantize_lm_head: bool = False
+    memory_budget: int | None = None  # bytes for weights + KV pool together; KV gets what weights leave
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -109,7 +112,7 @@ class EngineConfig:
         cfg = cls()
         sections = (cfg.cache, cfg.scheduler)
         for key, value in options.items():
-            if key == "kv_cache_memory":
+            if key in ("kv_cache_memory", "memory_budget"):
                 value = parse_size(value)
             if hasattr(cfg, key) and key not in ("cache", "scheduler"):
                 setattr(cfg, key, value)

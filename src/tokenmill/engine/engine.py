@@ -82,17 +82,24 @@ class LLMEngine:
             model = LlamaForCausalLM(cfg, max_positions=max_len)
         model.to(self.dtype)
         model.load_weights(loaded.weights)
+        if config.quantization not in ("none", None):
+            from ..model.quant import quantize_model
+
+            quantize_model(model, loaded, config)
         model.eval()
         self.model = model
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # When the checkpoint ties embeddings, lm_head is a copy: count it once.
-        if cfg.tie_word_embeddings:
-            self.weight_bytes -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        self.weight_bytes = _weight_bytes(model)
 
         cache_cfg = config.cache
         block_size = cache_cfg.block_size
+        kv_budget = cache_cfg.kv_cache_memory
+        if kv_budget is None and config.memory_budget is not None:
+            kv_budget = config.memory_budget - self.weight_bytes
+            if kv_budget <= 0:
+                raise ValueError(f"memory budget {config.memory_budget} bytes does not hold the weights "
+                                 f"({self.weight_bytes} bytes)")
         num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
-            cfg, block_size, self.dtype, cache_cfg.kv_cache_memory or _default_kv_budget(cache_cfg.kv_cache_fraction))
+            cfg, block_size, self.dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction))
         self.block_size = block_size
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
@@ -276,6 +283,19 @@ class LLMEngine:
         self.pool.check_invariants(idle=not self.scheduler.has_work())
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants(self.pool.ref_counts)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers that hold weights (quantized layers keep
+    theirs in buffers); a tied lm_head shares the embedding and counts once."""
+    seen: set[int] = set()
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.endswith(("rope.cos", "rope.sin")) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
 
 
 def _default_kv_budget(fraction: float) -> int:

@@ -183,8 +183,10 @@ class LlamaForCausalLM(nn.Module):
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
         lm_head = weights.get("lm_head.weight")
-        put("lm_head.weight", lm_head if lm_head is not None and not cfg.tie_word_embeddings
-            else take("model.embed_tokens.weight"))
+        if cfg.tie_word_embeddings or lm_head is None:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor, as the checkpoint has it
+        else:
+            put("lm_head.weight", lm_head)
         for i in range(cfg.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
