@@ -16,7 +16,8 @@ from tokenmill.bench.client import Target  # noqa: E402
 from tokenmill.bench.lengths import parse_length  # noqa: E402
 from tokenmill.bench.loadgen import LoadShape  # noqa: E402
 from tokenmill.bench.runner import BenchConfig, BenchResult, run_bench  # noqa: E402
-from tokenmill.bench.tokens import LocalTokenizer, TextBuilder, TokenCounter, corpus_words  # noqa: E402
+from tokenmill.bench.tokens import (LocalTokenizer, TextBuilder, TokenCounter,  # noqa: E402
+                                    corpus_words)
 from tokenmill.bench.workloads import (SyntheticConfig, load_dataset, make_salt,  # noqa: E402
                                        synthetic)
 from tokenmill.capture import TrafficCapture  # noqa: E402
@@ -38,7 +39,8 @@ def bpe_tokenizer(tmp_path_factory) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=600,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([" ".join(corpus_words())] * 3, trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))

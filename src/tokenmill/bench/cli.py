@@ -48,7 +48,8 @@ def add_bench_parser(sub: Any) -> None:
     lo.add_argument("--burstiness", type=float, default=1.0,
                     help="gamma shape of inter-arrival times: 1 Poisson, <1 burstier")
     lo.add_argument("--max-concurrency", type=int, help="cap in-flight requests (open loop)")
-    lo.add_argument("--num-requests", type=int, help="requests per load point (default 100)")
+    lo.add_argument("--num-requests", type=int,
+                    help="requests per point (default 100; a trace: all)")
     lo.add_argument("--duration", type=float, help="seconds per load point instead of a count")
     lo.add_argument("--warmup", type=int, default=0, help="unmeasured requests before each point")
     w = p.add_argument_group("workload")
@@ -144,6 +145,8 @@ def bench_main(args: argparse.Namespace) -> int:
     base = normalize_base_url(args.url)
     # A duration-bound closed loop needs enough prompts to last: a generous cap.
     num = args.num_requests or (2000 if args.duration and not args.rate else 100)
+    if args.trace and not args.num_requests:
+        num = 1 << 40  # the whole capture
     cfg = BenchConfig(
         shapes=shapes, num_requests=num, warmup=args.warmup,
         synthetic=SyntheticConfig(in_len, out_len, args.prefix_len, args.num_prefixes,

@@ -112,11 +112,11 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
 
 
 def build_specs(cfg: BenchConfig, counter: TokenCounter, n: int, seed: int,
-                salt: str) -> list[RequestSpec]:
+                salt: str, rate: float | None = None) -> list[RequestSpec]:
+    """The requests of one load point (a trace is rescaled to ``rate`` if given)."""
     rng = random.Random(seed)
     builder = TextBuilder(counter, seed=seed)
     if cfg.trace:
-        rate = next((s.rate for s in cfg.shapes if s.rate), None)
         return load_trace(cfg.trace, counter, builder, salt, n=n, speed=cfg.trace_speed,
                           target_rate=rate)
     if cfg.dataset:
@@ -153,7 +153,7 @@ async def run_bench(cfg: BenchConfig, target: Target, counter: TokenCounter,
             n = cfg.num_requests
             if shape.duration and cfg.trace is None:
                 n = max(n, int((shape.rate or 0) * shape.duration * 1.5) + 10)
-            specs = build_specs(cfg, counter, n, seed, salt)
+            specs = build_specs(cfg, counter, n, seed, salt, shape.rate)
             warnings: list[str] = []
             if cfg.reset_cache:
                 err = await _reset_cache(client, target.base_url)

@@ -184,11 +184,14 @@ class GaugeSampler:
 
 
 HINTS = {
-    "queueing": "requests wait for a slot: add replicas, raise max-num-seqs/KV memory, or shed load",
-    "prefill": "prompt processing: shorter prompts, shared part first for prefix caching, chunked prefill",
+    "queueing": "requests wait for a slot: add replicas, raise max-num-seqs/KV memory, "
+                "or shed load",
+    "prefill": "prompt processing: shorter prompts, shared part first for prefix caching, "
+               "chunked prefill",
     "decode": "token generation: batch mix, memory bandwidth, quantization, shorter outputs",
     "client/network": "outside the engine: HTTP, tokenization, or the load generator itself",
-    "first token": "queue + prefill (server exports no split): check queue time, prompt length, prefix reuse",
+    "first token": "queue + prefill (server exports no split): check queue time, prompt "
+                   "length, prefix reuse",
 }
 
 

@@ -81,7 +81,8 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
                    "system": "system", "chatgpt": "assistant", "bard": "assistant"}
 
 
-def _dataset_entry(obj: Any, counter: TokenCounter) -> tuple[list[dict] | None, str | None, int | None]:
+def _dataset_entry(obj: Any, counter: TokenCounter
+                   ) -> tuple[list[dict] | None, str | None, int | None]:
     """(messages, prompt, output_len) from one ShareGPT / messages / prompt entry."""
     if not isinstance(obj, dict):
         return None, (obj if isinstance(obj, str) else None), None
