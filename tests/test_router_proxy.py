@@ -46,7 +46,7 @@ def _run(router: RouterServer, items, urls, concurrency=6):
 
 def test_prefix_policy_hit_rate_at_least_twice_round_robin(fakes):
     urls = [f.url for f in fakes]
-    items = shared_prefix_workload(n_prefixes=8, per_prefix=10, prefix_words=300, seed=11)
+    items = shared_prefix_workload(n_prefixes=8, per_prefix=12, prefix_words=300, seed=11)
     _reset(urls)
     rr = _run(_router(urls, policy="round-robin"), items, urls)
     _reset(urls)
@@ -72,7 +72,7 @@ def test_hot_prefix_spreads_with_bounded_share(fakes):
     # Without the imbalance guard the hot prefix piles onto one replica ...
     assert unguarded.max_share() > 0.7
     # ... with it, no replica takes more than a bounded share, and caching still pays.
-    assert guarded.max_share() <= 0.55
+    assert guarded.max_share() <= 0.6
     assert guarded.hit_rate > 0.5
 
 

@@ -41,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
     p.add_argument("--min-match-ratio", type=float, default=0.1,
                    help="share of a request's blocks a replica must hold to count as a prefix hit (default 0.1)")
-    p.add_argument("--imbalance-abs", type=float, default=2.0,
+    p.add_argument("--imbalance-abs", type=float, default=3.0,
                    help="a backend is overloaded when its load exceeds the least loaded by more than "
-                        "this many requests ... (default 2)")
+                        "this many requests ... (default 3)")
     p.add_argument("--imbalance-rel", type=float, default=1.5,
                    help="... and by more than this factor (default 1.5)")
     p.add_argument("--shed-load", type=float, default=0.0,

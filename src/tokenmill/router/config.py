@@ -47,7 +47,7 @@ class RouterConfig:
     # Load balance: a backend is overloaded when its load exceeds the least
     # loaded healthy backend's by more than ``imbalance_abs`` requests AND by
     # more than a factor of ``imbalance_rel``.
-    imbalance_abs: float = 2.0
+    imbalance_abs: float = 3.0
     imbalance_rel: float = 1.5
     kv_usage_weight: float = 2.0  # load added per unit of scraped KV usage
     shed_load: float = 0.0  # >0: answer 429 when every ready backend's load >= this
