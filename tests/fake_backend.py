@@ -68,6 +68,7 @@ class FakeEngine:
     hits: int = 0
     requests: int = 0
     healthy: bool = True
+    reject_status: int = 0  # answer generation requests with this status (0: serve them)
 
     def __post_init__(self) -> None:
         self.sem = asyncio.Semaphore(self.cfg.max_num_seqs)
@@ -151,6 +152,9 @@ def make_app(cfg: FakeConfig) -> FastAPI:
 
     async def generate(request: Request, chat: bool):
         body = await request.json()
+        if engine().reject_status:
+            return JSONResponse({"error": {"message": "rejected", "type": "server_error", "param": None,
+                                           "code": engine().reject_status}}, status_code=engine().reject_status)
         text = chat_text(body.get("messages", [])) if chat else str(body.get("prompt", ""))
         tokens = tokenize(text)
         max_tokens = int(body.get("max_tokens") or cfg.default_max_tokens)
@@ -204,6 +208,11 @@ def make_app(cfg: FakeConfig) -> FastAPI:
     async def set_health(request: Request):
         engine().healthy = bool((await request.json()).get("healthy", True))
         return {"healthy": engine().healthy}
+
+    @app.post("/admin/reject")
+    async def set_reject(request: Request):
+        engine().reject_status = int((await request.json()).get("status", 0))
+        return {"reject_status": engine().reject_status}
 
     @app.post("/tokenize")
     async def tokenize_endpoint(request: Request):

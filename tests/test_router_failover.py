@@ -202,3 +202,24 @@ def test_client_disconnect_releases_backend_and_aborts_upstream():
     finally:
         router.stop()
         fake.kill()
+
+
+def test_rejecting_backend_is_retried_elsewhere_or_passed_through():
+    fakes = start_fakes(2)
+    httpx.post(fakes[0].url + "/admin/reject", json={"status": 429})
+    both = _router([f.url for f in fakes], policy="round-robin")
+    alone = _router([fakes[0].url])
+    try:
+        for i in range(4):
+            r = httpx.post(both.url + "/v1/completions", json={"prompt": f"q {i}", "max_tokens": 1}, timeout=10)
+            assert r.status_code == 200 and r.headers["x-tokenmill-backend"] == fakes[1].url.split("//")[1]
+        # Round-robin over the pair offers the rejecting replica first each time (the
+        # retry consumes the other turn), so every request was retried once.
+        assert _sample(httpx.get(both.url + "/metrics").text, "tokenmill_router_retries_total") == 4
+        r = httpx.post(alone.url + "/v1/completions", json={"prompt": "q", "max_tokens": 1}, timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["message"] == "rejected"
+    finally:
+        both.stop()
+        alone.stop()
+        for f in fakes:
+            f.kill()

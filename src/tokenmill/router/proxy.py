@@ -4,9 +4,10 @@ Streams pass through chunk by chunk: the backend's bytes are relayed as they
 arrive, never re-framed or buffered. Failure handling follows what a client
 can tolerate:
 
-- connect failure, or a failure before the first byte (including a 502/503/504
-  answer): retried once on another backend; the failed one leaves rotation if
-  it could not be reached;
+- connect failure, or a failure before the first byte (including a 429 or
+  502/503/504 answer): retried once on another backend; the failed one leaves
+  rotation if it could not be reached; on the last try such an answer is
+  passed through as it is;
 - a stream that breaks after its first byte: the client gets an SSE error
   event and the stream ends (no hang, no silent truncation);
 - non-streaming responses are read whole before answering, so any failure
@@ -34,7 +35,9 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
         "proxy-authorization", "proxy-connection", "accept-encoding", "trailer"}
 _RESP_DROP = {"content-length", "connection", "keep-alive", "transfer-encoding", "content-encoding",
               "date", "server", "trailer"}
-_RETRY_STATUS = {502, 503, 504}
+# A replica that is shedding (429) or failing (502-504) before any byte is
+# worth one try elsewhere; on the last try its answer is passed through.
+_RETRY_STATUS = {429, 502, 503, 504}
 
 
 def error(status: int, message: str, kind: str = "server_error", code: str | None = None) -> JSONResponse:
@@ -144,7 +147,7 @@ class Proxy:
             tried.add(b.url)
             if attempt:
                 self.metrics.retries.inc()
-            result = await self._attempt(b, path, raw, headers, stream)
+            result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1)
             if isinstance(result, Response):
                 return self._answer(result)
             last_error = result
@@ -152,7 +155,7 @@ class Proxy:
                                   code="backend_unavailable"))
 
     async def _attempt(self, b: Backend, path: str, raw: bytes, headers: dict[str, str],
-                       stream: bool) -> Response | str:
+                       stream: bool, last_try: bool) -> Response | str:
         """One try on one backend: a Response to return, or an error text to retry on."""
         client = self.router.client
         req = client.build_request("POST", b.url + path, content=raw, headers=headers)
@@ -162,7 +165,7 @@ class Proxy:
             self.router.release(b)
             self.router.pool.report_failure(b, f"{type(exc).__name__}: {exc}")
             return f"{b.endpoint}: {type(exc).__name__}"
-        if resp.status_code in _RETRY_STATUS:
+        if resp.status_code in _RETRY_STATUS and not last_try and len(self.router.candidates({b.url})) > 0:
             await resp.aclose()
             self.router.release(b)
             return f"{b.endpoint}: HTTP {resp.status_code}"
