@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from .server import RouterServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per health check and scrape is noise; keep httpx's warnings only.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
         config.validate()
