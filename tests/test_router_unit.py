@@ -202,3 +202,46 @@ def test_router_package_does_not_import_torch():
             "any(m.startswith('tokenmill.engine') for m in sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == [False, False]
+
+
+def test_remote_tokenizer_uses_backend_then_falls_back_to_chars():
+    import httpx
+
+    from tokenmill.router.tokenize import RemoteTokenizer
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content))
+        if request.url.host == "good":
+            return httpx.Response(200, json={"tokens": [5, 6, 7], "count": 3})
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            tok = RemoteTokenizer(client, block_size=16, fallback=CharChunker(64))
+            good = await tok.encode("abc", "m", "http://good:1")
+            bad = await tok.encode("abc", "m", "http://bad:1")
+            again = await tok.encode("abc", "m", "http://good:1")  # stays on chars once unsupported
+            return tok, good, bad, again
+
+    tok, good, bad, again = asyncio.run(go())
+    assert good.ids == [5, 6, 7] and good.mode == "remote" and good.block_size == 16
+    assert calls[0] == {"prompt": "abc", "model": "m"}
+    assert bad.mode == "chars" and bad.ids == [97, 98, 99] and bad.block_size == 64
+    assert tok.unsupported and again.mode == "chars" and len(calls) == 2
+
+
+def test_scraped_cache_size_sets_index_capacity_and_restart_clears_it():
+    import httpx
+
+    from tokenmill.router.pool import BackendPool
+
+    cfg = RouterConfig(backends=["http://a:1"], block_size=16)
+    pool = BackendPool(cfg, httpx.AsyncClient())
+    b = pool.get("http://a:1")
+    b.index.insert(block_hashes(list(range(64)), 16))
+    pool._apply_stats(b, BackendStats(num_gpu_blocks=100, block_size=32, prefix_queries=50))
+    assert b.index.capacity_blocks == 200 and len(b.index) == 4  # 100 blocks of 32 = 200 of ours
+    pool._apply_stats(b, BackendStats(num_gpu_blocks=100, block_size=32, prefix_queries=10))
+    assert len(b.index) == 0  # counters went backwards: the server restarted with a cold cache
