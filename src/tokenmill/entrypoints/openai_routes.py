@@ -1,0 +1,158 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: validate, tokenize, submit.
+
+The server owns the prompt: it renders the chat template, tokenizes, checks
+lengths against the context and the KV pool (so the 400 states both numbers
+and bad input never reaches the engine), builds ``SamplingParams`` and hands
+token ids to the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.request import SamplingParams
+from .errors import APIError
+from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                       ErrorResponse, _SamplingFields)
+from .serving import Job, ServerState
+from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
+                        completion_stream)
+
+router = APIRouter()
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_LONG_TEXT = 20_000  # characters; longer prompts are tokenized off the event loop
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tokenmill
+
+
+def _seed(seed: int | None) -> int | None:
+    # the engine seeds torch generators with seed + index; keep that in range
+    return None if seed is None else seed % (1 << 63)
+
+
+def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
+            top_k=pick(body.top_k, -1), min_p=pick(body.min_p, 0.0),
+            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
+            seed=_seed(body.seed), max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
+            stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from None
+
+
+async def encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _LONG_TEXT:
+        return await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool = True) -> str:
+    conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        return state.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # noqa: BLE001 - a template's raise_exception or a render error
+        raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
+                       param="messages") from None
+
+
+def _include_usage(body: _SamplingFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+async def _until_done_or_gone(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+    """Run a non-streaming request, aborting it if the client hangs up first."""
+
+    async def gone() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()  # closes the job streams, which aborts the engine requests
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)
+    return JSONResponse(task.result())
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    request_id = _new_id("cmpl")
+    jobs: list[Job] = []
+    echo_texts: list[str] = []
+    for i, prompt in enumerate(body.prompts()):
+        if isinstance(prompt, str):
+            ids = await encode(state, prompt, True)
+            text: str | None = prompt
+        else:
+            ids = list(prompt)
+            state.check_prompt_ids(ids)
+            text = None
+        state.check_prompt_ids(ids)
+        requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
+        params = sampling_params(body, max_tokens, body.logprobs)
+        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
+        if body.echo:
+            echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
+    state.reserve(jobs)
+    spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
+                          echo_texts if body.echo else None, _include_usage(body))
+    if body.stream:
+        return SSEResponse(completion_stream(state, spec, jobs), state, jobs)
+    try:
+        return await _until_done_or_gone(request, completion_body(state, spec, jobs))
+    finally:
+        for job in jobs:
+            state.release(job)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    request_id = _new_id("chatcmpl")
+    prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    ids = await encode(state, prompt, False)
+    state.check_prompt_ids(ids)
+    max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
+    top = body.top_logprobs or 0
+    params = sampling_params(body, max_tokens, top if body.logprobs else None)
+    job = Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt)
+    state.reserve([job])
+    spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, top, _include_usage(body))
+    if body.stream:
+        return SSEResponse(chat_stream(state, spec, job), state, [job])
+    try:
+        return await _until_done_or_gone(request, chat_body(state, spec, job))
+    finally:
+        state.release(job)

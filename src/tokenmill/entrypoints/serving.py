@@ -1,0 +1,301 @@
+"""Server state and the bridge from HTTP handlers to the async engine.
+
+``ServerState`` holds what every handler needs (engine, tokenizer, settings,
+metrics, traffic capture, counters). ``stream_job`` runs one engine request
+and does the bookkeeping every request needs whatever its endpoint:
+metrics as deltas arrive, one capture record at the end, and an abort when
+the consumer stops early (client disconnect, cancelled task), so blocks go
+back to the pool within one engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from ..engine.async_engine import AsyncEngine, EngineDeadError
+from ..engine.engine import SequenceDelta
+from ..engine.request import SamplingParams
+from ..metrics import ServerMetrics
+from .errors import APIError
+
+log = logging.getLogger("tokenmill.server")
+
+
+@dataclass
+class ServerSettings:
+    """What the operator chose at start-up (``tokenmill serve`` flags)."""
+
+    served_model_names: list[str] = field(default_factory=lambda: ["tokenmill"])
+    model_path: str | None = None
+    api_key: str | None = None
+    max_waiting: int | None = None
+    max_output_tokens: int | None = None
+    log_requests: bool = False
+    capture_path: str | None = None
+    capture_text: bool = False
+    heartbeat_timeout_s: float = 120.0  # /health fails when the engine loop is silent this long
+    grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
+    retry_after_s: int = 1
+
+
+@dataclass
+class Job:
+    """One engine request (a /v1/completions batch makes several)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    endpoint: str
+    prompt_text: str | None = None
+    arrival_unix: float = field(default_factory=time.time)
+    reserved: bool = False
+
+
+class ServerState:
+    def __init__(self, aengine: AsyncEngine, settings: ServerSettings) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.tokenizer = self.engine.tokenizer
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.max_model_len = int(self.engine.max_model_len)
+        self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
+        self.vocab_size = int(self.engine.model_config.vocab_size)
+        self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        self.capture: Any = None
+        if settings.capture_path:
+            from ..capture import TrafficCapture
+
+            self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
+                                          block_size=self.engine.block_size)
+        self.draining = False
+        self.pending = 0  # jobs admitted by reserve() whose stream has not started yet
+        self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    # -- load ------------------------------------------------------------
+    def num_queued(self) -> int:
+        """Requests handed to the engine thread but not yet added to its scheduler.
+
+        AsyncEngine exposes no counter for this; its command queue is the
+        closest figure (adds, plus the occasional abort)."""
+        commands = getattr(self.aengine, "_commands", None)
+        try:
+            return int(commands.qsize()) if commands is not None else 0
+        except (NotImplementedError, AttributeError):
+            return 0
+
+    def num_waiting(self) -> int:
+        return int(self.engine.num_waiting) + self.num_queued() + self.pending
+
+    def reserve(self, jobs: list[Job]) -> None:
+        """Admit jobs, or 429 with Retry-After once the waiting queue reaches ``--max-waiting``.
+
+        A streaming job reaches the engine only when its response starts, so
+        admitted jobs count as waiting (``pending``) until ``stream_job``
+        submits them; check and count happen with no await in between, so
+        concurrent handlers cannot all slip past the bound."""
+        limit = self.settings.max_waiting
+        if limit is not None:
+            waiting = self.num_waiting()
+            if waiting >= limit:
+                self.metrics.rejected.labels("queue_full").inc()
+                raise APIError(429, f"the server is at capacity ({waiting} requests waiting, "
+                               f"limit {limit}); retry later", code="queue_full",
+                               headers={"Retry-After": str(self.settings.retry_after_s)})
+        for job in jobs:
+            if not job.reserved:
+                job.reserved = True
+                self.pending += 1
+
+    def release(self, job: Job) -> None:
+        """Undo ``reserve`` for one job; idempotent."""
+        if job.reserved:
+            job.reserved = False
+            self.pending -= 1
+
+    # -- tokens ----------------------------------------------------------
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.token_to_text(token_id)
+
+    def token_text(self, token_id: int) -> str:
+        return self._token_text(token_id)
+
+    def check_model(self, name: str | None) -> None:
+        if name and name not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist. Served: "
+                           f"{', '.join(self.settings.served_model_names)}", param="model",
+                           code="model_not_found")
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        if not ids:
+            raise APIError(400, "prompt: the prompt is empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is out of range [0, {self.vocab_size})",
+                           param="prompt")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
+        """The output budget of a request, or a 400 that states both numbers.
+
+        ``requested`` is what the client sent (None: not sent); ``default`` is
+        the endpoint's default when not sent (None: the rest of the context).
+        ``--max-output-tokens`` caps both and is the default when it is set."""
+        limit = min(self.max_model_len, self.pool_tokens)
+        room = limit - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
+                           f"{self.max_model_len} tokens (KV cache holds {self.pool_tokens}); shorten the prompt",
+                           param="messages" if default is None else "prompt", code="context_length_exceeded")
+        cap = self.settings.max_output_tokens
+        if requested is not None:
+            max_tokens = min(requested, cap) if cap else requested
+            if prompt_len + max_tokens > self.max_model_len:
+                raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                               f"{prompt_len + max_tokens} tokens, more than the context length "
+                               f"{self.max_model_len}", param="max_tokens", code="context_length_exceeded")
+            if prompt_len + max_tokens > self.pool_tokens:
+                raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
+                               f"{prompt_len + max_tokens} tokens, more than the KV cache holds "
+                               f"({self.pool_tokens} tokens)", param="max_tokens",
+                               code="context_length_exceeded")
+            return max_tokens
+        max_tokens = cap or default or room
+        return max(1, min(max_tokens, room))
+
+    # -- running -----------------------------------------------------------
+    async def stream_job(self, job: Job) -> AsyncIterator[SequenceDelta]:
+        """Deltas of one engine request, with metrics, capture and abort-on-exit.
+
+        Engine refusals (ValueError) surface as a 400 APIError before the
+        first delta; a dead engine as 503."""
+        n = job.params.n
+        started = time.monotonic()
+        first_token: float | None = None
+        last_seen: dict[int, float] = {}
+        out_tokens: dict[int, int] = {}
+        reasons: dict[int, str | None] = {}
+        cached = 0
+        done = False
+        if self.settings.log_requests:
+            log.info("request %s: %s, %d prompt tokens, %s", job.request_id, job.endpoint,
+                     len(job.prompt_ids), _params_dict(job.params))
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        failed = False
+        # release() and the generator's first step (which submits to the engine)
+        # run with no await in between
+        self.release(job)
+        try:
+            async for delta in gen:
+                now = time.monotonic()
+                ntok = len(delta.token_ids)
+                if first_token is None:
+                    first_token = now
+                    cached = delta.num_cached_tokens
+                    self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
+                    self.metrics.req_prompt.observe(delta.num_prompt_tokens)
+                else:
+                    cached = max(cached, delta.num_cached_tokens)
+                if ntok:
+                    self.metrics.generation_tokens.inc(ntok)
+                    prev = last_seen.get(delta.index)
+                    if prev is not None:
+                        self.metrics.itl.observe((now - prev) / ntok)
+                    last_seen[delta.index] = now
+                    out_tokens[delta.index] = out_tokens.get(delta.index, 0) + ntok
+                if delta.finished:
+                    reasons[delta.index] = delta.finish_reason
+                    self.metrics.finished(delta.finish_reason)
+                    self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
+                yield delta
+            done = True
+        except ValueError as exc:
+            failed = True
+            raise APIError(400, str(exc)) from None
+        except EngineDeadError as exc:
+            failed = True
+            raise APIError(503, str(exc), code="engine_dead") from None
+        finally:
+            # abort first: it is synchronous, so a cancellation arriving at the
+            # await below cannot skip it
+            if not done:
+                self.aengine.abort(job.request_id)
+                for i in range(n if not failed else 0):
+                    if i not in reasons:
+                        self.metrics.finished("abort")
+                        reasons[i] = "abort"
+            self._record(job, started, first_token, cached, out_tokens, reasons)
+            await gen.aclose()
+
+    def _record(self, job: Job, started: float, first_token: float | None, cached: int,
+                out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
+        end = time.monotonic()
+        if self.settings.log_requests:
+            log.info("request %s done: %d output tokens, finish %s, %.3fs", job.request_id,
+                     sum(out_tokens.values()), sorted({str(r) for r in reasons.values()}), end - started)
+        if self.capture is None:
+            return
+        reason = reasons.get(0) if len(set(reasons.values())) <= 1 else ",".join(
+            str(reasons[i]) for i in sorted(reasons))
+        self.capture.record(
+            arrival_time=job.arrival_unix, prompt_token_ids=job.prompt_ids, cached_tokens=cached,
+            output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
+            ttft=None if first_token is None else first_token - started, e2e=end - started,
+            prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
+            finish_reason=reason)
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.close()
+
+
+def _params_dict(p: SamplingParams) -> dict[str, Any]:
+    keys = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
+            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logprobs", "ignore_eos")
+    return {k: getattr(p, k) for k in keys}
+
+
+async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncIterator[tuple[int, SequenceDelta]]:
+    """Interleave several jobs' deltas as they come, tagged with the job index.
+
+    Closing the merged iterator cancels the pumps, which closes each job's
+    stream (and so aborts whatever is still running)."""
+    if len(iters) == 1:
+        async with contextlib.aclosing(iters[0]) as only:  # type: ignore[type-var]
+            async for delta in only:
+                yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, it: AsyncIterator[SequenceDelta]) -> None:
+        try:
+            async with contextlib.aclosing(it) as stream:  # type: ignore[type-var]
+                async for delta in stream:
+                    await queue.put((i, delta))
+            await queue.put((i, end))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

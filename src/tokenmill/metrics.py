@@ -1,0 +1,196 @@
+"""Prometheus metrics of one server, under vLLM's names plus ``tokenmill:`` aliases.
+
+Why vLLM's names: dashboards, the load tester (``tokenmill bench``), the
+router and the Gateway API Inference Extension's endpoint picker read
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and friends
+unchanged. Every ``vllm:`` family is also exported as ``tokenmill:`` (same
+values, produced at scrape time by renaming, so nothing is counted twice).
+
+Two kinds of figures:
+
+- per-request histograms and counters, observed on the event loop as deltas
+  arrive (time to first token, time per output token, end-to-end, queue,
+  prefill and decode time, token counts, finish reasons);
+- engine state (running/waiting, KV usage, prefix-cache counters, cached
+  blocks, preemptions), read at scrape time from the engine, so a scrape is
+  always current and costs the engine thread nothing.
+
+Each app gets its own ``CollectorRegistry`` so tests can run many apps in one
+process.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+disable_created_metrics()  # the *_created series only double the scrape size
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+                          0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+_TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and counters read from the engine when Prometheus scrapes."""
+
+    def __init__(self, model_name: str, engine: Any, waiting: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self.waiting = waiting
+
+    def collect(self) -> Iterable[Metric]:
+        eng = self.engine
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", eng.num_running)
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled (incl. queued to the engine).",
+                    self.waiting())
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by running requests (0..1).",
+                    float(eng.pool.usage))
+        yield counter("vllm:num_preemptions", "Preemptions (requests evicted from the batch for recompute).",
+                      eng.total_preemptions)
+        cache = eng.prefix_cache
+        queried = cache.stats.queried_tokens if cache is not None else 0
+        hits = cache.stats.hit_tokens if cache is not None else 0
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
+
+
+class _AliasCollector(Collector):
+    """Re-exports every ``vllm:`` family of ``source`` under the ``tokenmill:`` prefix."""
+
+    def __init__(self, source: CollectorRegistry, old: str = "vllm:", new: str = "tokenmill:") -> None:
+        self.source = source
+        self.old = old
+        self.new = new
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.source.collect():
+            if not family.name.startswith(self.old):
+                continue
+            renamed = Metric(self.new + family.name[len(self.old):], family.documentation, family.type,
+                             family.unit)
+            renamed.samples = [s._replace(name=self.new + s.name[len(self.old):]) for s in family.samples]
+            yield renamed
+
+
+class _Passthrough(Collector):
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return self.source.collect()
+
+
+class _TokenmillOnly(Collector):
+    """Figures with no vLLM equivalent."""
+
+    def __init__(self, model_name: str, engine: Any) -> None:
+        self.model_name = model_name
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        eng = self.engine
+        cache = eng.prefix_cache
+        g = GaugeMetricFamily("tokenmill:prefix_cache_blocks",
+                              "KV blocks held by the prefix cache (idle or shared).", labels=["model_name"])
+        g.add_metric([self.model_name], cache.num_cached if cache is not None else 0)
+        yield g
+        pool = GaugeMetricFamily("tokenmill:kv_cache_blocks", "KV-cache blocks by state.",
+                                 labels=["model_name", "state"])
+        pool.add_metric([self.model_name, "free"], eng.pool.num_free)
+        pool.add_metric([self.model_name, "in_use"], eng.pool.num_in_use)
+        pool.add_metric([self.model_name, "cached_idle"], eng.pool.num_cached_idle)
+        yield pool
+
+
+class ServerMetrics:
+    """All metrics of one server; ``render()`` gives the Prometheus text."""
+
+    def __init__(self, model_name: str, engine: Any, waiting: Callable[[], int] | None = None) -> None:
+        self.model_name = model_name
+        self.engine = engine
+        self.vllm = CollectorRegistry(auto_describe=False)
+        reg = self.vllm
+        lab = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, lab, buckets=buckets, registry=reg).labels(model_name)
+
+        def count(name: str, doc: str) -> Any:
+            return Counter(name, doc, lab, registry=reg).labels(model_name)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                         _LATENCY_BUCKETS)
+        self.tpot = hist("vllm:time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.", _TOKEN_LATENCY_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
+                        _TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                            _LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "First token to last token.", _LATENCY_BUCKETS)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request.", _TOKEN_COUNT_BUCKETS)
+        self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per sequence.",
+                            _TOKEN_COUNT_BUCKETS)
+        self.prompt_tokens = count("vllm:prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = count("vllm:generation_tokens", "Generated tokens.")
+        self._success = Counter("vllm:request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        info = Gauge("vllm:cache_config_info", "KV-cache configuration (value is always 1).",
+                     ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
+        info.labels(str(engine.block_size), str(engine.pool.num_blocks),
+                    str(engine.prefix_cache is not None)).set(1)
+        reg.register(_EngineStateCollector(model_name, engine, waiting or (lambda: engine.num_waiting)))
+
+        self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",
+                                ["reason"], registry=None)
+        self.exposed = CollectorRegistry(auto_describe=False)
+        self.exposed.register(_Passthrough(self.vllm))
+        self.exposed.register(_AliasCollector(self.vllm))
+        self.exposed.register(_TokenmillOnly(model_name, engine))
+        self.exposed.register(self.rejected)
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self.model_name, reason or "abort").inc()
+
+    def observe_sequence(self, metrics: dict[str, float], num_output_tokens: int) -> None:
+        """A sequence finished normally: record its latencies from the engine's clock."""
+        ttft = metrics.get("ttft")
+        e2e = metrics.get("e2e")
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        if "queue_time" in metrics:
+            self.queue.observe(metrics["queue_time"])
+        if "prefill_time" in metrics:
+            self.prefill.observe(metrics["prefill_time"])
+        if ttft is not None and e2e is not None:
+            self.decode.observe(max(0.0, e2e - ttft))
+            if num_output_tokens > 1:
+                self.tpot.observe(max(0.0, e2e - ttft) / (num_output_tokens - 1))
+        self.req_gen.observe(num_output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.exposed)
