@@ -1,0 +1,128 @@
+"""Helpers for the server tests (no tests here): tiny in-process apps, a uvicorn
+thread, a real `tokenmill serve` subprocess, and a Prometheus text reader."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import tiny_loaded, tiny_tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any) -> Any:
+    """A FastAPI app over the tiny random model; ``app.state.tokenmill`` is the ServerState."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.entrypoints.server import build_app
+    from tokenmill.entrypoints.serving import ServerSettings
+
+    opts = {"num_blocks": 128, "max_num_batched_tokens": 256}
+    opts.update(engine_options or {})
+    engine = LLMEngine(EngineConfig.from_options(**opts), loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
+    settings.setdefault("served_model_names", ["tiny"])
+    return build_app(AsyncEngine(engine), ServerSettings(**settings))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of samples called ``name`` whose labels include ``labels``."""
+    total = 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+                found = True
+    if not found:
+        raise KeyError(name)
+    return total
+
+
+class ThreadServer:
+    """uvicorn serving an app in a background thread (real sockets, real disconnects)."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def serve_command(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", *extra]
+
+
+class RealServer:
+    """A running `tokenmill serve` subprocess: ``url``, ``proc`` and its stderr ``lines``."""
+
+    def __init__(self, url: str, proc: subprocess.Popen) -> None:
+        self.url = url
+        self.proc = proc
+        self.lines: list[str] = []
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for raw in self.proc.stderr:
+            self.lines.append(raw.decode(errors="replace").rstrip())
+
+
+@contextmanager
+def real_server(*extra: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
+                ) -> Iterator[RealServer]:
+    """`tokenmill serve` with the bundled model in a subprocess (killed on exit if still running)."""
+    port = free_port()
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(serve_command("--port", str(port), *extra), env=full_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = RealServer(f"http://127.0.0.1:{port}", proc)
+    threading.Thread(target=server._drain, daemon=True).start()  # never let a full pipe block it
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                time.sleep(0.2)
+                raise RuntimeError(f"tokenmill serve exited with {proc.returncode}: "
+                                   + "\n".join(server.lines[-30:]))
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("tokenmill serve did not become healthy")
+            time.sleep(0.25)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
