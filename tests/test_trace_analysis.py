@@ -28,6 +28,8 @@ def make_capture(path, layout: str, n: int = 60, seed: int = 0) -> None:
             question = [rng.randrange(2000, 40_000) for _ in range(rng.randint(20, 60))]
             if layout == "timestamp_first":
                 ids = ts + SYSTEM + question
+            elif layout == "long_stamp_after_common_head":  # BOS + "[2025-" shared, then 30 unique
+                ids = list(range(16)) + ts * 4 + ts[:2] + SYSTEM + question
             elif layout == "system_first":
                 ids = SYSTEM + ts + question
             else:
@@ -45,7 +47,15 @@ def test_timestamp_before_system_prompt_is_flagged(tmp_path):
     assert rep.layout is not None
     assert rep.layout.fraction > 0.9 and rep.layout.at_start > 0.9
     assert rep.layout.ideal_fixed > 0.5  # ~(59 * 192) / total prompt tokens
-    assert any("begin with a block seen in no other prompt" in w for w in rep.warnings)
+    assert any("begin with something seen in no other prompt" in w for w in rep.warnings)
+
+
+def test_unique_run_spanning_blocks_after_a_common_head_is_flagged(tmp_path):
+    make_capture(tmp_path / "bad2.jsonl", "long_stamp_after_common_head")
+    rep = analyze(read_capture([tmp_path / "bad2.jsonl"]))
+    assert rep.top_prefixes[0].tokens == 16  # only the common head is shared now
+    assert rep.layout is not None and rep.layout.fraction > 0.9 and rep.layout.at_start > 0.9
+    assert rep.layout.ideal_fixed > rep.ideal_hit_rate + 0.4
 
 
 def test_system_prompt_first_is_not_flagged(tmp_path):

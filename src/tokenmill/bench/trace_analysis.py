@@ -6,11 +6,13 @@ Prefix sharing is judged at block granularity with the capture's hashes:
   prefix cache: a request hits its longest run of leading blocks whose chained
   hash appeared earlier (capped at prompt length - 1, as engines recompute the
   last token). Compared with the ``cached_tokens`` the server really hit.
-- layout check: for each prompt find the first block no other prompt has. If
-  the blocks *after* it (compared by content, re-chained from there) repeat
-  across prompts, something unique (a timestamp, a user id) sits before
-  shared text and defeats the cache. We estimate the ideal hit rate with that
-  block moved to the end of the prompt.
+- layout check: for each prompt find the first block no other prompt has,
+  and the next block whose content other prompts also hold. If the blocks
+  from there on (compared by content, re-chained from there) repeat across
+  prompts, something unique (a timestamp, a user id) sits before shared text
+  and defeats the cache. We estimate the ideal hit rate with the unique run
+  moved to the end of the prompt. "At the start" allows one shared leading
+  block (a BOS token and a common opening like "[2025-").
 """
 from __future__ import annotations
 
@@ -102,37 +104,45 @@ def _top_prefixes(recs: Sequence[dict[str, Any]], counts: Counter[str], bs: int,
 
 def _layout(recs: Sequence[dict[str, Any]], counts: Counter[str], bs: int,
             ideal_now: float) -> LayoutFinding | None:
-    firsts: list[int | None] = []
+    # For each prompt: u = first block no other prompt has (by chained hash);
+    # j = the next block whose content other prompts also hold. The unique run
+    # u..j-1 (a timestamp, an id) splits the prompt; re-chain from j to see
+    # whether what follows is shared across prompts.
+    content_counts: Counter[str] = Counter(
+        h for r in recs for h in set(r.get("block_content_hashes") or []))
+    cuts: list[tuple[int, int] | None] = []
     rerooted: list[list[str]] = []
     for r in recs:
         hs = r.get("block_hashes") or []
-        u = next((i for i, h in enumerate(hs) if counts[h] == 1), None)
-        firsts.append(u)
         content = r.get("block_content_hashes") or []
-        rerooted.append(chain_hashes(content[u + 1:]) if u is not None else [])
+        u = next((i for i, h in enumerate(hs) if counts[h] == 1), None)
+        j = None if u is None else next(
+            (i for i in range(u + 1, len(content)) if content_counts[content[i]] >= 2), None)
+        cuts.append(None if j is None else (u, j))
+        rerooted.append(chain_hashes(content[j:]) if j is not None else [])
     rcounts: Counter[str] = Counter(h for hs in rerooted for h in hs)
-    interrupted: list[tuple[int, int]] = []  # (request index, shared blocks after)
+    interrupted: dict[int, int] = {}  # request index -> shared blocks after the unique run
     for idx, hs in enumerate(rerooted):
         k = 0
         while k < len(hs) and rcounts[hs[k]] >= 2:
             k += 1
         if k >= 1:
-            interrupted.append((idx, k))
+            interrupted[idx] = k
     if not recs or not interrupted:
         return None
     moved: list[list[str]] = []
-    hit_idx = {i for i, _ in interrupted}
     for i, r in enumerate(recs):
         content = list(r.get("block_content_hashes") or [])
-        u = firsts[i]
-        if i in hit_idx and u is not None:
-            content = content[:u] + content[u + 1:] + [content[u]]
+        cut = cuts[i]
+        if i in interrupted and cut is not None:
+            u, j = cut
+            content = content[:u] + content[j:] + content[u:j]
         moved.append(chain_hashes(content))
     fixed = ideal_hit_rate(moved, [int(r["prompt_tokens"]) for r in recs], bs)
     frac = len(interrupted) / len(recs)
-    at_start = sum(1 for i, _ in interrupted if firsts[i] == 0) / len(interrupted)
-    mean_after = sum(k for _, k in interrupted) / len(interrupted)
-    where = ("begin with a block seen in no other prompt (a timestamp, user or request id "
+    at_start = sum(1 for i in interrupted if (cuts[i] or (1, 1))[0] <= 1) / len(interrupted)
+    mean_after = sum(interrupted.values()) / len(interrupted)
+    where = ("begin with something seen in no other prompt (a timestamp, user or request id "
              "placed before the shared text?)" if at_start >= 0.5 else
              "have a block seen in no other prompt in the middle of otherwise shared text")
     msg = (f"prompt layout defeats prefix caching: {frac:.0%} of prompts {where}, and about "
