@@ -202,6 +202,8 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10 ** 12]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1], "min_tokens": 2}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [5, 300]}, 400, "prompt"),
@@ -241,6 +243,23 @@ def test_malformed_json_and_unknown_routes(app):
     assert "JSON" in err["message"]
     _check_error_shape(get(app, "/v1/nothing"), 404)
     _check_error_shape(get(app, "/v1/completions"), 405)
+
+
+@pytest.mark.parametrize("raw", [rb'{"prompt": "a\ud800b"}', rb'{"prompt": "x", "model": "\udfff"}',
+                                 rb'{"messages": [{"role": "user", "content": "\ud83d"}]}'])
+def test_lone_surrogates_are_rejected(app, raw):
+    path = "/v1/chat/completions" if b"messages" in raw else "/v1/completions"
+    err = _check_error_shape(post(app, path, raw=raw), 400)
+    assert "Unicode" in err["message"]
+
+
+def test_extreme_but_valid_values_work(app):
+    body = {"prompt": "ab", "max_tokens": 2, "temperature": 2, "top_k": 1 << 20, "n": 16,
+            "seed": (1 << 64) - 1, "min_tokens": 1 << 20, "stop_token_ids": [0, 256]}
+    r = post(app, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 16
+    assert post(app, "/v1/completions", {**body, "seed": -(1 << 63)}).status_code == 200
 
 
 def test_context_overflow_states_both_numbers(app):

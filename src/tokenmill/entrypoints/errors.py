@@ -52,9 +52,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """Error bodies may quote client input; ASCII escapes keep them encodable whatever it held."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
                    type: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code, type), status_code=status, headers=headers)
+    return _AsciiJSONResponse(error_body(status, message, param, code, type), status_code=status,
+                              headers=headers)
 
 
 def _describe_validation(errors: list[Any]) -> tuple[str, str | None]:

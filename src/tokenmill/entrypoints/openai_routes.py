@@ -38,7 +38,13 @@ def _seed(seed: int | None) -> int | None:
     return None if seed is None else seed % (1 << 63)
 
 
-def sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size), None)
+    if bad is not None:  # the sampler indexes the vocabulary with these
+        raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
+                       param="stop_token_ids")
+
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
@@ -115,12 +121,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             text: str | None = prompt
         else:
             ids = list(prompt)
-            state.check_prompt_ids(ids)
             text = None
         state.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
-        params = sampling_params(body, max_tokens, body.logprobs)
+        params = sampling_params(state, body, max_tokens, body.logprobs)
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
@@ -146,7 +151,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_prompt_ids(ids)
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
-    params = sampling_params(body, max_tokens, top if body.logprobs else None)
+    params = sampling_params(state, body, max_tokens, top if body.logprobs else None)
     job = Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt)
     state.reserve([job])
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, top, _include_usage(body))

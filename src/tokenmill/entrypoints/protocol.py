@@ -25,8 +25,31 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 TokenIds = list[int]
 
 
+def _has_surrogate(value: Any, depth: int = 0) -> bool:
+    """True if any string inside ``value`` holds a lone UTF-16 surrogate.
+
+    JSON escapes like ``"\\ud800"`` decode to such strings; they cannot be
+    encoded as UTF-8, so the tokenizer and the response writer would fail."""
+    if isinstance(value, str):
+        return any("\ud800" <= ch <= "\udfff" for ch in value) if not value.isascii() else False
+    if depth > 8:
+        return False
+    if isinstance(value, dict):
+        return any(_has_surrogate(k, depth + 1) or _has_surrogate(v, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_surrogate(v, depth + 1) for v in value)
+    return False
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_surrogate(data):
+            raise ValueError("body: a string holds invalid Unicode (a lone surrogate escape)")
+        return data
 
 
 class StreamOptions(_Model):

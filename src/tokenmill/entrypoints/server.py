@@ -9,15 +9,13 @@ and counts requests in flight so shutdown can wait for them.
 """
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import os
 import threading
 import time
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -78,17 +76,13 @@ class GateMiddleware:
 
 
 def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
-    """A FastAPI app over a running AsyncEngine. The app shuts the engine down when its lifespan ends."""
+    """A FastAPI app over a running AsyncEngine.
+
+    The caller owns the engine (and ``app.state.tokenmill.close()``): test
+    clients run the lifespan once per client, which must not stop the engine."""
     settings = settings or ServerSettings()
     state = ServerState(async_engine, settings)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        state.close()
-        await asyncio.to_thread(async_engine.shutdown)
-
-    app = FastAPI(title="tokenmill", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="tokenmill", version="0.1.0",
                   description="OpenAI-compatible LLM server (completions, chat, streaming, metrics).")
     app.state.tokenmill = state
     install_error_handlers(app)
@@ -257,6 +251,11 @@ def run_server(args: Any) -> int:
              engine.max_model_len, engine.prefix_cache is not None, url)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                timeout_graceful_shutdown=1, access_log=False)
-    _DrainingServer(uv_config, state).server.run()
+    try:
+        _DrainingServer(uv_config, state).server.run()
+    finally:
+        state.close()
+        aengine.shutdown()
+    log.info("tokenmill stopped")
     return 0
 
