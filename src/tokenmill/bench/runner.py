@@ -201,10 +201,15 @@ def _finish_point(point: PointResult, cfg: BenchConfig) -> None:
     recs = sorted(point.run.records, key=lambda r: r.start)
     point.summary = summarize(recs, cfg.slo, cfg.cost_per_hour)
     point.diagnosis, point.breakdown = sm.diagnose(point.label, point.summary, point.server)
-    first = next((r for r in recs if r.ok), None)
-    if first is not None and first.cached_tokens:
-        point.warnings.append(f"the first request already hit {first.cached_tokens} cached "
-                              "tokens: the run started on a warm prefix cache")
+    # A salted point cannot inherit cache from earlier runs. Unsalted, a hit on
+    # the first request is proof of a warm cache only if no other request of
+    # this run could have filled the cache before it (sequential start).
+    ok = [r for r in recs if r.ok]
+    if not cfg.salt and ok and ok[0].cached_tokens:
+        first, nxt = ok[0], (ok[1] if len(ok) > 1 else None)
+        if nxt is None or nxt.start >= first.start + (first.ttft or 0.0):
+            point.warnings.append(f"the first request already hit {first.cached_tokens} cached "
+                                  "tokens: the run started on a warm prefix cache")
     s = point.summary
     if s.completed and s.usage_reported < s.completed:
         point.warnings.append(f"{s.completed - s.usage_reported} responses had no usage; "
