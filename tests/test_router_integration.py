@@ -26,8 +26,8 @@ from tokenmill.router.workload import run_workload, shared_prefix_workload
 pytestmark = pytest.mark.slow
 
 N_PREFIXES = 8
-PREFIX_WORDS = 80  # about 200 tokens of the bundled model's tokenizer
-CACHE_BLOCKS = 56  # room for about three prefixes (13 blocks each) plus running requests
+PREFIX_WORDS = 80  # about 180 tokens (11 blocks) with the bundled model's tokenizer
+CACHE_BLOCKS = 40  # room for three prefixes plus the running requests' own blocks, not for eight
 
 
 def _serve_cmd() -> list[str]:
@@ -38,13 +38,19 @@ def _serve_cmd() -> list[str]:
     return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve"]
 
 
-def _cache_args(cmd: list[str]) -> list[str]:
+def _cache_args() -> list[str]:
     """Flags that cap the KV cache at CACHE_BLOCKS blocks, in whatever form the server offers."""
-    text = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120).stdout
-    for flag in ("--num-gpu-blocks", "--num-blocks", "--num-gpu-blocks-override"):
-        if flag in text:
-            return [flag, str(CACHE_BLOCKS)]
-    if "--kv-cache-memory" in text:
+    import argparse
+
+    from tokenmill.entrypoints import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    serve = next(a for a in parser._subparsers._group_actions[0].choices.values())
+    flags = serve._option_string_actions
+    if "--num-blocks" in flags:
+        return ["--num-blocks", str(CACHE_BLOCKS)]
+    if "--kv-cache-memory" in flags:
         # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes per token.
         return ["--kv-cache-memory", str(CACHE_BLOCKS * 16 * 46080)]
     pytest.skip("tokenmill serve offers no way to size the KV cache")
@@ -53,7 +59,7 @@ def _cache_args(cmd: list[str]) -> list[str]:
 @pytest.fixture(scope="module")
 def replicas():
     cmd = _serve_cmd()
-    extra = _cache_args(cmd)
+    extra = _cache_args()
     ports = [free_port() for _ in range(3)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(p), *extra], env=env,
@@ -97,7 +103,7 @@ def _run(urls, items, policy, concurrency=3, **kw):
 
 
 def test_real_replicas_prefix_hit_rate_and_hot_prefix_share(replicas):
-    items = shared_prefix_workload(N_PREFIXES, per_prefix=4, prefix_words=PREFIX_WORDS, seed=7)
+    items = shared_prefix_workload(N_PREFIXES, per_prefix=6, prefix_words=PREFIX_WORDS, seed=7)
     rr = _run(replicas, items, "round-robin")
     px = _run(replicas, items, "prefix")
     assert rr.ok == px.ok == len(items), [r.error for r in rr.results + px.results if not r.ok][:3]
