@@ -149,8 +149,10 @@ class ServerState:
         limit = min(self.max_model_len, self.pool_tokens)
         room = limit - prompt_len
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens but this model's context length is "
-                           f"{self.max_model_len} tokens (KV cache holds {self.pool_tokens}); shorten the prompt",
+            where = (f"this model's context length is {self.max_model_len} tokens"
+                     if prompt_len >= self.max_model_len else f"the KV cache holds only {self.pool_tokens} tokens")
+            raise APIError(400, f"the prompt has {prompt_len} tokens but {where}, with room for at least one "
+                           f"output token needed; shorten the prompt",
                            param="messages" if default is None else "prompt", code="context_length_exceeded")
         cap = self.settings.max_output_tokens
         if requested is not None:
