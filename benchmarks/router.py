@@ -8,7 +8,8 @@ suffixes, random order) through the router once per policy, resetting the
 replicas' prefix caches in between, and prints throughput, TTFT p50/p99 and
 the replicas' own prefix-cache hit rate for each policy, then the ratios
 prefix / round-robin. Real replicas are started with a small KV cache so that
-one replica cannot hold every prefix, which is the situation a router is for.
+one replica cannot hold every prefix (``--cache-blocks``), which is the
+situation a router is for.
 With fake replicas the figures come from a cost model, and the output says so.
 """
 from __future__ import annotations
@@ -62,14 +63,15 @@ class Replicas:
         for _ in range(n):
             port = _free_port()
             if kind == "real":
-                cmd = [*_tokenmill_cmd(), "serve", "--host", "127.0.0.1", "--port", str(port)]
+                cmd = [*_tokenmill_cmd(), "serve", "--host", "127.0.0.1", "--port", str(port),
+                       "--num-blocks", str(args.cache_blocks)]
                 if args.model:
                     cmd += ["--model", args.model]
                 cmd += args.serve_arg
                 env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
             else:
                 cmd = [sys.executable, str(ROOT / "tests" / "fake_backend.py"), "--port", str(port),
-                       "--name", f"r{len(self.procs)}", "--num-blocks", str(args.fake_blocks)]
+                       "--name", f"r{len(self.procs)}", "--num-blocks", str(args.cache_blocks)]
                 env = dict(os.environ)
             log = open(os.devnull, "w") if not args.verbose else None
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=log, env=env))
@@ -128,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra argument for `tokenmill serve` (repeat), e.g. --serve-arg=--kv-cache-memory=64M")
     p.add_argument("--prefixes", type=int, default=8)
     p.add_argument("--per-prefix", type=int, default=6)
-    p.add_argument("--prefix-words", type=int, default=200)
-    p.add_argument("--concurrency", type=int, default=6)
+    p.add_argument("--prefix-words", type=int, default=80,
+                   help="words per shared prefix (80: about 180 tokens of the bundled model, 11 blocks)")
+    p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--fake-blocks", type=int, default=48, help="prefix-cache blocks per fake replica")
+    p.add_argument("--cache-blocks", type=int, default=None,
+                   help="KV blocks per replica: room for about three prefixes, not eight "
+                        "(default 40 for real replicas, 18 for fake ones, whose tokens are words)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
@@ -145,11 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     if kind == "real" and not _tokenmill_cmd():
         print("tokenmill serve is not available; use --backends fake", file=sys.stderr)
         return 2
+    if args.cache_blocks is None:
+        args.cache_blocks = 40 if kind == "real" else 18
     label = ("real `tokenmill serve` replicas" if kind == "real"
              else "FAKE replicas (tests/fake_backend.py: simulated cache and cost model, not a model)")
     items = shared_prefix_workload(args.prefixes, args.per_prefix, args.prefix_words, seed=args.seed)
     print(f"router benchmark: {len(items)} requests, {args.prefixes} shared prefixes of {args.prefix_words} words, "
-          f"concurrency {args.concurrency}, {args.max_tokens} output tokens, {args.replicas} x {label}")
+          f"concurrency {args.concurrency}, {args.max_tokens} output tokens, {args.replicas} x {label} "
+          f"with {args.cache_blocks} KV blocks each")
     replicas = Replicas(kind, args.replicas, args)
     results: dict[str, RunSummary] = {}
     try:
