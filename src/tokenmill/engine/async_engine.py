@@ -113,24 +113,37 @@ class AsyncEngine:
         self._wakeup.set()
 
     # -- engine thread ---------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        """Commands handed to the engine thread but not applied yet (adds among them)."""
+        return self._commands.qsize()
+
     def _apply_commands(self) -> None:
         while True:
             try:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._add(payload)
-            elif kind == "abort":
-                self._abort(payload)
-            elif kind == "call":
-                fn, loop, future = payload
-                try:
-                    result = fn(self.engine)
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    loop.call_soon_threadsafe(_settle, future, None, exc)
-                else:
-                    loop.call_soon_threadsafe(_settle, future, result, None)
+            try:
+                self._apply(kind, payload)
+            except Exception as exc:  # noqa: BLE001 - a bad command must not kill the loop
+                log.exception("engine command %s failed", kind)
+                if kind == "add":
+                    payload.stream.put(ValueError(f"request rejected: {exc}"))
+
+    def _apply(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            self._add(payload)
+        elif kind == "abort":
+            self._abort(payload)
+        elif kind == "call":
+            fn, loop, future = payload
+            try:
+                result = fn(self.engine)
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _add(self, cmd: _Add) -> None:
         if cmd.request_id in self._streams:
@@ -138,8 +151,8 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
-        except ValueError as exc:
-            cmd.stream.put(exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller as a bad request
+            cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
             return
         self._streams[cmd.request_id] = cmd.stream
 

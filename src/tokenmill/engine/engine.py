@@ -127,6 +127,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise ValueError(
