@@ -29,15 +29,19 @@ def register(subparsers: Any) -> None:
 
 def generate(prompt: str, *, system: str | None = None, max_tokens: int = 128, temperature: float = 0.0,
              seed: int | None = None, raw: bool = False, stats: bool = False, out: Any = None,
-             **engine_options: Any) -> str:
-    """Stream one answer to ``out`` (default stdout) and return it."""
+             engine: Any = None, **engine_options: Any) -> str:
+    """Stream one answer to ``out`` (default stdout) and return it.
+
+    ``engine``: an existing LLMEngine (tests); otherwise one is built from
+    ``engine_options`` (bundled model, a small KV pool: one request needs little)."""
     from ..config import EngineConfig
     from ..engine.engine import LLMEngine
     from ..engine.request import SamplingParams
 
     out = out or sys.stdout
-    engine_options.setdefault("kv_cache_memory", "256MiB")
-    engine = LLMEngine(EngineConfig.from_options(**engine_options))
+    if engine is None:
+        engine_options.setdefault("kv_cache_memory", "256MiB")
+        engine = LLMEngine(EngineConfig.from_options(**engine_options))
     tok = engine.tokenizer
     if raw:
         ids = tok.encode(prompt, add_special_tokens=True)

@@ -123,8 +123,9 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        # ``model`` is not checked: one tokenizer per server, and a 404 here would
+        # make clients (the router, the load tester) conclude /tokenize is missing
         state = get_state(request)
-        state.check_model(body.model)
         if body.messages is not None:
             text = render_chat(state, body.messages, body.add_generation_prompt)
             ids = await encode(state, text, False)
@@ -135,7 +136,6 @@ def _misc_routes(app: FastAPI) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
     async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
         state = get_state(request)
-        state.check_model(body.model)
         bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
@@ -153,8 +153,13 @@ def _misc_routes(app: FastAPI) -> None:
 
 def _settings_from_args(args: Any) -> ServerSettings:
     names = args.served_model_name or [_default_model_name(args.model)]
+    model_path = args.model
+    if model_path is None:
+        from ..model.bundled import default_model_path
+
+        model_path = default_model_path()
     return ServerSettings(
-        served_model_names=list(names), model_path=args.model,
+        served_model_names=list(names), model_path=model_path,
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
@@ -242,6 +247,9 @@ def run_server(args: Any) -> int:
     engine = LLMEngine(config)
     aengine = AsyncEngine(engine)
     app = build_app(aengine, settings)
+    # /v1/engine/stats always; the web console at GET / unless --no-ui (entrypoints/console.py)
+    from .console import mount_console
+    mount_console(app, ui=not getattr(args, "no_ui", False))
     state: ServerState = app.state.tokenmill
     url = f"http://{args.host}:{args.port}"
     log.info("tokenmill serving model=%s (%s) dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens "
