@@ -1,0 +1,150 @@
+"""Prefix caching on vs off, against the real server, in one run.
+
+Workload: 64 requests, each a ~1,500-token document (one of 8) followed by a
+~40-token question of its own, sent at concurrency 8 in random order, 16
+output tokens each (streaming). The same workload runs against
+`tokenmill serve` with the prefix cache on, then against a fresh server with
+`--no-prefix-caching` (the baseline). Prints TTFT p50/p99, throughput and hit
+rate for both, and the ratios.
+
+    .venv/bin/python benchmarks/prefix_cache.py [--requests 64] [--concurrency 8]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+WORDS = ("archive ledger harbor copper meadow lantern orchard signal valley winter thunder "
+         "garden market silver bridge forest candle window engine river stone paper").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_workload(n: int, docs: int, doc_words: int, q_words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    documents = [f"Document {d}.\n" + " ".join(rng.choice(WORDS) for _ in range(doc_words)) for d in range(docs)]
+    prompts = []
+    for i in range(n):
+        question = " ".join(rng.choice(WORDS) for _ in range(q_words))
+        prompts.append(f"{documents[i % docs]}\n\nQuestion {i}: {question}?\nAnswer:")
+    rng.shuffle(prompts)
+    return prompts
+
+
+def start_server(port: int, caching: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
+           "--kv-cache-memory", "2GiB", "--max-num-seqs", "16", "--no-ui"]
+    if not caching:
+        cmd.append("--no-prefix-caching")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    start = time.perf_counter()
+    ttft = None
+    usage: dict = {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
+                ttft = time.perf_counter() - start
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return {"ttft": ttft if ttft is not None else time.perf_counter() - start,
+            "e2e": time.perf_counter() - start, "usage": usage}
+
+
+async def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=600) as client:
+        async def task(p: str) -> dict:
+            async with sem:
+                return await one(client, url, p, max_tokens)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(task(p) for p in prompts))
+        wall = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in results)
+    prompt_tokens = sum(r["usage"].get("prompt_tokens", 0) for r in results)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
+    out_tokens = sum(r["usage"].get("completion_tokens", 0) for r in results)
+    return {
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_p99": ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))],
+        "req_per_s": len(results) / wall,
+        "out_tok_per_s": out_tokens / wall,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "prompt_tokens": prompt_tokens / len(results),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--documents", type=int, default=8)
+    ap.add_argument("--doc-words", type=int, default=1400)
+    ap.add_argument("--question-words", type=int, default=36)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+    prompts = make_workload(args.requests, args.documents, args.doc_words, args.question_words)
+    figures = {}
+    for caching in (True, False):
+        port = free_port()
+        proc = start_server(port, caching)
+        try:
+            figures[caching] = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, args.concurrency,
+                                                    args.max_tokens))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    on, off = figures[True], figures[False]
+    print(f"workload: {args.requests} requests, {args.documents} shared documents, "
+          f"~{on['prompt_tokens']:.0f} prompt tokens each, concurrency {args.concurrency}, "
+          f"{args.max_tokens} output tokens; {os.cpu_count()} CPUs")
+    print(f"{'':22}{'cache on':>12}{'cache off (baseline)':>22}{'ratio':>10}")
+    rows = [("TTFT p50 (s)", "ttft_p50", False), ("TTFT p99 (s)", "ttft_p99", False),
+            ("requests/s", "req_per_s", True), ("output tok/s", "out_tok_per_s", True),
+            ("prefix hit rate", "hit_rate", None)]
+    for label, key, higher_better in rows:
+        a, b = on[key], off[key]
+        if higher_better is None:
+            ratio = ""
+        elif higher_better:
+            ratio = f"{a / b:.2f}x" if b else "-"
+        else:
+            ratio = f"{b / a:.2f}x lower" if a else "-"
+        print(f"{label:22}{a:12.3f}{b:22.3f}{ratio:>14}")
+
+
+if __name__ == "__main__":
+    main()
