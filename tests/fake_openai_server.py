@@ -46,6 +46,7 @@ class _State:
     prefill_sum: float = 0.0
     ttft_sum: float = 0.0
     finished: int = 0
+    max_lag: float = 0.0  # worst lateness of a chunk vs its schedule (this machine's jitter)
     running: int = 0
     waiting: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -193,6 +194,7 @@ class FakeServer:
                 for k in range(n):
                     due = start + ttft + k * itl
                     await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                    self.state.max_lag = max(self.state.max_lag, time.perf_counter() - due)
                     if k == 0:
                         self.state.ttft_sum += time.perf_counter() - arrival
                     if self.cfg.mode == "garbage" and k == 1:

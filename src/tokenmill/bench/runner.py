@@ -43,6 +43,7 @@ class BenchConfig:
     seed: int = 0
     timeout: float = 600.0
     progress: bool | None = None
+    metrics_interval: float = 0.5  # seconds between /metrics gauge samples
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {k: v for k, v in asdict(self).items()
@@ -172,7 +173,7 @@ async def run_bench(cfg: BenchConfig, target: Target, counter: TokenCounter,
                     and before.values.get("prefix_queries")):
                 warnings.append("the server has served prompts before this run and prompts are "
                                 "not salted: its prefix cache may be warm (use --reset-cache)")
-            sampler = sm.GaugeSampler(client, target.base_url)
+            sampler = sm.GaugeSampler(client, target.base_url, cfg.metrics_interval)
             if before is not None:
                 sampler.start()
             progress = Progress(shape.label, len(specs), cfg.progress, shape.duration)
