@@ -148,7 +148,7 @@ function pctText(p) {
 
 function showFacts(m) {
   const rows = [
-    ["Model", m.name], ["Weights from", m.path],
+    ["Model", m.name], ["Weights from", m.path.split("/").pop() || m.path],
     ["Architecture", `${m.architecture}, ${m.layers} layers, hidden ${m.hidden_size}, vocab ${fmtNum(m.vocab_size)}`],
     ["Dtype", m.dtype], ["Quantization", m.quantization], ["Device", m.device],
     ["Weight memory", fmtBytes(m.weight_bytes)],
@@ -163,7 +163,9 @@ function showFacts(m) {
     const tr = body.insertRow();
     for (const [k, v] of rows.slice(i, i + 2)) {
       tr.insertCell().textContent = k;
-      tr.insertCell().textContent = v;
+      const cell = tr.insertCell();
+      cell.textContent = v;
+      if (k === "Weights from") cell.title = m.path;  // the full path on hover
     }
   }
 }
