@@ -157,3 +157,29 @@ def test_capture_flags_timestamp_first_prompts_only(server, tmp_path):
     assert bad.layout is not None and bad.layout.ideal_fixed > bad.ideal_hit_rate + 0.3
     assert good.layout is None and good.ideal_hit_rate > 0.5
     assert good.actual_hit_rate is not None and good.actual_hit_rate > 0.3
+
+
+def test_replaying_a_capture_keeps_lengths_and_sharing(server, tmp_path):
+    url, model, capture = server
+    _layout_dataset(tmp_path / "good.jsonl", True, 6)
+    t0 = time.time()
+    cfg = BenchConfig(shapes=[LoadShape(concurrency=1)], num_requests=6,
+                      dataset=str(tmp_path / "good.jsonl"), progress=False)
+    assert all(r.ok for r in _bench(url, model, cfg).points[0].run.records)
+    t1 = time.time()
+    time.sleep(0.5)
+    if not capture.exists():
+        pytest.skip("the server does not write --capture-traffic records yet")
+    recs = [r for r in read_capture([capture]) if t0 <= r["arrival_time"] <= t1]
+    assert len(recs) == 6
+    part = tmp_path / "part.jsonl"
+    part.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    replay = BenchConfig(shapes=[LoadShape(trace=True)], num_requests=6, trace=str(part),
+                         trace_speed=5.0, reset_cache=True, progress=False)
+    point = _bench(url, model, replay).points[0]
+    got = sorted(point.run.records, key=lambda r: r.index)
+    assert all(r.ok for r in got)
+    assert [r.prompt_tokens for r in got] == [r["prompt_tokens"] for r in recs]
+    assert [r.output_tokens for r in got] == [r["output_tokens"] for r in recs]
+    # the shared system prompt is shared again: every replayed request after the first hits
+    assert got[0].cached_tokens == 0 and all(r.cached_tokens >= 96 for r in got[1:])
