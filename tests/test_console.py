@@ -184,9 +184,9 @@ def test_stats_agree_with_metrics_while_a_request_runs_and_after_its_client_leav
         with ThreadServer(app) as server, httpx.Client(timeout=30) as client:
             body = {"prompt": "a long story " * 4, "max_tokens": 900, "ignore_eos": True, "stream": True}
             with client.stream("POST", server.url + "/v1/completions", json=body) as resp:
-                for i, _ in enumerate(resp.iter_lines()):
-                    if i == 8:
-                        break
+                lines = resp.iter_lines()  # kept open: closing the iterator would drop the connection
+                for _ in range(8):
+                    next(lines)
                 stats = client.get(server.url + "/v1/engine/stats").json()
                 text = client.get(server.url + "/metrics").text
                 assert stats["running"] == metric(text, "vllm:num_requests_running") == 1

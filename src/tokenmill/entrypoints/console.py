@@ -260,9 +260,18 @@ class ConsoleStats:
         self.facts = startup_facts(state)
         self.started_unix = time.time()
 
-    def _counter(self, name: str, **labels: str) -> float:
-        value = self.state.metrics.vllm.get_sample_value(name, {"model_name": self.state.model_name, **labels})
-        return float(value or 0.0)
+    def _registry_counters(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Token counters and finished-by-reason counts, read from the /metrics registry in one pass."""
+        wanted = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+        counters = dict.fromkeys(wanted, 0.0)
+        finished: dict[str, float] = {}
+        for family in self.state.metrics.vllm.collect():
+            for s in family.samples:
+                if s.name in counters:
+                    counters[s.name] += s.value
+                elif s.name == "vllm:request_success_total":
+                    finished[s.labels["finished_reason"]] = s.value
+        return counters, finished
 
     def document(self) -> dict[str, Any]:
         state = self.state
@@ -270,12 +279,7 @@ class ConsoleStats:
         pool = engine.pool
         cache = engine.prefix_cache
         recent = self.window.snapshot()
-        finished: dict[str, float] = {}
-        for family in state.metrics.vllm.collect():
-            if family.name == "vllm:request_success":
-                for s in family.samples:
-                    if s.name.endswith("_total"):
-                        finished[s.labels["finished_reason"]] = s.value
+        counters, finished = self._registry_counters()
         return {
             "time": time.time(),
             "uptime_s": time.time() - self.started_unix,
@@ -295,8 +299,8 @@ class ConsoleStats:
             },
             "preemptions_total": int(engine.total_preemptions),
             "totals": {  # read from the /metrics registry itself
-                "prompt_tokens": int(self._counter("vllm:prompt_tokens_total")),
-                "generation_tokens": int(self._counter("vllm:generation_tokens_total")),
+                "prompt_tokens": int(counters["vllm:prompt_tokens_total"]),
+                "generation_tokens": int(counters["vllm:generation_tokens_total"]),
                 "finished": {k: int(v) for k, v in sorted(finished.items())},
             },
             "last_minute": recent,
