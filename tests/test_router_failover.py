@@ -213,9 +213,11 @@ def test_rejecting_backend_is_retried_elsewhere_or_passed_through():
         for i in range(4):
             r = httpx.post(both.url + "/v1/completions", json={"prompt": f"q {i}", "max_tokens": 1}, timeout=10)
             assert r.status_code == 200 and r.headers["x-tokenmill-backend"] == fakes[1].url.split("//")[1]
-        # Round-robin over the pair offers the rejecting replica first each time (the
-        # retry consumes the other turn), so every request was retried once.
-        assert _sample(httpx.get(both.url + "/metrics").text, "tokenmill_router_retries_total") == 4
+        # Every attempt on the rejecting replica was retried once on the other.
+        text = httpx.get(both.url + "/metrics").text
+        tried_on_rejecting = _state(both)[fakes[0].url]["requests_total"]
+        assert tried_on_rejecting >= 2  # round-robin offered it at least every other time
+        assert _sample(text, "tokenmill_router_retries_total") == tried_on_rejecting
         r = httpx.post(alone.url + "/v1/completions", json={"prompt": "q", "max_tokens": 1}, timeout=10)
         assert r.status_code == 429 and r.json()["error"]["message"] == "rejected"
     finally:

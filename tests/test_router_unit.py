@@ -245,3 +245,36 @@ def test_scraped_cache_size_sets_index_capacity_and_restart_clears_it():
     assert b.index.capacity_blocks == 200 and len(b.index) == 4  # 100 blocks of 32 = 200 of ours
     pool._apply_stats(b, BackendStats(num_gpu_blocks=100, block_size=32, prefix_queries=10))
     assert len(b.index) == 0  # counters went backwards: the server restarted with a cold cache
+
+
+def test_health_check_timeouts_need_two_in_a_row_but_refusals_count_at_once():
+    import httpx
+
+    from tokenmill.router.pool import BackendPool
+
+    mode = {"a": "timeout"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if mode["a"] == "timeout":
+            raise httpx.ReadTimeout("slow", request=request)
+        if mode["a"] == "refused":
+            raise httpx.ConnectError("refused", request=request)
+        return httpx.Response(200, text="" if request.url.path == "/metrics" else "{}")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            pool = BackendPool(RouterConfig(backends=["http://a:1"]), client)
+            b = pool.get("http://a:1")
+            b.healthy = True
+            await pool.check(b)
+            first = b.healthy  # one timeout: still in rotation
+            await pool.check(b)
+            second = b.healthy  # two in a row: out
+            mode["a"] = "ok"
+            await pool.check(b)
+            back = b.healthy
+            mode["a"] = "refused"
+            await pool.check(b)
+            return first, second, back, b.healthy
+
+    assert asyncio.run(go()) == (True, False, True, False)

@@ -58,6 +58,7 @@ class Backend:
     last_check: float = 0.0
     last_error: str | None = None
     consecutive_failures: int = 0
+    check_timeouts: int = 0  # health checks in a row that timed out
     from_dns: bool = False
     requests_total: int = 0
 

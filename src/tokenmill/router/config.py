@@ -54,7 +54,11 @@ class RouterConfig:
 
     # Health and scraping.
     health_interval: float = 2.0
-    health_timeout: float = 1.0
+    health_timeout: float = 2.0
+    # A refused connection or a non-200 answer takes a backend out at once; a
+    # check that merely times out (a busy CPU server) must do so this many
+    # times in a row.
+    health_timeouts_to_fail: int = 2
     connect_timeout: float = 3.0
     request_timeout: float = 600.0
 

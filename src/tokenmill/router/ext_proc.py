@@ -249,6 +249,13 @@ async def start_grpc(router: Router, host: str, port: int) -> tuple[grpc.aio.Ser
         raise OSError(f"cannot bind gRPC port {host}:{port}")
     await hc.update()
     loop = asyncio.get_running_loop()
-    router.add_listener(lambda: loop.create_task(hc.update()))
+    pending: set[asyncio.Task] = set()  # keep update tasks referenced until done
+
+    def on_change() -> None:
+        task = loop.create_task(hc.update())
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    router.add_listener(on_change)
     await server.start()
     return server, hc, bound

@@ -144,9 +144,17 @@ class BackendPool:
         timeout = httpx.Timeout(self.config.health_timeout)
         try:
             r = await self.client.get(backend.url + "/health", timeout=timeout, headers=self._headers())
+        except httpx.TimeoutException as exc:
+            backend.check_timeouts += 1
+            if backend.healthy and backend.check_timeouts < self.config.health_timeouts_to_fail:
+                log.debug("health check of %s timed out (%d in a row)", backend.url, backend.check_timeouts)
+                return
+            self._set(backend, False, f"health check: {type(exc).__name__}")
+            return
         except httpx.HTTPError as exc:
             self._set(backend, False, f"health check: {type(exc).__name__}")
             return
+        backend.check_timeouts = 0
         if r.status_code != 200:
             self._set(backend, False, f"health check: HTTP {r.status_code}")
             return
