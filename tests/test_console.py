@@ -289,3 +289,29 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
 def test_static_dir_ships_in_the_package():
     assert {p.name for p in STATIC_DIR.iterdir()} >= {"index.html", "app.js", "app.css"}
     assert STATIC_DIR.parent == Path(__import__("tokenmill.entrypoints", fromlist=["x"]).__file__).parent
+
+
+# ---- the browser test's setup: install chromium when missing, skip with a reason when it cannot ----
+
+def test_browser_setup_skips_with_a_reason_when_chromium_cannot_be_installed(monkeypatch):
+    import subprocess
+
+    import test_console_browser as tcb
+
+    monkeypatch.setattr(tcb, "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.setattr(tcb.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="needs root and apt-get"):
+        tcb.ensure_chromium()
+
+    calls: list[list[str]] = []
+
+    def failing_apt(cmd: list[str], **kwargs: Any) -> Any:
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 100, stdout="", stderr="E: Unable to locate package chromium")
+
+    monkeypatch.setattr(tcb.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(tcb.shutil, "which", lambda name: "/usr/bin/apt-get")
+    monkeypatch.setattr(tcb.subprocess, "run", failing_apt)
+    with pytest.raises(pytest.skip.Exception, match="Unable to locate package"):
+        tcb.ensure_chromium()
+    assert calls == [["apt-get", "update"]]
