@@ -1,0 +1,499 @@
+"""Weight-only int8 / int4 linear layers, and GGUF blocks served as they are.
+
+Why these kernels (measured on the 2-core AVX-512 CPU this project develops on,
+all four linears of 30 SmolLM2 layers, cold weights, bf16 activations):
+
+* batch 1: int4 ``_weight_int4pack_mm_for_cpu`` ~5x faster than dense bf16,
+  int8 ``_weight_int8pack_mm`` ~2.5x faster; both slow down linearly with the
+  number of rows, so they lose to dense bf16 beyond ~8-16 rows;
+* many rows: dynamic int8 (per-row int8 activations, ``torch._int_mm``, VNNI)
+  is 1.4-2.3x faster than dense bf16 from ~8 rows up; int4 is fastest there
+  as "unpack to bf16, then one dense matmul" (2-3x faster than the int4 kernel
+  at 256+ rows);
+* float32 activations make both weight-only kernels 10-25x slower, so
+  quantized layers compute in bf16 whatever the model dtype is.
+
+``KernelPolicy`` holds the row thresholds. On CUDA the torch kernels are tried
+once per layer against the dequantized weight and a dequantize-then-matmul path
+is used where they are missing; any other device uses that path.
+
+Formats. int8: symmetric, one scale per output channel. int4: asymmetric,
+one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``
+(torch's int4pack convention). Scales are rounded to bf16 *before* the codes
+are chosen, so the kernel's bf16 scales are exact. GGUF: Q4_0 is
+``s = d, z = 0``, Q4_1 is ``s = d, z = m + 8d`` (codes kept bit for bit, d and
+m rounded from fp16 to bf16); Q8_0 has a scale per 32 columns, which no int8
+kernel takes, so each code ``q = 16*hi + lo`` is split into two int4 codes and
+the layer multiplies ``[x, x]`` by ``[W_hi | W_lo]`` with the int4 kernel:
+the same 8.5 bits per weight, no re-quantization.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("tokenmill.quant")
+
+MODES = ("none", "int8", "int4", "gguf", "w8a8")
+INT4_GROUP_SIZES = (32, 64, 128)
+COMPUTE_DTYPE = torch.bfloat16
+
+
+@dataclass
+class KernelPolicy:
+    """Which kernel runs for how many rows (tokens in the step)."""
+
+    int8_weight_only_max_rows: int = 24  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
+    int8_dynamic_min_rows: int = 5  # w8a8 layers: int8 activations + _int_mm from this many rows
+    int4_kernel_max_rows: int = 64  # <= : int4 kernel; above: unpack + dense bf16
+
+
+POLICY = KernelPolicy()
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def bf16_exact(t: torch.Tensor, round_up: bool = False) -> torch.Tensor:
+    """Float32 values representable in bf16 (rounded up in magnitude when asked,
+    so a scale never shrinks and no weight clips)."""
+    b = t.float().to(torch.bfloat16)
+    if round_up:
+        short = b.float().abs() < t.float().abs()
+        bumped = (b.view(torch.int16) + 1).view(torch.bfloat16)  # next magnitude up (sign-magnitude bits)
+        b = torch.where(short, bumped, b)
+    return b.float()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 codes [N, K], float32 scales [N], bf16-exact)."""
+    w = w.float()
+    scale = bf16_exact(w.abs().amax(dim=1) / 127.0, round_up=True).clamp_min(2.0**-100)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+@dataclass
+class Int4Codes:
+    """Unpacked int4 weights: ``w = (codes - 8) * scales + zeros`` group-wise.
+
+    ``repeat == 2`` is the Q8_0 split: the K columns are ``[hi | lo]`` halves
+    of an input that the layer feeds twice; the logical weight is their sum.
+    """
+
+    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    scales: torch.Tensor  # float32 [N, K // group]
+    zeros: torch.Tensor  # float32 [N, K // group]
+    group_size: int
+    repeat: int = 1
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        g = self.group_size
+        c = self.codes.view(n, k // g, g).float() - 8.0
+        w = (c * self.scales[..., None] + self.zeros[..., None]).reshape(n, k)
+        return w.view(n, self.repeat, k // self.repeat).sum(1) if self.repeat > 1 else w
+
+    def as_split(self) -> "Int4Codes":
+        """The repeat-2 form: a zero high half in front of these codes."""
+        if self.repeat == 2:
+            return self
+        hi = torch.full_like(self.codes, 8)
+        return Int4Codes(torch.cat([hi, self.codes], 1), torch.cat([torch.ones_like(self.scales), self.scales], 1),
+                         torch.cat([torch.zeros_like(self.zeros), self.zeros], 1), self.group_size, 2)
+
+    @staticmethod
+    def cat_rows(parts: list["Int4Codes"]) -> "Int4Codes":
+        """Stack along the output dimension (fused q/k/v, gate/up)."""
+        if len({p.group_size for p in parts}) != 1:
+            raise ValueError("cannot fuse int4 tensors with different group sizes")
+        if len({p.repeat for p in parts}) != 1:
+            parts = [p.as_split() for p in parts]
+        return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                         torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].repeat)
+
+
+def check_int4_group(name: str, in_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if in_features % group_size:
+        fits = [g for g in INT4_GROUP_SIZES if in_features % g == 0]
+        raise ValueError(
+            f"int4 group size {group_size} does not divide the input size {in_features} of {name} "
+            f"({in_features} = {in_features / group_size:g} x {group_size}); use --quant-group-size "
+            f"{' or '.join(map(str, fits)) or '(none fits)'}")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Codes:
+    """[N, K] float -> asymmetric int4 codes, min/max per group, bf16-exact scales and zeros."""
+    n, k = w.shape
+    check_int4_group("this tensor", k, group_size)
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = torch.aminmax(wg, dim=-1)
+    scale = bf16_exact((hi - lo) / 15.0, round_up=True).clamp_min(2.0**-100)
+    zero = bf16_exact(lo + 8.0 * scale)
+    t = (wg - zero[..., None]).mul_((1.0 / scale)[..., None]).add_(8.0)
+    codes = t.round_().clamp_(0, 15).to(torch.uint8)
+    return Int4Codes(codes.reshape(n, k), scale, zero, group_size)
+
+
+def _gguf_blocks(blocks: Any, rows: int, k: int, nbytes: int) -> torch.Tensor:
+    arr = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(rows, k // 32, nbytes)
+    return torch.from_numpy(arr.copy())
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    return b[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
+    """Raw GGUF Q4_0 / Q4_1 / Q8_0 rows ``[rows, bytes_per_row]`` -> int4 codes, group 32."""
+    rows, k = shape
+    if type_name in ("Q4_0", "Q4_1"):
+        off = 2 if type_name == "Q4_0" else 4
+        b = _gguf_blocks(blocks, rows, k, off + 16)
+        d = _f16(b, 0)
+        packed = b[..., off:]
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)  # low nibbles first
+        zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
+        return Int4Codes(codes, d, zero, 32)
+    if type_name == "Q8_0":
+        b = _gguf_blocks(blocks, rows, k, 34)
+        d = _f16(b, 0)
+        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [rows, k/32, 32]
+        hi = (torch.div(q, 16, rounding_mode="floor") + 8).to(torch.uint8).reshape(rows, k)
+        lo = (q & 15).to(torch.uint8).reshape(rows, k)
+        return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
+                         torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
+    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1 do)")
+
+
+# --------------------------------------------------------------------------- layers
+
+
+_VERIFIED: dict[tuple[Any, ...], bool] = {}
+
+
+def _kernel_works(key: tuple[Any, ...], fn: Callable[[torch.Tensor], torch.Tensor],
+                  ref: Callable[[], torch.Tensor], x: torch.Tensor) -> bool:
+    """Run a low-precision kernel once against the dequantized reference: a kernel
+    missing on this device, or with another packing convention, is not used.
+    The verdict is remembered per kernel and shape (packing depends on nothing else)."""
+    if key in _VERIFIED:
+        return _VERIFIED[key]
+    try:
+        got = fn(x).float()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        got = None
+    ok = False
+    if got is not None:
+        want = x.float() @ ref().t()
+        ok = bool(torch.isfinite(got).all()) and float((got - want).norm() / want.norm().clamp_min(1e-6)) < 2e-2
+    _VERIFIED[key] = ok
+    return ok
+
+
+class _QuantLinear(nn.Module):
+    """Common shape handling: activations go in as bf16, come back in the caller's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        y = self._matmul(x2) if x2.shape[0] else x2.new_zeros((0, self.out_features))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 [out, in] weight this layer multiplies by (the test reference)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8Linear(_QuantLinear):
+    """int8 weights, one bf16-exact scale per output channel."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 dynamic: bool = False) -> None:
+        super().__init__(q.shape[1], q.shape[0], bias)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scale.to(COMPUTE_DTYPE).contiguous())
+        probe = torch.randn(2, self.in_features, device=q.device).to(COMPUTE_DTYPE)
+        key = (q.device.type, *q.shape)
+        ref = self.dequantized_weight
+        self.weight_only_ok = _kernel_works(("int8", *key), self._weight_only, ref, probe)
+        self.dynamic = dynamic and q.device.type == "cpu" and _kernel_works(
+            ("int8-dynamic", *key), self._dynamic, ref, probe.repeat(16, 1))
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, dynamic: bool = False) -> "Int8Linear":
+        return cls(*quantize_int8(w), bias, dynamic)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.scales)
+
+    def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+
+    def _dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xs = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
+        xq = torch.round(xf / xs).to(torch.int8)
+        acc = torch._int_mm(xq, self.qweight.t())
+        return (acc.float() * xs * self.scales.float()).to(COMPUTE_DTYPE)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.dynamic and rows >= POLICY.int8_dynamic_min_rows:
+            return self._dynamic(x)
+        if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
+            return self._weight_only(x)
+        return F.linear(x, (self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None]))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (a tied embedding looks tokens up here)."""
+        return self.qweight[ids].float() * self.scales[ids].float()[:, None]
+
+
+class Int4Linear(_QuantLinear):
+    """int4 weights with group-wise (scale, zero), in the device kernel's packing.
+
+    ``layout``: "cpu" (torch's CPU int4pack), "cuda" (tinygemm int4pack) or
+    "nibbles" (two codes per byte, dequantized for every matmul: the fallback).
+    """
+
+    def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
+        n, kp = codes.codes.shape
+        super().__init__(kp // codes.repeat, n, bias)
+        self.group_size, self.repeat = codes.group_size, codes.repeat
+        dev = codes.codes.device
+        sz = torch.stack([codes.scales.t(), codes.zeros.t()], -1).to(COMPUTE_DTYPE).contiguous()
+        self.register_buffer("scale_zeros", sz)  # [K // group, N, 2], the kernels' layout
+        self.layout = "nibbles"
+        self.unpack_ok = False
+        probe = torch.randn(2, self.in_features, device=dev).to(COMPUTE_DTYPE)
+        shape_key = (dev.type, n, kp, self.group_size, self.repeat)
+        for layout in (("cpu",) if dev.type == "cpu" else ("cuda",) if dev.type == "cuda" else ()):
+            packed = self._pack(codes.codes, layout)
+            if packed is None:
+                continue
+            self.register_buffer("packed", packed)
+            self.layout = layout
+            if _kernel_works(("int4", layout, *shape_key), self._kernel_matmul, codes.dequantize, probe):
+                break
+            self.layout = "nibbles"
+        if self.layout == "nibbles":
+            c = codes.codes
+            self.register_buffer("packed", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous())
+            self.unpack_ok = True
+        elif self.layout == "cpu" and n % 64 == 0:
+            key = ("int4-unpack", *shape_key)
+            if key not in _VERIFIED:
+                _VERIFIED[key] = torch.equal(self._codes(), codes.codes)
+            self.unpack_ok = _VERIFIED[key]
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+        return cls(quantize_int4(w, group_size), bias)
+
+    @staticmethod
+    def _pack(codes: torch.Tensor, layout: str) -> torch.Tensor | None:
+        n, kp = codes.shape
+        try:
+            if layout == "cpu":
+                return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            tiles = next((t for t in (8, 4, 2) if kp % (t * 16) == 0), None)
+            if tiles is None:
+                return None
+            as_bytes = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)  # even column high nibble
+            try:
+                return torch._convert_weight_to_int4pack(as_bytes.contiguous(), tiles)
+            except RuntimeError:  # older torch took int32 codes
+                return torch._convert_weight_to_int4pack(codes.to(torch.int32).contiguous(), tiles)
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+
+    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.repeat == 2:
+            x = torch.cat([x, x], dim=1)
+        if self.layout == "cpu":
+            return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
+        return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scale_zeros)
+
+    def _codes(self) -> torch.Tensor:
+        """uint8 codes [N, K'] back out of the packed buffer."""
+        n = self.out_features
+        if self.layout == "nibbles":
+            return torch.stack([self.packed & 15, self.packed >> 4], -1).reshape(n, -1)
+        kp = self.packed.shape[1] * 2
+        b = self.packed.view(n // 64, kp, 32)  # 64-row blocks; byte j holds rows j and j + 32
+        return torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(n, kp)
+
+    def _dequant(self, codes: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
+        """(codes - 8) * s + z in float32 for all rows, or for the rows ``cols`` picks."""
+        sz = self.scale_zeros.float()  # [G, N, 2]
+        if cols is not None:
+            sz = sz[:, cols]
+        s, z = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()  # [rows, G]
+        rows, kp = codes.shape
+        c = codes.view(rows, kp // self.group_size, self.group_size).float()
+        w = torch.addcmul((z - 8.0 * s)[..., None], c, s[..., None]).view(rows, kp)
+        return w.view(rows, self.repeat, self.in_features).sum(1) if self.repeat > 1 else w
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.unpack_ok:
+            return self._dequant(self._codes())
+        eye = torch.eye(self.in_features, device=self.scale_zeros.device, dtype=COMPUTE_DTYPE)
+        return self._kernel_matmul(eye).float().t().contiguous()  # the kernel itself reads it out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout != "nibbles" and (x.shape[0] <= POLICY.int4_kernel_max_rows or not self.unpack_ok):
+            return self._kernel_matmul(x)
+        return F.linear(x, self._dequant(self._codes()).to(COMPUTE_DTYPE))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Dequantized rows for an embedding lookup; None when the packing is opaque."""
+        if not self.unpack_ok:
+            return None
+        if self.layout == "nibbles":
+            codes = torch.stack([self.packed[ids] & 15, self.packed[ids] >> 4], -1).reshape(len(ids), -1)
+        else:
+            kp = self.packed.shape[1] * 2
+            b = self.packed.view(self.out_features // 64, kp, 32)[ids // 64, :, ids % 32]  # [T, K']
+            codes = torch.where(((ids % 64) >= 32)[:, None], b >> 4, b & 15)
+        return self._dequant(codes, ids)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token lookup through a tied, quantized LM head: one copy of the table."""
+
+    def __init__(self, head: Int8Linear | Int4Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head = head
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.head.rows(flat)
+        assert rows is not None
+        return rows.to(self.dtype).reshape(*ids.shape, self.head.in_features)
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass
+class QuantReport:
+    """What quantize_model did, for the startup log and the eval's JSON."""
+
+    mode: str
+    quantized: dict[str, str] = field(default_factory=dict)  # module -> format
+    kept: dict[str, str] = field(default_factory=dict)  # module -> why it stayed dense
+    shared_embedding: bool = False
+
+    def summary(self) -> str:
+        formats = sorted(set(self.quantized.values()))
+        text = f"quantization={self.mode}: {len(self.quantized)} linear layers as {', '.join(formats) or '-'}"
+        if self.kept:
+            text += f"; {len(self.kept)} kept dense ({next(iter(self.kept.values()))})"
+        if self.shared_embedding:
+            text += "; tied embedding reads the quantized LM head"
+        return text
+
+
+_SOURCES = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
+    """(module name, module, checkpoint weight names it was fused from)."""
+    out: list[tuple[str, nn.Linear, tuple[str, ...]]] = []
+    for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
+        for path, sources in _SOURCES.items():
+            mod = layer.get_submodule(path)
+            out.append((f"layers.{i}.{path}", mod, tuple(f"model.layers.{i}.{s}.weight" for s in sources)))
+    if with_head:
+        tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
+        out.append(("lm_head", model.lm_head, ("model.embed_tokens.weight" if tied else "lm_head.weight",)))
+    return out
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
+    """Replace the model's linear layers in place per ``config.quantization``.
+
+    Validates every layer before touching any, so a bad group size leaves the
+    model as it was and says which layer and why.
+    """
+    mode = str(config.quantization or "none").lower()
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {config.quantization!r}; choose one of {', '.join(MODES)}")
+    report = QuantReport(mode)
+    if mode == "none":
+        return report
+    group = int(getattr(config, "quant_group_size", 32))
+    targets = _targets(model, bool(getattr(config, "quantize_lm_head", False)))
+    raw = getattr(loaded, "raw_quantized", None) or {}
+    if mode == "int4":
+        for name, mod, _ in targets:
+            check_int4_group(name, mod.in_features, group)
+    if mode == "gguf" and not raw:
+        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
+                         f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
+    tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
+    embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
+    for name, mod, sources in targets:
+        dev = mod.weight.device
+        bias = mod.bias
+        new: nn.Module
+        if mode in ("int8", "w8a8"):
+            new, fmt = Int8Linear.from_float(mod.weight, bias, dynamic=mode == "w8a8"), mode
+        elif mode == "int4":
+            new, fmt = Int4Linear.from_float(mod.weight, group, bias), f"int4 g{group}"
+        else:
+            missing = [s for s in sources if s not in raw]
+            if missing:
+                kind = getattr(loaded, "quant_types", {}).get(missing[0], "not quantized")
+                report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
+                continue
+            parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
+            codes = Int4Codes.cat_rows(parts)
+            codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat)
+            new = Int4Linear(codes, bias)
+            fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
+                ", split" if codes.repeat == 2 else "") + ")"
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, new)
+        report.quantized[name] = fmt
+        if name == "lm_head" and tied:
+            probe = torch.zeros(1, dtype=torch.long, device=dev)
+            if new.rows(probe) is not None:  # type: ignore[operator]
+                model.embed_tokens = QuantizedEmbedding(new, embed_dtype)  # type: ignore[arg-type]
+                report.shared_embedding = True
+    log.info(report.summary())
+    return report

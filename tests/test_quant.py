@@ -1,0 +1,185 @@
+"""Quantized linear layers: formats, kernels against their dequantized weights, GGUF blocks kept as they are."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model import quant
+from tokenmill.model.loader import dequantize
+from tokenmill.model.quant import (
+    Int4Codes,
+    Int4Linear,
+    Int8Linear,
+    bf16_exact,
+    int4_from_gguf,
+    quantize_int4,
+    quantize_int8,
+)
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as QT  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+
+def _weights(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 3] *= 8  # an outlier column, as real checkpoints have
+    return w
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def test_bf16_exact_rounds_up_when_asked() -> None:
+    t = torch.rand(10000) * 3e-3 + 1e-6
+    up = bf16_exact(t, round_up=True)
+    assert torch.equal(up.to(torch.bfloat16).float(), up)  # representable
+    assert bool((up >= t).all())  # never smaller
+    assert float(((up - t) / t).max()) <= 2.0**-7
+
+
+def test_int8_round_trip_within_half_a_step() -> None:
+    w = _weights(96, 320)
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.equal(s.to(torch.bfloat16).float(), s)  # the kernel's bf16 scale is exact
+    err = (quant.dequantize_int8(q, s) - w).abs()
+    assert bool((err <= s[:, None] / 2 + 1e-7).all())
+    assert float(err.max()) > 0  # it is a real quantization
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step(group: int) -> None:
+    w = _weights(64, 256)
+    c = quantize_int4(w, group)
+    assert c.codes.dtype == torch.uint8 and int(c.codes.max()) <= 15
+    err = (c.dequantize() - w).abs().view(64, 256 // group, group)
+    bound = c.scales / 2 + c.zeros.abs() * 2.0**-8 + 1e-7  # the zero point is rounded to bf16
+    assert bool((err <= bound[..., None]).all())
+    # a coarser grid loses more
+    assert _rel(c.dequantize(), w) > _rel(quantize_int8(w)[0].float() * quantize_int8(w)[1][:, None], w)
+
+
+def test_int4_group_that_does_not_divide_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"576 = 4.5 x 128.*32 or 64"):
+        quant.check_int4_group("layers.0.self_attn.o_proj", 576, 128)
+    with pytest.raises(ValueError, match="one of"):
+        quant.check_int4_group("x", 576, 48)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_become_int4_codes_bit_for_bit(qtype: str) -> None:
+    w = _weights(64, 192, seed=1).numpy()
+    raw = gguf_quantize(w, QT[qtype])
+    want = torch.from_numpy(dequantize(raw, qtype, w.shape))
+    codes = int4_from_gguf(qtype, raw, w.shape)
+    assert codes.group_size == 32 and codes.repeat == (2 if qtype == "Q8_0" else 1)
+    assert torch.equal(codes.dequantize(), want)  # no re-quantization
+    # The layer rounds d (and m) from fp16 to bf16 for the kernel: a small, bounded change,
+    # far below what re-quantizing the dequantized weights would cost.
+    layer = Int4Linear(codes)
+    native = _rel(layer.dequantized_weight(), want)
+    requant = _rel(quantize_int4(want, 32).dequantize(), want)
+    assert native < 4e-3
+    if qtype != "Q8_0":
+        assert native < requant / 2
+
+
+def test_split_codes_and_row_concatenation() -> None:
+    w8 = _weights(32, 64, seed=2).numpy()
+    w4 = _weights(32, 64, seed=3).numpy()
+    a = int4_from_gguf("Q8_0", gguf_quantize(w8, QT.Q8_0), w8.shape)
+    b = int4_from_gguf("Q4_1", gguf_quantize(w4, QT.Q4_1), w4.shape)
+    fused = Int4Codes.cat_rows([b, a])  # mixed types: both become the split form
+    assert fused.repeat == 2
+    assert torch.equal(fused.dequantize(), torch.cat([b.dequantize(), a.dequantize()]))
+
+
+# --------------------------------------------------------------------------- layers
+
+
+ROWS = [1, 3, 16, 40, 130]  # weight-only kernels, the int8/int4 crossovers, the dequantize path
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_int8_linear_matches_its_dequantized_weight(rows: int) -> None:
+    w = _weights(192, 320)
+    bias = torch.randn(192)
+    layer = Int8Linear.from_float(w, bias)
+    assert layer.weight_only_ok  # the CPU kernel is there and agrees
+    x = torch.randn(rows, 320)
+    want = F.linear(x, layer.dequantized_weight(), bias)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert _rel(got, want) < 1e-2
+    assert torch.equal(layer(x), got)  # deterministic
+    assert _rel(layer.dequantized_weight(), w) < 3e-2  # an outlier column widens every row's step
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", ROWS)
+def test_int4_linear_matches_its_dequantized_weight(group: int, rows: int) -> None:
+    w = _weights(128, 256)
+    layer = Int4Linear.from_float(w, group)
+    assert layer.layout == "cpu" and layer.unpack_ok
+    x = torch.randn(2, rows, 256)  # leading dims are kept
+    want = x @ layer.dequantized_weight().t()
+    got = layer(x)
+    assert got.shape == (2, rows, 128)
+    assert _rel(got, want) < 1e-2
+    assert torch.equal(layer.dequantized_weight(), quantize_int4(w, group).dequantize())
+
+
+def test_kernel_and_dequantize_paths_agree(monkeypatch) -> None:
+    w = _weights(128, 256)
+    x = torch.randn(8, 256)
+    i4, i8 = Int4Linear.from_float(w, 32), Int8Linear.from_float(w)
+    monkeypatch.setattr(quant, "POLICY", quant.KernelPolicy(int8_weight_only_max_rows=100, int4_kernel_max_rows=100))
+    kernel4, kernel8 = i4(x), i8(x)
+    monkeypatch.setattr(quant, "POLICY", quant.KernelPolicy(int8_weight_only_max_rows=0, int4_kernel_max_rows=0))
+    assert _rel(i4(x), kernel4) < 1e-2 and _rel(i8(x), kernel8) < 1e-2
+
+
+def test_w8a8_dynamic_activations_are_close_but_not_identical() -> None:
+    w = _weights(128, 256)
+    x = torch.randn(64, 256)
+    wo, dyn = Int8Linear.from_float(w), Int8Linear.from_float(w, dynamic=True)
+    assert dyn.dynamic
+    ref = x @ wo.dequantized_weight().t()
+    assert _rel(dyn(x), ref) < 3e-2
+    assert not torch.equal(dyn(x), wo(x))  # int8 activations really ran
+    assert torch.equal(dyn(x[:1]), wo(x[:1]))  # one row: weight-only kernel for both
+
+
+def test_nibble_fallback_when_no_kernel_packs(monkeypatch) -> None:
+    """The path other devices take: plain nibbles, dequantize per matmul."""
+    monkeypatch.setattr(Int4Linear, "_pack", staticmethod(lambda codes, layout: None))
+    w = _weights(96, 128)
+    codes = quantize_int4(w, 32)
+    layer = Int4Linear(codes)
+    assert layer.layout == "nibbles" and layer.packed.shape == (96, 64)
+    x = torch.randn(5, 128)
+    assert _rel(layer(x), x @ codes.dequantize().t()) < 1e-2
+    ids = torch.tensor([0, 95, 7, 7])
+    assert torch.allclose(layer.rows(ids), codes.dequantize()[ids])
+
+
+def test_rows_read_back_for_a_tied_embedding() -> None:
+    w = _weights(192, 64)  # 192 rows: three 64-row blocks of the CPU packing
+    ids = torch.tensor([0, 31, 32, 63, 64, 100, 191, 5])
+    i4 = Int4Linear.from_float(w, 32)
+    assert torch.equal(i4.rows(ids), i4.dequantized_weight()[ids])
+    i8 = Int8Linear.from_float(w)
+    assert torch.equal(i8.rows(ids), i8.dequantized_weight()[ids])
+    split = Int4Linear(int4_from_gguf("Q8_0", gguf_quantize(w.numpy(), QT.Q8_0), tuple(w.shape)))
+    assert split.repeat == 2
+    assert torch.allclose(split.rows(ids), split.dequantized_weight()[ids], atol=1e-6)
+    x = torch.randn(3, 64)
+    assert _rel(split(x), x @ split.dequantized_weight().t()) < 1e-2
