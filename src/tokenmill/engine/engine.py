@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import EngineConfig, parse_dtype
-from ..model.llama import LlamaForCausalLM
+from ..model.llama import LlamaForCausalLM, RotaryEmbedding
 from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
 from ..tokenizer import Tokenizer
@@ -78,9 +78,12 @@ class LLMEngine:
         cfg = loaded.config
         max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_len
-        with torch.device(self.device):
+        # Build on the meta device (no random init of weights about to be overwritten),
+        # then materialise and load; the rotary tables are computed for real.
+        with torch.device("meta"):
             model = LlamaForCausalLM(cfg, max_positions=max_len)
-        model.to(self.dtype)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.rope = RotaryEmbedding(cfg, max_len).to(self.device)
         model.load_weights(loaded.weights)
         if config.quantization not in ("none", None):
             from ..model.quant import quantize_model

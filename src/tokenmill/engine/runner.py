@@ -81,6 +81,15 @@ class ModelRunner:
         for row, (request, _) in enumerate(items):
             tables[row, : len(request.block_table)] = torch.tensor(request.block_table, dtype=torch.long)
         dev = self.device
+        decode_lens = seq_lens[:num_decodes]
+        decode_blocks = -(-max(decode_lens, default=0) // bs)
+        decode_mask = None
+        if num_decodes:
+            span = torch.arange(decode_blocks * bs)
+            lens = torch.tensor(decode_lens)
+            decode_mask = torch.zeros((num_decodes, 1, 1, decode_blocks * bs))
+            decode_mask.masked_fill_(span[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
+            decode_mask = decode_mask.to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
@@ -88,8 +97,8 @@ class ModelRunner:
             query_lens=query_lens,
             num_decodes=num_decodes,
             block_size=bs,
-            decode_seq_lens=torch.tensor(seq_lens[:num_decodes], dtype=torch.long, device=dev),
-            max_decode_len=max(seq_lens[:num_decodes], default=0),
+            decode_blocks=decode_blocks,
+            decode_mask=decode_mask,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -24,8 +24,8 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens of each sequence in this step
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     block_size: int
-    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] long, on device
-    max_decode_len: int = 0
+    decode_blocks: int = 0  # blocks spanned by the longest decode context
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, decode_blocks * block_size]: 0 or -inf
 
     @property
     def num_seqs(self) -> int:
@@ -64,20 +64,17 @@ def paged_attention(
     nd = meta.num_decodes
 
     if nd:
-        # Decodes: gather each context padded to the longest, mask the padding.
-        max_len = meta.max_decode_len
-        used = -(-max_len // meta.block_size)
-        tables = meta.block_tables[:nd, :used]
-        k = k_cache[tables].reshape(nd, used * meta.block_size, kv_heads, head_dim)[:, :max_len]
-        v = v_cache[tables].reshape(nd, used * meta.block_size, kv_heads, head_dim)[:, :max_len]
-        assert meta.decode_seq_lens is not None
-        mask = torch.arange(max_len, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
+        # Decodes: gather each context's blocks (padded to the longest), mask the padding.
+        tables = meta.block_tables[:nd, : meta.decode_blocks]
+        span = meta.decode_blocks * meta.block_size
+        flat = tables.reshape(-1)
+        k = k_cache.index_select(0, flat).view(nd, span, kv_heads, head_dim).permute(0, 2, 3, 1)
+        v = v_cache.index_select(0, flat).view(nd, span, kv_heads, head_dim).transpose(1, 2)
         qd = q[:nd].view(nd, kv_heads, group, head_dim).to(k.dtype)
-        # [nd, kv, group, 1, d] x [nd, kv, 1, L, d]
-        scores = torch.einsum("bhgd,blhd->bhgl", qd, k).float() * scale
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out[:nd] = torch.einsum("bhgl,blhd->bhgd", probs, v).reshape(nd, num_heads, head_dim).to(q.dtype)
+        scores = torch.matmul(qd, k).float() * scale  # [nd, kv, group, span]
+        assert meta.decode_mask is not None
+        probs = torch.softmax(scores + meta.decode_mask, dim=-1).to(v.dtype)
+        out[:nd] = torch.matmul(probs, v).reshape(nd, num_heads, head_dim).to(q.dtype)
 
     start = nd
     for i in range(nd, meta.num_seqs):
