@@ -1,0 +1,120 @@
+"""`tokenmill eval`: base vs quantized candidates on perplexity, task accuracy, agreement and speed.
+
+    tokenmill eval --candidate int8 --candidate int4 \\
+        --max-ppl-increase 5% --max-accuracy-drop 2pt --output result.json
+
+Exit status: 0 when every candidate is within the thresholds, 1 when one is
+not, 2 for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+
+def sample_path(name: str) -> Path:
+    """A file of the sample data shipped in the package (sample_text.txt, sample_eval.jsonl)."""
+    return Path(str(resources.files("tokenmill.evaluate") / "data" / name))
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("eval", help="quality re-test: base vs quantized candidates",
+                              description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="Candidates: int8, int4, gguf, w8a8, none; options after colons: "
+                                     "int4:g64, int8:lm_head, none:bf16.")
+    p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", help="dtype of the base and of unquantized parts (default float32)")
+    p.add_argument("--base", default="none", help="the reference configuration (default: none)")
+    p.add_argument("--candidate", action="append", default=None,
+                   help="a configuration to compare with the base; repeat for more (default: int8 and int4)")
+    p.add_argument("--quant-group-size", type=int, default=32, help="int4 group size: 32, 64 or 128 (default 32)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
+    p.add_argument("--text", default=None, help="text file for perplexity (default: the bundled sample text)")
+    p.add_argument("--no-text", action="store_true", help="skip perplexity")
+    p.add_argument("--eval-set", default=None, help="JSONL evaluation set (default: the bundled sample set)")
+    p.add_argument("--no-eval-set", action="store_true", help="skip the evaluation set")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N evaluation items")
+    p.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default 512)")
+    p.add_argument("--stride", type=int, default=256, help="perplexity window stride (default 256)")
+    p.add_argument("--max-text-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    p.add_argument("--no-speed", action="store_true", help="skip the decode/prefill speed probes")
+    p.add_argument("--decode-batch", default="1", help="decode batch sizes, comma-separated (default 1)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per sequence in the decode probe")
+    p.add_argument("--prefill-tokens", type=int, default=256, help="prompt length of the prefill probe")
+    p.add_argument("--max-ppl-increase", default=None, help="fail a candidate whose perplexity rises more (e.g. 5%%)")
+    p.add_argument("--max-accuracy-drop", default=None, help="fail a candidate whose accuracy drops more (e.g. 2pt)")
+    p.add_argument("--output", default=None, help="write the full result as JSON here")
+    p.add_argument("--show-items", action="store_true", help="print every item's answer per configuration")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model (default: all cores; on a busy shared machine 1 is steadier)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: what the run needs)")
+    p.set_defaults(func=run)
+
+
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "func"}
+
+
+def run(args: argparse.Namespace) -> int:
+    from .evalset import load_eval_set
+    from .harness import CandidateSpec, EvalOptions, compare, parse_percent, parse_points, run_config
+    from .report import table, to_json
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        base_spec = CandidateSpec.parse(args.base)
+        cand_specs = [CandidateSpec.parse(c) for c in (args.candidate or ["int8", "int4"])]
+        max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
+        max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
+        batches = tuple(int(b) for b in str(args.decode_batch).replace(" ", "").split(",") if b)
+        if not batches or min(batches) < 1:
+            raise ValueError("--decode-batch needs positive integers")
+        items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
+        if args.limit is not None:
+            items = items[: max(0, args.limit)]
+        text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
+        opts = EvalOptions(model=args.model, dtype=args.dtype, quant_group_size=args.quant_group_size,
+                           quantize_lm_head=args.quantize_lm_head, window=args.window, stride=args.stride,
+                           max_text_tokens=args.max_text_tokens, speed=not args.no_speed, decode_batches=batches,
+                           decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
+                           num_blocks=args.num_blocks, threads=args.threads)
+        import torch
+
+        from ..model.loader import load_model
+        from ..tokenizer import Tokenizer
+
+        started = time.monotonic()
+        loaded = load_model(args.model, dtype=torch.float32)
+        tokenizer = Tokenizer.from_model_path(args.model)
+        text_ids = None
+        if text is not None:
+            text_ids = tokenizer.encode(text, add_special_tokens=True)
+            if args.max_text_tokens:
+                text_ids = text_ids[: args.max_text_tokens]
+            if len(text_ids) < 2:
+                raise ValueError("the perplexity text has fewer than two tokens")
+        results = []
+        for spec in [base_spec, *cand_specs]:
+            print(f"tokenmill eval: running {spec.label} ...", file=sys.stderr, flush=True)
+            results.append(run_config(spec, opts, loaded, tokenizer, text_ids, items))
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"tokenmill eval: error: {exc}", file=sys.stderr)
+        return 2
+    base, cands = results[0], results[1:]
+    comps = [compare(base, c, max_ppl, max_drop) for c in cands]
+    print(table(base, cands, comps))
+    if args.show_items:
+        for res in results:
+            print(f"\n[{res.label}]")
+            for it in res.items:
+                shown = it.output.strip().replace("\n", " ")[:70]
+                print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")
+    print(f"\n({time.monotonic() - started:.1f}s)", file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(to_json(base, cands, comps, _settings(args)) + "\n", encoding="utf-8")
+    return 0 if all(k.passed for k in comps) else 1

@@ -1,0 +1,1 @@
+"""Sample evaluation data shipped with tokenmill (read with importlib.resources)."""

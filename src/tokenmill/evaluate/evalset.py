@@ -1,0 +1,210 @@
+"""The user's evaluation set: JSONL items, how each answer is checked, and running them.
+
+One JSON object per line::
+
+    {"id": "capital-fr", "messages": [{"role": "user", "content": "..."}],
+     "answer": "Paris", "match": "contains"}
+    {"id": "mc-1", "prompt": "Water freezes at", "choices": [" 0 degrees", " 50 degrees"],
+     "answer": " 0 degrees", "match": "choice"}
+
+* ``prompt`` (raw text) or ``messages`` (rendered with the model's chat template);
+* ``match``: ``exact`` (first line, case and surrounding punctuation ignored),
+  ``contains`` (the answer appears as a whole word or phrase), ``regex``
+  (``re.search``), ``choice`` (the choice with the highest log-likelihood
+  after the prompt must be the answer; nothing is generated);
+* ``answer``: a string or a list of acceptable strings (``choice``: the right
+  choice's text, or ``answer_index``);
+* optional ``max_tokens`` (default 32) and ``stop`` for generated answers.
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..engine.engine import LLMEngine
+from ..engine.request import SamplingParams
+from .scoring import Scorer
+
+MATCHES = ("exact", "contains", "regex", "choice")
+
+
+@dataclass
+class EvalItem:
+    id: str
+    match: str
+    answers: list[str]
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    choices: list[str] = field(default_factory=list)
+    answer_index: int | None = None
+    max_tokens: int = 32
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ItemResult:
+    id: str
+    match: str
+    correct: bool
+    output: str  # generated text, or the chosen choice
+    token_ids: list[int]  # greedy tokens (generated items)
+    choice: int | None = None  # picked choice (choice items)
+    choice_logprobs: list[float] | None = None
+
+
+def load_eval_set(path: str | Path) -> list[EvalItem]:
+    """Read and validate a JSONL evaluation set; errors name the line."""
+    items: list[EvalItem] = []
+    seen: set[str] = set()
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        items.append(_item(obj, where, len(items)))
+        if items[-1].id in seen:
+            raise ValueError(f"{where}: duplicate id {items[-1].id!r}")
+        seen.add(items[-1].id)
+    if not items:
+        raise ValueError(f"{path}: no evaluation items")
+    return items
+
+
+def _item(obj: Any, where: str, index: int) -> EvalItem:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: each line must be a JSON object")
+    prompt, messages = obj.get("prompt"), obj.get("messages")
+    if (prompt is None) == (messages is None):
+        raise ValueError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        raise ValueError(f"{where}: 'prompt' must be a string")
+    if messages is not None and not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} objects")
+    choices = obj.get("choices") or []
+    match = obj.get("match", "choice" if choices else "contains")
+    if match not in MATCHES:
+        raise ValueError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
+    answer = obj.get("answer")
+    answers = [answer] if isinstance(answer, str) else list(answer) if isinstance(answer, list) else []
+    if any(not isinstance(a, str) for a in answers):
+        raise ValueError(f"{where}: 'answer' must be a string or a list of strings")
+    index_field = obj.get("answer_index")
+    if match == "choice":
+        if len(choices) < 2 or not all(isinstance(c, str) and c for c in choices):
+            raise ValueError(f"{where}: a choice item needs at least two non-empty 'choices'")
+        if index_field is None:
+            if len(answers) != 1 or answers[0] not in choices:
+                raise ValueError(f"{where}: the answer must be one of the choices (or give answer_index)")
+            index_field = choices.index(answers[0])
+        if not (isinstance(index_field, int) and 0 <= index_field < len(choices)):
+            raise ValueError(f"{where}: answer_index out of range")
+        answers = [choices[index_field]]
+    elif not answers:
+        raise ValueError(f"{where}: 'answer' is required")
+    if match == "regex":
+        for a in answers:
+            try:
+                re.compile(a)
+            except re.error as exc:
+                raise ValueError(f"{where}: bad regex {a!r}: {exc}") from None
+    max_tokens = obj.get("max_tokens", 32)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be a positive integer")
+    stop = obj.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else list(stop)
+    return EvalItem(id=str(obj.get("id", f"item-{index + 1}")), match=match, answers=answers, prompt=prompt,
+                    messages=messages, choices=list(choices), answer_index=index_field, max_tokens=max_tokens,
+                    stop=stop)
+
+
+_PUNCT = string.punctuation + "“”‘’«»"
+
+
+def normalize(text: str) -> str:
+    """Case-folded, single-spaced, without surrounding punctuation or quotes."""
+    return " ".join(text.casefold().split()).strip(_PUNCT + " ")
+
+
+def check_answer(item: EvalItem, output: str) -> bool:
+    """Is a generated ``output`` right for this item (not for ``choice`` items)?"""
+    if item.match == "exact":
+        first = next((line for line in output.strip().splitlines() if line.strip()), "")
+        return any(normalize(first) == normalize(a) for a in item.answers)
+    if item.match == "contains":
+        text = " ".join(output.casefold().split())
+        for a in item.answers:
+            phrase = " ".join(a.casefold().split())
+            if phrase and re.search(r"(?<!\w)" + re.escape(phrase) + r"(?!\w)", text):
+                return True
+        return False
+    if item.match == "regex":
+        return any(re.search(a, output) for a in item.answers)
+    raise ValueError(f"{item.match} items are scored by log-likelihood, not by text")
+
+
+def prompt_ids(engine: LLMEngine, item: EvalItem) -> list[int]:
+    tok = engine.tokenizer
+    if item.messages is not None:
+        text = tok.apply_chat_template(item.messages, add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(item.prompt or "", add_special_tokens=True)
+
+
+def run_eval_set(engine: LLMEngine, scorer: Scorer, items: list[EvalItem]) -> list[ItemResult]:
+    """Greedy answers for generated items (one continuous batch), log-likelihood picks for choices."""
+    results: dict[str, ItemResult] = {}
+    gen = [it for it in items if it.match != "choice"]
+    outputs = generate_greedy(engine, [(it.id, prompt_ids(engine, it), it.max_tokens, it.stop) for it in gen])
+    for it in gen:
+        text, ids = outputs[it.id]
+        results[it.id] = ItemResult(it.id, it.match, check_answer(it, text), text, ids)
+    tok = engine.tokenizer
+    seqs: list[list[int]] = []
+    starts: list[int] = []
+    owners: list[tuple[EvalItem, int]] = []
+    for it in items:
+        if it.match != "choice":
+            continue
+        context = prompt_ids(engine, it)
+        for ci, choice in enumerate(it.choices):
+            cont = tok.encode(choice, add_special_tokens=False)
+            seqs.append(context + cont)
+            starts.append(len(context))
+            owners.append((it, ci))
+    lps = scorer.logprobs(seqs, starts) if seqs else []
+    scores: dict[str, list[float]] = {}
+    for (it, _), lp in zip(owners, lps):
+        scores.setdefault(it.id, []).append(float(lp.sum()))
+    for it in items:
+        if it.match == "choice":
+            s = scores[it.id]
+            pick = max(range(len(s)), key=lambda j: s[j])
+            results[it.id] = ItemResult(it.id, it.match, pick == it.answer_index, it.choices[pick], [], pick, s)
+    return [results[it.id] for it in items]
+
+
+def generate_greedy(engine: LLMEngine, requests: list[tuple[str, list[int], int, list[str]]]
+                    ) -> dict[str, tuple[str, list[int]]]:
+    """Run (id, prompt ids, max_tokens, stop) requests to completion, greedily, batched."""
+    texts: dict[str, list[str]] = {}
+    ids: dict[str, list[int]] = {}
+    for rid, prompt, max_tokens, stop in requests:
+        room = engine.max_model_len - len(prompt)
+        params = SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, room)), stop=stop or None)
+        engine.add_request(f"eval-{rid}", prompt, params)
+        texts[rid], ids[rid] = [], []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            rid = delta.request_id[len("eval-"):]
+            texts[rid].append(delta.text)
+            ids[rid].extend(delta.token_ids)
+    return {rid: ("".join(texts[rid]), ids[rid]) for rid in texts}
