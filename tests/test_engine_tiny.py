@@ -241,3 +241,29 @@ def test_bfloat16_runs_and_mostly_agrees():
     bf16 = [o.outputs[0].token_ids for o in make_tiny_llm(dtype="bfloat16").generate(prompts, params)]
     agree = sum(a == b for x, y in zip(fp32, bf16) for a, b in zip(x, y)) / sum(map(len, fp32))
     assert agree >= 0.5
+
+
+def test_prefix_cache_never_changes_outputs_with_hits_partial_hits_and_evictions():
+    rng = random.Random(11)
+    docs = [[rng.randrange(256) for _ in range(70)] for _ in range(4)]
+    prompts = []
+    for i in range(24):  # full repeats, shared doc + own question, and a doc prefix cut mid-block
+        doc = docs[i % 4]
+        tail = [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        prompts.append(doc if i % 5 == 0 else (doc[: 40 + i] + tail if i % 3 == 0 else doc + tail))
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    off = make_tiny_llm(enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
+    # A pool of 40 blocks holds about two documents: later waves evict earlier ones.
+    on = make_tiny_llm(num_blocks=40, max_num_seqs=4)
+    got = []
+    for wave in range(0, 24, 4):
+        got += [o.outputs[0].token_ids for o in on.generate(prompts[wave : wave + 4], params)]
+        on.engine.check_idle_invariants()
+    assert got == expected
+    stats = on.engine.prefix_cache.stats
+    assert stats.hit_tokens > 0.3 * stats.queried_tokens
+    assert stats.evicted_blocks > 0
+    assert on.engine.pool.num_cached_idle <= 40
+    freed = on.engine.reset_prefix_cache()
+    assert freed > 0 and on.engine.pool.num_free == 40

@@ -30,6 +30,7 @@ class _Node:
 class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of which served from cache
+    evicted_blocks: int = 0  # idle blocks reclaimed for new allocations or a reset
 
 
 class PrefixCache:
@@ -118,6 +119,7 @@ class PrefixCache:
             if node is None or block not in self._idle or node.children or node.last_used != last_used:
                 continue  # stale heap entry
             self._remove(node)
+            self.stats.evicted_blocks += 1
             return block
         raise RuntimeError("no evictable cached block")
 
