@@ -1,21 +1,30 @@
 """Weight-only int8 / int4 linear layers, and GGUF blocks served as they are.
 
-Why these kernels (measured on the 2-core AVX-512 CPU this project develops on,
-all four linears of 30 SmolLM2 layers, cold weights, bf16 activations):
+Kernels, measured on the 2-core AVX-512 CPU this project develops on (one
+thread, the 120 linears of one SmolLM2-135M step, cold weights, bf16
+activations; ms per step at 1 / 16 / 64 / 512 rows):
 
-* batch 1: int4 ``_weight_int4pack_mm_for_cpu`` ~5x faster than dense bf16,
-  int8 ``_weight_int8pack_mm`` ~2.5x faster; both slow down linearly with the
-  number of rows, so they lose to dense bf16 beyond ~8-16 rows;
-* many rows: dynamic int8 (per-row int8 activations, ``torch._int_mm``, VNNI)
-  is 1.4-2.3x faster than dense bf16 from ~8 rows up; int4 is fastest there
-  as "unpack to bf16, then one dense matmul" (2-3x faster than the int4 kernel
-  at 256+ rows);
-* float32 activations make both weight-only kernels 10-25x slower, so
-  quantized layers compute in bf16 whatever the model dtype is.
+    dense fp32                          68 / 155 / 380 / 2273
+    dense bf16                          54 /  88 / 189 / 1134
+    int8 _weight_int8pack_mm            32 / 117 / 404 / 3073
+    int8 dequantize + dense bf16        95 / 130 / 232 / 1229
+    int8 dynamic (int8 act., _int_mm)   33 /  65 / 140 / ~900
+    int4 _weight_int4pack_mm_for_cpu    16 /  91 / 343 / 2695
+    int4 unpack + dense bf16           309 / 360 / 471 / 1451
 
-``KernelPolicy`` holds the row thresholds. On CUDA the torch kernels are tried
-once per layer against the dequantized weight and a dequantize-then-matmul path
-is used where they are missing; any other device uses that path.
+So: the weight-only kernels win at decode sizes (int4 3-4x, int8 ~2x faster
+than dense bf16) and grow linearly with rows; past ``KernelPolicy``'s
+thresholds the layer dequantizes into a shared scratch buffer and runs one
+dense bf16 matmul. Dynamic int8 activations are the fastest at large batch
+but cost accuracy on this model (greedy top-1 agreement 85% vs 96% for
+weight-only on 256 tokens), so they are a separate mode, ``w8a8``. float32
+activations make the weight-only kernels 10-25x slower, so quantized layers
+compute in bf16 whatever the model dtype is. torchao's CPU wrappers were
+measured 2-11x slower than these aten kernels and are not used.
+
+On CUDA the tinygemm int4 kernel and the int8 weight-only kernel are tried
+once per layer shape against the dequantized weight; where a kernel is
+missing or disagrees, and on any other device, layers dequantize and matmul.
 
 Formats. int8: symmetric, one scale per output channel. int4: asymmetric,
 one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``
@@ -49,9 +58,9 @@ COMPUTE_DTYPE = torch.bfloat16
 class KernelPolicy:
     """Which kernel runs for how many rows (tokens in the step)."""
 
-    int8_weight_only_max_rows: int = 24  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
+    int8_weight_only_max_rows: int = 20  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
     int8_dynamic_min_rows: int = 5  # w8a8 layers: int8 activations + _int_mm from this many rows
-    int4_kernel_max_rows: int = 64  # <= : int4 kernel; above: unpack + dense bf16
+    int4_kernel_max_rows: int = 96  # <= : int4 kernel; above: unpack + dense bf16
 
 
 POLICY = KernelPolicy()
@@ -203,6 +212,19 @@ def _kernel_works(key: tuple[Any, ...], fn: Callable[[torch.Tensor], torch.Tenso
     return ok
 
 
+_SCRATCH: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
+
+
+def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """A reusable flat buffer per purpose, device and dtype (the forward pass is single-threaded)."""
+    key = (name, str(device), dtype)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        _SCRATCH[key] = buf
+    return buf[:numel]
+
+
 class _QuantLinear(nn.Module):
     """Common shape handling: activations go in as bf16, come back in the caller's dtype."""
 
@@ -268,7 +290,9 @@ class Int8Linear(_QuantLinear):
             return self._dynamic(x)
         if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
             return self._weight_only(x)
-        return F.linear(x, (self.qweight.to(COMPUTE_DTYPE) * self.scales[:, None]))
+        n, k = self.qweight.shape
+        wb = _scratch("wbf", x.device, COMPUTE_DTYPE, n * k).view(n, k).copy_(self.qweight)
+        return F.linear(x, wb.mul_(self.scales[:, None]))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
@@ -340,25 +364,37 @@ class Int4Linear(_QuantLinear):
             return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
         return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scale_zeros)
 
-    def _codes(self) -> torch.Tensor:
-        """uint8 codes [N, K'] back out of the packed buffer."""
+    def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
         n = self.out_features
-        if self.layout == "nibbles":
-            return torch.stack([self.packed & 15, self.packed >> 4], -1).reshape(n, -1)
         kp = self.packed.shape[1] * 2
-        b = self.packed.view(n // 64, kp, 32)  # 64-row blocks; byte j holds rows j and j + 32
-        return torch.cat([b & 15, b >> 4], dim=2).transpose(1, 2).reshape(n, kp)
+        dst = out if out is not None else torch.empty((n, kp), dtype=torch.uint8, device=self.packed.device)
+        if self.layout == "nibbles":
+            pairs = dst.view(n, kp // 2, 2)
+            pairs[..., 0].copy_(self.packed).bitwise_and_(15)
+            pairs[..., 1].copy_(self.packed).bitwise_right_shift_(4)
+            return dst
+        src = self.packed.view(n // 64, kp, 32).transpose(1, 2)  # 64-row blocks; byte j holds rows j and j + 32
+        blocks = dst.view(n // 64, 64, kp)
+        blocks[:, :32].copy_(src).bitwise_and_(15)
+        blocks[:, 32:].copy_(src).bitwise_right_shift_(4)
+        return dst
 
-    def _dequant(self, codes: torch.Tensor, cols: torch.Tensor | None = None) -> torch.Tensor:
-        """(codes - 8) * s + z in float32 for all rows, or for the rows ``cols`` picks."""
+    def _dequant(self, codes: torch.Tensor, cols: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """(codes - 8) * s + z in float32 for all rows, or for the rows ``cols`` picks;
+        into ``out`` when given (the repeat-2 halves are then left unsummed)."""
         sz = self.scale_zeros.float()  # [G, N, 2]
         if cols is not None:
             sz = sz[:, cols]
-        s, z = sz[..., 0].t().contiguous(), sz[..., 1].t().contiguous()  # [rows, G]
+        s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [rows, G, 1]
         rows, kp = codes.shape
-        c = codes.view(rows, kp // self.group_size, self.group_size).float()
-        w = torch.addcmul((z - 8.0 * s)[..., None], c, s[..., None]).view(rows, kp)
-        return w.view(rows, self.repeat, self.in_features).sum(1) if self.repeat > 1 else w
+        g = self.group_size
+        w = torch.mul(codes.view(rows, kp // g, g), s, out=None if out is None else out.view(rows, kp // g, g))
+        w = w.add_(z - 8.0 * s).view(rows, kp)
+        if out is not None or self.repeat == 1:
+            return w
+        return w.view(rows, self.repeat, self.in_features).sum(1)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.unpack_ok:
@@ -369,7 +405,15 @@ class Int4Linear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout != "nibbles" and (x.shape[0] <= POLICY.int4_kernel_max_rows or not self.unpack_ok):
             return self._kernel_matmul(x)
-        return F.linear(x, self._dequant(self._codes()).to(COMPUTE_DTYPE))
+        # Unpack into shared scratch buffers: fresh multi-MB tensors on every call cost more in
+        # page faults than the arithmetic (measured 11 ms vs ~2 ms for a 3072 x 576 layer).
+        n, kp = self.out_features, self.packed.shape[1] * 2
+        codes = self._codes(_scratch("codes", x.device, torch.uint8, n * kp).view(n, kp))
+        w32 = self._dequant(codes, out=_scratch("w32", x.device, torch.float32, n * kp))
+        wb = _scratch("wbf", x.device, COMPUTE_DTYPE, n * kp).view(n, kp).copy_(w32)
+        if self.repeat == 2:
+            x = torch.cat([x, x], dim=1)
+        return F.linear(x, wb)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Dequantized rows for an embedding lookup; None when the packing is opaque."""
@@ -495,5 +539,6 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
             if new.rows(probe) is not None:  # type: ignore[operator]
                 model.embed_tokens = QuantizedEmbedding(new, embed_dtype)  # type: ignore[arg-type]
                 report.shared_embedding = True
+    model.quant_report = report  # type: ignore[assignment]  # for startup logs and the eval's JSON
     log.info(report.summary())
     return report
