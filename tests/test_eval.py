@@ -82,6 +82,8 @@ def test_perplexity_is_exact_about_token_counts() -> None:
     assert whole.num_windows == 1 and whole.num_tokens == len(ids) - 1
     lp = Scorer(engine).logprobs([ids])[0]
     assert whole.perplexity == pytest.approx(math.exp(-float(lp.mean())), rel=1e-9)
+    logits_top1 = Scorer(engine).score([ids])[0][1]
+    assert whole.top1 == logits_top1.tolist() and len(whole.top1) == len(ids) - 1
     short = perplexity(Scorer(engine), ids, window=32, stride=16)
     assert short.num_tokens == len(ids) - 1 and short.num_windows > 1
     assert short.forward_tokens > len(ids)  # overlapping context is recomputed
@@ -135,10 +137,11 @@ def test_answer_checks() -> None:
 # --------------------------------------------------------------------------- comparison
 
 
-def _result(label: str, ppl: float | None, acc: float | None, items: list[ItemResult], wb: int = 100) -> CandidateResult:
+def _result(label: str, ppl: float | None, acc: float | None, items: list[ItemResult], wb: int = 100,
+            top1: list[int] | None = None) -> CandidateResult:
     from tokenmill.evaluate.scoring import PerplexityResult
 
-    p = PerplexityResult(ppl, math.log(ppl), 10, 11, 1, 512, 256, 11) if ppl else None
+    p = PerplexityResult(ppl, math.log(ppl), 10, 11, 1, 512, 256, 11, top1 or []) if ppl else None
     return CandidateResult(label, "none", "float32", None, False, wb, 10, 0.0, "", p, acc, len(items), items)
 
 
@@ -147,14 +150,14 @@ def test_compare_agreement_and_thresholds() -> None:
                   ItemResult("c", "choice", True, " yes", [], 0, [-1.0, -2.0])]
     cand_items = [ItemResult("a", "contains", True, "x", [1, 2, 9, 9]), ItemResult("b", "contains", False, "y", [5, 6]),
                   ItemResult("c", "choice", False, " no", [], 1, [-2.0, -1.0])]
-    base = _result("none", 10.0, 100.0, base_items, wb=400)
-    cand = _result("int4", 10.6, 66.7, cand_items, wb=100)
+    base = _result("none", 10.0, 100.0, base_items, wb=400, top1=[1, 2, 3, 4])
+    cand = _result("int4", 10.6, 66.7, cand_items, wb=100, top1=[1, 2, 0, 4])
     k = compare(base, cand, max_ppl_increase=0.05, max_accuracy_drop=2.0)
     assert k.ppl_increase == pytest.approx(0.06) and k.accuracy_drop == pytest.approx(33.3)
     assert k.agreement == pytest.approx(1 / 3)  # only b's tokens match
     assert k.token_agreement == pytest.approx((2 + 2) / 6)
     assert k.mean_first_divergence == 2 and k.num_diverged == 1
-    assert k.weight_ratio == 0.25
+    assert k.weight_ratio == 0.25 and k.next_token_agreement == 0.75
     assert not k.passed and len(k.failures) == 2
     lenient = compare(base, cand, max_ppl_increase=0.07, max_accuracy_drop=40)
     assert lenient.passed

@@ -59,7 +59,7 @@ def test_eval_cli_table_and_json(tiny_folder, data_files, tmp_path, capsys) -> N
                     "--max-ppl-increase", "1000%", "--max-accuracy-drop", "100pt"))
     table = capsys.readouterr().out
     assert rc == 0
-    for row in ("weights", "perplexity", "accuracy (5 items)", "agreement with base", "mean first divergence",
+    for row in ("weights", "perplexity", "next-token agreement", "accuracy (5 items)", "agreement with base", "mean first divergence",
                 "decode tok/s (batch 3)", "prefill tok/s", "verdict"):
         assert row in table
     doc = json.loads(open(out).read())

@@ -102,6 +102,7 @@ class CandidateResult:
 class Comparison:
     label: str
     ppl_increase: float | None  # relative: 0.05 = +5%
+    next_token_agreement: float | None  # same top-1 token as the base at each position of the text
     accuracy_drop: float | None  # percentage points: 2.0 = two points lower
     agreement: float | None  # fraction of items answered the same as the base
     token_agreement: float | None  # matching greedy prefix tokens / base tokens
@@ -193,8 +194,13 @@ def compare(base: CandidateResult, cand: CandidateResult, max_ppl_increase: floa
                           if v > 0 and k in cand.speed.decode_tps}
         if base.speed.prefill_tps > 0:
             prefill_speedup = cand.speed.prefill_tps / base.speed.prefill_tps
+    top1 = None
+    if base.perplexity and cand.perplexity and base.perplexity.top1 and \
+            len(base.perplexity.top1) == len(cand.perplexity.top1):
+        a, b = base.perplexity.top1, cand.perplexity.top1
+        top1 = sum(x == y for x, y in zip(a, b)) / len(a)
     comp = Comparison(
-        label=cand.label, ppl_increase=ppl_inc, accuracy_drop=acc_drop,
+        label=cand.label, ppl_increase=ppl_inc, next_token_agreement=top1, accuracy_drop=acc_drop,
         agreement=same / len(pairs) if pairs else None,
         token_agreement=tokens_same / tokens_base if tokens_base else None,
         mean_first_divergence=sum(divergences) / len(divergences) if divergences else None,

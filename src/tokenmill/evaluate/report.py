@@ -29,6 +29,8 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
         rows.append((f"perplexity ({p0.num_tokens} tok)", [f"{p0.perplexity:.3f}"] + [
             (f"{c.perplexity.perplexity:.3f}" if c.perplexity else "-") + _delta(
                 None if k.ppl_increase is None else 100 * k.ppl_increase, "{:+.2f}%") for c, k in zip(cands, comps)]))
+        rows.append(("next-token agreement", ["-"] + [
+            "-" if k.next_token_agreement is None else f"{100 * k.next_token_agreement:.1f}%" for k in comps]))
     if base.accuracy is not None:
         rows.append((f"accuracy ({base.num_items} items)", [f"{base.accuracy:.1f}%"] + [
             (f"{c.accuracy:.1f}%" if c.accuracy is not None else "-") + _delta(
@@ -65,7 +67,7 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
 def _clean(obj: Any) -> Any:
     """JSON-safe: dataclasses to dicts, non-finite floats to null, int keys to strings."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _clean(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: _clean(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.repr}
     if isinstance(obj, dict):
         return {str(k): _clean(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

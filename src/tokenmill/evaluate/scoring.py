@@ -8,7 +8,7 @@ given back at once. The engine must be idle while this runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,13 +31,18 @@ class Scorer:
 
         ``start`` (default 1) must be >= 1: the first token has no context.
         """
+        return [lp for lp, _ in self.score(sequences, starts)]
+
+    def score(self, sequences: list[list[int]], starts: list[int] | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Like ``logprobs``, plus the model's own top-1 token at each of those positions."""
         starts = starts or [1] * len(sequences)
         for seq, start in zip(sequences, starts):
             if not 1 <= start <= len(seq):
                 raise ValueError(f"start {start} outside [1, {len(seq)}]")
             if len(seq) > self.engine.max_model_len:
                 raise ValueError(f"a {len(seq)}-token sequence exceeds the context length {self.engine.max_model_len}")
-        out: list[torch.Tensor | None] = [None] * len(sequences)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
         order = list(range(len(sequences)))
         batch: list[int] = []
         used = 0
@@ -50,7 +55,8 @@ class Scorer:
             used += n
         if batch:
             self._run(batch, sequences, starts, out)
-        return [t if t is not None else torch.zeros(0, dtype=torch.float64) for t in out]
+        empty = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+        return [t if t is not None else empty for t in out]
 
     def _fits(self, batch: list[int], sequences: list[list[int]]) -> bool:
         bs = self.engine.block_size
@@ -59,7 +65,7 @@ class Scorer:
 
     @torch.inference_mode()
     def _run(self, batch: list[int], sequences: list[list[int]], starts: list[int],
-             out: list[torch.Tensor | None]) -> None:
+             out: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         engine = self.engine
         if engine.has_unfinished():
             raise RuntimeError("the engine has requests running; score while it is idle")
@@ -89,12 +95,13 @@ class Scorer:
                 start = starts[i]
                 rows = hidden[offset + start - 1 : offset + n - 1]
                 targets = torch.tensor(sequences[i][start:], dtype=torch.long, device=rows.device)
-                parts = []
+                parts, tops = [], []
                 for r0 in range(0, rows.shape[0], _LOGIT_ROWS):
                     logits = engine.model.compute_logits(rows[r0 : r0 + _LOGIT_ROWS]).float()
                     lp = torch.log_softmax(logits, dim=-1)
                     parts.append(lp.gather(1, targets[r0 : r0 + _LOGIT_ROWS, None]).squeeze(1))
-                out[i] = torch.cat(parts).double().cpu() if parts else torch.zeros(0, dtype=torch.float64)
+                    tops.append(logits.argmax(dim=-1))
+                out[i] = (torch.cat(parts).double().cpu(), torch.cat(tops).cpu())
                 offset += n
         finally:
             for req, _ in items:
@@ -111,6 +118,7 @@ class PerplexityResult:
     window: int
     stride: int
     forward_tokens: int  # tokens run through the model (windows overlap)
+    top1: list[int] = field(default_factory=list, repr=False)  # the model's argmax at each scored position
 
 
 def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -140,11 +148,12 @@ def perplexity(scorer: Scorer, token_ids: list[int], window: int = 512, stride: 
     stride = min(stride, window - 1)
     spans = windows(len(token_ids), window, stride)
     before = scorer.forward_tokens
-    lps = scorer.logprobs([token_ids[b:e] for b, e, _ in spans], [s - b for b, _, s in spans])
-    total = torch.cat(lps)
+    scored = scorer.score([token_ids[b:e] for b, e, _ in spans], [s - b for b, _, s in spans])
+    total = torch.cat([lp for lp, _ in scored])
     n = int(total.numel())
     assert n == len(token_ids) - 1, (n, len(token_ids))
     nll = float(-total.sum()) / n
     return PerplexityResult(perplexity=math.exp(nll), mean_nll=nll, num_tokens=n, num_text_tokens=len(token_ids),
                             num_windows=len(spans), window=window, stride=stride,
-                            forward_tokens=scorer.forward_tokens - before)
+                            forward_tokens=scorer.forward_tokens - before,
+                            top1=torch.cat([top for _, top in scored]).tolist())
