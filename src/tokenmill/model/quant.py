@@ -39,6 +39,7 @@ the same 8.5 bits per weight, no re-quantization.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -212,16 +213,17 @@ def _kernel_works(key: tuple[Any, ...], fn: Callable[[torch.Tensor], torch.Tenso
     return ok
 
 
-_SCRATCH: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
+_SCRATCH = threading.local()  # per thread: engines stepping in two threads never share a buffer
 
 
 def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """A reusable flat buffer per purpose, device and dtype (the forward pass is single-threaded)."""
+    """A reusable flat buffer per purpose, device and dtype, grown on demand."""
+    bufs: dict[tuple[str, str, torch.dtype], torch.Tensor] = _SCRATCH.__dict__.setdefault("bufs", {})
     key = (name, str(device), dtype)
-    buf = _SCRATCH.get(key)
+    buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=dtype, device=device)
-        _SCRATCH[key] = buf
+        bufs[key] = buf
     return buf[:numel]
 
 
