@@ -38,7 +38,8 @@ def test_overload_gets_429_with_retry_after(server):
     results = asyncio.run(scenario())
     statuses = sorted(s for s, _, _ in results)
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 3, statuses  # one running + two waiting fit
+    # at most one running + two waiting are admitted (only two if all arrive before any is scheduled)
+    assert 2 <= statuses.count(200) <= 3 and statuses.count(429) >= 5, statuses
     for status, payload, retry in results:
         if status == 429:
             assert payload["error"]["code"] == "queue_full" and int(retry) >= 1
