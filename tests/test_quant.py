@@ -183,3 +183,25 @@ def test_rows_read_back_for_a_tied_embedding() -> None:
     assert torch.allclose(split.rows(ids), split.dequantized_weight()[ids], atol=1e-6)
     x = torch.randn(3, 64)
     assert _rel(split(x), x @ split.dequantized_weight().t()) < 1e-2
+
+
+def test_dequantize_path_is_safe_across_threads() -> None:
+    """Scratch buffers are per thread: two engines stepping in two threads get their own."""
+    import threading
+
+    layers = [Int4Linear.from_float(_weights(512, 512, seed=s), 32) for s in (1, 2)]
+    xs = [torch.randn(100, 512) for _ in layers]  # 100 rows: the unpack + dense path
+    want = [m(x) for m, x in zip(layers, xs)]
+    bad: list[int] = []
+
+    def work(i: int) -> None:
+        for _ in range(30):
+            if not torch.equal(layers[i](xs[i]), want[i]):
+                bad.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
