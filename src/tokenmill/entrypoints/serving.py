@@ -80,15 +80,8 @@ class ServerState:
 
     # -- load ------------------------------------------------------------
     def num_queued(self) -> int:
-        """Requests handed to the engine thread but not yet added to its scheduler.
-
-        AsyncEngine exposes no counter for this; its command queue is the
-        closest figure (adds, plus the occasional abort)."""
-        commands = getattr(self.aengine, "_commands", None)
-        try:
-            return int(commands.qsize()) if commands is not None else 0
-        except (NotImplementedError, AttributeError):
-            return 0
+        """Commands handed to the engine thread but not yet applied (mostly adds)."""
+        return int(self.aengine.num_queued)
 
     def num_waiting(self) -> int:
         return int(self.engine.num_waiting) + self.num_queued() + self.pending
