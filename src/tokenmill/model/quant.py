@@ -195,12 +195,14 @@ _VERIFIED: dict[tuple[Any, ...], bool] = {}
 
 
 def _kernel_works(key: tuple[Any, ...], fn: Callable[[torch.Tensor], torch.Tensor],
-                  ref: Callable[[], torch.Tensor], x: torch.Tensor) -> bool:
+                  ref: Callable[[], torch.Tensor], rows: int, cols: int, device: torch.device) -> bool:
     """Run a low-precision kernel once against the dequantized reference: a kernel
     missing on this device, or with another packing convention, is not used.
     The verdict is remembered per kernel and shape (packing depends on nothing else)."""
     if key in _VERIFIED:
         return _VERIFIED[key]
+    gen = torch.Generator(device=device).manual_seed(0)  # leave the global RNG alone
+    x = torch.randn(rows, cols, generator=gen, device=device).to(COMPUTE_DTYPE)
     try:
         got = fn(x).float()
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
@@ -262,12 +264,10 @@ class Int8Linear(_QuantLinear):
         super().__init__(q.shape[1], q.shape[0], bias)
         self.register_buffer("qweight", q.contiguous())
         self.register_buffer("scales", scale.to(COMPUTE_DTYPE).contiguous())
-        probe = torch.randn(2, self.in_features, device=q.device).to(COMPUTE_DTYPE)
-        key = (q.device.type, *q.shape)
-        ref = self.dequantized_weight
-        self.weight_only_ok = _kernel_works(("int8", *key), self._weight_only, ref, probe)
-        self.dynamic = dynamic and q.device.type == "cpu" and _kernel_works(
-            ("int8-dynamic", *key), self._dynamic, ref, probe.repeat(16, 1))
+        key, ref, dev = (q.device.type, *q.shape), self.dequantized_weight, q.device
+        self.weight_only_ok = _kernel_works(("int8", *key), self._weight_only, ref, 2, self.in_features, dev)
+        self.dynamic = dynamic and dev.type == "cpu" and _kernel_works(
+            ("int8-dynamic", *key), self._dynamic, ref, 32, self.in_features, dev)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, dynamic: bool = False) -> "Int8Linear":
@@ -317,7 +317,6 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("scale_zeros", sz)  # [K // group, N, 2], the kernels' layout
         self.layout = "nibbles"
         self.unpack_ok = False
-        probe = torch.randn(2, self.in_features, device=dev).to(COMPUTE_DTYPE)
         shape_key = (dev.type, n, kp, self.group_size, self.repeat)
         for layout in (("cpu",) if dev.type == "cpu" else ("cuda",) if dev.type == "cuda" else ()):
             packed = self._pack(codes.codes, layout)
@@ -325,7 +324,8 @@ class Int4Linear(_QuantLinear):
                 continue
             self.register_buffer("packed", packed)
             self.layout = layout
-            if _kernel_works(("int4", layout, *shape_key), self._kernel_matmul, codes.dequantize, probe):
+            if _kernel_works(("int4", layout, *shape_key), self._kernel_matmul, codes.dequantize, 2,
+                             self.in_features, dev):
                 break
             self.layout = "nibbles"
         if self.layout == "nibbles":
