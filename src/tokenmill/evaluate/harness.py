@@ -118,18 +118,23 @@ class Comparison:
         return not self.failures
 
 
-def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: Any, text_ids: list[int] | None,
-               items: list[EvalItem]) -> CandidateResult:
+def engine_config(spec: CandidateSpec, opts: EvalOptions) -> EngineConfig:
+    """The engine configuration of one candidate: KV blocks sized for what the eval runs."""
     dtype = spec.dtype or opts.dtype
     group = spec.group_size or opts.quant_group_size
     head = opts.quantize_lm_head if spec.quantize_lm_head is None else spec.quantize_lm_head
-    need_tokens = max([opts.window if text_ids else 0, opts.prefill_tokens + 16, opts.max_batch_tokens,
+    need_tokens = max([opts.window, opts.prefill_tokens + 16, opts.max_batch_tokens,
                        max(opts.decode_batches) * (16 + opts.decode_tokens + 16)])
     num_blocks = opts.num_blocks or max(256, -(-need_tokens // 16) * 2)
-    config = EngineConfig.from_options(model=opts.model, dtype=dtype, quantization=spec.quantization,
-                                       quant_group_size=group, quantize_lm_head=head, num_blocks=num_blocks,
-                                       enable_prefix_caching=False,
-                                       max_num_seqs=max(64, max(opts.decode_batches)))
+    return EngineConfig.from_options(model=opts.model, dtype=dtype, quantization=spec.quantization,
+                                     quant_group_size=group, quantize_lm_head=head, num_blocks=num_blocks,
+                                     enable_prefix_caching=False, max_num_seqs=max(64, max(opts.decode_batches)))
+
+
+def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: Any, text_ids: list[int] | None,
+               items: list[EvalItem]) -> CandidateResult:
+    config = engine_config(spec, opts)
+    dtype, group, head = config.dtype, config.quant_group_size, config.quantize_lm_head
     started = time.monotonic()
     engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
     if opts.threads:
@@ -137,10 +142,8 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
 
         torch.set_num_threads(opts.threads)
     load_s = time.monotonic() - started
-    from ..model.quant import QuantReport
-
-    summary = next((m.summary() for m in [getattr(engine.model, "quant_report", None)] if isinstance(m, QuantReport)),
-                   spec.quantization)
+    report = getattr(engine.model, "quant_report", None)  # set by quantize_model
+    summary = report.summary() if report is not None else spec.quantization
     try:
         started = time.monotonic()
         scorer = Scorer(engine, opts.max_batch_tokens)
