@@ -200,7 +200,10 @@ def generate_greedy(engine: LLMEngine, requests: list[tuple[str, list[int], int,
     for rid, prompt, max_tokens, stop in requests:
         room = engine.max_model_len - len(prompt)
         params = SamplingParams(temperature=0.0, max_tokens=max(1, min(max_tokens, room)), stop=stop or None)
-        engine.add_request(f"eval-{rid}", prompt, params)
+        try:
+            engine.add_request(f"eval-{rid}", prompt, params)
+        except ValueError as exc:
+            raise ValueError(f"eval item {rid!r}: {exc}") from None
         texts[rid], ids[rid] = [], []
     while engine.has_unfinished():
         for delta in engine.step():
