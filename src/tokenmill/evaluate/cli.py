@@ -29,6 +29,7 @@ def register(subparsers: Any) -> None:
                                      "int4:g64, int8:lm_head, none:bf16.")
     p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: bundled SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", help="dtype of the base and of unquantized parts (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--base", default="none", help="the reference configuration (default: none)")
     p.add_argument("--candidate", action="append", default=None,
                    help="a configuration to compare with the base; repeat for more (default: int8 and int4)")
@@ -78,11 +79,12 @@ def run(args: argparse.Namespace) -> int:
         if args.limit is not None:
             items = items[: max(0, args.limit)]
         text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
-        opts = EvalOptions(model=args.model, dtype=args.dtype, quant_group_size=args.quant_group_size,
-                           quantize_lm_head=args.quantize_lm_head, window=args.window, stride=args.stride,
-                           max_text_tokens=args.max_text_tokens, speed=not args.no_speed, decode_batches=batches,
-                           decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens,
-                           num_blocks=args.num_blocks, threads=args.threads)
+        opts = EvalOptions(
+            model=args.model, dtype=args.dtype, device=args.device, quant_group_size=args.quant_group_size,
+            quantize_lm_head=args.quantize_lm_head, window=args.window, stride=args.stride,
+            max_text_tokens=args.max_text_tokens, speed=not args.no_speed, decode_batches=batches,
+            decode_tokens=args.decode_tokens, prefill_tokens=args.prefill_tokens, num_blocks=args.num_blocks,
+            threads=args.threads)
         import torch
 
         from ..model.loader import load_model

@@ -65,6 +65,7 @@ class CandidateSpec:
 class EvalOptions:
     model: str | None = None
     dtype: str = "float32"
+    device: str = "cpu"
     quant_group_size: int = 32
     quantize_lm_head: bool = False
     window: int = 512
@@ -126,9 +127,10 @@ def engine_config(spec: CandidateSpec, opts: EvalOptions) -> EngineConfig:
     need_tokens = max([opts.window, opts.prefill_tokens + 16, opts.max_batch_tokens,
                        max(opts.decode_batches) * (16 + opts.decode_tokens + 16)])
     num_blocks = opts.num_blocks or max(256, -(-need_tokens // 16) * 2)
-    return EngineConfig.from_options(model=opts.model, dtype=dtype, quantization=spec.quantization,
-                                     quant_group_size=group, quantize_lm_head=head, num_blocks=num_blocks,
-                                     enable_prefix_caching=False, max_num_seqs=max(64, max(opts.decode_batches)))
+    return EngineConfig.from_options(
+        model=opts.model, dtype=dtype, device=opts.device, quantization=spec.quantization, quant_group_size=group,
+        quantize_lm_head=head, num_blocks=num_blocks, enable_prefix_caching=False,
+        max_num_seqs=max(64, max(opts.decode_batches)))
 
 
 def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: Any, text_ids: list[int] | None,
