@@ -121,5 +121,7 @@ def test_eval_cli_bundled_model_int8_int4(tmp_path, capsys) -> None:
         assert cand["accuracy"] is not None and cand["speed"]["decode_tps"]["1"] > 0
     assert base["accuracy"] >= 40  # the sample questions are easy ones
     assert int4["weight_bytes"] < int8["weight_bytes"] < 0.5 * base["weight_bytes"]
-    assert doc["comparisons"][0]["agreement"] >= 0.5
+    for comp in doc["comparisons"]:
+        assert comp["next_token_agreement"] >= 0.9  # 96.9% (int8) and 97.5% (int4) on the whole text
+        assert comp["agreement"] >= 0.3 and comp["token_agreement"] > 0.3  # long answers drift apart
     assert rc == (0 if doc["passed"] else 1)

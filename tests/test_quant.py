@@ -1,7 +1,6 @@
 """Quantized linear layers: formats, kernels against their dequantized weights, GGUF blocks kept as they are."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
