@@ -116,7 +116,7 @@ def test_batch_of_32_and_preemption_give_identical_output(real_loaded, real_toke
     assert [o.outputs[0].token_ids for o in batch[:8]] == alone
     # A pool too small for the batch forces preemption by recompute. Greedy outputs are
     # prefix-consistent, so 32 tokens of 12 requests are compared with the batch's first 32.
-    tiny_pool = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, num_blocks=64,
+    tiny_pool = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, num_blocks=52,
                     max_num_seqs=12, enable_prefix_caching=False)
     squeezed = tiny_pool.generate(prompt_ids + fillers[:4], SamplingParams(temperature=0.0, max_tokens=32,
                                                                            ignore_eos=True))
