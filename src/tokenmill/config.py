@@ -103,6 +103,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     memory_budget: int | None = None  # bytes for weights + KV pool together; KV gets what weights leave
     seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None: every core
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -69,7 +69,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         loaded = loaded or load_model(config.model, dtype=self.dtype)

@@ -19,8 +19,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (default float32)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--quantization", default="none",
-                   help="weight-only quantization: none, int8, int4, gguf (default none)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf", "w8a8"],
+                   help="weight quantization: none, int8, int4 (weight-only), gguf (keep the file's Q8_0/Q4_0/Q4_1 "
+                        "blocks), w8a8 (int8 weights and dynamic int8 activations) (default none)")
+    p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 group size along the input dimension (default 32)")
+    p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
+    p.add_argument("--threads", type=_positive, default=None,
+                   dest="num_threads", help="torch intra-op threads for the engine (default: all cores)")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--kv-cache-memory", default=None,

@@ -186,7 +186,8 @@ def engine_config_from_args(args: Any) -> Any:
                                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                    batching=args.batching, quantization=args.quantization,
                                    max_waiting=args.max_waiting)
-    for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget"):
+    for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
+                "quantize_lm_head", "num_threads"):
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
