@@ -45,6 +45,18 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.dtype = dtype
+        # Decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < num_blocks:
+            shape = (max(num_blocks + num_blocks // 4, 64), *self.kv_caches[0][0].shape[1:])
+            ws = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                  torch.empty(shape, dtype=self.dtype, device=self.device))
+            self._workspace = ws
+        return ws
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -84,12 +96,15 @@ class ModelRunner:
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = -(-max(decode_lens, default=0) // bs)
         decode_mask = None
+        workspace = None
         if num_decodes:
             span = torch.arange(decode_blocks * bs)
             lens = torch.tensor(decode_lens)
-            decode_mask = torch.zeros((num_decodes, 1, 1, decode_blocks * bs))
+            # In the cache dtype: SDPA wants the query's dtype; 0 and -inf are exact in bf16/fp16.
+            decode_mask = torch.zeros((num_decodes, 1, 1, decode_blocks * bs), dtype=self.dtype)
             decode_mask.masked_fill_(span[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
             decode_mask = decode_mask.to(dev)
+            workspace = self._decode_workspace(num_decodes * decode_blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
@@ -99,6 +114,7 @@ class ModelRunner:
             block_size=bs,
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
+            decode_workspace=workspace,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

@@ -77,15 +77,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions)[:, None, :].to(q.dtype)
-        sin = self.sin.index_select(0, positions)[:, None, :].to(q.dtype)
+        cos, sin = self.tables(positions, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin ([T, 1, head_dim]) for ``_rotate``: looked up once per step
+        and shared by every layer. The first half of sin is negated so that rotate-half
+        becomes a plain roll (x2 * -s equals -x2 * s exactly in IEEE arithmetic)."""
+        cos = self.cos.index_select(0, positions)[:, None, :].to(dtype)
+        sin = self.sin.index_select(0, positions)
+        half = sin.shape[-1] // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None, :].to(dtype)
+        return cos, sin
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), with the sign in the table."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -103,16 +111,20 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        tokens, d = qkv.shape[0], self.head_dim
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q, k)
+            q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.num_heads, d))
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, d))
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        else:
+            # q and k heads side by side: one rotation for both.
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, d), *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -138,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -156,8 +168,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rope.tables(positions, x.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""Single-stream decode and prefill speed on the bundled model, in one run.
+
+Rows (all on the same GGUF file, the same number of threads):
+
+* tokenmill, per dtype / quantization in ``--configs`` (default float32,
+  bfloat16, int8, int4): the engine as served (``LLMEngine.step``), prefix
+  cache off;
+* tokenmill with the plain reference attention (fresh gather copies, matmul +
+  softmax; the path ``TOKENMILL_ATTENTION=reference`` selects), float32: the
+  eager baseline the ratios are taken against;
+* llama.cpp through ``llama-cpp-python`` when it is installed (the optional
+  extra ``bench-llamacpp``); otherwise the script says so and skips the row.
+
+Prefill: one ``--prefill-len``-token prompt (one step), tok/s = prompt
+tokens / step time. Decode: ``--decode-len`` greedy tokens after a short
+prompt, tok/s = decode steps / their time. Each is repeated ``--repeats``
+times; the best repeat is reported, because on this shared 2-core machine
+the other processes only ever add time. Ratios are against the eager row
+measured in the same run.
+
+    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import SamplingParams
+import tokenmill.model.attention as attention
+
+
+THREADS = 0
+
+
+def make_engine(config: str) -> LLMEngine:
+    dtype, quant = ("bfloat16", config) if config in ("int8", "int4") else (config, "none")
+    opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
+    if quant != "none":
+        opts["quantization"] = quant
+    engine = LLMEngine(EngineConfig.from_options(**opts))
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    return engine
+
+
+def measure(engine: LLMEngine, prefill_len: int, decode_len: int, seed: int) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) of one run."""
+    rng = random.Random(seed)
+    vocab = engine.tokenizer.vocab_size
+    prompt = [rng.randrange(100, vocab - 100) for _ in range(prefill_len)]
+    engine.add_request(f"p{seed}", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    prefill = prefill_len / (time.perf_counter() - t)
+
+    engine.add_request(f"d{seed}", prompt[:32], SamplingParams(temperature=0.0, max_tokens=decode_len + 1,
+                                                               ignore_eos=True))
+    engine.step()  # prefill + first token
+    t = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    decode = steps / (time.perf_counter() - t)
+    return prefill, decode
+
+
+def tokenmill_row(config: str, args: argparse.Namespace, reference: bool = False) -> tuple[float, float]:
+    engine = make_engine(config)
+    attention._USE_REFERENCE = reference
+    try:
+        measure(engine, 64, 8, seed=99)  # warm-up
+        runs = [measure(engine, args.prefill_len, args.decode_len, seed=i) for i in range(args.repeats)]
+    finally:
+        attention._USE_REFERENCE = False
+    return max(r[0] for r in runs), max(r[1] for r in runs)
+
+
+def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] | str:
+    try:
+        from llama_cpp import Llama  # type: ignore[import-not-found]
+    except ImportError:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds from source)"
+    from tokenmill.model.bundled import default_model_path
+
+    llm = Llama(model_path=default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
+                n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)
+    rng = random.Random(0)
+    best_p = best_d = 0.0
+    for _ in range(args.repeats):
+        prompt = [rng.randrange(100, 40000) for _ in range(args.prefill_len)]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        best_p = max(best_p, args.prefill_len / (time.perf_counter() - t))
+        llm.reset()
+        llm.eval(prompt[:32])
+        t = time.perf_counter()
+        for _ in range(args.decode_len):  # one token per eval, as a decode step; the token's value costs nothing
+            llm.eval([rng.randrange(100, 40000)])
+        best_d = max(best_d, args.decode_len / (time.perf_counter() - t))
+    return best_p, best_d
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="float32,bfloat16,int8,int4")
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--decode-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the engine's choice, all cores)")
+    args = ap.parse_args(argv)
+    global THREADS
+    THREADS = args.threads
+    threads = args.threads or torch.get_num_threads()
+    print(f"# decode_speed: threads {threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    base_p, base_d = tokenmill_row("float32", args, reference=True)
+    rows: list[tuple[str, float, float]] = [("tokenmill float32, reference attention (eager baseline)", base_p, base_d)]
+    for config in args.configs.split(","):
+        p, d = tokenmill_row(config, args)
+        rows.append((f"tokenmill {config}", p, d))
+    lc = llamacpp_row(args, threads)
+    print("| engine | prefill tok/s | vs eager | decode tok/s | vs eager |")
+    print("|---|---|---|---|---|")
+    if isinstance(lc, str):
+        note = lc
+    else:
+        rows.append(("llama.cpp (llama-cpp-python), same GGUF", *lc))
+        note = ""
+    for name, p, d in rows:
+        print(f"| {name} | {p:.0f} | {p / base_p:.2f}x | {d:.1f} | {d / base_d:.2f}x |")
+    if note:
+        print(f"llama.cpp column skipped: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Where one engine step's time goes: decode batches of 1, 16 and 64 at context ~256.
+
+Drives ``ModelRunner.execute`` directly with synthetic decode requests (random
+token ids, block tables scattered over the pool the way a busy server leaves
+them), so the figures are the forward pass plus batch building, without
+scheduling or sampling. Two measurements per case:
+
+* wall time per step: best of repeated steps, no profiler attached;
+* a torch.profiler breakdown by part (labels inserted around the model's
+  pieces), as shares of the profiled step, and the number of ATen ops
+  dispatched per step.
+
+The machine's absolute speed drifts (2 shared cores): compare rows of one run.
+
+    .venv/bin/python benchmarks/profile_step.py [--dtypes float32,bfloat16] [--batches 1,16,64] [--context 256]
+    TOKENMILL_ATTENTION=reference .venv/bin/python benchmarks/profile_step.py   # the plain reference attention
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import Request, SamplingParams
+import tokenmill.model.llama as llama_mod
+import tokenmill.model.attention as attention_mod
+
+PARTS = ["prepare", "linear", "lm_head", "attention", "kv_write", "rope", "norm"]
+
+
+def _label(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with record_function("tm::" + name):
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def instrument(engine: LLMEngine) -> None:
+    """Wrap the model's pieces in profiler labels (adds a few us per call)."""
+    model = engine.model
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear) or type(layer).__name__.endswith("Linear"):
+            name = "lm_head" if layer is model.lm_head else "linear"
+            layer.forward = _label(name, layer.forward)  # type: ignore[method-assign]
+        elif isinstance(layer, llama_mod.RMSNorm):
+            layer.forward = _label("norm", layer.forward)  # type: ignore[method-assign]
+    if hasattr(model.rope, "tables"):  # tables once per step, _rotate per layer
+        model.rope.tables = _label("rope", model.rope.tables)  # type: ignore[method-assign]
+        llama_mod._rotate = _label("rope", llama_mod._rotate)
+    else:  # older layout: rope(positions, q, k) per layer
+        model.rope.forward = _label("rope", model.rope.forward)  # type: ignore[method-assign]
+    llama_mod.paged_attention = _label("attention", llama_mod.paged_attention)
+    llama_mod.write_kv = _label("kv_write", llama_mod.write_kv)
+    engine.runner.prepare = _label("prepare", engine.runner.prepare)  # type: ignore[method-assign]
+
+
+def make_batch(engine: LLMEngine, batch: int, context: int, rng: random.Random) -> list[tuple[Request, int]]:
+    bs = engine.block_size
+    per_seq = -(-(context + 1) // bs)
+    blocks = list(range(engine.runner.num_blocks))
+    rng.shuffle(blocks)
+    vocab = engine.model_config.vocab_size
+    items = []
+    for i in range(batch):
+        req = Request(request_id=str(i), prompt_token_ids=[rng.randrange(vocab) for _ in range(context)],
+                      params=SamplingParams())
+        req.num_computed_tokens = context - 1
+        req.block_table = blocks[i * per_seq : (i + 1) * per_seq]
+        items.append((req, 1))
+    return items
+
+
+def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> float:
+    """Best of ``steps``: on a shared machine other processes only ever add time."""
+    for _ in range(2):
+        engine.runner.execute(items)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.runner.execute(items)
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def ab_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> tuple[float, float]:
+    """Best step time with the reference attention and with the default path, interleaved
+    step by step so that both see the same machine load."""
+    best = {True: float("inf"), False: float("inf")}
+    for flag in (True, False):
+        attention_mod._USE_REFERENCE = flag
+        engine.runner.execute(items)
+    for _ in range(steps):
+        for flag in (True, False):
+            attention_mod._USE_REFERENCE = flag
+            t = time.perf_counter()
+            engine.runner.execute(items)
+            best[flag] = min(best[flag], time.perf_counter() - t)
+    attention_mod._USE_REFERENCE = False
+    return best[True], best[False]
+
+
+def profile_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> tuple[dict[str, float], int, float]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            with record_function("tm::step"):
+                engine.runner.execute(items)
+    totals: dict[str, float] = defaultdict(float)
+    ops = 0
+    for ev in prof.events():
+        if ev.name.startswith("tm::"):
+            totals[ev.name[4:]] += ev.cpu_time_total
+        elif ev.name.startswith("aten::"):
+            ops += 1
+    step_us = totals["step"]
+    # lm_head is wrapped inside nothing else; linear excludes it. Nested labels: none overlap.
+    shares = {p: totals.get(p, 0.0) / step_us for p in PARTS}
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    # aten ops counted include nested ones (e.g. linear -> addmm): report top-level-ish count
+    return shares, ops // steps, step_us / steps / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=0, help="timed steps per case (0: by batch size)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the engine's choice, all cores)")
+    ap.add_argument("--ab", action="store_true",
+                    help="only time the reference attention against the default path, interleaved")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"# torch {torch.__version__}, threads {args.threads or torch.get_num_threads()}, "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"attention={os.environ.get('TOKENMILL_ATTENTION', 'default')}, load {os.getloadavg()[0]:.2f}")
+    header = ["dtype", "batch", "ms/step", "tok/s", "ops/step", *PARTS, "other"]
+    if args.ab:
+        header = ["dtype", "batch", "ms/step reference attention", "ms/step default", "speed-up"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for dtype in args.dtypes.split(","):
+        need = max(batches) * (-(-(args.context + 1) // 16)) + 8
+        cfg = EngineConfig.from_options(dtype=dtype, num_blocks=need, enable_prefix_caching=False,
+                                        max_num_seqs=max(batches))
+        engine = LLMEngine(cfg)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rng = random.Random(0)
+        for batch in batches:
+            items = make_batch(engine, batch, args.context, rng)
+            steps = args.steps or (20 if batch == 1 else 8 if batch <= 16 else 5)
+            if args.ab:
+                ref, new = ab_steps(engine, items, steps)
+                print(f"| {dtype} | {batch} | {ref * 1000:.1f} | {new * 1000:.1f} | {ref / new:.2f}x |", flush=True)
+                continue
+            wall = time_steps(engine, items, steps)
+            # Profile on an instrumented copy of the call path (labels are per-instance wrappers).
+            saved = (llama_mod.paged_attention, llama_mod.write_kv, getattr(llama_mod, "_rotate", None))
+            instrument(engine)
+            shares, ops, _ = profile_steps(engine, items, 3)
+            llama_mod.paged_attention, llama_mod.write_kv, llama_mod._rotate = saved
+            engine = _strip(engine)
+            row = [dtype, str(batch), f"{wall * 1000:.1f}", f"{batch / wall:.0f}", str(ops)]
+            row += [f"{shares[p] * 100:.0f}%" for p in [*PARTS, "other"]]
+            print("| " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+def _strip(engine: LLMEngine) -> LLMEngine:
+    """Remove the per-instance profiler wrappers again."""
+    for m in engine.model.modules():
+        m.__dict__.pop("forward", None)
+        m.__dict__.pop("tables", None)
+    engine.runner.__dict__.pop("prepare", None)
+    return engine
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Server throughput under many streams, against one stream, in one run.
+
+Starts `tokenmill serve` (bundled SmolLM2 unless ``--model``) on loopback with
+``--max-num-seqs`` equal to the largest concurrency, then drives streaming
+``/v1/completions`` requests (prompts of ``--input-len`` tokens that share no
+prefix, exactly ``--output-len`` output tokens, ``ignore_eos``, greedy):
+
+1. one stream (``--single-requests`` requests, one after another): the
+   single-stream decode rate, output tokens / wall time, is the baseline;
+2. each concurrency in ``--concurrency`` (default 16 and 64): ``--waves`` x
+   concurrency requests, closed loop.
+
+Each level starts with one uncounted warm-up request (its first prompt, sent
+again afterwards: that repeat may hit the prefix cache).
+
+Printed per row: output tok/s, the ratio to the single-stream rate, TPOT p50
+and p99 (per request: (end - first token) / (tokens - 1)), TTFT p50. Issue 9
+aims at >= 5x the single stream at 64 streams with TPOT p99 < 3x its p50.
+Absolute figures drift on this shared machine: compare the ratios.
+
+    .venv/bin/python benchmarks/serving_throughput.py [--concurrency 16,64] [--input-len 256] [--output-len 128]
+        [--dtype float32] [--waves 1] [--single-requests 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving import Result, _drive_server, free_port, make_prompts, percentile  # noqa: E402
+
+
+def start_server(args: argparse.Namespace, max_seqs: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", args.dtype, "--max-num-seqs", str(max_seqs), "--kv-cache-memory", args.kv_cache_memory,
+           "--no-prefix-caching" if args.no_prefix_cache else ""]
+    if args.model:
+        cmd += ["--model", args.model]
+    cmd = [c for c in cmd if c]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"tokenmill serve exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("server did not start")
+        time.sleep(0.25)
+
+
+def row(label: str, res: Result, base: float | None) -> str:
+    rate = res.tokens / res.wall
+    tpot = [s.tpot for s in res.samples]
+    ratio = f"{rate / base:.2f}x" if base else "1.00x"
+    p50, p99 = percentile(tpot, 50), percentile(tpot, 99)
+    return (f"| {label} | {len(res.samples)} | {rate:.1f} | {ratio} | {p50 * 1000:.1f} | {p99 * 1000:.1f} | "
+            f"{p99 / p50:.2f} | {percentile([s.ttft for s in res.samples], 50) * 1000:.0f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=1)
+    ap.add_argument("--single-requests", type=int, default=2)
+    ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="(prompts share no prefix anyway)")
+    args = ap.parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    from tokenmill.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(args.model)
+    total = args.single_requests + sum(c * args.waves for c in levels)
+    prompts = make_prompts(tokenizer, total, args.input_len)
+    proc, url = start_server(args, max(levels))
+    print(f"# serving_throughput: dtype {args.dtype}, prompts {args.input_len} tokens, {args.output_len} output "
+          f"tokens (ignore_eos), max-num-seqs {max(levels)}, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+    print("| streams | requests | output tok/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms | p99/p50 | TTFT p50 ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    try:
+        used = 0
+
+        def take(n: int) -> list[list[int]]:
+            nonlocal used
+            out = prompts[used : used + n]
+            used += n
+            return out
+
+        single = asyncio.run(_drive_server(url, take(args.single_requests), args.output_len, 1))
+        base = single.tokens / single.wall
+        print(row("1", single, None), flush=True)
+        for c in levels:
+            res = asyncio.run(_drive_server(url, take(c * args.waves), args.output_len, c))
+            print(row(str(c), res, base), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The paged attention paths against a plain softmax attention over gathered K/V.
+
+Random caches with scattered block tables; decodes, prefills with and without
+a cached prefix, mixed batches, GQA; the fast path (with and without the
+reused workspace) and the reference path must both match.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from tokenmill.model.llama import RotaryEmbedding, _rotate
+from tokenmill.config import ModelConfig
+
+BS = 4  # small blocks: many block boundaries inside short contexts
+
+
+def simple_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     tables: list[list[int]], seq_lens: list[int], query_lens: list[int], scale: float) -> torch.Tensor:
+    """Token by token: gather the sequence's keys, softmax over those at or before the token."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for table, slen, qlen in zip(tables, seq_lens, query_lens):
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(slen)])
+        k = k_cache.reshape(-1, kv_heads, q.shape[2])[slots].double()
+        v = v_cache.reshape(-1, kv_heads, q.shape[2])[slots].double()
+        for j in range(qlen):
+            pos = slen - qlen + j
+            for h in range(heads):
+                s = (k[: pos + 1, h // group] @ q[row, h].double()) * scale
+                out[row, h] = torch.softmax(s, 0) @ v[: pos + 1, h // group]
+            row += 1
+    return out
+
+
+def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch.dtype, seed: int,
+              workspace: bool) -> tuple:
+    """seqs: (context length after the step, new tokens), decodes (new == 1) first."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    d = 16
+    num_blocks = sum(-(-s // BS) for s, _ in seqs) + 5
+    k_cache = torch.randn(num_blocks, BS, kv_heads, d, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, kv_heads, d, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for slen, _ in seqs:
+        n = -(-slen // BS)
+        tables.append(free[:n])
+        free = free[n:]
+    seq_lens = [s for s, _ in seqs]
+    query_lens = [q for _, q in seqs]
+    total = sum(query_lens)
+    q = torch.randn(total, heads, d, generator=gen).to(dtype)
+    # New tokens' K/V go in through write_kv, as in the model.
+    slots = [t[p // BS] * BS + p % BS for t, (s, n) in zip(tables, seqs) for p in range(s - n, s)]
+    new_k = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+    new_v = torch.randn(total, kv_heads, d, generator=gen).to(dtype)
+    write_kv(k_cache, v_cache, new_k, new_v, torch.tensor(slots))
+    nd = sum(1 for n in query_lens if n == 1)
+    width = max(len(t) for t in tables)
+    bt = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t)
+    decode_blocks = -(-max(seq_lens[:nd], default=0) // BS)
+    mask = ws = None
+    if nd:
+        span = torch.arange(decode_blocks * BS)
+        mask = torch.zeros(nd, 1, 1, decode_blocks * BS, dtype=dtype)
+        mask.masked_fill_(span[None, None, None] >= torch.tensor(seq_lens[:nd])[:, None, None, None], float("-inf"))
+        if workspace:
+            ws = (torch.full((nd * decode_blocks + 3, BS, kv_heads, d), float("nan"), dtype=dtype),
+                  torch.full((nd * decode_blocks + 3, BS, kv_heads, d), float("nan"), dtype=dtype))
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=bt, seq_lens=seq_lens,
+                             query_lens=query_lens, num_decodes=nd, block_size=BS, decode_blocks=decode_blocks,
+                             decode_mask=mask, decode_workspace=ws)
+    return q, k_cache, v_cache, meta, tables
+
+
+CASES = {
+    "decode_one": [(1, 1)],
+    "decodes": [(37, 1), (5, 1), (64, 1), (13, 1)],
+    "prefill": [(23, 23)],
+    "prefill_cached_prefix": [(30, 9)],
+    "mixed": [(17, 1), (41, 1), (9, 1), (12, 12), (33, 6), (20, 19)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("workspace", [False, True])
+def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: int, workspace: bool) -> None:
+    q, kc, vc, meta, tables = make_case(CASES[case], heads, kv_heads, torch.float32, seed=len(case) + heads,
+                                        workspace=workspace)
+    scale = 16**-0.5
+    want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, scale)
+    for fn in (paged_attention, paged_attention_reference):
+        got = fn(q, kc, vc, meta, scale)
+        assert got.shape == q.shape and got.dtype == q.dtype
+        torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nd", [2, 40])  # below and above the bf16 SDPA/matmul switch (40 * 128 rows)
+def test_bf16_decode_paths_match_reference(nd: int) -> None:
+    seqs = [(100 + 3 * i, 1) for i in range(nd)]
+    q, kc, vc, meta, tables = make_case(seqs, 9, 3, torch.bfloat16, seed=nd, workspace=True)
+    want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, 0.25)
+    got = paged_attention(q, kc, vc, meta, 0.25)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_float32_fast_path_is_bit_identical_to_reference() -> None:
+    """Speed must never change greedy fp32 output: same bits as the reference path."""
+    seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
+    assert torch.equal(paged_attention(q, kc, vc, meta, 0.125), paged_attention_reference(q, kc, vc, meta, 0.125))
+
+
+def test_decode_result_does_not_depend_on_batch_padding() -> None:
+    """A sequence alone and next to a much longer one (more padded, masked keys) gives the same output."""
+    q, kc, vc, meta, _ = make_case([(21, 1), (150, 1)], 9, 3, torch.float32, seed=7, workspace=True)
+    both = paged_attention(q, kc, vc, meta, 0.125)
+    alone_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[:1], block_tables=meta.block_tables[:1, :6],
+                                   seq_lens=[21], query_lens=[1], num_decodes=1, block_size=BS,
+                                   decode_blocks=6, decode_mask=meta.decode_mask[:1, :, :, :24].contiguous())
+    alone = paged_attention(q[:1], kc, vc, alone_meta, 0.125)
+    torch.testing.assert_close(alone, both[:1], atol=1e-6, rtol=1e-6)
+
+
+def test_rotation_with_signed_table_equals_rotate_half() -> None:
+    cfg = ModelConfig(vocab_size=10, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    rope = RotaryEmbedding(cfg, 64)
+    pos = torch.tensor([0, 5, 63, 17])
+    x = torch.randn(4, 3, 16)
+    cos = rope.cos[pos][:, None]
+    sin = rope.sin[pos][:, None]
+    plain = x * cos + torch.cat([-x[..., 8:], x[..., :8]], dim=-1) * sin
+    assert torch.equal(_rotate(x, *rope.tables(pos, torch.float32)), plain)
