@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -296,18 +297,23 @@ def test_queue_full_gets_429_with_retry_after():
 
     async def scenario() -> list[int]:
         # stall the engine thread so admitted requests pile up before it
-        stall = state.aengine.call(lambda engine: time.sleep(1.0))
+        release = threading.Event()
+        stall = state.aengine.call(lambda engine: release.wait(30))
         await asyncio.sleep(0.05)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                      timeout=30) as client:
             body = {"prompt": "queued", "max_tokens": 2}
             first = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)]
-            await asyncio.sleep(0.2)
+            for _ in range(200):  # both admitted and parked behind the stalled engine thread
+                if state.num_waiting() == 2:
+                    break
+                await asyncio.sleep(0.05)
             assert state.num_waiting() == 2
             refused = await client.post("/v1/completions", json=body)
             err = _check_error_shape(refused, 429)
             assert err["code"] == "queue_full"
             assert int(refused.headers["retry-after"]) >= 1
+            release.set()
             await stall
             done = await asyncio.gather(*first)
             return [r.status_code for r in done]
