@@ -224,7 +224,10 @@ def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) ->
     key = (name, str(device), dtype)
     buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel, dtype=dtype, device=device)
+        # A normal (not inference) tensor: one made under inference_mode could not be
+        # written in place by a later call made outside it, and the reverse is allowed.
+        with torch.inference_mode(False):
+            buf = torch.empty(numel, dtype=dtype, device=device)
         bufs[key] = buf
     return buf[:numel]
 
