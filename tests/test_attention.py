@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from tokenmill.model.attention import AttentionMetadata, paged_attention, paged_attention_reference, write_kv
+from tokenmill.model.attention import (AttentionMetadata, kv_cache_shape, paged_attention,
+                                       paged_attention_reference, write_kv)
 from tokenmill.model.llama import RotaryEmbedding, _rotate
 from tokenmill.config import ModelConfig
 
@@ -21,14 +22,14 @@ BS = 4  # small blocks: many block boundaries inside short contexts
 def simple_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      tables: list[list[int]], seq_lens: list[int], query_lens: list[int], scale: float) -> torch.Tensor:
     """Token by token: gather the sequence's keys, softmax over those at or before the token."""
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
     group = heads // kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
     row = 0
     for table, slen, qlen in zip(tables, seq_lens, query_lens):
         slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(slen)])
-        k = k_cache.reshape(-1, kv_heads, q.shape[2])[slots].double()
-        v = v_cache.reshape(-1, kv_heads, q.shape[2])[slots].double()
+        k = k_cache.reshape(kv_heads, -1, q.shape[2])[:, slots].transpose(0, 1).double()  # [slen, kv, d]
+        v = v_cache.reshape(kv_heads, -1, q.shape[2])[:, slots].transpose(0, 1).double()
         for j in range(qlen):
             pos = slen - qlen + j
             for h in range(heads):
@@ -45,8 +46,8 @@ def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: tor
     rng = random.Random(seed)
     d = 16
     num_blocks = sum(-(-s // BS) for s, _ in seqs) + 5
-    k_cache = torch.randn(num_blocks, BS, kv_heads, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, BS, kv_heads, d, generator=gen).to(dtype)
+    k_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, d), generator=gen).to(dtype)
+    v_cache = torch.randn(kv_cache_shape(num_blocks, BS, kv_heads, d), generator=gen).to(dtype)
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = []
@@ -72,11 +73,11 @@ def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: tor
     mask = ws = None
     if nd:
         span = torch.arange(decode_blocks * BS)
-        mask = torch.zeros(nd, 1, 1, decode_blocks * BS, dtype=dtype)
-        mask.masked_fill_(span[None, None, None] >= torch.tensor(seq_lens[:nd])[:, None, None, None], float("-inf"))
+        mask = torch.zeros(nd, 1, decode_blocks * BS, dtype=dtype)
+        mask.masked_fill_(span[None, None] >= torch.tensor(seq_lens[:nd])[:, None, None], float("-inf"))
         if workspace:
-            ws = (torch.full((nd * decode_blocks + 3, BS, kv_heads, d), float("nan"), dtype=dtype),
-                  torch.full((nd * decode_blocks + 3, BS, kv_heads, d), float("nan"), dtype=dtype))
+            size = (nd * decode_blocks + 3) * BS * kv_heads * d
+            ws = (torch.full((size,), float("nan"), dtype=dtype), torch.full((size,), float("nan"), dtype=dtype))
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=bt, seq_lens=seq_lens,
                              query_lens=query_lens, num_decodes=nd, block_size=BS, decode_blocks=decode_blocks,
                              decode_mask=mask, decode_workspace=ws)
@@ -129,7 +130,7 @@ def test_decode_result_does_not_depend_on_batch_padding() -> None:
     both = paged_attention(q, kc, vc, meta, 0.125)
     alone_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[:1], block_tables=meta.block_tables[:1, :6],
                                    seq_lens=[21], query_lens=[1], num_decodes=1, block_size=BS,
-                                   decode_blocks=6, decode_mask=meta.decode_mask[:1, :, :, :24].contiguous())
+                                   decode_blocks=6, decode_mask=meta.decode_mask[:1, :, :24].contiguous())
     alone = paged_attention(q[:1], kc, vc, alone_meta, 0.125)
     torch.testing.assert_close(alone, both[:1], atol=1e-6, rtol=1e-6)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..model.attention import AttentionMetadata
+from ..model.attention import AttentionMetadata, decode_gather_index, kv_cache_shape
 from ..model.llama import LlamaForCausalLM
 from .request import Request
 
@@ -40,21 +40,24 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_heads = cfg.num_key_value_heads
+        self.kv_elements_per_block = block_size * cfg.num_key_value_heads * cfg.head_dim
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
         ]
         self.dtype = dtype
-        # Decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
+        # Flat decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace
-        if ws is None or ws[0].shape[0] < num_blocks:
-            shape = (max(num_blocks + num_blocks // 4, 64), *self.kv_caches[0][0].shape[1:])
-            ws = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                  torch.empty(shape, dtype=self.dtype, device=self.device))
+        need = num_blocks * self.kv_elements_per_block
+        if ws is None or ws[0].numel() < need:
+            size = max(num_blocks + num_blocks // 4, 64) * self.kv_elements_per_block
+            ws = (torch.empty(size, dtype=self.dtype, device=self.device),
+                  torch.empty(size, dtype=self.dtype, device=self.device))
             self._workspace = ws
         return ws
 
@@ -95,16 +98,18 @@ class ModelRunner:
         dev = self.device
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = -(-max(decode_lens, default=0) // bs)
-        decode_mask = None
+        decode_mask = decode_index = None
         workspace = None
         if num_decodes:
             span = torch.arange(decode_blocks * bs)
             lens = torch.tensor(decode_lens)
             # In the cache dtype: SDPA wants the query's dtype; 0 and -inf are exact in bf16/fp16.
-            decode_mask = torch.zeros((num_decodes, 1, 1, decode_blocks * bs), dtype=self.dtype)
-            decode_mask.masked_fill_(span[None, None, None, :] >= lens[:, None, None, None], float("-inf"))
+            decode_mask = torch.zeros((num_decodes, 1, decode_blocks * bs), dtype=self.dtype)
+            decode_mask.masked_fill_(span[None, None, :] >= lens[:, None, None], float("-inf"))
             decode_mask = decode_mask.to(dev)
             workspace = self._decode_workspace(num_decodes * decode_blocks)
+            decode_index = decode_gather_index(tables[:num_decodes, :decode_blocks].to(dev),
+                                               self.kv_heads, self.num_blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
@@ -115,6 +120,7 @@ class ModelRunner:
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             decode_workspace=workspace,
+            decode_index=decode_index,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
