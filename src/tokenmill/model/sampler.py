@@ -2,10 +2,12 @@
 
 Order of operations (as the common engines do): penalties on the raw logits,
 min_tokens masking, then greedy rows take the argmax; random rows are divided
-by temperature, filtered by top-k, top-p and min-p, and sampled with the
-exponential-race trick (argmax of p / Exp(1) noise), which lets a seeded row
-draw its noise from its own generator: the same seed and prompt give the
-same text whatever else shares the batch. Reported logprobs are the model's
+by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
+CDF: one uniform draw per row, located in the row's cumulative probabilities.
+A seeded row draws its uniform from its own generator, so the same seed and
+prompt give the same text whatever else shares the batch. (One uniform per
+row instead of one exponential per vocabulary entry: drawing 49,152
+exponentials cost ~1 ms per row, 60 ms per step at batch 64.) Reported logprobs are the model's
 raw log-softmax (before penalties and temperature).
 """
 from __future__ import annotations
@@ -85,6 +87,24 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None],
+                 shared: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``probs``: the first whose cumulative probability exceeds
+    a uniform draw (scaled by the row's total, which rounding leaves near but not at 1).
+    Rows with their own generator draw from it; the others share one batched draw."""
+    u = torch.empty(probs.shape[0], dtype=torch.float64)
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), generator=shared, dtype=torch.float64)
+    for j, g in enumerate(generators):
+        if g is not None:
+            u[j] = torch.rand(1, generator=g, dtype=torch.float64)
+    cum = probs.double().cumsum(dim=-1)
+    target = (u.to(probs.device) * cum[:, -1])[:, None]
+    picked = torch.searchsorted(cum, target, right=True)[:, 0]
+    return picked.clamp_(max=probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` ([B, V] float32)."""
     batch, vocab = logits.shape
@@ -113,12 +133,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: tor
             top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=sub.dtype)
             min_p = torch.tensor([p.min_p for p in params], device=logits.device, dtype=sub.dtype)
             sub = _filter(sub, top_k, top_p, min_p)
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            gen = requests[i].generator or generator
-            noise[j].exponential_(generator=gen)
-        picked = (probs / noise).argmax(dim=-1)
+        picked = _inverse_cdf(sub.softmax(dim=-1), [requests[i].generator for i in random_rows], generator)
         chosen = chosen.index_copy(0, rows, picked)
 
     token_ids = chosen.tolist()
