@@ -175,3 +175,57 @@ def test_lru_evicts_oldest_idle_leaf_first():
     sim.step(0)
     assert len(cache.match([3] * 8, 2)) == 2 and len(cache.match([1] * 8, 2)) == 1
     sim.drain(50)
+
+
+def test_mostly_cached_prompt_is_not_stuck_behind_a_long_prefill():
+    """A prompt that is a cache hit gets its few tokens in the next step, ahead of
+    the remaining chunks of a long prompt admitted before it."""
+    sim = Sim(64, True, 8, 4)
+    doc = list(range(1, 17))  # 4 blocks
+    sim.add("warm", doc + [40], 1)
+    sim.drain(50)
+    sim.add("long", [50 + i for i in range(40)], 1)
+    sim.step(0)  # "long" takes the whole 8-token budget
+    sim.add("hit", doc + [41, 42], 1)
+    batch = sim.sched.schedule()
+    scheduled = {r.request_id: n for r, n in batch.items}
+    assert scheduled["hit"] == 2 and scheduled["long"] == 6
+    sim.sched.after_step(batch)
+
+
+def test_a_starved_long_prefill_goes_first_after_the_bound():
+    """Short prompts arriving every step cannot starve a long one for more than
+    ``prefill_starvation_steps`` steps."""
+    sim = Sim(256, False, 4, 16)
+    sim.add("long", list(range(100, 140)), 1)
+    long = sim.active[-1]
+    sim.step(0)
+    progress = []
+    for i in range(12):
+        for j in range(2):
+            sim.add(f"s{i}-{j}", [i, j], 1)  # 2-token prompts: shorter than what is left of "long"
+        before = long.num_computed_tokens
+        sim.step(0)
+        progress.append(long.num_computed_tokens - before)
+    bound = sim.sched.config.prefill_starvation_steps
+    runs, run = [], 0
+    for p in progress:
+        run = run + 1 if p == 0 else 0
+        runs.append(run)
+    assert max(runs) <= bound and sum(progress) > 0
+    sim.drain(500)
+
+
+def test_prefix_stats_count_each_request_once_even_when_it_waits_for_blocks():
+    sim = Sim(6, True, 64, 4)
+    sim.add("a", list(range(12)) + [99], 8)  # 4 blocks, grows to 6
+    for _ in range(5):
+        sim.step(0)  # "a" holds 5 blocks now
+    assert sim.add("b", list(range(12)) + [98] * 8, 1)  # hit of 3 blocks, needs 2 more: 1 is free
+    for _ in range(2):
+        sim.step(0)
+    assert sim.active[1].first_scheduled_time is None  # it did wait
+    sim.drain(100)
+    stats = sim.cache.stats
+    assert stats.queried_tokens == 13 + 20
+    assert stats.hit_tokens == sim.active[1].num_cached_tokens == 12

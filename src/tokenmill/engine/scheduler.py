@@ -1,12 +1,15 @@
 """Continuous batching: who runs this step, and with how many tokens.
 
 One token budget per step (``max_num_batched_tokens``) serves decodes and
-prefill chunks alike. Running decodes are served first, then running prefills
-(chunked to the budget), then waiting requests in FCFS order as the batching
-policy allows. When the pool runs out, the newest running request is
-preempted by recompute: its blocks go back (full ones stay in the prefix
-cache, so recompute is often a cache hit) and it re-enters the queue at the
-front. A step that preempted admits nobody new (no thrash).
+prefill chunks alike. Running decodes are served first; then waiting requests
+join in FCFS order as the batching policy allows (matching their cached
+prefix); then prefill chunks share what is left of the budget, shortest
+remaining prompt first, so a request that is mostly a cache hit is not stuck
+behind a long prompt's chunks (a prefill that got nothing for a few steps
+goes first: nobody starves). When the pool runs out, the newest running
+request is preempted by recompute: its blocks go back (full ones stay in the
+prefix cache, so recompute is often a cache hit) and it re-enters the queue
+at the front. A step that preempted admits nobody new (no thrash).
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._budget = 0  # tokens left in the step being scheduled
+        self._now = 0.0
 
     # -- queue management ----------------------------------------------
     def add(self, request: Request) -> None:
@@ -112,70 +117,101 @@ class Scheduler:
         if self.prefix_cache is None or request.block_table:
             return
         max_blocks = (request.num_tokens - 1) // self.block_size
-        first = request.first_scheduled_time is None
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
         for block in blocks:
             self.pool.acquire(block)
         request.block_table = list(blocks)
         request.num_cached_blocks = len(blocks)
         request.num_computed_tokens = len(blocks) * self.block_size
-        if first:
+        if request.first_scheduled_time is None:  # counted once it first runs (_started)
             request.num_cached_tokens = request.num_computed_tokens
+
+    def _started(self, request: Request) -> None:
+        """First tokens scheduled: the queue wait ends, the prefix hit is final."""
+        request.first_scheduled_time = self._now
+        if self.prefix_cache is not None:
             self.prefix_cache.stats.queried_tokens += request.num_prompt_tokens
-            self.prefix_cache.stats.hit_tokens += request.num_computed_tokens
+            self.prefix_cache.stats.hit_tokens += request.num_cached_tokens
 
     # -- the step --------------------------------------------------------
     def schedule(self, now: float | None = None) -> ScheduledBatch:
         now = time.monotonic() if now is None else now
+        self._now = now
         batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
+        self._budget = self.config.max_num_batched_tokens
 
-        # Running requests: decodes first, then prefill chunks, in admission order.
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decodes + prefills:
-            if budget <= 0:
+        # 1. Running decodes, in admission order: one token each.
+        for request in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
+            if self._budget <= 0:
                 break
+            if request.status is RequestStatus.RUNNING:
+                self._schedule(batch, request, 1)
+
+        # 2. Waiting requests join, FCFS, in a step that preempted nobody. They walk
+        #    the prefix cache now, so step 3 knows what is left of their prompts.
+        admitted: list[Request] = []
+        if not batch.preempted:
+            self.policy.begin_step(self.running, self.waiting, now)
+            while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                if not self.policy.may_admit(request):
+                    break
+                self._match_prefix(request)
+                first_chunk = min(request.num_tokens - request.num_computed_tokens, self._budget)
+                if self._blocks_short(request, request.num_computed_tokens + first_chunk) > self.pool.num_available:
+                    self._release(request)  # give back the prefix hit while it waits
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                admitted.append(request)
+
+        # 3. Prefill chunks, shortest remaining prompt first: a request whose prompt
+        #    is mostly cached costs a few tokens and should not wait behind a long
+        #    prefill. Fairness bound: a prefill that got nothing for
+        #    ``prefill_starvation_steps`` steps goes first, in admission order.
+        bound = self.config.prefill_starvation_steps
+        pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 or r in admitted]
+        pending.sort(key=lambda r: (r.prefill_skipped_steps < bound, r.num_tokens - r.num_computed_tokens))
+        for request in pending:
             if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self._grow(request, request.num_computed_tokens + num_new):
-                victim = self.running.pop()
-                for i, (scheduled, n) in enumerate(batch.items):
-                    if scheduled is victim:  # already given tokens this step: take them back
-                        del batch.items[i]
-                        budget += n
-                        break
+                continue  # preempted (or sent back) earlier in this loop
+            if self._budget <= 0:
+                request.prefill_skipped_steps += 1
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            self._schedule(batch, request, min(remaining, self._budget))
+        return batch
+
+    def _schedule(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
+        """Give ``request`` ``num_new`` tokens this step, growing its block table;
+        when the pool is short, preempt the newest running requests until it fits
+        (or until it is itself the newest and goes back to the queue)."""
+        while not self._grow(request, request.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            for i, (scheduled, n) in enumerate(batch.items):
+                if scheduled is victim:  # already given tokens this step: take them back
+                    del batch.items[i]
+                    self._budget += n
+                    break
+            if victim.first_scheduled_time is None and victim.num_computed_tokens == victim.num_cached_blocks * self.block_size:
+                self._send_back(victim)  # admitted this step, nothing computed: not a preemption
+            else:
                 self._preempt(victim)
                 batch.preempted.append(victim)
-                if victim is request:
-                    break
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            batch.items.append((request, num_new))
-            budget -= num_new
+            if victim is request:
+                return
+        batch.items.append((request, num_new))
+        self._budget -= num_new
+        request.prefill_skipped_steps = 0
+        if request.first_scheduled_time is None:
+            self._started(request)
 
-        # Waiting requests, FCFS, only in a step that preempted nobody.
-        if batch.preempted:
-            return batch
-        self.policy.begin_step(self.running, self.waiting, now)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if not self.policy.may_admit(request):
-                break
-            self._match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, request.num_computed_tokens + num_new):
-                self._release(request)  # give back the prefix hit while it waits
-                break
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
-            self.running.append(request)
-            batch.items.append((request, num_new))
-            budget -= num_new
-        return batch
+    def _send_back(self, request: Request) -> None:
+        """Undo an admission that could not get blocks: back to the queue's front."""
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance progress and index newly full blocks in the prefix cache."""
