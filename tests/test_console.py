@@ -201,14 +201,18 @@ def test_stats_agree_with_metrics_while_a_request_runs_and_after_its_client_leav
         app.state.tokenmill.aengine.shutdown()
 
 
-def test_stats_and_chat_need_the_api_key_the_page_shell_does_not():
+def test_stats_page_and_assets_need_the_api_key():
+    # the login flow itself: test_console_auth.py
     app = make_tiny_app(api_key="s3cret")
     mount_console(app)
     try:
         with TestClient(app) as client:
             page = client.get("/")
-            assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-            assert "<script src=\"/console/app.js\">" in page.text
+            assert page.status_code == 401 and "text/html" in page.headers["content-type"]
+            assert "/console/app.js" not in page.text and 'action="/ui/login"' in page.text
+            assert client.get("/console/app.js").status_code == 401
+            bearer = client.get("/", headers={"Authorization": "Bearer s3cret"})
+            assert bearer.status_code == 200 and "<script src=\"/console/app.js\">" in bearer.text
             assert client.get("/v1/engine/stats").status_code == 401
             assert client.get("/v1/engine/stats", headers={"Authorization": "Bearer nope"}).status_code == 401
             ok = client.get("/v1/engine/stats", headers={"Authorization": "Bearer s3cret"})
@@ -238,7 +242,7 @@ def test_assets_are_served_and_fetch_nothing_from_outside():
             refs = re.findall(r'(?:src|href)="([^"]+)"', html)
             assert "/console/app.js" in refs and "/console/app.css" in refs
             for ref in refs:
-                assert ref.startswith(("/console/", "data:")), ref
+                assert ref == "/" or ref.startswith(("/console/", "data:")), ref  # "/": sign in again
                 if ref.startswith("/console/"):
                     asset = client.get(ref)
                     assert asset.status_code == 200 and len(asset.content) > 1000, ref

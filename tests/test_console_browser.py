@@ -1,11 +1,13 @@
 """The web console in real headless Chromium against a real `tokenmill serve`.
 
 One server (the bundled model, an API key, a small KV pool so the block bar
-moves) and one browser page: the page asks for the key, chats with the model
+moves) and one browser page: the page is behind the key, so the browser
+first gets the login form (a wrong key is refused, the right one sets an
+HttpOnly session cookie and lands on the console), then chats with the model
 and shows the answer streaming in with its TTFT / tokens/s / cached-token
 figures, then shows the running count and token rate rise while a few
-concurrent streams run from httpx, and fall back when they end. The
-screenshot taken under load is the README's docs/console.png.
+concurrent streams run from httpx, and fall back when they end, and finally
+logs out. The screenshot taken under load is the README's docs/console.png.
 
 Chromium is Debian's package, driven by Playwright for Python with its own
 browser download never used (``executable_path``). A fresh machine gets the
@@ -95,15 +97,25 @@ def test_console_chats_and_shows_the_engine_working(browser):
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.goto(server.url + "/")
+        first = page.goto(server.url + "/")
 
-        # the server wants a key: the page asks for it, keeps it in localStorage, then goes live
-        page.wait_for_selector("#key-form:not([hidden])", timeout=10_000)
-        assert "API key" in page.inner_text("#conn")
-        page.fill("#api-key", API_KEY)
-        page.press("#api-key", "Enter")
+        # the server wants a key: the console is behind a login form that says nothing about the engine
+        assert first is not None and first.status == 401
+        assert "API key" in page.inner_text("#login-form") and page.query_selector("#running") is None
+        page.fill("#key", "not-the-key")
+        with page.expect_navigation():
+            page.press("#key", "Enter")
+        assert "not right" in page.inner_text("#login-form")
+        page.fill("#key", API_KEY)
+        with page.expect_navigation(url=server.url + "/"):
+            page.press("#key", "Enter")
         page.wait_for_function("document.getElementById('conn').textContent === 'live'", timeout=10_000)
-        assert page.evaluate("localStorage.getItem('tokenmill.apiKey')") == API_KEY
+        # the session is an HttpOnly, SameSite=Strict cookie: page scripts see neither it nor the key
+        (cookie,) = [c for c in page.context.cookies() if c["name"].startswith("tokenmill_session")]
+        assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and API_KEY not in cookie["value"]
+        assert "tokenmill_session" not in page.evaluate("document.cookie")
+        assert page.evaluate("localStorage.getItem('tokenmill.apiKey')") is None
+        assert page.is_visible("#logout")
         assert page.inner_text("#model-name").startswith("SmolLM2")
         facts = page.inner_text("#facts")
         assert "float32" in facts and "Weight memory" in facts and "KV pool" in facts
@@ -152,5 +164,12 @@ def test_console_chats_and_shows_the_engine_working(browser):
         page.wait_for_function("parseFloat(document.getElementById('tok-out').textContent) === 0", timeout=30_000)
         assert "p50" in page.inner_text("#ttft-pct") and "n=" in page.inner_text("#tpot-pct")
         assert not errors, errors
+
+        # logging out ends the session: back to the form, and the page's API calls are refused
+        with page.expect_navigation(url=server.url + "/"):
+            page.click("#logout")
+        assert page.is_visible("#login-form")
+        assert not [c for c in page.context.cookies() if c["name"].startswith("tokenmill_session")]
+        assert page.request.get(server.url + "/v1/engine/stats").status == 401
         page.close()
     assert 10_000 < SCREENSHOT.stat().st_size < 300_000

@@ -10,9 +10,11 @@
   counters), so the two never disagree.
 - ``GET /`` and ``/console/*``: a single static page (vanilla JS, no build
   step, nothing fetched from the internet) with a chat playground and a live
-  view that polls the stats endpoint every second. The page itself holds no
-  data: every figure and every chat goes through the key-protected API, and
-  the page asks for the key (kept in the browser's localStorage) on a 401.
+  view that polls the stats endpoint every second. With an API key they are
+  behind it too: without a credential ``GET /`` answers 401 with a login
+  form that posts to ``POST /ui/login``, which sets a session cookie the
+  gate then accepts for the page's own API calls; ``POST /ui/logout`` ends
+  the session (console_auth.py has the why and how).
 
 The rolling window is fed by ``AsyncEngine.on_step``, which runs in the
 engine thread after every step: it sees every delta (tokens out, cached
@@ -30,9 +32,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import json
+from urllib.parse import parse_qs
+
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .console_auth import LOGIN_HEADERS, ConsoleSessions, login_page, same_origin
+from .errors import error_body
 
 STATIC_DIR = Path(__file__).with_name("static")
 WINDOW_S = 60  # the "last minute" every windowed figure covers
@@ -332,10 +341,85 @@ def mount_console(app: FastAPI, ui: bool = True) -> ConsoleStats:
         return JSONResponse(stats.document(), headers={"Cache-Control": "no-store"})
 
     if ui:
-        @app.get("/", include_in_schema=False)
-        async def console_page(request: Request) -> Response:
-            return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                                headers={"Cache-Control": "no-cache"})
-
-        app.mount("/console", StaticFiles(directory=STATIC_DIR), name="console")
+        sessions = getattr(app.state, "console_sessions", None)
+        if sessions is None:  # an app not made by build_app: no gate shares it
+            sessions = ConsoleSessions(state.settings.api_key)
+        _mount_page(app, sessions, state.metrics)
     return stats
+
+
+_LOGIN_BODY_LIMIT = 4096  # a form with one key in it
+
+
+def _mount_page(app: FastAPI, sessions: ConsoleSessions, metrics: Any) -> None:
+    """``GET /``, the assets under ``/console/`` and, with a key, sign-in and sign-out."""
+    page_headers = {"Cache-Control": "no-store" if sessions.enabled else "no-cache",
+                    "X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
+
+    def refuse_login(status: int, error: str | None) -> HTMLResponse:
+        return HTMLResponse(login_page(error), status_code=status, headers=LOGIN_HEADERS)
+
+    @app.get("/", include_in_schema=False)
+    async def console_page(request: Request) -> Response:
+        if sessions.enabled and sessions.credential(request.scope) is None:
+            return refuse_login(401, None)
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=page_headers)
+
+    @app.post("/ui/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        if not sessions.enabled:
+            return RedirectResponse("/", status_code=303)
+        if not same_origin(request.scope):
+            metrics.rejected.labels("auth").inc()
+            return refuse_login(403, "Sign-in refused: the form was sent from another site.")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > _LOGIN_BODY_LIMIT:
+                return refuse_login(413, "That form was too large.")
+        fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+        given = (fields.get("key") or [""])[0].strip()
+        if not sessions.key_matches(given):
+            metrics.rejected.labels("auth").inc()
+            return refuse_login(401, "That key is not right. Try again.")
+        token = sessions.open()
+        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+        response.headers.append("Set-Cookie", sessions.cookie_header(request.scope, token))
+        return response
+
+    @app.get("/ui/login", include_in_schema=False)
+    async def login_get() -> Response:  # a reload or a bookmark: the page decides what to show
+        return RedirectResponse("/", status_code=303)
+
+    @app.post("/ui/logout", include_in_schema=False)
+    async def logout(request: Request) -> Response:
+        if sessions.enabled and not same_origin(request.scope):
+            return JSONResponse(error_body(403, "cross-origin sign-out refused", code="cross_origin"),
+                                status_code=403)
+        sessions.close(sessions.token_of(request.scope))
+        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+        if sessions.enabled:
+            response.headers.append("Set-Cookie", sessions.cookie_header(request.scope, None))
+        return response
+
+    app.mount("/console", _KeyGuard(StaticFiles(directory=STATIC_DIR), sessions), name="console")
+
+
+class _KeyGuard:
+    """The console's assets need the same credential as the page (a 401 in OpenAI's shape without it)."""
+
+    def __init__(self, app: ASGIApp, sessions: ConsoleSessions) -> None:
+        self.app = app
+        self.sessions = sessions
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.sessions.enabled and self.sessions.credential(scope) is None:
+            body = json.dumps(error_body(401, "sign in to the console first (or send 'Authorization: Bearer KEY')",
+                                         code="invalid_api_key")).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"www-authenticate", b"Bearer")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)

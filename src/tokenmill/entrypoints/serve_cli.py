@@ -51,7 +51,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model file's name)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (also read from TOKENMILL_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (also read from TOKENMILL_API_KEY); "
+                        "the web console then asks for it on a sign-in page and keeps a session cookie")
     p.add_argument("--max-waiting", type=_positive, default=None,
                    help="refuse new requests with 429 once this many are waiting (default: unbounded)")
     p.add_argument("--max-output-tokens", type=_positive, default=None,

@@ -5,11 +5,13 @@ Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
 ``/reset_prefix_cache``. A plain ASGI middleware in front of everything
 checks the API key (before the body is even parsed, so a bad key is a 401
 whatever the body), refuses new work with 503 while draining after SIGTERM,
-and counts requests in flight so shutdown can wait for them.
+and counts requests in flight so shutdown can wait for them. The key is
+either ``Authorization: Bearer KEY`` or the web console's session cookie
+(console_auth.py; cookie-authenticated writes must come from the server's
+own origin).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
+from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
 from .openai_routes import encode, get_state, render_chat, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
@@ -38,11 +41,10 @@ _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")
 class GateMiddleware:
     """API key, drain refusal and in-flight count, before routing."""
 
-    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, sessions: ConsoleSessions | None = None) -> None:
         self.app = app
         self.state = state
-        key = state.settings.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
+        self.sessions = sessions if sessions is not None else ConsoleSessions(state.settings.api_key)
 
     async def _reject(self, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str] | None = None) -> None:
@@ -57,12 +59,17 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope.get("path", "")
-        if self._expected is not None and path.startswith(_PROTECTED):
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+        if self.sessions.enabled and path.startswith(_PROTECTED):
+            verdict = self.sessions.check(scope)
+            if verdict == "unauthorized":
                 self.state.metrics.rejected.labels("auth").inc()
                 await self._reject(send, 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                                    "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return
+            if verdict == "cross_origin":
+                self.state.metrics.rejected.labels("auth").inc()
+                await self._reject(send, 403, "cross-origin request with the console's session cookie refused "
+                                   "(send 'Authorization: Bearer KEY')", "cross_origin")
                 return
         if self.state.draining and not path.startswith(_ALWAYS_OPEN):
             self.state.metrics.rejected.labels("draining").inc()
@@ -88,7 +95,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     install_error_handlers(app)
     app.include_router(router)
     _misc_routes(app)
-    app.add_middleware(GateMiddleware, state=state)
+    # one session store for the gate and the console's login routes (console.py)
+    app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
+    app.add_middleware(GateMiddleware, state=state, sessions=sessions)
     return app
 
 

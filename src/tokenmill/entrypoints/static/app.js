@@ -3,22 +3,18 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const KEY_STORE = "tokenmill.apiKey";
 const SETTINGS_STORE = "tokenmill.settings";
 const POLL_MS = 1000;
 
-let apiKey = localStorage.getItem(KEY_STORE) || "";
+// With an API key the server let this page load only after sign-in (POST /ui/login); its
+// HttpOnly session cookie then goes with every same-origin fetch, so the page never holds
+// the key. Earlier versions kept the key in localStorage: drop it.
+localStorage.removeItem("tokenmill.apiKey");
+
 let modelName = null;
 let history = [];          // the conversation sent with each request: [{role, content}]
 let controller = null;     // AbortController of the answer being streamed
 let factsShown = false;
-
-function authHeaders(json) {
-  const h = {};
-  if (json) h["Content-Type"] = "application/json";
-  if (apiKey) h["Authorization"] = "Bearer " + apiKey;
-  return h;
-}
 
 // ---------------------------------------------------------------- formatting
 function fmtNum(v, digits = 0) {
@@ -47,38 +43,18 @@ function fmtBytes(n) {
 }
 function fmtPct(v) { return v === null || v === undefined ? "–" : (v * 100).toFixed(v < 0.1 ? 1 : 0) + " %"; }
 
-// ---------------------------------------------------------------- API key
+// ---------------------------------------------------------------- session
 function setConn(kind, text) {
   const el = $("conn");
   el.className = "conn " + kind;
   el.textContent = text;
 }
-function askForKey(message) {
-  const form = $("key-form");
-  form.hidden = false;
-  form.classList.add("alert");
-  $("key-show").hidden = true;
-  $("api-key").placeholder = message || "this server needs an API key";
-  setConn("wait", "API key needed");
+// A 401: the session ended (logout elsewhere, expiry, server restart). Loading / again shows the form.
+function signedOut() {
+  setConn("down", "signed out");
+  $("relogin").hidden = false;
+  $("logout-form").hidden = true;
 }
-$("key-form").addEventListener("submit", (ev) => {
-  ev.preventDefault();
-  apiKey = $("api-key").value.trim();
-  if (apiKey) localStorage.setItem(KEY_STORE, apiKey); else localStorage.removeItem(KEY_STORE);
-  $("api-key").value = "";
-  $("key-form").hidden = true;
-  $("key-form").classList.remove("alert");
-  $("key-show").hidden = !apiKey;
-  poll();
-});
-$("key-forget").addEventListener("click", () => {
-  apiKey = "";
-  localStorage.removeItem(KEY_STORE);
-  $("key-show").hidden = true;
-  poll();
-});
-$("key-show").addEventListener("click", () => { $("key-form").hidden = false; $("key-show").hidden = true; });
-$("key-show").hidden = !apiKey;
 
 // ---------------------------------------------------------------- live engine view
 let pollTimer = null, polling = false, lastStats = null;
@@ -88,10 +64,14 @@ async function poll() {
   polling = true;
   clearTimeout(pollTimer);
   try {
-    const r = await fetch("/v1/engine/stats", { headers: authHeaders(false), cache: "no-store" });
-    if (r.status === 401) { askForKey(apiKey ? "that key was refused; try again" : null); }
+    const r = await fetch("/v1/engine/stats", { credentials: "same-origin", cache: "no-store" });
+    if (r.status === 401) { signedOut(); }
     else if (!r.ok) { setConn("down", "stats: HTTP " + r.status); }
-    else { lastStats = await r.json(); render(lastStats); setConn("ok", "live"); }
+    else {
+      lastStats = await r.json(); render(lastStats); setConn("ok", "live");
+      $("relogin").hidden = true;
+      $("logout-form").hidden = !lastStats.model.api_key_required;
+    }
   } catch (e) {
     setConn("down", "server unreachable");
   } finally {
@@ -354,11 +334,12 @@ async function sendMessage(text) {
   let tFirst = null, tLast = null, usage = null, finish = null, answer = "";
   try {
     const r = await fetch("/v1/chat/completions", {
-      method: "POST", headers: authHeaders(true), body: JSON.stringify(body), signal: controller.signal,
+      method: "POST", headers: { "Content-Type": "application/json" }, credentials: "same-origin",
+      body: JSON.stringify(body), signal: controller.signal,
     });
     if (!r.ok) {
       const err = await r.json().catch(() => null);
-      if (r.status === 401) askForKey(apiKey ? "that key was refused; try again" : null);
+      if (r.status === 401) signedOut();
       throw new Error((err && err.error && err.error.message) || "HTTP " + r.status);
     }
     await readSSE(r, (obj) => {
