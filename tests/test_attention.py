@@ -1,8 +1,10 @@
 """The paged attention paths against a plain softmax attention over gathered K/V.
 
 Random caches with scattered block tables; decodes, prefills with and without
-a cached prefix, mixed batches, GQA; the fast path (with and without the
-reused workspace) and the reference path must both match.
+a cached prefix, mixed batches, GQA; the fast path (decodes through the C
+kernel, and through the torch gather with and without the reused workspace)
+and the reference path must all match. The kernel's own edge cases are in
+test_cpu_kernels.py.
 """
 from __future__ import annotations
 
@@ -11,12 +13,24 @@ import random
 import pytest
 import torch
 
+from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import (AttentionMetadata, kv_cache_shape, paged_attention,
                                        paged_attention_reference, write_kv)
 from tokenmill.model.llama import RotaryEmbedding, _rotate
 from tokenmill.config import ModelConfig
 
 BS = 4  # small blocks: many block boundaries inside short contexts
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="C decode kernel unavailable (no gcc?)")
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Run a test with decodes through the C kernel, then through the torch gather path."""
+    if request.param == "kernel" and not cpu_kernels.available():
+        pytest.skip("C decode kernel unavailable (no gcc?)")
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1" if request.param == "kernel" else "0")
+    return request.param
 
 
 def simple_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,7 +110,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (9, 3)])
 @pytest.mark.parametrize("workspace", [False, True])
-def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: int, workspace: bool) -> None:
+def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: int, workspace: bool,
+                                              decode_path: str) -> None:
     q, kc, vc, meta, tables = make_case(CASES[case], heads, kv_heads, torch.float32, seed=len(case) + heads,
                                         workspace=workspace)
     scale = 16**-0.5
@@ -108,7 +123,7 @@ def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: 
 
 
 @pytest.mark.parametrize("nd", [2, 40])  # below and above the bf16 SDPA/matmul switch (40 * 128 rows)
-def test_bf16_decode_paths_match_reference(nd: int) -> None:
+def test_bf16_decode_paths_match_reference(nd: int, decode_path: str) -> None:
     seqs = [(100 + 3 * i, 1) for i in range(nd)]
     q, kc, vc, meta, tables = make_case(seqs, 9, 3, torch.bfloat16, seed=nd, workspace=True)
     want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, 0.25)
@@ -117,22 +132,65 @@ def test_bf16_decode_paths_match_reference(nd: int) -> None:
     torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
 
 
-def test_float32_fast_path_is_bit_identical_to_reference() -> None:
-    """Speed must never change greedy fp32 output: same bits as the reference path."""
+def test_float32_torch_path_is_bit_identical_to_reference(monkeypatch) -> None:
+    """Without the kernel, speed never changes fp32 output: same bits as the reference path."""
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
     q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
     assert torch.equal(paged_attention(q, kc, vc, meta, 0.125), paged_attention_reference(q, kc, vc, meta, 0.125))
 
 
-def test_decode_result_does_not_depend_on_batch_padding() -> None:
+@needs_kernel
+def test_float32_kernel_matches_reference_closely() -> None:
+    """The kernel's own exp and summation order move fp32 results by rounding only;
+    prefill rows (not the kernel's) stay bit-identical."""
+    seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
+    got = paged_attention(q, kc, vc, meta, 0.125)
+    want = paged_attention_reference(q, kc, vc, meta, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got[:12], want[:12])  # the decodes really took the kernel
+    assert torch.equal(got[12:], want[12:])
+
+
+def _alone(meta: AttentionMetadata, row: int, length: int) -> AttentionMetadata:
+    """Metadata of decode ``row`` as the only sequence of its step."""
+    blocks = -(-length // BS)
+    mask = torch.zeros(1, 1, blocks * BS, dtype=meta.decode_mask.dtype)
+    mask[..., length:] = float("-inf")
+    return AttentionMetadata(slot_mapping=meta.slot_mapping[row : row + 1],
+                             block_tables=meta.block_tables[row : row + 1, :blocks].clone(), seq_lens=[length],
+                             query_lens=[1], num_decodes=1, block_size=BS, decode_blocks=blocks, decode_mask=mask)
+
+
+def test_decode_result_does_not_depend_on_batch_padding(decode_path: str) -> None:
     """A sequence alone and next to a much longer one (more padded, masked keys) gives the same output."""
     q, kc, vc, meta, _ = make_case([(21, 1), (150, 1)], 9, 3, torch.float32, seed=7, workspace=True)
     both = paged_attention(q, kc, vc, meta, 0.125)
-    alone_meta = AttentionMetadata(slot_mapping=meta.slot_mapping[:1], block_tables=meta.block_tables[:1, :6],
-                                   seq_lens=[21], query_lens=[1], num_decodes=1, block_size=BS,
-                                   decode_blocks=6, decode_mask=meta.decode_mask[:1, :, :24].contiguous())
-    alone = paged_attention(q[:1], kc, vc, alone_meta, 0.125)
-    torch.testing.assert_close(alone, both[:1], atol=1e-6, rtol=1e-6)
+    alone = paged_attention(q[:1], kc, vc, _alone(meta, 0, 21), 0.125)
+    if decode_path == "kernel":
+        assert torch.equal(alone, both[:1])
+    else:
+        torch.testing.assert_close(alone, both[:1], atol=1e-6, rtol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_decode_is_batch_invariant_bit_for_bit(dtype: torch.dtype) -> None:
+    """Each decode's bits are the same alone, next to much longer sequences, next to a
+    prefill, and with one or two threads: batch composition never changes a token."""
+    seqs = [(3, 1), (300, 1), (57, 1), (611, 1), (1, 1), (40, 12)]
+    q, kc, vc, meta, _ = make_case(seqs, 6, 2, dtype, seed=11, workspace=False)
+    batch = paged_attention(q, kc, vc, meta, 0.3)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for row, (length, _) in enumerate(seqs[:5]):
+                alone = paged_attention(q[row : row + 1], kc, vc, _alone(meta, row, length), 0.3)
+                assert torch.equal(alone, batch[row : row + 1]), (row, n)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_rotation_with_signed_table_equals_rotate_half() -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
+from ..model import cpu_kernels
 from ..model.attention import AttentionMetadata, decode_gather_index, kv_cache_shape
 from ..model.llama import LlamaForCausalLM
 from .request import Request
@@ -100,7 +101,13 @@ class ModelRunner:
         decode_blocks = -(-max(decode_lens, default=0) // bs)
         decode_mask = decode_index = None
         workspace = None
-        if num_decodes:
+        decode_seq_lens = decode_tables = None
+        if num_decodes and cpu_kernels.decode_kernel_usable(dev, self.dtype):
+            # The C kernel reads the pool in place: int32 tables and lengths, once per step
+            # (no mask, gather index or workspace; attention builds those if it falls back).
+            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int32)
+            decode_tables = tables[:num_decodes, :decode_blocks].to(torch.int32).contiguous()
+        elif num_decodes:
             span = torch.arange(decode_blocks * bs)
             lens = torch.tensor(decode_lens)
             # In the cache dtype: SDPA wants the query's dtype; 0 and -inf are exact in bf16/fp16.
@@ -121,6 +128,8 @@ class ModelRunner:
             decode_mask=decode_mask,
             decode_workspace=workspace,
             decode_index=decode_index,
+            decode_seq_lens=decode_seq_lens,
+            decode_block_tables=decode_tables,
         )
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),

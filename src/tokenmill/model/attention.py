@@ -3,22 +3,35 @@
 The batch holds decode sequences first (one query token each), then prefill
 chunks (many query tokens, possibly after a cached or earlier-computed
 prefix). New K/V are scattered into the pool through ``slot_mapping``; keys
-and values are read back through each sequence's block table. This is the
-reference implementation in plain torch, correct on CPU and CUDA alike.
+and values are read back through each sequence's block table.
 
 Pool layout: ``[kv_heads, num_blocks, block_size, head_dim]`` per layer, head
-outermost. Gathering a batch's blocks along dim 1 then yields, for every KV
-head, each sequence's context as one contiguous ``[span, head_dim]`` matrix,
-which is what the attention matmuls read fastest (with the head inside the
-block, the gathered keys were strided and the score matmul ran ~5x slower).
+outermost, so every block of one KV head is a contiguous
+``[block_size, head_dim]`` matrix.
 
-Decodes are batched: their blocks are gathered with one ``index_select`` into
-a flat workspace the runner allocates once and reuses every step and layer,
-then attended as ``[kv_heads, num_decodes, group, head_dim]`` queries (a
-query head group read as rows of its KV head). float32 keeps the reference's
-exact ops (matmul, float32 softmax, matmul) so greedy fp32 output never
-changes; bf16 uses ``scaled_dot_product_attention`` at small batches
-(measured 2x faster at batch 1) and the matmul form at large ones.
+Decodes on CPU (float32 or bfloat16) go through a C kernel
+(``cpu_kernels.paged_decode_attention``, source in ``csrc/``) that reads the
+blocks in place through the block table: one (sequence, KV head) pair per
+OpenMP work item, the head's whole query group at once, float32 accumulation
+(head_dim a multiple of 8 or 16, the CPU's vector width). It skips the gather
+copy, which cost more than the attention math; the runner then builds no mask,
+gather index or workspace (this module builds them if it must fall back). Each
+sequence's result depends only on its own context (bit for bit, whatever else
+is in the batch); against the reference it differs by float rounding (its own
+exp, a different summation order), ~1e-6 in float32.
+
+Elsewhere (CUDA, float16, no compiler, ``TOKENMILL_CPU_KERNELS=0``) decodes
+use the torch path: their blocks are gathered with one ``index_select`` into
+a flat workspace the runner allocates once and reuses every step and layer
+(with the head outermost, each sequence's context per KV head comes out as one
+contiguous ``[span, head_dim]`` matrix, which the matmuls read fastest), then
+attended as ``[kv_heads, num_decodes, group, head_dim]`` queries (a query head
+group read as rows of its KV head). float32 there keeps the reference's exact
+ops (matmul, float32 softmax, matmul); bf16 uses
+``scaled_dot_product_attention`` at small batches (measured 2x faster at
+batch 1) and the matmul form at large ones. Prefill chunks always use torch
+(one sequence at a time, SDPA: compute-bound, the copy is small next to it).
+
 ``paged_attention_reference`` is the plain formulation with fresh gathers,
 kept for tests and the benchmarks' eager baseline
 (``TOKENMILL_ATTENTION=reference`` selects it).
@@ -30,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
 
 
 @dataclass
@@ -48,6 +63,9 @@ class AttentionMetadata:
     # Reused flat gather buffers for decode K and V (at least
     # kv_heads * num_decodes * decode_blocks * block_size * head_dim elements each).
     decode_workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+    # For the CPU decode kernel (built once per step; derived from the fields above when None):
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, decode_blocks] int32, contiguous
 
     @property
     def num_seqs(self) -> int:
@@ -151,28 +169,65 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context."""
     if _USE_REFERENCE:
+        _decode_mask(meta, k_cache.dtype, q.device)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
-    kv_heads = k_cache.shape[0]
     out = torch.empty_like(q)
     nd = meta.num_decodes
-    if nd:
-        index = _decode_index(meta, k_cache)
-        ws = meta.decode_workspace
-        k = _gather_decodes(k_cache, index, nd, ws[0] if ws else None)
-        v = _gather_decodes(v_cache, index, nd, ws[1] if ws else None)
-        qd = _decode_queries(q, nd, kv_heads).to(k.dtype)
-        mask = meta.decode_mask
-        assert mask is not None
-        if k.dtype != torch.float32 and nd * k.shape[2] <= _BF16_SDPA_MAX_ROWS:
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
-        else:
-            # float32 always takes this path: the same ops as the reference, so greedy
-            # fp32 output stays bit-identical (SDPA's CPU kernel uses a faster, less exact exp).
-            scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale
-            o = torch.matmul(torch.softmax(scores + mask, dim=-1).to(v.dtype), v)
-        _decode_output(o, out, nd)
+    if nd and not _kernel_decodes(q, k_cache, v_cache, meta, scale, out):
+        _torch_decodes(q, k_cache, v_cache, meta, scale, out)
     _prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def _kernel_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, out: torch.Tensor) -> bool:
+    """The C kernel, reading the pool in place; False when it does not apply here."""
+    if q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    nd = meta.num_decodes
+    if meta.decode_seq_lens is None or meta.decode_block_tables is None:
+        # Not precomputed by the runner (tests, direct callers): build once, keep on meta.
+        blocks = meta.decode_blocks or -(-max(meta.seq_lens[:nd]) // meta.block_size)
+        meta.decode_seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.int32)
+        meta.decode_block_tables = meta.block_tables[:nd, :blocks].to(torch.int32).contiguous()
+    return cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_seq_lens, scale, out[:nd])
+
+
+def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """[num_decodes, 1, decode_blocks * block_size] additive mask (0 or -inf) of the
+    decodes' padded key rows; built here (once per step, kept on meta) when the
+    runner skipped it because it expected the kernel."""
+    nd = meta.num_decodes
+    if meta.decode_mask is None and nd:
+        span = meta.decode_blocks * meta.block_size
+        lens = torch.tensor(meta.seq_lens[:nd])
+        mask = torch.zeros((nd, 1, span), dtype=dtype)
+        mask.masked_fill_(torch.arange(span)[None, None, :] >= lens[:, None, None], float("-inf"))
+        meta.decode_mask = mask.to(device)
+    return meta.decode_mask
+
+
+def _torch_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   scale: float, out: torch.Tensor) -> None:
+    """Decodes by gathering their blocks into a workspace, then matmul/softmax/matmul."""
+    kv_heads = k_cache.shape[0]
+    nd = meta.num_decodes
+    index = _decode_index(meta, k_cache)
+    ws = meta.decode_workspace
+    k = _gather_decodes(k_cache, index, nd, ws[0] if ws else None)
+    v = _gather_decodes(v_cache, index, nd, ws[1] if ws else None)
+    qd = _decode_queries(q, nd, kv_heads).to(k.dtype)
+    mask = _decode_mask(meta, k.dtype, q.device)
+    assert mask is not None
+    if k.dtype != torch.float32 and nd * k.shape[2] <= _BF16_SDPA_MAX_ROWS:
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
+    else:
+        # float32 always takes this path: the same ops as the reference, so fp32 output
+        # stays bit-identical to it (SDPA's CPU kernel uses a faster, less exact exp).
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale
+        o = torch.matmul(torch.softmax(scores + mask, dim=-1).to(v.dtype), v)
+    _decode_output(o, out, nd)
 
 
 _USE_REFERENCE = os.environ.get("TOKENMILL_ATTENTION", "").lower() == "reference"

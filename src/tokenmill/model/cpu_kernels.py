@@ -1,0 +1,218 @@
+"""Native CPU kernels, compiled on first use and called through ctypes.
+
+Decode attention on CPU was dominated by copying every sequence's K/V blocks
+into a contiguous workspace before the matmuls; ``csrc/paged_attention.c``
+reads the blocks in place through the block table instead. It is C with no
+torch headers and no build step at install time: the first call compiles it
+with the system gcc into a cache directory (``TOKENMILL_KERNEL_CACHE``,
+default ``~/.cache/tokenmill/kernels``) under a name keyed by a hash of the
+source, the flags, the compiler version and the CPU (``-march=native``), so an
+edited source, another compiler or another machine never loads a stale
+library. Compiling to a temporary name and ``os.replace``-ing it makes
+concurrent processes (servers started by tests) safe.
+
+Everything degrades to the torch path: no gcc, a failed compile,
+``TOKENMILL_CPU_KERNELS=0``, tensors not on CPU, or a dtype/layout the kernel
+does not take make :func:`paged_decode_attention` return ``False``.
+
+The library links OpenMP by soname (``libgomp.so.1``); torch's wheel ships
+its own ``libgomp.so.1`` and has it loaded already, so the dynamic linker
+hands the kernel torch's runtime and thread pool rather than starting a
+second pool that would fight torch's for the cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+_ABI_VERSION = 1
+_ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
+
+
+@dataclass(frozen=True)
+class KernelLibrary:
+    cdll: ctypes.CDLL
+    path: Path
+    vector_width: int  # floats per vector register; head_dim must be a multiple of it
+
+
+_lock = threading.Lock()
+_lib: KernelLibrary | None = None
+_tried = False
+_logged_disabled = False
+
+
+def enabled() -> bool:
+    """False when ``TOKENMILL_CPU_KERNELS=0`` (read on every call, so tests and
+    benchmarks can switch it in-process)."""
+    return os.environ.get("TOKENMILL_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TOKENMILL_KERNEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenmill" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line.split(":", 1)[1].strip() for line in text.splitlines()
+            if line.startswith(("model name", "flags", "Features"))][:2]
+    return platform.machine() + "|" + "|".join(keep)
+
+
+def _compiler() -> str:
+    cc = shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("gcc not found on PATH")
+    return cc
+
+
+def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_signature().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    return cache_dir() / f"paged_attention-{digest.hexdigest()[:20]}.so"
+
+
+def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"gcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent process sees no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
+    """Compile (unless cached) and load the kernel library; raises on failure.
+    ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
+    cc = _compiler()
+    flags = CFLAGS + tuple(extra_flags)
+    path = _library_path(cc, flags)
+    if not path.exists():
+        _compile(cc, flags, path)
+    cdll = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    args = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
+            ctypes.c_int]
+    for name in _ENTRY.values():
+        fn = getattr(cdll, name)
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+    cdll.tm_kernels_abi_version.restype = ctypes.c_int
+    cdll.tm_kernels_vector_width.restype = ctypes.c_int
+    if cdll.tm_kernels_abi_version() != _ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {cdll.tm_kernels_abi_version()}, expected {_ABI_VERSION}")
+    return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width())
+
+
+def load() -> KernelLibrary | None:
+    """The kernel library, built on first call; None when it cannot be had (reason logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = build()
+                log.info("decode attention: C kernel reading the paged KV cache in place (%s, %d-float vectors)",
+                         _lib.path, _lib.vector_width)
+            except Exception as exc:  # any failure: keep the torch path
+                _lib = None
+                log.warning("decode attention: C kernel unavailable (%s); using the torch gather path", exc)
+            _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """True when the kernel is enabled and compiled (compiles it on first call)."""
+    return enabled() and load() is not None
+
+
+def decode_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether decodes of a pool on ``device`` in ``dtype`` go through the kernel
+    (the runner asks once per step, to skip building what only the torch path reads)."""
+    global _logged_disabled
+    if torch.device(device).type != "cpu" or dtype not in _ENTRY:
+        return False
+    if not enabled():
+        if not _logged_disabled:
+            log.info("decode attention: C kernel disabled by TOKENMILL_CPU_KERNELS=0; using the torch gather path")
+            _logged_disabled = True
+        return False
+    return load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor, library: KernelLibrary | None = None) -> bool:
+    """Decode attention straight from the pool; returns False (nothing written)
+    when the kernel cannot take these tensors, so the caller falls back.
+
+    q, out: [num_decodes, heads, head_dim] in the pool's dtype, each head's row
+    contiguous (token rows may be strided, as q is when sliced out of a fused
+    q/k tensor). k_cache, v_cache: [kv_heads, num_blocks, block_size,
+    head_dim], contiguous. block_tables: [>= num_decodes, >= blocks used] int32
+    with unit inner stride. seq_lens: [>= num_decodes] int32, contiguous:
+    context length including the new token. ``library``: a specific build
+    (tests); by default the cached one.
+    """
+    entry = _ENTRY.get(k_cache.dtype)
+    if entry is None or (library is None and not enabled()):
+        return False
+    nd, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, cache_dim = k_cache.shape
+    tensors = (q, k_cache, v_cache, out, block_tables, seq_lens)
+    if any(t.device.type != "cpu" for t in tensors):
+        return False
+    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
+            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape):
+        return False
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+            and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+            and block_tables.dim() == 2 and block_tables.shape[0] >= nd and seq_lens.numel() >= nd
+            and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)):
+        return False
+    lib = library or load()
+    if lib is None or head_dim % lib.vector_width:
+        return False
+    if nd == 0:
+        return True
+    rc = getattr(lib.cdll, entry)(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+        nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc == 1:
+        raise ValueError("paged_decode_attention: a sequence length or block id lies outside the table or pool")
+    if rc != 0:
+        raise MemoryError("paged_decode_attention: the kernel could not allocate its scratch memory")
+    return True

@@ -1,0 +1,241 @@
+"""The C decode-attention kernel (model/csrc/paged_attention.c) on its own.
+
+Random pools with scattered block tables, GQA, lengths on and off block
+boundaries (and 1), several block sizes and head sizes, float32 and bfloat16,
+against a float64 softmax attention written out plainly; bit-exact batch
+invariance; the 8-float-vector build (AVX2 machines); what happens when the
+kernel is disabled, cannot take the tensors, or is given a bad table; the
+compile cache under concurrent first use; and the runner's per-step metadata.
+"""
+from __future__ import annotations
+
+import platform
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.model import cpu_kernels
+from tokenmill.model.attention import AttentionMetadata, kv_cache_shape, paged_attention, paged_attention_reference
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
+
+
+@pytest.fixture(scope="module")
+def lib() -> cpu_kernels.KernelLibrary:
+    """The default build; a compile failure fails the tests (only a missing gcc skips)."""
+    return cpu_kernels.build()
+
+
+def make_pool(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
+              dtype: torch.dtype, seed: int, strided_q: bool = False):
+    """Pool with every sequence's blocks scattered at random, int32 tables (padded with
+    junk ids past each sequence's blocks, which the kernel must never read)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    used = [-(-n // block_size) for n in lens]
+    num_blocks = sum(used) + 7
+    shape = kv_cache_shape(num_blocks, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen).to(dtype)
+    v = torch.randn(shape, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    width = max(used) + 2
+    tables = torch.full((len(lens), width), num_blocks - 1, dtype=torch.int32)
+    for i, n in enumerate(used):
+        tables[i, :n] = torch.tensor(free[:n], dtype=torch.int32)
+        free = free[n:]
+    if strided_q:  # as the model slices q out of its fused q/k rotation output
+        q = torch.randn(len(lens), heads + kv_heads, head_dim, generator=gen).to(dtype)[:, :heads]
+    else:
+        q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def plain_attention(q, k, v, tables, lens, scale) -> torch.Tensor:
+    """float64, one sequence and head at a time, keys gathered position by position."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, _, block_size, _ = k.shape
+    group = heads // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for n, length in enumerate(lens.tolist()):
+        rows = [(int(tables[n, p // block_size]), p % block_size) for p in range(length)]
+        for h in range(heads):
+            kv = h // group
+            keys = torch.stack([k[kv, b, o] for b, o in rows]).double()
+            vals = torch.stack([v[kv, b, o] for b, o in rows]).double()
+            probs = torch.softmax(keys @ q[n, h].double() * scale, dim=0)
+            out[n, h] = probs @ vals
+    return out
+
+
+def run_kernel(lib, q, k, v, tables, lens, scale) -> torch.Tensor:
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    assert cpu_kernels.paged_decode_attention(q, k, v, tables, lens, scale, out, library=lib)
+    return out
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    else:  # fp32 math, one bf16 rounding of the output: within half a bf16 ulp (2^-9 relative)
+        err = (got.double() - want).abs()
+        assert bool((err <= want.abs() * 2.0**-8 + 1e-6).all()), float((err / want.abs()).max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (6, 2), (4, 4)])
+@pytest.mark.parametrize("block_size,head_dim", [(4, 16), (16, 64), (32, 64), (16, 16), (32, 128)])
+def test_kernel_matches_float64_attention(lib, dtype, heads, kv_heads, block_size, head_dim) -> None:
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 37, 70]
+    q, k, v, tables, seq_lens = make_pool(lens, heads, kv_heads, head_dim, block_size, dtype,
+                                          seed=heads * 100 + block_size + head_dim, strided_q=heads == 9)
+    scale = head_dim**-0.5
+    got = run_kernel(lib, q, k, v, tables, seq_lens, scale)
+    assert_matches(got, plain_attention(q, k, v, tables, seq_lens, scale))
+
+
+def test_kernel_handles_peaked_and_flat_scores(lib) -> None:
+    """Large scale (one key dominates, the others' exp underflows to 0) and tiny scale
+    (near-uniform weights over 500 keys)."""
+    q, k, v, tables, lens = make_pool([500, 33], 6, 2, 64, 16, torch.float32, seed=5)
+    for scale in (40.0, 1e-4):
+        assert_matches(run_kernel(lib, q, k, v, tables, lens, scale), plain_attention(q, k, v, tables, lens, scale))
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_eight_lane_build_matches(dtype) -> None:
+    """The build for machines without AVX-512 (8-float vectors, another shuffle tree)."""
+    narrow = cpu_kernels.build(("-mno-avx512f",))
+    assert narrow.vector_width == 8
+    q, k, v, tables, lens = make_pool([1, 9, 40, 123], 9, 3, 64, 16, dtype, seed=8, strided_q=True)
+    assert_matches(run_kernel(narrow, q, k, v, tables, lens, 0.125), plain_attention(q, k, v, tables, lens, 0.125))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_is_batch_invariant_bit_for_bit(lib, dtype) -> None:
+    """A sequence's output bits do not depend on its neighbours, its row, or the thread count."""
+    lens = [45, 1500, 7, 900, 1]
+    q, k, v, tables, seq_lens = make_pool(lens, 9, 3, 64, 16, dtype, seed=21)
+    batch = run_kernel(lib, q, k, v, tables, seq_lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for i in (0, 2, 4):
+                alone = run_kernel(lib, q[i : i + 1], k, v, tables[i : i + 1], seq_lens[i : i + 1], 0.125)
+                assert torch.equal(alone, batch[i : i + 1]), (i, n)
+            order = [4, 2, 0, 3, 1]  # rows permuted
+            permuted = run_kernel(lib, q[order], k, v, tables[order], seq_lens[order], 0.125)
+            assert torch.equal(permuted, batch[order])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attention_case(lens: list[int], dtype: torch.dtype, head_dim: int = 64):
+    q, k, v, tables, seq_lens = make_pool(lens, 6, 2, head_dim, 16, dtype, seed=3)
+    blocks = -(-max(lens) // 16)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables.long(),
+                             seq_lens=lens, query_lens=[1] * len(lens), num_decodes=len(lens), block_size=16,
+                             decode_blocks=blocks)
+    return q, k, v, meta
+
+
+def test_disabled_by_env_falls_back_to_torch_path(lib, monkeypatch) -> None:
+    q, k, v, tables, lens = make_pool([20, 50], 6, 2, 64, 16, torch.float32, seed=4)
+    out = torch.zeros_like(q)
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    assert not cpu_kernels.enabled() and not cpu_kernels.available()
+    assert not cpu_kernels.decode_kernel_usable("cpu", torch.float32)
+    assert not cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.125, out)
+    assert not out.any()  # nothing written
+    # paged_attention still answers, through the torch gather path: the reference's exact bits.
+    q, k, v, meta = _attention_case([20, 50], torch.float32)
+    got = paged_attention(q, k, v, meta, 0.125)
+    assert meta.decode_mask is not None  # built on demand, since no runner made one
+    assert torch.equal(got, paged_attention_reference(q, k, v, meta, 0.125))
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1")
+    assert cpu_kernels.decode_kernel_usable("cpu", torch.float32)
+
+
+def test_declines_what_it_cannot_take(lib) -> None:
+    """Returns False, writing nothing, so that the caller falls back."""
+    q, k, v, tables, lens = make_pool([20, 50], 6, 2, 64, 16, torch.float32, seed=4)
+    out = torch.zeros_like(q)
+    call = cpu_kernels.paged_decode_attention
+    assert not call(q.half(), k.half(), v.half(), tables, lens, 0.1, out.half(), library=lib)  # fp16
+    assert not call(q, k, v, tables.long(), lens, 0.1, out, library=lib)  # int64 tables
+    assert not call(q.bfloat16(), k, v, tables, lens, 0.1, out, library=lib)  # mixed dtypes
+    assert not call(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, tables, lens, 0.1, out, library=lib)
+    meta_k = torch.empty(k.shape, device="meta")
+    assert not call(q, meta_k, meta_k, tables, lens, 0.1, out, library=lib)  # not on CPU
+    assert not out.any()
+    # A head size that is not a multiple of the vector width: declined, and
+    # paged_attention's torch path answers instead.
+    q, k, v, meta = _attention_case([9, 30], torch.float32, head_dim=12)
+    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.3), paged_attention_reference(q, k, v, meta, 0.3))
+
+
+def test_rejects_tables_outside_the_pool(lib) -> None:
+    q, k, v, tables, lens = make_pool([20, 50], 6, 2, 64, 16, torch.float32, seed=4)
+    out = torch.zeros_like(q)
+    bad = tables.clone()
+    bad[1, 2] = k.shape[1]  # one past the last block
+    with pytest.raises(ValueError):
+        cpu_kernels.paged_decode_attention(q, k, v, bad, lens, 0.1, out, library=lib)
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 16 + 1  # more positions than the table row holds
+    with pytest.raises(ValueError):
+        cpu_kernels.paged_decode_attention(q, k, v, tables, too_long, 0.1, out, library=lib)
+    assert not out.any()
+
+
+_BUILD_SCRIPT = """
+import sys
+from tokenmill.model import cpu_kernels
+lib = cpu_kernels.build()
+print(lib.path, lib.vector_width)
+"""
+
+
+def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
+    """Two processes compiling into an empty cache at once both load a whole library;
+    the cache ends with exactly one file (no temporary left behind)."""
+    env = {**__import__("os").environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    paths = {out.split()[0] for out, _ in outs}
+    assert len(paths) == 1
+    assert [f.name for f in tmp_path.iterdir()] == [Path(paths.pop()).name]
+
+
+def test_runner_builds_kernel_metadata_once_per_step(monkeypatch) -> None:
+    """With the kernel: int32 tables and lengths, no mask/gather index/workspace.
+    Disabled: the torch path's metadata, as before."""
+    from conftest import make_tiny_llm
+    from tokenmill.engine.request import Request, SamplingParams
+
+    llm = make_tiny_llm()
+    runner = llm.engine.runner
+    items = []
+    for i, length in enumerate([5, 23, 40]):
+        req = Request(request_id=str(i), prompt_token_ids=list(range(1, length + 1)), params=SamplingParams())
+        req.num_computed_tokens = length - 1
+        req.block_table = list(range(10 * i, 10 * i + -(-length // runner.block_size)))
+        items.append((req, 1))
+    meta = runner.prepare(items).meta
+    assert meta.decode_seq_lens is not None and meta.decode_seq_lens.dtype == torch.int32
+    assert meta.decode_seq_lens.tolist() == [5, 23, 40]
+    assert meta.decode_block_tables.dtype == torch.int32 and meta.decode_block_tables.is_contiguous()
+    assert meta.decode_block_tables[2, :3].tolist() == [20, 21, 22]
+    assert meta.decode_mask is None and meta.decode_workspace is None and meta.decode_index is None
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    meta = runner.prepare(items).meta
+    assert meta.decode_seq_lens is None and meta.decode_mask is not None and meta.decode_workspace is not None
