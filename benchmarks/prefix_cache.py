@@ -45,9 +45,9 @@ def make_workload(n: int, docs: int, doc_words: int, q_words: int, seed: int = 0
     return prompts
 
 
-def start_server(port: int, caching: bool) -> subprocess.Popen:
+def start_server(port: int, caching: bool, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--kv-cache-memory", "2GiB", "--max-num-seqs", "16", "--no-ui"]
+           "--kv-cache-memory", "2GiB", "--max-num-seqs", "16", "--no-ui", *extra]
     if not caching:
         cmd.append("--no-prefix-caching")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -115,12 +115,13 @@ def main() -> None:
     ap.add_argument("--doc-words", type=int, default=1400)
     ap.add_argument("--question-words", type=int, default=36)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--server-args", default="", help="extra `tokenmill serve` flags for both servers, one string")
     args = ap.parse_args()
     prompts = make_workload(args.requests, args.documents, args.doc_words, args.question_words)
     figures = {}
     for caching in (True, False):
         port = free_port()
-        proc = start_server(port, caching)
+        proc = start_server(port, caching, args.server_args.split())
         try:
             figures[caching] = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, args.concurrency,
                                                     args.max_tokens))
@@ -130,7 +131,7 @@ def main() -> None:
     on, off = figures[True], figures[False]
     print(f"workload: {args.requests} requests, {args.documents} shared documents, "
           f"~{on['prompt_tokens']:.0f} prompt tokens each, concurrency {args.concurrency}, "
-          f"{args.max_tokens} output tokens; {os.cpu_count()} CPUs")
+          f"{args.max_tokens} output tokens; {os.cpu_count()} CPUs; server flags: {args.server_args or 'defaults'}")
     print(f"{'':22}{'cache on':>12}{'cache off (baseline)':>22}{'ratio':>10}")
     rows = [("TTFT p50 (s)", "ttft_p50", False), ("TTFT p99 (s)", "ttft_p99", False),
             ("requests/s", "req_per_s", True), ("output tok/s", "out_tok_per_s", True),

@@ -91,7 +91,7 @@ class SchedulerConfig:
     batching: str = "continuous"  # continuous | static | dynamic
     dynamic_window_s: float = 0.05  # collection window of the dynamic policy
     max_waiting: int | None = None  # bound on the waiting queue (server returns 429 past it)
-    # A prefill skipped this many steps in a row (shorter ones took the budget) goes first.
+    # Prefills younger than this many steps go shortest-first; older ones go first, FCFS.
     prefill_starvation_steps: int = 4
 
 

@@ -112,8 +112,8 @@ class Request:
     generator: Any = None  # torch.Generator for seeded sampling
     # Prefix-cache bookkeeping: how many of this request's blocks are already in the tree.
     num_cached_blocks: int = 0
-    # Consecutive steps this running prefill got no tokens (the scheduler's fairness bound).
-    prefill_skipped_steps: int = 0
+    # Scheduler step at which it last joined the running batch (prefill ordering).
+    admitted_step: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -3,10 +3,10 @@
 One token budget per step (``max_num_batched_tokens``) serves decodes and
 prefill chunks alike. Running decodes are served first; then waiting requests
 join in FCFS order as the batching policy allows (matching their cached
-prefix); then prefill chunks share what is left of the budget, shortest
-remaining prompt first, so a request that is mostly a cache hit is not stuck
-behind a long prompt's chunks (a prefill that got nothing for a few steps
-goes first: nobody starves). When the pool runs out, the newest running
+prefix); then prefill chunks share what is left of the budget: requests that
+joined in the last few steps go shortest remaining prompt first, so one that
+is mostly a cache hit is not stuck behind a long prompt's chunks, and older
+ones go first in admission order, so nobody starves. When the pool runs out, the newest running
 request is preempted by recompute: its blocks go back (full ones stay in the
 prefix cache, so recompute is often a cache hit) and it re-enters the queue
 at the front. A step that preempted admits nobody new (no thrash).
@@ -58,6 +58,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._budget = 0  # tokens left in the step being scheduled
         self._now = 0.0
+        self._step = 0  # steps scheduled so far
 
     # -- queue management ----------------------------------------------
     def add(self, request: Request) -> None:
@@ -137,6 +138,7 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> ScheduledBatch:
         now = time.monotonic() if now is None else now
         self._now = now
+        self._step += 1
         batch = ScheduledBatch()
         self._budget = self.config.max_num_batched_tokens
 
@@ -163,22 +165,23 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
+                request.admitted_step = self._step
                 self.running.append(request)
                 admitted.append(request)
 
-        # 3. Prefill chunks, shortest remaining prompt first: a request whose prompt
-        #    is mostly cached costs a few tokens and should not wait behind a long
-        #    prefill. Fairness bound: a prefill that got nothing for
-        #    ``prefill_starvation_steps`` steps goes first, in admission order.
+        # 3. Prefill chunks. Requests that joined within the last
+        #    ``prefill_starvation_steps`` steps go shortest remaining prompt first: a
+        #    prompt that is mostly cached costs a few tokens and should not wait behind
+        #    a long prefill. Older ones come first, in admission order: nobody starves.
         bound = self.config.prefill_starvation_steps
         pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 or r in admitted]
-        pending.sort(key=lambda r: (r.prefill_skipped_steps < bound, r.num_tokens - r.num_computed_tokens))
+        pending.sort(key=lambda r: (1, r.num_tokens - r.num_computed_tokens)
+                     if self._step - r.admitted_step < bound else (0, r.admitted_step))
         for request in pending:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted (or sent back) earlier in this loop
             if self._budget <= 0:
-                request.prefill_skipped_steps += 1
-                continue
+                break
             remaining = request.num_tokens - request.num_computed_tokens
             self._schedule(batch, request, min(remaining, self._budget))
         return batch
@@ -203,7 +206,6 @@ class Scheduler:
                 return
         batch.items.append((request, num_new))
         self._budget -= num_new
-        request.prefill_skipped_steps = 0
         if request.first_scheduled_time is None:
             self._started(request)
 
