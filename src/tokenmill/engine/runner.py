@@ -51,6 +51,8 @@ class ModelRunner:
         self.dtype = dtype
         # Flat decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Compile (first run on this machine) or load the CPU decode kernel now, not in the first step.
+        cpu_kernels.decode_kernel_usable(device, dtype)
 
     def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace
