@@ -9,6 +9,7 @@ compile cache under concurrent first use; and the runner's per-step metadata.
 """
 from __future__ import annotations
 
+import os
 import platform
 import random
 import shutil
@@ -196,7 +197,6 @@ def test_rejects_tables_outside_the_pool(lib) -> None:
 
 
 _BUILD_SCRIPT = """
-import sys
 from tokenmill.model import cpu_kernels
 lib = cpu_kernels.build()
 print(lib.path, lib.vector_width)
@@ -206,7 +206,7 @@ print(lib.path, lib.vector_width)
 def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     """Two processes compiling into an empty cache at once both load a whole library;
     the cache ends with exactly one file (no temporary left behind)."""
-    env = {**__import__("os").environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path)}
+    env = {**os.environ, "TOKENMILL_KERNEL_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
