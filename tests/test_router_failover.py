@@ -93,7 +93,9 @@ def test_backend_killed_mid_run_then_restarted():
         assert _state(router)[victim.url]["healthy"] is False
 
         # Restart on the same port: back in rotation within the health interval.
-        FakeProcess(victim.port, victim.name, victim.args).start().wait_ready()
+        restarted = FakeProcess(victim.port, victim.name, victim.args)
+        fakes.append(restarted)  # killed in the finally block with the others
+        restarted.start().wait_ready()
         restarted_at = time.monotonic()
         _wait(lambda: _state(router)[victim.url]["healthy"], INTERVAL + 1.0)
         assert time.monotonic() - restarted_at <= INTERVAL + 1.0
