@@ -43,7 +43,7 @@ def start_server(args: argparse.Namespace, max_seqs: int) -> tuple[subprocess.Po
            "--no-prefix-caching" if args.no_prefix_cache else ""]
     if args.model:
         cmd += ["--model", args.model]
-    cmd = [c for c in cmd if c]
+    cmd = [c for c in cmd if c] + args.server_args.split()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--waves", type=int, default=1)
     ap.add_argument("--single-requests", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--server-args", default="", help="extra `tokenmill serve` flags, one string")
     ap.add_argument("--no-prefix-cache", action="store_true", help="(prompts share no prefix anyway)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -91,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(tokenizer, total, args.input_len)
     proc, url = start_server(args, max(levels))
     print(f"# serving_throughput: dtype {args.dtype}, prompts {args.input_len} tokens, {args.output_len} output "
-          f"tokens (ignore_eos), max-num-seqs {max(levels)}, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+          f"tokens (ignore_eos), max-num-seqs {max(levels)}, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}, "
+          f"server flags: {args.server_args or 'defaults'}")
     print("| streams | requests | output tok/s | vs 1 stream | TPOT p50 ms | TPOT p99 ms | p99/p50 | TTFT p50 ms |")
     print("|---|---|---|---|---|---|---|---|")
     try:
