@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import EngineConfig, parse_dtype
+from ..config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig, parse_dtype
 from ..model.llama import LlamaForCausalLM, RotaryEmbedding
 from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
@@ -71,6 +71,9 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = torch.device(config.device)
+        if config.scheduler.max_num_batched_tokens is None:
+            config.scheduler.max_num_batched_tokens = (
+                CPU_TOKEN_BUDGET if self.device.type == "cpu" else CUDA_TOKEN_BUDGET)
         self.dtype = parse_dtype(config.dtype)
         loaded = loaded or load_model(config.model, dtype=self.dtype)
         self.model_config = loaded.config

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..config import SchedulerConfig
+from ..config import CPU_TOKEN_BUDGET, SchedulerConfig
 from .batching import BatchingPolicy, make_policy
 from .block_pool import BlockPool
 from .prefix_cache import PrefixCache
@@ -140,7 +140,7 @@ class Scheduler:
         self._now = now
         self._step += 1
         batch = ScheduledBatch()
-        self._budget = self.config.max_num_batched_tokens
+        self._budget = self.config.max_num_batched_tokens or CPU_TOKEN_BUDGET
 
         # 1. Running decodes, in admission order: one token each.
         for request in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:

@@ -35,8 +35,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-budget", default=None, help="bytes for weights + KV pool together, e.g. 4GiB")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per batch (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048,
-                   help="token budget per engine step (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+                   help="token budget per engine step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
