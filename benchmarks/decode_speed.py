@@ -3,8 +3,9 @@
 Rows (all on the same GGUF file, the same number of threads):
 
 * tokenmill, per dtype / quantization in ``--configs`` (default float32,
-  bfloat16, int8, int4): the engine as served (``LLMEngine.step``), prefix
-  cache off;
+  bfloat16, int8, int4, and int4 with the output head quantized too, which is
+  how llama.cpp runs this GGUF): the engine as served (``LLMEngine.step``),
+  prefix cache off;
 * tokenmill with the plain reference attention (fresh gather copies, matmul +
   softmax; the path ``TOKENMILL_ATTENTION=reference`` selects), float32: the
   eager baseline the ratios are taken against;
@@ -18,7 +19,7 @@ times; the best repeat is reported, because on this shared 2-core machine
 the other processes only ever add time. Ratios are against the eager row
 measured in the same run.
 
-    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4] [--repeats 3]
+    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,int4+lm_head] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -40,10 +41,14 @@ THREADS = 0
 
 
 def make_engine(config: str) -> LLMEngine:
-    dtype, quant = ("bfloat16", config) if config in ("int8", "int4") else (config, "none")
+    """``config``: a dtype, or int8 / int4, optionally ``+lm_head`` (the output head
+    quantized too, as llama.cpp's GGUF stores it; off by default in tokenmill)."""
+    name, _, extra = config.partition("+")
+    dtype, quant = ("bfloat16", name) if name in ("int8", "int4") else (name, "none")
     opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
     if quant != "none":
         opts["quantization"] = quant
+        opts["quantize_lm_head"] = extra == "lm_head"
     engine = LLMEngine(EngineConfig.from_options(**opts))
     if THREADS:
         torch.set_num_threads(THREADS)
@@ -112,7 +117,7 @@ def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="float32,bfloat16,int8,int4")
+    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
