@@ -125,3 +125,34 @@ def test_trace_replay_keeps_lengths_timing_and_sharing(tmp_path):
     assert [r.cached_tokens for r in recs] == [0] + [64] * 5
     gaps = [b.start - a.start for a, b in zip(recs, recs[1:])]
     assert all(abs(g - 0.1) < 0.03 for g in gaps)  # 0.2 s apart, replayed 2x faster
+
+
+def test_replayed_prompts_keep_their_length_whatever_word_comes_first(real_tokenizer, tmp_path):
+    """The first synthetic word follows the salt's newline with no space before it;
+    a word that is one token only after a space would make the prompt one token
+    longer than the capture says (this was flaky against the real server)."""
+    from tokenmill.bench.workloads import load_trace
+
+    class BundledCounter(TokenCounter):
+        exact = True
+        name = "bundled"
+
+        def count(self, text: str) -> int:
+            return len(real_tokenizer.encode(text))
+
+    counter = BundledCounter()
+    builder = TextBuilder(counter, seed=3)
+    rng = random.Random(7)
+    path = tmp_path / "cap.jsonl"
+    with open(path, "w") as fh:
+        for i in range(60):  # random block hashes pick random first words
+            blocks = rng.randint(1, 4)
+            record = {"arrival_time": 10.0 + i, "prompt_tokens": 16 * blocks + rng.randint(0, 9),
+                      "output_tokens": 2, "block_size": 16,
+                      "block_hashes": [f"{rng.getrandbits(64):016x}" for _ in range(blocks)]}
+            fh.write(json.dumps(record) + "\n")
+    wanted = [json.loads(line)["prompt_tokens"] for line in open(path)]
+    for seed in range(5):
+        salt = make_salt(random.Random(seed))
+        specs = load_trace(str(path), counter, builder, salt)
+        assert [counter.count(s.prompt) for s in specs] == wanted, salt

@@ -204,8 +204,8 @@ FILL_WORD = "the"
 
 
 def _one_token_words(builder: TextBuilder, limit: int = 120) -> list[str]:
-    """Corpus words that are one token after a space, so N words = N tokens
-    (checked with the counter when it is exact)."""
+    """Corpus words that are one token after a space and at the start of a
+    line, so N words = N tokens (checked with the counter when it is exact)."""
     seen: list[str] = []
     for w in builder.words:
         w = w.strip(".,;:!?\"'()").lower()
@@ -215,5 +215,8 @@ def _one_token_words(builder: TextBuilder, limit: int = 120) -> list[str]:
         return [w for w in seen if len(w) <= 5][:limit] or [FILL_WORD]
     count = builder.counter.count
     base = count(FILL_WORD)
-    good = [w for w in seen[: limit * 2] if count(f"{FILL_WORD} {w}") == base + 1]
+    # One token after a space and also on its own: the first word of a replayed
+    # prompt follows the salt's newline (or starts the text) with no space
+    # before it, and some words split in two there.
+    good = [w for w in seen[: limit * 3] if count(w) == base and count(f"{FILL_WORD} {w}") == base + 1]
     return good[:limit] or [FILL_WORD]
