@@ -13,7 +13,8 @@ import torch
 
 from ..config import ModelConfig
 from ..model import cpu_kernels
-from ..model.attention import AttentionMetadata, decode_gather_index, kv_cache_shape
+from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
+                               kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
 from .request import Request
 
@@ -101,24 +102,10 @@ class ModelRunner:
         dev = self.device
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = -(-max(decode_lens, default=0) // bs)
-        decode_mask = decode_index = None
         workspace = None
-        decode_seq_lens = decode_tables = None
-        if num_decodes and cpu_kernels.decode_kernel_usable(dev, self.dtype):
-            # The C kernel reads the pool in place: int32 tables and lengths, once per step
-            # (no mask, gather index or workspace; attention builds those if it falls back).
-            decode_seq_lens = torch.tensor(decode_lens, dtype=torch.int32)
-            decode_tables = tables[:num_decodes, :decode_blocks].to(torch.int32).contiguous()
-        elif num_decodes:
-            span = torch.arange(decode_blocks * bs)
-            lens = torch.tensor(decode_lens)
-            # In the cache dtype: SDPA wants the query's dtype; 0 and -inf are exact in bf16/fp16.
-            decode_mask = torch.zeros((num_decodes, 1, decode_blocks * bs), dtype=self.dtype)
-            decode_mask.masked_fill_(span[None, None, :] >= lens[:, None, None], float("-inf"))
-            decode_mask = decode_mask.to(dev)
+        kernel = bool(num_decodes) and cpu_kernels.decode_kernel_usable(dev, self.dtype)
+        if num_decodes and not kernel:
             workspace = self._decode_workspace(num_decodes * decode_blocks)
-            decode_index = decode_gather_index(tables[:num_decodes, :decode_blocks].to(dev),
-                                               self.kv_heads, self.num_blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
@@ -127,12 +114,16 @@ class ModelRunner:
             num_decodes=num_decodes,
             block_size=bs,
             decode_blocks=decode_blocks,
-            decode_mask=decode_mask,
             decode_workspace=workspace,
-            decode_index=decode_index,
-            decode_seq_lens=decode_seq_lens,
-            decode_block_tables=decode_tables,
         )
+        # Per-step decode metadata, built once here for every layer: the C kernel reads
+        # the pool in place from int32 tables; the torch fallback needs a mask and a
+        # gather index into the workspace.
+        if kernel:
+            kernel_decode_tables(meta)
+        elif num_decodes:
+            decode_mask(meta, self.dtype, dev)
+            decode_index(meta, self.kv_heads, self.num_blocks)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

@@ -96,7 +96,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def decode_gather_index(block_tables: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
     """Rows of the pool viewed as ``[kv_heads * num_blocks, block_size, head_dim]`` that hold
     the decodes' blocks, head-major: a dim-0 ``index_select`` with it copies whole 4 KB rows
-    and measured 2x faster than selecting along dim 1. Built once per step by the runner."""
+    and measured 2x faster than selecting along dim 1. Built once per step (``decode_index``)."""
     heads = torch.arange(kv_heads, device=block_tables.device)[:, None] * num_blocks
     return (heads + block_tables.reshape(1, -1)).reshape(-1)
 
@@ -113,11 +113,12 @@ def _gather_decodes(cache: torch.Tensor, index: torch.Tensor, nd: int, buf: torc
     return out.view(kv_heads, nd, -1, head_dim)
 
 
-def _decode_index(meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
-    if meta.decode_index is not None:
-        return meta.decode_index
-    tables = meta.block_tables[: meta.num_decodes, : meta.decode_blocks]
-    return decode_gather_index(tables, cache.shape[0], cache.shape[1])
+def decode_index(meta: AttentionMetadata, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """The step's gather index: built once (by the runner, or the first layer) and kept on meta."""
+    if meta.decode_index is None:
+        tables = meta.block_tables[: meta.num_decodes, : meta.decode_blocks]
+        meta.decode_index = decode_gather_index(tables, kv_heads, num_blocks)
+    return meta.decode_index
 
 
 def _decode_queries(q: torch.Tensor, nd: int, kv_heads: int) -> torch.Tensor:
@@ -143,7 +144,7 @@ def paged_attention_reference(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        index = _decode_index(meta, k_cache)
+        index = decode_index(meta, k_cache.shape[0], k_cache.shape[1])
         k = _gather_decodes(k_cache, index, nd, None)
         v = _gather_decodes(v_cache, index, nd, None)
         qd = _decode_queries(q, nd, kv_heads).to(k.dtype)
@@ -169,7 +170,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context."""
     if _USE_REFERENCE:
-        _decode_mask(meta, k_cache.dtype, q.device)
+        decode_mask(meta, k_cache.dtype, q.device)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     nd = meta.num_decodes
@@ -185,19 +186,26 @@ def _kernel_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
         return False
     nd = meta.num_decodes
-    if meta.decode_seq_lens is None or meta.decode_block_tables is None:
-        # Not precomputed by the runner (tests, direct callers): build once, keep on meta.
-        blocks = meta.decode_blocks or -(-max(meta.seq_lens[:nd]) // meta.block_size)
-        meta.decode_seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.int32)
-        meta.decode_block_tables = meta.block_tables[:nd, :blocks].to(torch.int32).contiguous()
+    kernel_decode_tables(meta)
     return cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                               meta.decode_seq_lens, scale, out[:nd])
 
 
-def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+def kernel_decode_tables(meta: AttentionMetadata) -> None:
+    """The C kernel's int32 context lengths and block tables: built once (by the runner,
+    or the first layer) and kept on meta."""
+    nd = meta.num_decodes
+    if meta.decode_seq_lens is None or meta.decode_block_tables is None:
+        blocks = meta.decode_blocks or -(-max(meta.seq_lens[:nd]) // meta.block_size)
+        meta.decode_seq_lens = torch.tensor(meta.seq_lens[:nd], dtype=torch.int32)
+        meta.decode_block_tables = meta.block_tables[:nd, :blocks].to(torch.int32).contiguous()
+
+
+def decode_mask(meta: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """[num_decodes, 1, decode_blocks * block_size] additive mask (0 or -inf) of the
-    decodes' padded key rows; built here (once per step, kept on meta) when the
-    runner skipped it because it expected the kernel."""
+    decodes' padded key rows (in the cache dtype: SDPA wants the query's dtype; 0 and
+    -inf are exact in bf16/fp16): built once (by the runner, or the first layer that
+    needs it) and kept on meta."""
     nd = meta.num_decodes
     if meta.decode_mask is None and nd:
         span = meta.decode_blocks * meta.block_size
@@ -213,12 +221,12 @@ def _torch_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """Decodes by gathering their blocks into a workspace, then matmul/softmax/matmul."""
     kv_heads = k_cache.shape[0]
     nd = meta.num_decodes
-    index = _decode_index(meta, k_cache)
+    index = decode_index(meta, k_cache.shape[0], k_cache.shape[1])
     ws = meta.decode_workspace
     k = _gather_decodes(k_cache, index, nd, ws[0] if ws else None)
     v = _gather_decodes(v_cache, index, nd, ws[1] if ws else None)
     qd = _decode_queries(q, nd, kv_heads).to(k.dtype)
-    mask = _decode_mask(meta, k.dtype, q.device)
+    mask = decode_mask(meta, k.dtype, q.device)
     assert mask is not None
     if k.dtype != torch.float32 and nd * k.shape[2] <= _BF16_SDPA_MAX_ROWS:
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
