@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,14 +23,11 @@ import time
 
 import httpx
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from serving import launch_server, stop_server  # noqa: E402
+
 WORDS = ("archive ledger harbor copper meadow lantern orchard signal valley winter thunder "
          "garden market silver bridge forest candle window engine river stone paper").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_workload(n: int, docs: int, doc_words: int, q_words: int, seed: int = 0) -> list[str]:
@@ -45,22 +41,11 @@ def make_workload(n: int, docs: int, doc_words: int, q_words: int, seed: int = 0
     return prompts
 
 
-def start_server(port: int, caching: bool, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(port),
-           "--kv-cache-memory", "2GiB", "--max-num-seqs", "16", "--no-ui", *extra]
+def start_server(caching: bool, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    flags = ["--kv-cache-memory", "2GiB", "--max-num-seqs", "16", "--no-ui", *extra]
     if not caching:
-        cmd.append("--no-prefix-caching")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
+        flags.append("--no-prefix-caching")
+    return launch_server(flags, timeout=180)
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
@@ -120,14 +105,11 @@ def main() -> None:
     prompts = make_workload(args.requests, args.documents, args.doc_words, args.question_words)
     figures = {}
     for caching in (True, False):
-        port = free_port()
-        proc = start_server(port, caching, args.server_args.split())
+        proc, url = start_server(caching, args.server_args.split())
         try:
-            figures[caching] = asyncio.run(run_load(f"http://127.0.0.1:{port}", prompts, args.concurrency,
-                                                    args.max_tokens))
+            figures[caching] = asyncio.run(run_load(url, prompts, args.concurrency, args.max_tokens))
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_server(proc)
     on, off = figures[True], figures[False]
     print(f"workload: {args.requests} requests, {args.documents} shared documents, "
           f"~{on['prompt_tokens']:.0f} prompt tokens each, concurrency {args.concurrency}, "

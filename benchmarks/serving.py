@@ -135,32 +135,43 @@ async def _drive_server(url: str, prompts: list[list[int]], out_len: int, concur
     return Result("server (HTTP, streaming)", samples, wall)
 
 
-def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
+def launch_server(serve_flags: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """Start `tokenmill serve` on a free loopback port with ``serve_flags``; return it
+    and its URL once /health answers (SystemExit if it exits or is not up in time)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *engine_flags(args)]
+           *serve_flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"tokenmill serve exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("server did not start")
+        time.sleep(0.25)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"tokenmill serve exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("server did not start")
-            time.sleep(0.25)
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
+    proc, url = launch_server(engine_flags(args))
+    try:
         return asyncio.run(_drive_server(url, prompts, args.output_len, args.concurrency))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> Result:

@@ -28,37 +28,18 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
-
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serving import Result, _drive_server, free_port, make_prompts, percentile  # noqa: E402
+from serving import Result, _drive_server, launch_server, make_prompts, percentile, stop_server  # noqa: E402
 
 
 def start_server(args: argparse.Namespace, max_seqs: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", args.dtype, "--max-num-seqs", str(max_seqs), "--kv-cache-memory", args.kv_cache_memory,
-           "--no-prefix-caching" if args.no_prefix_cache else ""]
+    flags = ["--dtype", args.dtype, "--max-num-seqs", str(max_seqs), "--kv-cache-memory", args.kv_cache_memory]
+    if args.no_prefix_cache:
+        flags.append("--no-prefix-caching")
     if args.model:
-        cmd += ["--model", args.model]
-    cmd = [c for c in cmd if c] + args.server_args.split()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"tokenmill serve exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("server did not start")
-        time.sleep(0.25)
+        flags += ["--model", args.model]
+    return launch_server(flags + args.server_args.split())
 
 
 def row(label: str, res: Result, base: float | None) -> str:
@@ -112,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             res = asyncio.run(_drive_server(url, take(c * args.waves), args.output_len, c))
             print(row(str(c), res, base), flush=True)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return 0
 
 
