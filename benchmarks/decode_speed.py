@@ -6,9 +6,12 @@ Rows (all on the same GGUF file, the same number of threads):
   bfloat16, int8, int4, and int4 with the output head quantized too, which is
   how llama.cpp runs this GGUF): the engine as served (``LLMEngine.step``),
   prefix cache off;
+* a config with ``:eager`` appended runs with the fused native decode step
+  off (``TOKENMILL_FUSED_DECODE=0``): every decode step through the torch
+  model, as before that step existed;
 * tokenmill with the plain reference attention (fresh gather copies, matmul +
-  softmax; the path ``TOKENMILL_ATTENTION=reference`` selects), float32: the
-  eager baseline the ratios are taken against;
+  softmax; the path ``TOKENMILL_ATTENTION=reference`` selects) and no fused
+  step, float32: the eager baseline the ratios are taken against;
 * llama.cpp through ``llama-cpp-python`` when it is installed (the optional
   extra ``bench-llamacpp``); otherwise the script says so and skips the row.
 
@@ -19,7 +22,7 @@ times; the best repeat is reported, because on this shared 2-core machine
 the other processes only ever add time. Ratios are against the eager row
 measured in the same run.
 
-    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,int4+lm_head] [--repeats 3]
+    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,int4+lm_head,int4+lm_head:eager]
 """
 from __future__ import annotations
 
@@ -79,13 +82,22 @@ def measure(engine: LLMEngine, prefill_len: int, decode_len: int, seed: int) -> 
 
 
 def tokenmill_row(config: str, args: argparse.Namespace, reference: bool = False) -> tuple[float, float]:
+    config, _, mode = config.partition(":")
+    eager = reference or mode == "eager"
     engine = make_engine(config)
     attention._USE_REFERENCE = reference
+    saved = os.environ.get("TOKENMILL_FUSED_DECODE")
+    if eager:
+        os.environ["TOKENMILL_FUSED_DECODE"] = "0"
     try:
         measure(engine, 64, 8, seed=99)  # warm-up
         runs = [measure(engine, args.prefill_len, args.decode_len, seed=i) for i in range(args.repeats)]
     finally:
         attention._USE_REFERENCE = False
+        if saved is None:
+            os.environ.pop("TOKENMILL_FUSED_DECODE", None)
+        else:
+            os.environ["TOKENMILL_FUSED_DECODE"] = saved
     return max(r[0] for r in runs), max(r[1] for r in runs)
 
 
@@ -117,7 +129,7 @@ def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head")
+    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head,int4+lm_head:eager")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -130,20 +142,24 @@ def main(argv: list[str] | None = None) -> int:
           f"prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
           f"load {os.getloadavg()[0]:.2f}")
     base_p, base_d = tokenmill_row("float32", args, reference=True)
-    rows: list[tuple[str, float, float]] = [("tokenmill float32, reference attention (eager baseline)", base_p, base_d)]
+    rows: list[tuple[str, float, float]] = [
+        ("tokenmill float32 eager, reference attention (baseline)", base_p, base_d)]
     for config in args.configs.split(","):
         p, d = tokenmill_row(config, args)
         rows.append((f"tokenmill {config}", p, d))
     lc = llamacpp_row(args, threads)
-    print("| engine | prefill tok/s | vs eager | decode tok/s | vs eager |")
-    print("|---|---|---|---|---|")
+    print("| engine | prefill tok/s | vs eager | vs llama.cpp | decode tok/s | vs eager | vs llama.cpp |")
+    print("|---|---|---|---|---|---|---|")
     if isinstance(lc, str):
         note = lc
+        lc_p = lc_d = float("nan")
     else:
         rows.append(("llama.cpp (llama-cpp-python), same GGUF", *lc))
         note = ""
+        lc_p, lc_d = lc
     for name, p, d in rows:
-        print(f"| {name} | {p:.0f} | {p / base_p:.2f}x | {d:.1f} | {d / base_d:.2f}x |")
+        print(f"| {name} | {p:.0f} | {p / base_p:.2f}x | {p / lc_p:.2f}x | {d:.1f} | {d / base_d:.2f}x "
+              f"| {d / lc_d:.2f}x |")
     if note:
         print(f"llama.cpp column skipped: {note}")
     return 0

@@ -5,14 +5,17 @@ token ids, block tables scattered over the pool the way a busy server leaves
 them), so the figures are the forward pass plus batch building, without
 scheduling or sampling. Two measurements per case:
 
-* wall time per step: best of repeated steps, no profiler attached;
-* a torch.profiler breakdown by part (labels inserted around the model's
-  pieces), as shares of the profiled step, and the number of ATen ops
-  dispatched per step.
+* wall time per step: best of repeated steps, no profiler attached, through
+  the eager torch model and through the fused native decode step
+  (model/fused_decode.py; measured here at every batch size, whatever the
+  engine's ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` cut-off);
+* a torch.profiler breakdown of the eager step by part (labels inserted
+  around the model's pieces), as shares of the profiled step, and the number
+  of ATen ops dispatched per step (the fused step dispatches a handful).
 
 The machine's absolute speed drifts (2 shared cores): compare rows of one run.
 
-    .venv/bin/python benchmarks/profile_step.py [--dtypes float32,bfloat16] [--batches 1,16,64] [--context 256]
+    .venv/bin/python benchmarks/profile_step.py [--dtypes float32,bfloat16,int4+lm_head] [--batches 1,16,64] [--context 256]
     TOKENMILL_ATTENTION=reference .venv/bin/python benchmarks/profile_step.py   # the plain reference attention
 """
 from __future__ import annotations
@@ -81,8 +84,10 @@ def make_batch(engine: LLMEngine, batch: int, context: int, rng: random.Random) 
     return items
 
 
-def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> float:
+def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int, fused: bool = False) -> float:
     """Best of ``steps``: on a shared machine other processes only ever add time."""
+    os.environ["TOKENMILL_FUSED_DECODE"] = "1" if fused else "0"
+    os.environ["TOKENMILL_FUSED_DECODE_MAX_BATCH"] = str(len(items))
     for _ in range(2):
         engine.runner.execute(items)
     times = []
@@ -95,7 +100,8 @@ def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) 
 
 def ab_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> tuple[float, float]:
     """Best step time with the reference attention and with the default path, interleaved
-    step by step so that both see the same machine load."""
+    step by step so that both see the same machine load (eager model, fused step off)."""
+    os.environ["TOKENMILL_FUSED_DECODE"] = "0"
     best = {True: float("inf"), False: float("inf")}
     for flag in (True, False):
         attention_mod._USE_REFERENCE = flag
@@ -144,15 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# torch {torch.__version__}, threads {args.threads or torch.get_num_threads()}, "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"attention={os.environ.get('TOKENMILL_ATTENTION', 'default')}, load {os.getloadavg()[0]:.2f}")
-    header = ["dtype", "batch", "ms/step", "tok/s", "ops/step", *PARTS, "other"]
+    header = ["config", "batch", "eager ms/step", "fused ms/step", "fused speed-up", "ops/step (eager)",
+              *PARTS, "other"]
     if args.ab:
         header = ["dtype", "batch", "ms/step reference attention", "ms/step default", "speed-up"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for dtype in args.dtypes.split(","):
         need = max(batches) * (-(-(args.context + 1) // 16)) + 8
-        cfg = EngineConfig.from_options(dtype=dtype, num_blocks=need, enable_prefix_caching=False,
-                                        max_num_seqs=max(batches))
+        name, _, extra = dtype.partition("+")
+        quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4") else {}
+        cfg = EngineConfig.from_options(dtype="bfloat16" if quant else name, num_blocks=need,
+                                        enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
         engine = LLMEngine(cfg)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -165,13 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {dtype} | {batch} | {ref * 1000:.1f} | {new * 1000:.1f} | {ref / new:.2f}x |", flush=True)
                 continue
             wall = time_steps(engine, items, steps)
+            fused = time_steps(engine, items, steps, fused=True) if engine.runner.fused is not None else float("nan")
+            os.environ["TOKENMILL_FUSED_DECODE"] = "0"  # the profile below is of the eager step
             # Profile on an instrumented copy of the call path (labels are per-instance wrappers).
             saved = (llama_mod.paged_attention, llama_mod.write_kv, getattr(llama_mod, "_rotate", None))
             instrument(engine)
             shares, ops, _ = profile_steps(engine, items, 3)
             llama_mod.paged_attention, llama_mod.write_kv, llama_mod._rotate = saved
             engine = _strip(engine)
-            row = [dtype, str(batch), f"{wall * 1000:.1f}", f"{batch / wall:.0f}", str(ops)]
+            row = [dtype, str(batch), f"{wall * 1000:.1f}", f"{fused * 1000:.1f}", f"{wall / fused:.2f}x", str(ops)]
             row += [f"{shares[p] * 100:.0f}%" for p in [*PARTS, "other"]]
             print("| " + " | ".join(row) + " |", flush=True)
     return 0

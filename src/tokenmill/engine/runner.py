@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig
-from ..model import cpu_kernels
+from ..model import cpu_kernels, fused_decode
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
@@ -54,6 +54,8 @@ class ModelRunner:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # Compile (first run on this machine) or load the CPU decode kernel now, not in the first step.
         cpu_kernels.decode_kernel_usable(device, dtype)
+        # Small pure-decode batches on CPU: every layer in one native call (model/fused_decode.py).
+        self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" else None
 
     def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace
@@ -135,9 +137,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """Run one forward pass; return float32 logits of the sampled rows and their requests."""
+        if (self.fused is not None and len(items) <= self.fused.batch_limit()
+                and all(num_new == 1 for _, num_new in items) and fused_decode.enabled()):
+            return self._execute_fused(items)
         inputs = self.prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         if not inputs.sampled:
             return torch.empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         return logits, inputs.sampled
+
+    def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """One new token per sequence, through the fused native decode step."""
+        assert self.fused is not None
+        ids: list[int] = []
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        sampled: list[Request] = []
+        width = max(len(request.block_table) for request, _ in items)
+        tables: list[list[int]] = []
+        for row, (request, _) in enumerate(items):
+            position = request.num_computed_tokens
+            ids.append(request.all_token_ids[position])
+            seq_lens.append(position + 1)
+            tables.append(request.block_table + [0] * (width - len(request.block_table)))
+            if position + 1 == request.num_tokens:  # a 1-token prefill chunk short of the end samples nothing
+                rows.append(row)
+                sampled.append(request)
+        embeddings = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
+        logits = self.fused.run(embeddings, torch.tensor(tables, dtype=torch.int32),
+                                torch.tensor(seq_lens, dtype=torch.int32))
+        if len(rows) != len(items):
+            logits = logits[rows]
+        return logits, sampled

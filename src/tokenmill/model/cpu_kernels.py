@@ -1,19 +1,26 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
-Decode attention on CPU was dominated by copying every sequence's K/V blocks
-into a contiguous workspace before the matmuls; ``csrc/paged_attention.c``
-reads the blocks in place through the block table instead. It is C with no
-torch headers and no build step at install time: the first call compiles it
-with the system gcc into a cache directory (``TOKENMILL_KERNEL_CACHE``,
-default ``~/.cache/tokenmill/kernels``) under a name keyed by a hash of the
-source, the flags, the compiler version and the CPU (``-march=native``), so an
-edited source, another compiler or another machine never loads a stale
-library. Compiling to a temporary name and ``os.replace``-ing it makes
-concurrent processes (servers started by tests) safe.
+Two kernels, one library:
+
+* ``csrc/paged_attention.c``: decode attention reading the KV blocks in place
+  through the block table (copying every sequence's blocks into a contiguous
+  workspace first dominated decode attention on CPU);
+* ``csrc/decode_step.c`` (which includes the first): a whole decode step,
+  every layer in one call, for small batches (``fused_decode.py``).
+
+C with no torch headers and no build step at install time: the first call
+compiles ``decode_step.c`` with the system gcc into a cache directory
+(``TOKENMILL_KERNEL_CACHE``, default ``~/.cache/tokenmill/kernels``) under a
+name keyed by a hash of both sources, the flags, the compiler version and the
+CPU (``-march=native``), so an edited source, another compiler or another
+machine never loads a stale library. Compiling to a temporary name and
+``os.replace``-ing it makes concurrent processes (servers started by tests)
+safe.
 
 Everything degrades to the torch path: no gcc, a failed compile,
 ``TOKENMILL_CPU_KERNELS=0``, tensors not on CPU, or a dtype/layout the kernel
-does not take make :func:`paged_decode_attention` return ``False``.
+does not take make :func:`paged_decode_attention` return ``False`` (and
+``fused_decode.build`` return None).
 
 The library links OpenMP by soname (``libgomp.so.1``); torch's wheel ships
 its own ``libgomp.so.1`` and has it loaded already, so the dynamic linker
@@ -38,7 +45,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "decode_step.c"  # includes paged_attention.c: one library, one translation unit
+SOURCES = (CSRC / "paged_attention.c", SOURCE)  # what the cache key hashes
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _ABI_VERSION = 1
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
@@ -89,10 +98,11 @@ def _compiler() -> str:
 def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_signature().encode()):
+    parts = [src.read_bytes() for src in SOURCES]
+    for part in (*parts, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
-    return cache_dir() / f"paged_attention-{digest.hexdigest()[:20]}.so"
+    return cache_dir() / f"tokenmill_cpu-{digest.hexdigest()[:20]}.so"
 
 
 def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
@@ -126,6 +136,9 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
         fn = getattr(cdll, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
+    cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ptr, ctypes.c_int]
+    cdll.tm_decode_step.restype = ctypes.c_int
+    cdll.tm_decode_struct_sizes.restype = ctypes.c_int64
     cdll.tm_kernels_abi_version.restype = ctypes.c_int
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:

@@ -190,8 +190,11 @@ TM_INLINE void chunk_rows(const char *base, const int32_t *table, int64_t pos0, 
     }
 }
 
-/* One (sequence, kv head) item; D % VW == 0. */
-TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, const int64_t D, Scratch *sc) {
+/* One (sequence, kv head) item; D % VW == 0. ``bf16``: the pool's rows are bf16;
+ * ``io_bf16``: q and out are bf16 too (the fused decode step passes float32 q/out
+ * over a bf16 pool). */
+TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, int io_bf16, const int64_t D,
+                           Scratch *sc) {
     const int64_t BS = a->block_size;
     const int64_t G = a->heads / a->kv_heads;
     const int64_t L = a->seq_lens[n];
@@ -206,7 +209,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, cons
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->q_stride + (kvh * G + g) * D;
         float *restrict qg = sc->q + g * D;
-        if (bf16) {
+        if (io_bf16) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) qg[d] = bf16_to_f32(((const uint16_t *)a->q)[off + d]);
         } else {
@@ -281,7 +284,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, cons
         const int64_t off = n * a->out_stride + (kvh * G + g) * D;
         const float w = sc->inv[g];
         const float *restrict ag = sc->acc + g * D;
-        if (bf16) {
+        if (io_bf16) {
             uint16_t *restrict o = (uint16_t *)a->out + off;
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(ag[d] * w);
@@ -294,11 +297,11 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, cons
 }
 
 /* Head sizes with a compiled-in trip count (accumulators stay in registers). */
-TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int bf16, Scratch *sc) {
+TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int bf16, int io_bf16, Scratch *sc) {
     switch (a->head_dim) {
-    case 64: attend_item(a, n, kvh, bf16, 64, sc); break;
-    case 128: attend_item(a, n, kvh, bf16, 128, sc); break;
-    default: attend_item(a, n, kvh, bf16, a->head_dim, sc); break;
+    case 64: attend_item(a, n, kvh, bf16, io_bf16, 64, sc); break;
+    case 128: attend_item(a, n, kvh, bf16, io_bf16, 128, sc); break;
+    default: attend_item(a, n, kvh, bf16, io_bf16, a->head_dim, sc); break;
     }
 }
 
@@ -343,9 +346,9 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
                 if (bf16)
-                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 1, &sc);
+                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 1, 1, &sc);
                 else
-                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 0, &sc);
+                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 0, 0, &sc);
             }
             free(buf);
         }

@@ -1,0 +1,487 @@
+/* One whole decode step of a Llama-family model in one native call (CPU, OpenMP).
+ *
+ * Why: at batch 1 an eager torch decode step dispatches ~4,000 ATen ops (norms,
+ * rotary, splits, casts, residuals, the quantized matmuls and their wrappers),
+ * and on this 2-core CPU their fixed costs took ~8 of the 12 ms an int4 step
+ * took; the weights themselves are read in ~4 ms. Here every layer runs in one
+ * OpenMP parallel region: each thread owns a slice of every matmul's output
+ * rows and one set of (sequence, kv head) attention items, and the threads
+ * meet at four spin barriers per layer (libgomp's own barriers sleep under the
+ * OMP_WAIT_POLICY=PASSIVE that tokenmill sets, and a futex wake-up per barrier
+ * would cost more than the work between them).
+ *
+ * The math is the model's (model/llama.py), in float32 throughout: RMSNorm,
+ * fused q/k/v projection (+ bias), optional per-head q/k RMSNorm (Qwen3),
+ * rotate-half rotary from the model's cos/sin tables, the new K/V written into
+ * the paged pool, attention over the pool in place (paged_attention.c's item
+ * routine), o projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down
+ * projection + residual, the final norm and (optionally) the LM head.
+ *
+ * Weights stay in their stored precision and are widened to float32 in
+ * registers: float32, bfloat16, int8 with a scale per output row, and int4
+ * with a (scale, zero) pair per group of input columns, packed so that byte i
+ * of each 32-column chunk holds code i in its low nibble and code i + 16 in
+ * its high nibble (so one byte load gives two vectors' worth of codes).
+ *
+ * Matmuls are matrix-vector products over up to a few rows of activations: a
+ * tile of VW output rows keeps one vector of partial sums per row and
+ * activation row; one shuffle tree (transpose_sum) then turns the VW vectors
+ * into VW results.
+ */
+#include "paged_attention.c"
+
+#include <omp.h>
+#include <sched.h>
+
+#define TM_MAX_ROWS 4 /* activation rows per pass over a weight tile */
+
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
+
+typedef struct {
+    int32_t kind;
+    int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32 */
+    int32_t repeat;        /* int4: 2 when each row holds [hi | lo] codes of one input fed twice (GGUF Q8_0) */
+    int32_t pad;
+    int64_t n, k;          /* output rows, input features */
+    const void *w;         /* f32 / bf16 / int8: [n, k]; int4: [n, k * repeat / 2] bytes */
+    const float *scale;    /* int8: [n]; int4: [n, k * repeat / group] */
+    const float *zero;     /* int4: [n, k * repeat / group], holds z - 8 s: w = code * s + zero */
+    const float *bias;     /* [n] or NULL */
+} TmLinear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim] or NULL */
+    TmLinear qkv, o, gate_up, down;
+    void *k_cache, *v_cache;             /* [kv_heads, num_blocks, block_size, head_dim] */
+} TmLayer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
+    int64_t num_blocks, block_size, max_positions;
+    float eps, scale;
+    int32_t cache_bf16, has_head;
+    const TmLayer *layers;
+    const float *final_norm;
+    const float *cos, *sin; /* [max_positions, head_dim] */
+    TmLinear head;
+} TmModel;
+
+/* ------------------------------------------------------------------ barrier */
+
+typedef struct {
+    int count;
+    int sense;
+    int n;
+} SpinBarrier;
+
+TM_INLINE void spin_pause(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Sense-reversing barrier; after a while of spinning it yields the core (a
+ * shared machine may have descheduled the thread we wait for). */
+TM_INLINE void barrier_wait(SpinBarrier *b, int *local_sense) {
+    const int s = !*local_sense;
+    *local_sense = s;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == b->n) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, s, __ATOMIC_RELEASE);
+        return;
+    }
+    for (long spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != s; spins++) {
+        if (spins < 2000)
+            spin_pause();
+        else
+            sched_yield();
+    }
+}
+
+/* ------------------------------------------------------------------ matmuls */
+
+typedef uint8_t vu8 __attribute__((vector_size(VW)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * VW)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * VW)));
+
+/* VW weights of one row, widened to float32. */
+TM_INLINE vf load_f32w(const float *p) { return vload(p); }
+TM_INLINE vf load_bf16w(const uint16_t *p) {
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    vu32 u = __builtin_convertvector(h, vu32) << 16;
+    vf f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+/* gcc 12 scalarizes a signed byte -> int conversion of a whole vector; flipping
+ * the sign bit makes it an unsigned one (one vpmovzxbd), undone by the - 128. */
+TM_INLINE vf load_int8w(const int8_t *p) {
+    vu8 q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, vi) - 128, vf);
+}
+
+/* Partial-sum vectors of rows [r0, r0 + nr) times NB activation rows of x,
+ * reduced to out[b][r] (r < nr). Dense kinds (f32, bf16, int8 before its row
+ * scale). */
+TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int64_t ldx, const int NB, int64_t r0,
+                          int64_t nr, float out[TM_MAX_ROWS][VW]) {
+    const int64_t K = L->k;
+    vf acc[TM_MAX_ROWS][VW];
+    for (int64_t r = 0; r < VW; r++) {
+        vf tot[TM_MAX_ROWS];
+        for (int b = 0; b < NB; b++) tot[b] = (vf){0};
+        if (r < nr) {
+            const int64_t row = r0 + r;
+            for (int64_t c = 0; c < K; c += VW) {
+                vf w;
+                if (kind == W_F32)
+                    w = load_f32w((const float *)L->w + row * K + c);
+                else if (kind == W_BF16)
+                    w = load_bf16w((const uint16_t *)L->w + row * K + c);
+                else
+                    w = load_int8w((const int8_t *)L->w + row * K + c);
+                for (int b = 0; b < NB; b++) tot[b] += w * vload(x + b * ldx + c);
+            }
+        }
+        for (int b = 0; b < NB; b++) acc[b][r] = tot[b];
+    }
+    for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
+}
+
+/* int4: per group, sum(code * x) scaled by s, plus zero * sum(x) (xsum holds
+ * the per-group sums of x: [NB, groups], ldxs apart). */
+TM_INLINE void int4_tile(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, int64_t ldxs,
+                         const int NB, int64_t r0, int64_t nr, float out[TM_MAX_ROWS][VW]) {
+    const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g;
+    vf acc[TM_MAX_ROWS][VW];
+    for (int64_t r = 0; r < VW; r++) {
+        vf tot[TM_MAX_ROWS];
+        float zs[TM_MAX_ROWS];
+        for (int b = 0; b < NB; b++) tot[b] = (vf){0}, zs[b] = 0.0f;
+        if (r < nr) {
+            const int64_t row = r0 + r;
+            const uint8_t *codes = (const uint8_t *)L->w + row * (kp / 2);
+            const float *s = L->scale + row * G, *z = L->zero + row * G;
+            for (int64_t j = 0; j < G; j++) {
+                vf dot[TM_MAX_ROWS];
+                for (int b = 0; b < NB; b++) dot[b] = (vf){0};
+                for (int64_t c = j * g; c < (j + 1) * g; c += 32) {
+                    const uint8_t *p = codes + c / 2;
+                    for (int h = 0; h < 16 / VW; h++) {
+                        vu8 bytes;
+                        memcpy(&bytes, p + h * VW, sizeof bytes);
+                        const vf lo = __builtin_convertvector(__builtin_convertvector(bytes & 15, vi), vf);
+                        const vf hi = __builtin_convertvector(__builtin_convertvector(bytes >> 4, vi), vf);
+                        for (int b = 0; b < NB; b++) {
+                            const float *xb = x + b * ldx + c + h * VW;
+                            dot[b] += lo * vload(xb) + hi * vload(xb + 16);
+                        }
+                    }
+                }
+                for (int b = 0; b < NB; b++) {
+                    tot[b] += dot[b] * s[j];
+                    zs[b] += z[j] * xsum[b * ldxs + j];
+                }
+            }
+            for (int b = 0; b < NB; b++) tot[b][0] += zs[b];
+        }
+        for (int b = 0; b < NB; b++) acc[b][r] = tot[b];
+    }
+    for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
+}
+
+/* Per-thread activation scratch for one matmul input. */
+typedef struct {
+    float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4 */
+    float *xsum; /* [rows, groups] */
+} InputScratch;
+
+/* What a matmul over input x reads: x itself, or for int4 the per-group sums
+ * (and for repeat 2 the doubled input) in this thread's scratch. */
+static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx, int64_t B, InputScratch *is,
+                                  int64_t *ldx_out) {
+    *ldx_out = ldx;
+    if (L->kind != W_INT4) return x;
+    const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g;
+    if (L->repeat != 1) {
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t r = 0; r < L->repeat; r++) memcpy(is->xext + b * kp + r * L->k, x + b * ldx, L->k * 4);
+        x = is->xext;
+        *ldx_out = kp;
+    }
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t j = 0; j < G; j++) {
+            const float *xb = x + b * *ldx_out + j * g;
+            float t = 0.0f;
+#pragma omp simd reduction(+ : t)
+            for (int64_t c = 0; c < g; c++) t += xb[c];
+            is->xsum[b * G + j] = t;
+        }
+    return x;
+}
+
+/* A compile-time weight kind and activation row count keep the loops branch-free
+ * and the accumulators in registers. */
+#define DENSE_CASES(KIND)                                                \
+    switch (NB) {                                                        \
+    case 1: dense_tile(L, KIND, xb, ldx, 1, r0, nr, out); break;         \
+    case 2: dense_tile(L, KIND, xb, ldx, 2, r0, nr, out); break;         \
+    case 3: dense_tile(L, KIND, xb, ldx, 3, r0, nr, out); break;         \
+    default: dense_tile(L, KIND, xb, ldx, 4, r0, nr, out); break;        \
+    }
+
+/* y[b, n] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
+ * Row tiles outside, activation rows inside: a tile's weights (VW rows) are read
+ * from memory once and reused from cache by every group of activation rows. */
+static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, int64_t B,
+                        int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate) {
+    const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
+    float out[TM_MAX_ROWS][VW];
+    for (int64_t r0 = n0; r0 < n1; r0 += VW) {
+        const int64_t nr = n1 - r0 < VW ? n1 - r0 : VW;
+        for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
+            const int NB = B - b0 < TM_MAX_ROWS ? (int)(B - b0) : TM_MAX_ROWS;
+            const float *xb = x + b0 * ldx;
+            if (L->kind == W_INT4) {
+                const float *xs = xsum + b0 * G;
+                switch (NB) {
+                case 1: int4_tile(L, xb, ldx, xs, G, 1, r0, nr, out); break;
+                case 2: int4_tile(L, xb, ldx, xs, G, 2, r0, nr, out); break;
+                case 3: int4_tile(L, xb, ldx, xs, G, 3, r0, nr, out); break;
+                default: int4_tile(L, xb, ldx, xs, G, 4, r0, nr, out); break;
+                }
+            } else if (L->kind == W_F32) {
+                DENSE_CASES(W_F32)
+            } else if (L->kind == W_BF16) {
+                DENSE_CASES(W_BF16)
+            } else {
+                DENSE_CASES(W_INT8)
+            }
+            for (int b = 0; b < NB; b++) {
+                float *yb = y + (b0 + b) * ldy;
+                for (int64_t r = 0; r < nr; r++) {
+                    float v = out[b][r];
+                    if (L->kind == W_INT8) v *= L->scale[r0 + r];
+                    if (L->bias) v += L->bias[r0 + r];
+                    if (accumulate)
+                        yb[r0 + r] += v;
+                    else
+                        yb[r0 + r] = v;
+                }
+            }
+        }
+    }
+}
+
+/* This thread's share [*n0, *n1) of n rows, in whole tiles of VW. */
+TM_INLINE void split_rows(int64_t n, int t, int T, int64_t *n0, int64_t *n1) {
+    const int64_t tiles = (n + VW - 1) / VW;
+    *n0 = tiles * t / T * VW;
+    *n1 = tiles * (t + 1) / T * VW;
+    if (*n1 > n) *n1 = n;
+    if (*n0 > n) *n0 = n;
+}
+
+/* ------------------------------------------------------------------ small ops */
+
+/* out = w * x / rms(x), float32. */
+TM_INLINE void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* Rotate-half rotary embedding of one head, in place. */
+TM_INLINE void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t h = D / 2;
+    float tmp[512];
+#pragma omp simd
+    for (int64_t i = 0; i < h; i++) {
+        tmp[i] = x[i] * cos[i] - x[i + h] * sin[i];
+        tmp[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+    }
+    memcpy(x, tmp, D * sizeof(float));
+}
+
+TM_INLINE void store_row(void *cache, int bf16, size_t offset, const float *src, int64_t D) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)cache + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+    } else {
+        memcpy((float *)cache + offset, src, D * sizeof(float));
+    }
+}
+
+/* silu(g) * u, vectorizable: e = exp(-|g|) <= 1 keeps exp_nonpos in range. */
+TM_INLINE void silu_mul(const float *g, const float *u, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float a = g[i] < 0.0f ? g[i] : -g[i];
+        const float e = exp_nonpos(a);
+        const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        out[i] = g[i] * sig * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------ the step */
+
+static int64_t max_k(const TmModel *m) {
+    int64_t k = m->hidden > m->inter ? m->hidden : m->inter;
+    k = k > m->heads * m->head_dim ? k : m->heads * m->head_dim;
+    return 2 * k; /* room for a repeat-2 input */
+}
+
+/* x: [B, hidden] float32 token embeddings; on return hidden_out [B, hidden]
+ * holds the final-normed hidden states and, when the model has its head here,
+ * logits [B, vocab]. block_tables [B, bt_stride] int32, seq_lens [B] int32:
+ * each sequence's context length including the new token (its position is
+ * seq_len - 1). Returns 0, 1 when an input lies outside the pool/tables/rotary
+ * range (nothing written), 2 when memory could not be allocated. */
+int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_tables, int64_t bt_stride,
+                   int64_t bt_width, const int32_t *seq_lens, float *hidden_out, float *logits, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NKV = m->kv_heads * D;
+    const int64_t NQKV = NQ + 2 * NKV, I = m->inter, BS = m->block_size;
+    const int64_t G = m->heads / m->kv_heads;
+    if (B <= 0 || D % VW || D > 512 || D % 2 || m->heads % m->kv_heads) return 1;
+    Args check = {0};
+    check.block_tables = block_tables, check.seq_lens = seq_lens, check.bt_stride = bt_stride;
+    check.heads = m->heads, check.kv_heads = m->kv_heads, check.head_dim = D;
+    check.num_blocks = m->num_blocks, check.block_size = BS;
+    const int64_t max_len = check_args(&check, B, bt_width);
+    if (max_len < 0 || max_len > m->max_positions) return 1;
+
+    float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I) * 4 + 63) / 64 * 64);
+    if (!qkv) return 2;
+    float *attn = qkv + B * NQKV, *act = attn + B * NQ;
+    if (num_threads < 1) num_threads = 1;
+    SpinBarrier bar = {0, 0, num_threads};
+    int failed = 0;
+
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+#pragma omp single
+        bar.n = omp_get_num_threads(); /* the implicit barrier publishes it */
+        const int T = bar.n, t = omp_get_thread_num();
+        int sense = 0;
+        const int64_t KM = max_k(m);
+        const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
+        const size_t floats = (size_t)B * H * 2 + (size_t)B * KM + (size_t)B * KM + (size_t)B * 2 * VW + att_floats;
+        float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        int ok = buf != NULL;
+        /* Every thread must reach every barrier: a failed allocation only skips the work. */
+        float *h = buf, *hrow = h + B * H;
+        InputScratch is = {hrow + B * H, hrow + B * H + B * KM};
+        float *att = is.xsum + B * KM;
+        Scratch sc = {0};
+        if (ok) {
+            float *zero = att + 2 * G * D + G + VW * D;
+            memset(zero, 0, D * sizeof(float));
+            sc = (Scratch){att, att + G * D, att + 2 * G * D, att + 2 * G * D + G, zero, zero + D};
+        }
+        Args a = {qkv, NULL, NULL, block_tables, seq_lens, attn, NQKV, NQ, bt_stride,
+                  m->heads, m->kv_heads, D, m->num_blocks, BS, m->scale};
+
+        for (int64_t li = 0; li < m->num_layers; li++) {
+            const TmLayer *L = &m->layers[li];
+            int64_t n0, n1, ldx;
+            const float *xin;
+            /* 1. q/k/v projection of the normed input; each thread its rows. */
+            if (ok) {
+                for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
+                xin = prepare_input(&L->qkv, h, H, B, &is, &ldx);
+                split_rows(NQKV, t, T, &n0, &n1);
+                linear_rows(&L->qkv, xin, ldx, is.xsum, B, n0, n1, qkv, NQKV, 0);
+            }
+            barrier_wait(&bar, &sense);
+            /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
+            if (ok) {
+                a.k_cache = L->k_cache, a.v_cache = L->v_cache;
+                for (int64_t it = t; it < B * m->kv_heads; it += T) {
+                    const int64_t b = it / m->kv_heads, kvh = it % m->kv_heads;
+                    const int64_t pos = seq_lens[b] - 1;
+                    const float *cs = m->cos + pos * D, *sn = m->sin + pos * D;
+                    float *row = qkv + b * NQKV;
+                    for (int64_t gq = 0; gq < G; gq++) {
+                        float *q = row + (kvh * G + gq) * D;
+                        if (L->q_norm) rms_norm(q, L->q_norm, D, m->eps, q);
+                        rope_head(q, cs, sn, D);
+                    }
+                    float *k = row + NQ + kvh * D, *v = row + NQ + NKV + kvh * D;
+                    if (L->k_norm) rms_norm(k, L->k_norm, D, m->eps, k);
+                    rope_head(k, cs, sn, D);
+                    const int32_t *table = block_tables + b * bt_stride;
+                    const size_t slot = (size_t)table[pos / BS] * BS + pos % BS;
+                    const size_t off = ((size_t)kvh * m->num_blocks * BS + slot) * D;
+                    store_row(L->k_cache, m->cache_bf16, off, k, D);
+                    store_row(L->v_cache, m->cache_bf16, off, v, D);
+                    attend_any(&a, b, kvh, m->cache_bf16, 0, &sc);
+                }
+            }
+            barrier_wait(&bar, &sense);
+            /* 3. o projection, added into the residual stream. */
+            if (ok) {
+                xin = prepare_input(&L->o, attn, NQ, B, &is, &ldx);
+                split_rows(H, t, T, &n0, &n1);
+                linear_rows(&L->o, xin, ldx, is.xsum, B, n0, n1, x, H, 1);
+            }
+            barrier_wait(&bar, &sense);
+            /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
+            if (ok) {
+                for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
+                xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
+                split_rows(I, t, T, &n0, &n1);
+                for (int64_t c0 = n0; c0 < n1; c0 += VW) {
+                    const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
+                    float gu[2][TM_MAX_ROWS * 16 * VW];
+                    for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
+                        const int64_t nb = B - b0 < TM_MAX_ROWS ? B - b0 : TM_MAX_ROWS;
+                        const float *xb = xin + b0 * ldx;
+                        const float *xs = is.xsum + b0 * (L->gate_up.kind == W_INT4
+                                                            ? L->gate_up.k * L->gate_up.repeat / L->gate_up.group : 0);
+                        /* rows c0..c1 of gate into gu[0], of up (offset I) into gu[1], as [nb, VW] */
+                        linear_rows(&L->gate_up, xb, ldx, xs, nb, c0, c1, gu[0] - c0, VW, 0);
+                        linear_rows(&L->gate_up, xb, ldx, xs, nb, I + c0, I + c1, gu[1] - I - c0, VW, 0);
+                        for (int64_t b = 0; b < nb; b++)
+                            silu_mul(gu[0] + b * VW, gu[1] + b * VW, act + (b0 + b) * I + c0, c1 - c0);
+                    }
+                }
+            }
+            barrier_wait(&bar, &sense);
+            /* 5. down projection, added into the residual stream. */
+            if (ok) {
+                xin = prepare_input(&L->down, act, I, B, &is, &ldx);
+                split_rows(H, t, T, &n0, &n1);
+                linear_rows(&L->down, xin, ldx, is.xsum, B, n0, n1, x, H, 1);
+            }
+            barrier_wait(&bar, &sense);
+        }
+        /* Final norm (every thread its own copy, thread 0 publishes it) and the head. */
+        if (ok) {
+            for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
+            if (t == 0) memcpy(hidden_out, h, (size_t)B * H * sizeof(float));
+            if (m->has_head && logits) {
+                int64_t ldx;
+                const float *xin = prepare_input(&m->head, h, H, B, &is, &ldx);
+                int64_t n0, n1;
+                split_rows(m->head.n, t, T, &n0, &n1);
+                linear_rows(&m->head, xin, ldx, is.xsum, B, n0, n1, logits, m->head.n, 0);
+            }
+        }
+        free(buf);
+        failed = !ok;
+    }
+    free(qkv);
+    return failed ? 2 : 0;
+}
+
+/* Lets the loader check that the struct layouts match. */
+int64_t tm_decode_struct_sizes(void) {
+    return (int64_t)sizeof(TmLinear) * 1000000 + (int64_t)sizeof(TmLayer) * 1000 + (int64_t)sizeof(TmModel);
+}

@@ -1,0 +1,231 @@
+"""A whole decode step in one native call, for small batches on CPU.
+
+At batch 1 the eager model dispatches thousands of ATen ops per step and, on a
+small CPU, their fixed costs outweigh the arithmetic: an int4 step of
+SmolLM2-135M took 12 ms, of which the weights are read in ~4. ``csrc/
+decode_step.c`` runs every layer, the final norm and the LM head in one OpenMP
+region (see its header); this module hands it the model: pointers to the
+weights in their stored precision (float32, bf16, int8, int4; int4 repacked
+once at build into the kernel's nibble order), float32 copies of the norm
+weights, the rotary tables and each layer's KV pool.
+
+The fused step is the model's math in float32 (the eager bf16 / quantized
+paths round activations to bf16 between ops), so its logits match the float32
+torch forward to rounding; tests check it against the torch model for every
+weight kind. It takes pure decode batches of up to a measured size per weight kind
+(``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;
+``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides it) and the runner falls
+back to the eager model for everything else: prefill chunks, other devices,
+``TOKENMILL_FUSED_DECODE=0``, or a model it cannot take (``build`` logs why).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from . import cpu_kernels
+from .llama import LlamaForCausalLM
+from .quant import Int4Linear, Int8Linear
+
+log = logging.getLogger(__name__)
+
+W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
+# Largest decode batch each weight kind runs fused: beyond it the eager model's
+# matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
+# SmolLM2-135M, context 128 (fused / eager step time): float32 0.33 at 1 and
+# 0.48 at 64; bf16 0.24 at 1, 0.96 at 32, 1.05 at 64; int8 0.32 at 1, 0.87 at
+# 32; int4 0.41 at 1, 0.90 at 8, 1.02 at 16. A model takes its lowest kind's.
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 32, W_INT8: 32, W_INT4: 8}
+
+
+def enabled() -> bool:
+    """``TOKENMILL_FUSED_DECODE=0`` (or ``TOKENMILL_CPU_KERNELS=0``) turns the fused step off."""
+    flag = os.environ.get("TOKENMILL_FUSED_DECODE", "1").strip().lower()
+    return flag not in ("0", "false", "no", "off") and cpu_kernels.enabled()
+
+
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
+                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
+                ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64), ("max_positions", ctypes.c_int64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_bf16", ctypes.c_int32),
+                ("has_head", ctypes.c_int32), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("head", _Linear)]
+
+
+class Unsupported(Exception):
+    """The model has something the fused step does not implement."""
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (K % 32 == 0) -> [N, K / 2] bytes: in each 32-column chunk,
+    byte i holds code i (low nibble) and code i + 16 (high nibble)."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+@dataclass
+class FusedDecoder:
+    """The native model description plus every tensor it points into (kept alive here)."""
+
+    lib: cpu_kernels.KernelLibrary
+    struct: _Model
+    layers: ctypes.Array  # type: ignore[type-arg]
+    keep: list[torch.Tensor] = field(default_factory=list)
+    vocab_size: int = 0
+    hidden_size: int = 0
+    max_batch: int = 1  # from the weight kinds; see MAX_BATCH_BY_KIND
+
+    def batch_limit(self) -> int:
+        """Largest decode batch to run fused now (``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides)."""
+        env = os.environ.get("TOKENMILL_FUSED_DECODE_MAX_BATCH", "").strip()
+        return int(env) if env else self.max_batch
+
+    def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Logits [B, vocab] (float32) for B decode tokens. ``embeddings`` [B, hidden]
+        float32 (overwritten: it is the residual stream), ``block_tables`` [B, W] int32,
+        ``seq_lens`` [B] int32: context length including the new token."""
+        b = embeddings.shape[0]
+        assert embeddings.dtype == torch.float32 and embeddings.is_contiguous()
+        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == b
+        hidden = torch.empty((b, self.hidden_size), dtype=torch.float32)
+        logits = torch.empty((b, self.vocab_size), dtype=torch.float32)
+        rc = self.lib.cdll.tm_decode_step(
+            ctypes.addressof(self.struct), embeddings.data_ptr(), b, block_tables.data_ptr(),
+            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), hidden.data_ptr(),
+            logits.data_ptr(), torch.get_num_threads())
+        if rc == 1:
+            raise ValueError("fused decode: a sequence length or block id lies outside the tables, pool or rotary range")
+        if rc != 0:
+            raise MemoryError("fused decode: the kernel could not allocate its scratch memory")
+        return logits
+
+
+def _f32(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
+    t = t.detach().float().contiguous()
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
+    """Describe one projection for the kernel, or raise Unsupported."""
+    s = _Linear()
+    bias = getattr(mod, "bias", None)
+    s.bias = _f32(bias, keep) if bias is not None else None
+    s.repeat, s.group = 1, 0
+    if isinstance(mod, Int4Linear):
+        if not mod.unpack_ok or mod.group_size % 32:
+            raise Unsupported(f"{name}: int4 packing the kernel cannot read back")
+        codes = mod._codes()  # [N, K * repeat]
+        packed = pack_int4(codes)
+        sz = mod.scale_zeros.float()  # [G, N, 2]
+        scale = sz[..., 0].t().contiguous()
+        zero = (sz[..., 1] - 8.0 * sz[..., 0]).t().contiguous()
+        keep += [packed, scale, zero]
+        s.kind, s.group, s.repeat = W_INT4, mod.group_size, mod.repeat
+        s.n, s.k = mod.out_features, mod.in_features
+        s.w, s.scale, s.zero = packed.data_ptr(), scale.data_ptr(), zero.data_ptr()
+        return s
+    if isinstance(mod, Int8Linear):
+        q = mod.qweight.contiguous()
+        keep.append(q)
+        s.kind, s.n, s.k = W_INT8, q.shape[0], q.shape[1]
+        s.w, s.scale = q.data_ptr(), _f32(mod.scales, keep)
+        return s
+    if type(mod) is nn.Linear:
+        w = mod.weight.detach()
+        if w.dtype not in (torch.float32, torch.bfloat16):
+            raise Unsupported(f"{name}: weight dtype {w.dtype}")
+        w = w.contiguous()
+        keep.append(w)
+        s.kind = W_F32 if w.dtype == torch.float32 else W_BF16
+        s.n, s.k, s.w = w.shape[0], w.shape[1], w.data_ptr()
+        return s
+    raise Unsupported(f"{name}: {type(mod).__name__} has no fused kernel")
+
+
+def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecoder | None:
+    """The fused decoder for this model and pool, or None (with the reason logged)
+    when the kernel is off, missing, or cannot take the model."""
+    if not enabled():
+        return None
+    lib = cpu_kernels.load()
+    if lib is None:
+        return None
+    try:
+        return _build(model, kv_caches, lib)
+    except Unsupported as exc:
+        log.info("fused decode step off: %s", exc)
+        return None
+
+
+def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+           lib: cpu_kernels.KernelLibrary) -> FusedDecoder:
+    cfg = model.config
+    k0 = kv_caches[0][0]
+    if k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
+        raise Unsupported(f"KV pool on {k0.device} in {k0.dtype}")
+    head_dim = int(cfg.head_dim or 0)
+    if head_dim % lib.vector_width or head_dim > 512:
+        raise Unsupported(f"head_dim {head_dim}")
+    expected = ctypes.sizeof(_Linear) * 1000000 + ctypes.sizeof(_Layer) * 1000 + ctypes.sizeof(_Model)
+    if lib.cdll.tm_decode_struct_sizes() != expected:
+        raise Unsupported("the kernel library's struct layout differs from this module's")
+    keep: list[torch.Tensor] = []
+    layers = (_Layer * cfg.num_hidden_layers)()
+    for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
+        attn, mlp = layer.self_attn, layer.mlp
+        dst = layers[i]
+        dst.input_norm = _f32(layer.input_layernorm.weight, keep)
+        dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
+        dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
+        dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
+        dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj")
+        dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj")
+        dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj")
+        dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj")
+        for lin, name in ((dst.qkv, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"), (dst.down, "down")):
+            if lin.kind != W_INT4 and lin.k % lib.vector_width:
+                raise Unsupported(f"layers.{i}.{name}: {lin.k} input features")
+        if not (kc.is_contiguous() and vc.is_contiguous()):
+            raise Unsupported("KV pool not contiguous")
+        dst.k_cache, dst.v_cache = kc.data_ptr(), vc.data_ptr()
+    m = _Model()
+    m.hidden, m.heads, m.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    m.head_dim, m.inter, m.num_layers = head_dim, cfg.intermediate_size, cfg.num_hidden_layers
+    m.num_blocks, m.block_size, m.max_positions = k0.shape[1], k0.shape[2], model.rope.cos.shape[0]
+    m.eps, m.scale = float(cfg.rms_norm_eps), head_dim**-0.5
+    m.cache_bf16 = int(k0.dtype == torch.bfloat16)
+    m.layers = ctypes.cast(layers, ctypes.POINTER(_Layer))
+    m.final_norm = _f32(model.norm.weight, keep)
+    m.cos, m.sin = _f32(model.rope.cos, keep), _f32(model.rope.sin, keep)
+    m.head = _linear(model.lm_head, keep, "lm_head")
+    m.has_head = 1
+    kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
+                             for p in ("qkv", "o", "gate_up", "down")}
+    limit = min(MAX_BATCH_BY_KIND[k] for k in kinds)
+    log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
+             limit, cfg.num_hidden_layers)
+    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit)

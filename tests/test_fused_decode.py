@@ -1,0 +1,237 @@
+"""The fused native decode step (model/fused_decode.py, csrc/decode_step.c)
+against the eager torch model, for every weight kind it takes.
+
+Quantized models are checked against a float32 dense model holding the
+dequantized weights: the fused step computes in float32, so the two agree to
+float rounding, which pins down the int8/int4 unpacking exactly (the eager
+quantized layers round activations to bf16 and could not)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import tiny_loaded, tiny_tokenizer
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import Request, SamplingParams
+from tokenmill.model import cpu_kernels, fused_decode, quant
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")
+
+
+def _engine(loaded=None, **options) -> LLMEngine:
+    options.setdefault("num_blocks", 96)
+    options.setdefault("enable_prefix_caching", False)
+    return LLMEngine(EngineConfig.from_options(**options), loaded=loaded or tiny_loaded(), tokenizer=tiny_tokenizer())
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 256) for _ in range(rng.randint(5, 70))] for _ in range(count)]
+
+
+def _requests(engine: LLMEngine, prompts: list[list[int]]) -> list[Request]:
+    """Requests whose blocks interleave in the pool (allocated one block at a time, round robin)."""
+    reqs = [Request(f"r{i}", ids, SamplingParams(max_tokens=8)) for i, ids in enumerate(prompts)]
+    need = [-(-len(ids) // engine.block_size) for ids in prompts]
+    for turn in range(max(need)):
+        for req, n in zip(reqs, need):
+            if turn < n:
+                req.block_table += engine.pool.allocate(1)
+    return reqs
+
+
+def _prefill_all_but_last(engine: LLMEngine, reqs: list[Request]) -> None:
+    engine.runner.execute([(r, len(r.prompt_token_ids) - 1) for r in reqs])
+    for r in reqs:
+        r.num_computed_tokens = len(r.prompt_token_ids) - 1
+
+
+def _decode(engine: LLMEngine, reqs: list[Request], fused: bool, monkeypatch) -> torch.Tensor:
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "1" if fused else "0")
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "64")
+    logits, sampled = engine.runner.execute([(r, 1) for r in reqs])
+    assert sampled == reqs
+    return logits
+
+
+def _new_kv(engine: LLMEngine, reqs: list[Request]) -> torch.Tensor:
+    """Every layer's K and V rows at each request's newest position."""
+    bs = engine.block_size
+    out = []
+    for k, v in engine.runner.kv_caches:
+        for r in reqs:
+            p = len(r.prompt_token_ids) - 1
+            block, off = r.block_table[p // bs], p % bs
+            out += [k[:, block, off].float(), v[:, block, off].float()]
+    return torch.stack(out)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True}, {"qk_norm": True}])
+def test_float32_fused_step_matches_eager_logits_and_cache_writes(batch: int, overrides: dict, monkeypatch) -> None:
+    loaded = tiny_loaded(seed=2, **overrides)
+    if overrides:  # the extra tensors these variants read
+        cfg = loaded.config
+        g = torch.Generator().manual_seed(9)
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}.self_attn."
+            if cfg.attention_bias:
+                for name, rows in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads),
+                                   ("v", cfg.num_key_value_heads)):
+                    loaded.weights[p + f"{name}_proj.bias"] = torch.randn(rows * cfg.head_dim, generator=g) * 0.1
+            if cfg.qk_norm:
+                loaded.weights[p + "q_norm.weight"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+                loaded.weights[p + "k_norm.weight"] = 1 + 0.1 * torch.randn(cfg.head_dim, generator=g)
+    engine = _engine(loaded)
+    assert engine.runner.fused is not None
+    reqs = _requests(engine, _prompts(batch, seed=batch))
+    _prefill_all_but_last(engine, reqs)
+    fused = _decode(engine, reqs, True, monkeypatch)
+    fused_kv = _new_kv(engine, reqs)
+    eager = _decode(engine, reqs, False, monkeypatch)  # rewrites the same slots
+    eager_kv = _new_kv(engine, reqs)
+    assert _rel(fused, eager) < 1e-5
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+    assert _rel(fused_kv, eager_kv) < 1e-6
+
+
+def _dequantized_twin(quantized: LLMEngine, loaded) -> LLMEngine:
+    """A float32 dense engine whose weights are the quantized engine's dequantized ones."""
+    twin = _engine(loaded)
+    qmods = dict(quantized.model.named_modules())
+    with torch.no_grad():
+        for name, mod in twin.model.named_modules():
+            q = qmods.get(name)
+            if isinstance(q, (quant.Int8Linear, quant.Int4Linear)):
+                mod.weight = torch.nn.Parameter(q.dequantized_weight().float().contiguous(), requires_grad=False)
+    return twin
+
+
+@pytest.mark.parametrize("options", [
+    dict(quantization="int8"),
+    dict(quantization="int4", quant_group_size=32),
+    dict(quantization="int4", quant_group_size=64, quantize_lm_head=True),
+])
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_quantized_fused_step_matches_the_dequantized_float_model(options: dict, batch: int, monkeypatch) -> None:
+    loaded = tiny_loaded(seed=3)
+    engine = _engine(loaded, dtype="float32", **options)
+    assert engine.runner.fused is not None
+    kinds = {m.kind for m in (engine.runner.fused.struct.layers[0].qkv, engine.runner.fused.struct.head)}
+    assert kinds == ({fused_decode.W_INT8, fused_decode.W_F32} if options["quantization"] == "int8"
+                     else {fused_decode.W_INT4} if options.get("quantize_lm_head") else
+                     {fused_decode.W_INT4, fused_decode.W_F32})
+    twin = _dequantized_twin(engine, loaded)
+    prompts = _prompts(batch, seed=10 + batch)
+    reqs, twin_reqs = _requests(engine, prompts), _requests(twin, prompts)
+    _prefill_all_but_last(twin, twin_reqs)
+    for (k, v), (tk, tv) in zip(engine.runner.kv_caches, twin.runner.kv_caches):  # the same context
+        k.copy_(tk)
+        v.copy_(tv)
+    for r, t in zip(reqs, twin_reqs):
+        assert r.block_table == t.block_table
+        r.num_computed_tokens = t.num_computed_tokens
+    got = _decode(engine, reqs, True, monkeypatch)
+    want = _decode(twin, twin_reqs, False, monkeypatch)
+    assert _rel(got, want) < 1e-5
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
+    """GGUF Q8_0 layers hold [hi | lo] int4 codes of one input fed twice."""
+    loaded = tiny_loaded(seed=4)
+    engine = _engine(loaded, dtype="float32")
+    twin = _engine(loaded, dtype="float32")
+    with torch.no_grad():
+        for name, mod in list(engine.model.named_modules()):
+            if name.endswith(("qkv_proj", "down_proj")):
+                codes = quant.quantize_int4(mod.weight, 32).as_split()
+                parent, _, attr = name.rpartition(".")
+                setattr(engine.model.get_submodule(parent), attr, quant.Int4Linear(codes))
+                twin.model.get_submodule(name).weight.copy_(codes.dequantize())
+    fused = fused_decode.build(engine.model, engine.runner.kv_caches)
+    assert fused is not None and fused.struct.layers[0].qkv.repeat == 2
+    engine.runner.fused = fused
+    prompts = _prompts(2, seed=7)
+    reqs, twin_reqs = _requests(engine, prompts), _requests(twin, prompts)
+    _prefill_all_but_last(twin, twin_reqs)
+    for (k, v), (tk, tv) in zip(engine.runner.kv_caches, twin.runner.kv_caches):
+        k.copy_(tk)
+        v.copy_(tv)
+    for r, t in zip(reqs, twin_reqs):
+        r.num_computed_tokens = t.num_computed_tokens
+    # the hi half carries 16x the scale of the lo half: their float32 sums round a little more
+    assert _rel(_decode(engine, reqs, True, monkeypatch), _decode(twin, twin_reqs, False, monkeypatch)) < 5e-5
+
+
+def test_bf16_model_fused_step_stays_close_to_float32(monkeypatch) -> None:
+    loaded = tiny_loaded(seed=5)
+    engine = _engine(loaded, dtype="bfloat16")
+    ref = _engine(loaded, dtype="float32")
+    assert engine.runner.fused is not None and engine.runner.fused.struct.cache_bf16 == 1
+    prompts = _prompts(3, seed=5)
+    reqs, ref_reqs = _requests(engine, prompts), _requests(ref, prompts)
+    _prefill_all_but_last(engine, reqs)
+    _prefill_all_but_last(ref, ref_reqs)
+    got = _decode(engine, reqs, True, monkeypatch)
+    eager_bf16 = _decode(engine, reqs, False, monkeypatch)
+    want = _decode(ref, ref_reqs, False, monkeypatch)
+    # float32 activations over bf16 weights and cache: no further from float32 than eager bf16
+    assert _rel(got, want) < max(1.5 * _rel(eager_bf16, want), 1e-3)
+
+
+def test_engine_greedy_tokens_do_not_change_with_the_fused_step(monkeypatch) -> None:
+    """Through the scheduler: batches of decodes go fused, prefill steps eager; fp32 greedy
+    output is the same token for token either way."""
+    prompts = _prompts(4, seed=11)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TOKENMILL_FUSED_DECODE", flag)
+        engine = _engine(max_num_batched_tokens=64)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"g{i}", ids, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                got.setdefault(delta.request_id, []).extend(delta.token_ids)
+        outs.append(got)
+    assert outs[0] == outs[1]
+
+
+def test_bad_block_ids_are_refused_before_anything_is_written(monkeypatch) -> None:
+    engine = _engine()
+    reqs = _requests(engine, _prompts(1, seed=1))
+    _prefill_all_but_last(engine, reqs)
+    before = [k.clone() for k, _ in engine.runner.kv_caches]
+    reqs[0].block_table = [engine.runner.num_blocks + 5] * len(reqs[0].block_table)
+    with pytest.raises(ValueError, match="outside"):
+        _decode(engine, reqs, True, monkeypatch)
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, engine.runner.kv_caches))
+
+
+def test_switch_and_batch_limit_send_steps_to_the_eager_model(monkeypatch) -> None:
+    engine = _engine()
+    calls = []
+    real = engine.runner.fused.run
+    monkeypatch.setattr(engine.runner.fused, "run", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    reqs = _requests(engine, _prompts(3, seed=2))
+    _prefill_all_but_last(engine, reqs)
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "2")
+    engine.runner.execute([(r, 1) for r in reqs])  # 3 > 2: eager
+    engine.runner.execute([(r, 1) for r in reqs[:2]])
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
+    engine.runner.execute([(r, 1) for r in reqs[:1]])
+    assert calls == [2]
+
+
+def test_unsupported_layers_leave_the_fused_step_off() -> None:
+    engine = _engine(tiny_loaded(seed=1))
+    engine.model.layers[0].mlp.down_proj = torch.nn.Identity()  # not a linear the kernel knows
+    assert fused_decode.build(engine.model, engine.runner.kv_caches) is None
