@@ -22,7 +22,7 @@ times; the best repeat is reported, because on this shared 2-core machine
 the other processes only ever add time. Ratios are against the eager row
 measured in the same run.
 
-    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,int4+lm_head,int4+lm_head:eager]
+    .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,gguf+lm_head,gguf+lm_head:eager]
 """
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ THREADS = 0
 
 
 def make_engine(config: str) -> LLMEngine:
-    """``config``: a dtype, or int8 / int4, optionally ``+lm_head`` (the output head
-    quantized too, as llama.cpp's GGUF stores it; off by default in tokenmill)."""
+    """``config``: a dtype, or int8 / int4 / gguf (the GGUF file's own Q4_1 blocks, the
+    very weights llama.cpp runs), optionally ``+lm_head`` (the output head quantized
+    too, as llama.cpp's GGUF stores it; off by default in tokenmill)."""
     name, _, extra = config.partition("+")
-    dtype, quant = ("bfloat16", name) if name in ("int8", "int4") else (name, "none")
+    dtype, quant = ("bfloat16", name) if name in ("int8", "int4", "gguf") else (name, "none")
     opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
     if quant != "none":
         opts["quantization"] = quant
@@ -129,7 +130,7 @@ def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head,int4+lm_head:eager")
+    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head,gguf+lm_head,gguf+lm_head:eager")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4") else {}
         cfg = EngineConfig.from_options(dtype="bfloat16" if quant else name, num_blocks=need,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
+        os.environ["TOKENMILL_FUSED_DECODE"] = "1"  # built at start-up; switched per measurement below
         engine = LLMEngine(cfg)
         if args.threads:
             torch.set_num_threads(args.threads)
