@@ -235,3 +235,21 @@ def test_unsupported_layers_leave_the_fused_step_off() -> None:
     engine = _engine(tiny_loaded(seed=1))
     engine.model.layers[0].mlp.down_proj = torch.nn.Identity()  # not a linear the kernel knows
     assert fused_decode.build(engine.model, engine.runner.kv_caches) is None
+
+
+def test_a_table_shorter_than_its_sequence_is_refused_not_padded_with_block_zero(monkeypatch) -> None:
+    """Rows are padded to the longest table; the padding must never be read as a real block."""
+    engine = _engine()
+    reqs = _requests(engine, [[1] * 40, [2] * 3])
+    _prefill_all_but_last(engine, reqs)
+    reqs[0].block_table = reqs[0].block_table[:-1]  # 40 tokens need 3 blocks of 16; give it 2
+    before = [k.clone() for k, _ in engine.runner.kv_caches]
+    with pytest.raises(ValueError, match="outside"):
+        _decode(engine, reqs, True, monkeypatch)
+    assert all(torch.equal(a, k) for a, (k, _) in zip(before, engine.runner.kv_caches))
+
+
+def test_malformed_batch_limit_falls_back_to_the_measured_one(monkeypatch) -> None:
+    engine = _engine()
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "lots")
+    assert engine.runner.fused.batch_limit() == engine.runner.fused.max_batch

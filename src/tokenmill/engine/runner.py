@@ -160,7 +160,9 @@ class ModelRunner:
             position = request.num_computed_tokens
             ids.append(request.all_token_ids[position])
             seq_lens.append(position + 1)
-            tables.append(request.block_table + [0] * (width - len(request.block_table)))
+            # -1 padding: a table shorter than its sequence needs is refused by the kernel
+            # (ValueError before anything is written), never read as block 0.
+            tables.append(request.block_table + [-1] * (width - len(request.block_table)))
             if position + 1 == request.num_tokens:  # a 1-token prefill chunk short of the end samples nothing
                 rows.append(row)
                 sampled.append(request)

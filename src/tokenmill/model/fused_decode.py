@@ -9,6 +9,10 @@ weights in their stored precision (float32, bf16, int8, int4; int4 repacked
 once at build into the kernel's nibble order), float32 copies of the norm
 weights, the rotary tables and each layer's KV pool.
 
+The pointers are taken once, at build: a model whose modules or pool are
+replaced afterwards needs a new ``build``. w8a8 models decode here with
+weight-only int8 (float32 activations), which is the more accurate of the two.
+
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32
 torch forward to rounding; tests check it against the torch model for every
@@ -101,16 +105,27 @@ class FusedDecoder:
     def batch_limit(self) -> int:
         """Largest decode batch to run fused now (``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides)."""
         env = os.environ.get("TOKENMILL_FUSED_DECODE_MAX_BATCH", "").strip()
-        return int(env) if env else self.max_batch
+        if env:
+            try:
+                return int(env)
+            except ValueError:
+                log.warning("TOKENMILL_FUSED_DECODE_MAX_BATCH=%r is not a number; using %d", env, self.max_batch)
+                os.environ.pop("TOKENMILL_FUSED_DECODE_MAX_BATCH", None)
+        return self.max_batch
 
     def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] (float32) for B decode tokens. ``embeddings`` [B, hidden]
         float32 (overwritten: it is the residual stream), ``block_tables`` [B, W] int32,
         ``seq_lens`` [B] int32: context length including the new token."""
         b = embeddings.shape[0]
-        assert embeddings.dtype == torch.float32 and embeddings.is_contiguous()
-        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.numel() == b
+        if not (embeddings.dtype == torch.float32 and embeddings.is_contiguous()
+                and embeddings.shape == (b, self.hidden_size)):
+            raise ValueError(f"fused decode: embeddings must be contiguous float32 [B, {self.hidden_size}]")
+        if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
+                and block_tables.stride(1) == 1 and block_tables.is_contiguous()):
+            raise ValueError("fused decode: block tables must be contiguous int32 [B, width]")
+        if not (seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (b,)):
+            raise ValueError("fused decode: seq_lens must be contiguous int32 [B]")
         hidden = torch.empty((b, self.hidden_size), dtype=torch.float32)
         logits = torch.empty((b, self.vocab_size), dtype=torch.float32)
         rc = self.lib.cdll.tm_decode_step(
@@ -213,6 +228,7 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
         if not (kc.is_contiguous() and vc.is_contiguous()):
             raise Unsupported("KV pool not contiguous")
         dst.k_cache, dst.v_cache = kc.data_ptr(), vc.data_ptr()
+        keep += [kc, vc]
     m = _Model()
     m.hidden, m.heads, m.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     m.head_dim, m.inter, m.num_layers = head_dim, cfg.intermediate_size, cfg.num_hidden_layers
@@ -223,6 +239,8 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
     m.final_norm = _f32(model.norm.weight, keep)
     m.cos, m.sin = _f32(model.rope.cos, keep), _f32(model.rope.sin, keep)
     m.head = _linear(model.lm_head, keep, "lm_head")
+    if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
+        raise Unsupported(f"lm_head: {m.head.k} input features")
     m.has_head = 1
     kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
                              for p in ("qkv", "o", "gate_up", "down")}

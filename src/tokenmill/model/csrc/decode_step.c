@@ -233,11 +233,11 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
     default: dense_tile(L, KIND, xb, ldx, 4, r0, nr, out); break;        \
     }
 
-/* y[b, n] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
+/* y[b, n - y_col0] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
  * Row tiles outside, activation rows inside: a tile's weights (VW rows) are read
  * from memory once and reused from cache by every group of activation rows. */
 static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, int64_t B,
-                        int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate) {
+                        int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
     float out[TM_MAX_ROWS][VW];
     for (int64_t r0 = n0; r0 < n1; r0 += VW) {
@@ -261,15 +261,15 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const fl
                 DENSE_CASES(W_INT8)
             }
             for (int b = 0; b < NB; b++) {
-                float *yb = y + (b0 + b) * ldy;
+                float *yb = y + (b0 + b) * ldy - y_col0 + r0;
                 for (int64_t r = 0; r < nr; r++) {
                     float v = out[b][r];
                     if (L->kind == W_INT8) v *= L->scale[r0 + r];
                     if (L->bias) v += L->bias[r0 + r];
                     if (accumulate)
-                        yb[r0 + r] += v;
+                        yb[r] += v;
                     else
-                        yb[r0 + r] = v;
+                        yb[r] = v;
                 }
             }
         }
@@ -372,12 +372,12 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        const size_t floats = (size_t)B * H * 2 + (size_t)B * KM + (size_t)B * KM + (size_t)B * 2 * VW + att_floats;
+        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + att_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
         /* Every thread must reach every barrier: a failed allocation only skips the work. */
-        float *h = buf, *hrow = h + B * H;
-        InputScratch is = {hrow + B * H, hrow + B * H + B * KM};
+        float *h = buf; /* [B, H]: this thread's normed copy of the residual stream */
+        InputScratch is = {h + B * H, h + B * H + B * KM};
         float *att = is.xsum + B * KM;
         Scratch sc = {0};
         if (ok) {
@@ -397,7 +397,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
                 xin = prepare_input(&L->qkv, h, H, B, &is, &ldx);
                 split_rows(NQKV, t, T, &n0, &n1);
-                linear_rows(&L->qkv, xin, ldx, is.xsum, B, n0, n1, qkv, NQKV, 0);
+                linear_rows(&L->qkv, xin, ldx, is.xsum, B, n0, n1, qkv, NQKV, 0, 0);
             }
             barrier_wait(&bar, &sense);
             /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
@@ -429,7 +429,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             if (ok) {
                 xin = prepare_input(&L->o, attn, NQ, B, &is, &ldx);
                 split_rows(H, t, T, &n0, &n1);
-                linear_rows(&L->o, xin, ldx, is.xsum, B, n0, n1, x, H, 1);
+                linear_rows(&L->o, xin, ldx, is.xsum, B, n0, n1, x, H, 1, 0);
             }
             barrier_wait(&bar, &sense);
             /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
@@ -439,17 +439,17 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 split_rows(I, t, T, &n0, &n1);
                 for (int64_t c0 = n0; c0 < n1; c0 += VW) {
                     const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
-                    float gu[2][TM_MAX_ROWS * 16 * VW];
+                    float gate[TM_MAX_ROWS * VW], up[TM_MAX_ROWS * VW];
                     for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
                         const int64_t nb = B - b0 < TM_MAX_ROWS ? B - b0 : TM_MAX_ROWS;
                         const float *xb = xin + b0 * ldx;
                         const float *xs = is.xsum + b0 * (L->gate_up.kind == W_INT4
                                                             ? L->gate_up.k * L->gate_up.repeat / L->gate_up.group : 0);
-                        /* rows c0..c1 of gate into gu[0], of up (offset I) into gu[1], as [nb, VW] */
-                        linear_rows(&L->gate_up, xb, ldx, xs, nb, c0, c1, gu[0] - c0, VW, 0);
-                        linear_rows(&L->gate_up, xb, ldx, xs, nb, I + c0, I + c1, gu[1] - I - c0, VW, 0);
+                        /* rows c0..c1 of gate, and of up (I rows further), as [nb, VW] */
+                        linear_rows(&L->gate_up, xb, ldx, xs, nb, c0, c1, gate, VW, 0, c0);
+                        linear_rows(&L->gate_up, xb, ldx, xs, nb, I + c0, I + c1, up, VW, 0, I + c0);
                         for (int64_t b = 0; b < nb; b++)
-                            silu_mul(gu[0] + b * VW, gu[1] + b * VW, act + (b0 + b) * I + c0, c1 - c0);
+                            silu_mul(gate + b * VW, up + b * VW, act + (b0 + b) * I + c0, c1 - c0);
                     }
                 }
             }
@@ -458,7 +458,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             if (ok) {
                 xin = prepare_input(&L->down, act, I, B, &is, &ldx);
                 split_rows(H, t, T, &n0, &n1);
-                linear_rows(&L->down, xin, ldx, is.xsum, B, n0, n1, x, H, 1);
+                linear_rows(&L->down, xin, ldx, is.xsum, B, n0, n1, x, H, 1, 0);
             }
             barrier_wait(&bar, &sense);
         }
@@ -471,7 +471,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 const float *xin = prepare_input(&m->head, h, H, B, &is, &ldx);
                 int64_t n0, n1;
                 split_rows(m->head.n, t, T, &n0, &n1);
-                linear_rows(&m->head, xin, ldx, is.xsum, B, n0, n1, logits, m->head.n, 0);
+                linear_rows(&m->head, xin, ldx, is.xsum, B, n0, n1, logits, m->head.n, 0, 0);
             }
         }
         free(buf);
