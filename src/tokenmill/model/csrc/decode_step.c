@@ -6,7 +6,7 @@
  * took; the weights themselves are read in ~4 ms. Here every layer runs in one
  * OpenMP parallel region: each thread owns a slice of every matmul's output
  * rows and one set of (sequence, kv head) attention items, and the threads
- * meet at four spin barriers per layer (libgomp's own barriers sleep under the
+ * meet at five spin barriers per layer (libgomp's own barriers sleep under the
  * OMP_WAIT_POLICY=PASSIVE that tokenmill sets, and a futex wake-up per barrier
  * would cost more than the work between them).
  *
