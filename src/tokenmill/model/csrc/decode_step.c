@@ -311,6 +311,15 @@ TM_INLINE void split_rows(int64_t n, int t, int T, int64_t *n0, int64_t *n1) {
     if (*n0 > n) *n0 = n;
 }
 
+/* This thread's share of y = L(in) (or y += L(in)): its whole tiles of L's rows. */
+static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int64_t B, InputScratch *is, int t,
+                          int T, float *y, int64_t ldy, int accumulate) {
+    int64_t ldx, n0, n1;
+    const float *x = prepare_input(L, in, ld_in, B, is, &ldx);
+    split_rows(L->n, t, T, &n0, &n1);
+    linear_rows(L, x, ldx, is->xsum, B, n0, n1, y, ldy, accumulate, 0);
+}
+
 /* ------------------------------------------------------------------ small ops */
 
 /* out = w * x / rms(x), float32. */
@@ -421,9 +430,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             /* 1. q/k/v projection of the normed input; each thread its rows. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
-                xin = prepare_input(&L->qkv, h, H, B, &is, &ldx);
-                split_rows(NQKV, t, T, &n0, &n1);
-                linear_rows(&L->qkv, xin, ldx, is.xsum, B, n0, n1, qkv, NQKV, 0, 0);
+                thread_linear(&L->qkv, h, H, B, &is, t, T, qkv, NQKV, 0);
             }
             barrier_wait(&bar, &sense);
             /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
@@ -452,11 +459,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             }
             barrier_wait(&bar, &sense);
             /* 3. o projection, added into the residual stream. */
-            if (ok) {
-                xin = prepare_input(&L->o, attn, NQ, B, &is, &ldx);
-                split_rows(H, t, T, &n0, &n1);
-                linear_rows(&L->o, xin, ldx, is.xsum, B, n0, n1, x, H, 1, 0);
-            }
+            if (ok) thread_linear(&L->o, attn, NQ, B, &is, t, T, x, H, 1);
             barrier_wait(&bar, &sense);
             /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
             if (ok) {
@@ -481,11 +484,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             }
             barrier_wait(&bar, &sense);
             /* 5. down projection, added into the residual stream. */
-            if (ok) {
-                xin = prepare_input(&L->down, act, I, B, &is, &ldx);
-                split_rows(H, t, T, &n0, &n1);
-                linear_rows(&L->down, xin, ldx, is.xsum, B, n0, n1, x, H, 1, 0);
-            }
+            if (ok) thread_linear(&L->down, act, I, B, &is, t, T, x, H, 1);
             barrier_wait(&bar, &sense);
         }
         /* Final norm (every thread its own copy, thread 0 publishes it) and the head. */
@@ -493,11 +492,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
             if (t == 0) memcpy(hidden_out, h, (size_t)B * H * sizeof(float));
             if (m->has_head && logits) {
-                int64_t ldx;
-                const float *xin = prepare_input(&m->head, h, H, B, &is, &ldx);
-                int64_t n0, n1;
-                split_rows(m->head.n, t, T, &n0, &n1);
-                linear_rows(&m->head, xin, ldx, is.xsum, B, n0, n1, logits, m->head.n, 0, 0);
+                thread_linear(&m->head, h, H, B, &is, t, T, logits, m->head.n, 0);
             }
         }
         free(buf);
