@@ -244,11 +244,16 @@ _USE_REFERENCE = os.environ.get("TOKENMILL_ATTENTION", "").lower() == "reference
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
     """Prefill chunks, one sequence at a time (they are compute-bound: a copy of
-    their context is small next to the attention itself). Inputs go to SDPA as
+    their context is small next to the attention itself: gathering K and V of a
+    1,450-token cached prefix is 6.6 ms of a 170 ms step for a 20-token chunk). Inputs go to SDPA as
     4-D ``[1, heads, len, head_dim]``: with 3-D ones its CPU dispatch falls back
     to the unfused math path, measured 2.4-2.8x slower at 256-600 tokens."""
     num_heads = q.shape[1]
     group = num_heads // k_cache.shape[0]
+    # On CPU, SDPA's flash kernel takes grouped kv heads as they are (enable_gqa): the same
+    # result bit for bit, without three copies of the context (17-27% faster per call at
+    # SmolLM2's 9/3 heads). CUDA keeps the copies: its kernels' GQA support varies.
+    gqa = group > 1 and q.device.type == "cpu"
     nd = meta.num_decodes
     start = nd
     for i in range(nd, meta.num_seqs):
@@ -256,14 +261,18 @@ def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         k = _gather(k_cache, meta.block_tables[i], slen).to(q.dtype)
         v = _gather(v_cache, meta.block_tables[i], slen).to(q.dtype)
         qi = q[start : start + qlen].transpose(0, 1)[None]  # [1, heads, qlen, d]
-        ki = k.repeat_interleave(group, dim=0)[None]  # [1, heads, slen, d]
-        vi = v.repeat_interleave(group, dim=0)[None]
+        if gqa:  # the kernel maps query heads to kv heads itself
+            ki, vi = k[None], v[None]  # [1, kv_heads, slen, d]
+        else:
+            ki = k.repeat_interleave(group, dim=0)[None]  # [1, heads, slen, d]
+            vi = v.repeat_interleave(group, dim=0)[None]
+        extra = {"enable_gqa": True} if gqa else {}
         if qlen == slen:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, **extra)
         else:
             # Query j sits at absolute position slen - qlen + j and sees keys <= it.
             rows = torch.arange(slen - qlen, slen, device=q.device)[:, None]
             cols = torch.arange(slen, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=cols <= rows, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=cols <= rows, scale=scale, **extra)
         out[start : start + qlen] = o[0].transpose(0, 1)
         start += qlen
