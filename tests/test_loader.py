@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import llama_cpp_permute, write_gguf
 from tokenmill.config import ModelConfig
 from tokenmill.model import loader
 from tokenmill.model.loader import (
@@ -37,19 +38,6 @@ def _pack_nibbles(values: list[int]) -> bytes:
     """32 4-bit values -> 16 bytes: element i in the low nibble of byte i, element 16+i in the high."""
     assert len(values) == 32
     return bytes(values[i] | (values[16 + i] << 4) for i in range(16))
-
-
-def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to q/k rows (written here from its description:
-    each head's two halves are interleaved pairwise)."""
-    rows = w.shape[0]
-    hd = rows // n_heads
-    out = np.empty_like(w)
-    for h in range(n_heads):
-        for i in range(hd // 2):
-            out[h * hd + 2 * i] = w[h * hd + i]
-            out[h * hd + 2 * i + 1] = w[h * hd + hd // 2 + i]
-    return out
 
 
 # --------------------------------------------------------------------------- dequantization
@@ -106,7 +94,7 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     rng = np.random.default_rng(1)
     for n_heads, hd in ((3, 8), (4, 64), (1, 2)):
         w = rng.normal(size=(n_heads * hd, 5)).astype(np.float32)
-        permuted = _llama_cpp_permute(w, n_heads)
+        permuted = llama_cpp_permute(w, n_heads)
         assert not np.array_equal(permuted, w) or hd == 2
         np.testing.assert_array_equal(permuted[unpermute_rows(n_heads * hd, n_heads)], w)
 
@@ -117,41 +105,8 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
 def _write_tiny_gguf(path: str, arch: str, hf: dict[str, np.ndarray], cfg: ModelConfig,
                      quant: str = "F32", extra_tensors: dict[str, np.ndarray] | None = None) -> None:
     """Write an HF-named state dict as a GGUF the way llama.cpp's converter would."""
-    names = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
-    layer_names = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for name, value in hf.items():
-        if name in names:
-            gname = names[name]
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            gname = f"blk.{idx}.{layer_names[rest]}"
-        value = np.ascontiguousarray(value, dtype=np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-            value = _llama_cpp_permute(value, heads)
-        if quant != "F32" and value.ndim == 2:
-            w.add_tensor(gname, gguf_quantize(value, QT[quant]), raw_dtype=QT[quant])
-        else:
-            w.add_tensor(gname, value)
-    for gname, value in (extra_tensors or {}).items():
-        w.add_tensor(gname, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, hf, cfg, arch=arch, qtypes={"": quant}, bos_token_id=1, eos_token_id=2,
+               extra_tensors=extra_tensors)
 
 
 def _tiny_state(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:

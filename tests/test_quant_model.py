@@ -1,11 +1,11 @@
 """quantize_model on whole models: the engine hook, memory, GGUF files served with their own blocks."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import TINY_EOS, tiny_config, tiny_loaded, tiny_tokenizer, tiny_weights
+from gguf_files import write_gguf
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
@@ -13,8 +13,6 @@ from tokenmill.model import quant
 from tokenmill.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
-from gguf import GGMLQuantizationType as QT  # noqa: E402
-from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 
 def _engine(loaded=None, **options) -> LLMEngine:
@@ -102,41 +100,7 @@ def test_memory_budget_gives_the_kv_pool_what_weights_leave() -> None:
 
 
 def _write_gguf(path: str, weights: dict[str, torch.Tensor], cfg, qtypes: dict[str, str]) -> None:
-    """An HF-named state dict written the way llama.cpp's converter lays it out."""
-    from tokenmill.model import loader
-
-    top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
-    per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
-    w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_eos_token_id(TINY_EOS)
-    for name, t in weights.items():
-        if name in top:
-            gname = top[name]
-        else:
-            _, _, idx, rest = name.split(".", 3)
-            gname = f"blk.{idx}.{per_layer[rest]}"
-        value = t.numpy().astype(np.float32)
-        if ".q_proj." in name or ".k_proj." in name:  # llama.cpp's interleaved rotary rows
-            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
-            hd = value.shape[0] // heads
-            value = value.reshape(heads, 2, hd // 2, -1).swapaxes(1, 2).reshape(value.shape)
-        qtype = next((q for key, q in qtypes.items() if key in name), "F32") if value.ndim == 2 else "F32"
-        if qtype == "F32":
-            w.add_tensor(gname, value)
-        else:
-            w.add_tensor(gname, gguf_quantize(value, QT[qtype]), raw_dtype=QT[qtype])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, weights, cfg, qtypes=qtypes, eos_token_id=TINY_EOS)
 
 
 @pytest.mark.parametrize("qtypes", [

@@ -1,0 +1,79 @@
+"""Writing small GGUF files the way llama.cpp's converter lays them out (test helper).
+
+One writer for the loader tests and the quantized-model tests: HF-named
+weights in, llama.cpp tensor names, q/k rows permuted for its interleaved
+rotary, each 2-D tensor stored as F32 or quantized by ``gguf.quants``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tokenmill.model import loader
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to q/k rows (written here from its description:
+    each head's two halves are interleaved pairwise)."""
+    rows = w.shape[0]
+    hd = rows // n_heads
+    out = np.empty_like(w)
+    for h in range(n_heads):
+        for i in range(hd // 2):
+            out[h * hd + 2 * i] = w[h * hd + i]
+            out[h * hd + 2 * i + 1] = w[h * hd + hd // 2 + i]
+    return out
+
+
+def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "llama",
+               qtypes: dict[str, str] | None = None, bos_token_id: int | None = None,
+               eos_token_id: int | None = None, extra_tensors: dict[str, np.ndarray] | None = None) -> None:
+    """Write HF-named ``weights`` (numpy arrays or tensors) for ``cfg``.
+
+    ``qtypes`` maps a substring of a weight's name to a GGUF type ("Q8_0", "Q4_1", ...);
+    the first key found in the name wins ("" matches every name); 1-D tensors and
+    unmatched names stay F32. ``extra_tensors`` are written under their GGUF names.
+    """
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import quantize as gguf_quantize
+
+    top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
+    per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    if bos_token_id is not None:
+        w.add_bos_token_id(bos_token_id)
+    if eos_token_id is not None:
+        w.add_eos_token_id(eos_token_id)
+    for name, tensor in weights.items():
+        if name in top:
+            gname = top[name]
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{per_layer[rest]}"
+        value = np.ascontiguousarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor, dtype=np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            value = llama_cpp_permute(value, heads)
+        qtype = next((q for key, q in (qtypes or {}).items() if key in name), "F32") if value.ndim == 2 else "F32"
+        if qtype == "F32":
+            w.add_tensor(gname, value)
+        else:
+            w.add_tensor(gname, gguf_quantize(value, QT[qtype]), raw_dtype=QT[qtype])
+    for gname, value in (extra_tensors or {}).items():
+        w.add_tensor(gname, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
