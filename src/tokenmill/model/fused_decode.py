@@ -74,7 +74,7 @@ class _Model(ctypes.Structure):
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
                 ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64), ("max_positions", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_bf16", ctypes.c_int32),
-                ("has_head", ctypes.c_int32), ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("head", _Linear)]
 
 
@@ -122,16 +122,15 @@ class FusedDecoder:
                 and embeddings.shape == (b, self.hidden_size)):
             raise ValueError(f"fused decode: embeddings must be contiguous float32 [B, {self.hidden_size}]")
         if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
-                and block_tables.stride(1) == 1 and block_tables.is_contiguous()):
+                and block_tables.is_contiguous()):
             raise ValueError("fused decode: block tables must be contiguous int32 [B, width]")
         if not (seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (b,)):
             raise ValueError("fused decode: seq_lens must be contiguous int32 [B]")
-        hidden = torch.empty((b, self.hidden_size), dtype=torch.float32)
         logits = torch.empty((b, self.vocab_size), dtype=torch.float32)
         rc = self.lib.cdll.tm_decode_step(
             ctypes.addressof(self.struct), embeddings.data_ptr(), b, block_tables.data_ptr(),
-            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), hidden.data_ptr(),
-            logits.data_ptr(), torch.get_num_threads())
+            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads())
         if rc == 1:
             raise ValueError("fused decode: a sequence length or block id lies outside the tables, pool or rotary range")
         if rc != 0:
@@ -241,7 +240,6 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
     m.head = _linear(model.lm_head, keep, "lm_head")
     if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
         raise Unsupported(f"lm_head: {m.head.k} input features")
-    m.has_head = 1
     kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
                              for p in ("qkv", "o", "gate_up", "down")}
     limit = min(MAX_BATCH_BY_KIND[k] for k in kinds)

@@ -63,7 +63,7 @@ typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
     int64_t num_blocks, block_size, max_positions;
     float eps, scale;
-    int32_t cache_bf16, has_head;
+    int32_t cache_bf16;
     const TmLayer *layers;
     const float *final_norm;
     const float *cos, *sin; /* [max_positions, head_dim] */
@@ -373,14 +373,14 @@ static int64_t max_k(const TmModel *m) {
     return 2 * k; /* room for a repeat-2 input */
 }
 
-/* x: [B, hidden] float32 token embeddings; on return hidden_out [B, hidden]
- * holds the final-normed hidden states and, when the model has its head here,
- * logits [B, vocab]. block_tables [B, bt_stride] int32, seq_lens [B] int32:
- * each sequence's context length including the new token (its position is
- * seq_len - 1). Returns 0, 1 when an input lies outside the pool/tables/rotary
- * range (nothing written), 2 when memory could not be allocated. */
+/* x: [B, hidden] float32 token embeddings (the residual stream, overwritten);
+ * on return logits [B, vocab]. block_tables [B, bt_stride] int32, seq_lens [B]
+ * int32: each sequence's context length including the new token (its position
+ * is seq_len - 1). Returns 0, 1 when an input lies outside the
+ * pool/tables/rotary range (nothing written), 2 when memory could not be
+ * allocated. */
 int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_tables, int64_t bt_stride,
-                   int64_t bt_width, const int32_t *seq_lens, float *hidden_out, float *logits, int num_threads) {
+                   int64_t bt_width, const int32_t *seq_lens, float *logits, int num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NKV = m->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = m->inter, BS = m->block_size;
     const int64_t G = m->heads / m->kv_heads;
@@ -407,13 +407,14 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + att_floats;
+        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
         /* Every thread must reach every barrier: a failed allocation only skips the work. */
         float *h = buf; /* [B, H]: this thread's normed copy of the residual stream */
         InputScratch is = {h + B * H, h + B * H + B * KM};
-        float *att = is.xsum + B * KM;
+        float *gate = is.xsum + B * KM, *up = gate + B * VW; /* [B, VW]: one tile of gate / up rows */
+        float *att = up + B * VW;
         Scratch sc = {0};
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
@@ -425,8 +426,6 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
 
         for (int64_t li = 0; li < m->num_layers; li++) {
             const TmLayer *L = &m->layers[li];
-            int64_t n0, n1, ldx;
-            const float *xin;
             /* 1. q/k/v projection of the normed input; each thread its rows. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
@@ -464,22 +463,16 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
-                xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
+                int64_t ldx, n0, n1;
+                const float *xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
                 split_rows(I, t, T, &n0, &n1);
                 for (int64_t c0 = n0; c0 < n1; c0 += VW) {
                     const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
-                    float gate[TM_MAX_ROWS * VW], up[TM_MAX_ROWS * VW];
-                    for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
-                        const int64_t nb = B - b0 < TM_MAX_ROWS ? B - b0 : TM_MAX_ROWS;
-                        const float *xb = xin + b0 * ldx;
-                        const float *xs = is.xsum + b0 * (L->gate_up.kind == W_INT4
-                                                            ? L->gate_up.k * L->gate_up.repeat / L->gate_up.group : 0);
-                        /* rows c0..c1 of gate, and of up (I rows further), as [nb, VW] */
-                        linear_rows(&L->gate_up, xb, ldx, xs, nb, c0, c1, gate, VW, 0, c0);
-                        linear_rows(&L->gate_up, xb, ldx, xs, nb, I + c0, I + c1, up, VW, 0, I + c0);
-                        for (int64_t b = 0; b < nb; b++)
-                            silu_mul(gate + b * VW, up + b * VW, act + (b0 + b) * I + c0, c1 - c0);
-                    }
+                    /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
+                    linear_rows(&L->gate_up, xin, ldx, is.xsum, B, c0, c1, gate, VW, 0, c0);
+                    linear_rows(&L->gate_up, xin, ldx, is.xsum, B, I + c0, I + c1, up, VW, 0, I + c0);
+                    for (int64_t b = 0; b < B; b++)
+                        silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
                 }
             }
             barrier_wait(&bar, &sense);
@@ -487,13 +480,10 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             if (ok) thread_linear(&L->down, act, I, B, &is, t, T, x, H, 1);
             barrier_wait(&bar, &sense);
         }
-        /* Final norm (every thread its own copy, thread 0 publishes it) and the head. */
+        /* Final norm (every thread its own copy) and the head. */
         if (ok) {
             for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
-            if (t == 0) memcpy(hidden_out, h, (size_t)B * H * sizeof(float));
-            if (m->has_head && logits) {
-                thread_linear(&m->head, h, H, B, &is, t, T, logits, m->head.n, 0);
-            }
+            thread_linear(&m->head, h, H, B, &is, t, T, logits, m->head.n, 0);
         }
         free(buf);
         failed = !ok;
