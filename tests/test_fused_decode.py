@@ -73,7 +73,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("batch", [1, 2, 5])
+@pytest.mark.parametrize("batch", [1, 2, 5, 19])
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True}, {"qk_norm": True}])
 def test_float32_fused_step_matches_eager_logits_and_cache_writes(batch: int, overrides: dict, monkeypatch) -> None:
     loaded = tiny_loaded(seed=2, **overrides)
@@ -119,7 +119,7 @@ def _dequantized_twin(quantized: LLMEngine, loaded) -> LLMEngine:
     dict(quantization="int4", quant_group_size=32),
     dict(quantization="int4", quant_group_size=64, quantize_lm_head=True),
 ])
-@pytest.mark.parametrize("batch", [1, 3, 6])
+@pytest.mark.parametrize("batch", [1, 3, 6, 11])
 def test_quantized_fused_step_matches_the_dequantized_float_model(options: dict, batch: int, monkeypatch) -> None:
     loaded = tiny_loaded(seed=3)
     engine = _engine(loaded, dtype="float32", **options)
