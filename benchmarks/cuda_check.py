@@ -12,6 +12,14 @@ the script working between GPU sessions; ``--quick`` shrinks it).
    prompts at once through ``LLM.generate``; output tokens/s.
 3. Single-stream decode on the device: tokens/s of one greedy request after
    a short prompt (first token excluded).
+4. CUDA graphs for decode steps (``engine/cuda_graphs.py``), on against off
+   (``TOKENMILL_CUDA_GRAPHS=0``): greedy tokens of the parity prompts run
+   together in float32 (must be identical), and decode tokens/s in ``--dtype``
+   at batch 1 and ``--graph-batch`` (decode steps only, prefill excluded), with
+   the graph captures and replays counted so a run shows the graphs ran. On the
+   CPU there are no CUDA graphs: "on" records with the tests' emulated backend
+   (same buckets, padding and static buffers; replay re-runs the step), so the
+   dry run still checks the graph logic's parity on the real model.
 
     python benchmarks/cuda_check.py                      # on a GPU machine
     python benchmarks/cuda_check.py --device cpu --quick  # dry run here
@@ -29,6 +37,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import parse_dtype
 from tokenmill.model.bundled import default_model_path
 from tokenmill.model.loader import load_model
 from tokenmill.tokenizer import Tokenizer
@@ -117,6 +126,112 @@ def throughput(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dic
             "single_stream_decode_tok_s": round(single, 1)}
 
 
+def _graph_llm(enabled: bool, **options):  # type: ignore[no-untyped-def]
+    """An LLM built with CUDA graphs switched on or off (the switch is read when the runner
+    is built). On the CPU, "on" records with the emulated backend (tests' stand-in), so the
+    graph logic still runs on the real model."""
+    from tokenmill.engine import cuda_graphs
+
+    saved = os.environ.get(cuda_graphs.ENV_SWITCH), cuda_graphs.default_backend
+    os.environ[cuda_graphs.ENV_SWITCH] = "1" if enabled else "0"
+    if options["device"] == "cpu":
+        cuda_graphs.default_backend = lambda device: cuda_graphs.EmulatedGraphBackend(strict=False)
+    try:
+        return LLM(**options)
+    finally:
+        cuda_graphs.default_backend = saved[1]
+        if saved[0] is None:
+            os.environ.pop(cuda_graphs.ENV_SWITCH, None)
+        else:
+            os.environ[cuda_graphs.ENV_SWITCH] = saved[0]
+
+
+def _graph_stats(llm) -> dict:  # type: ignore[no-untyped-def]
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return {"active": False}
+    return {"active": True, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
+            "eager_steps": dict(graphs.stats.eager)}
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _decode_rate(llm, prompts: list[list[int]], tokens: int, device: str) -> float:  # type: ignore[no-untyped-def]
+    """Decode tokens/s of these prompts run together: steps after every first token, to the end."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"g{i}", ids, params)
+    produced = 0
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        produced += sum(len(d.token_ids) for d in engine.step())
+    return produced / (time.perf_counter() - t)
+
+
+def graphs_check(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
+    """Greedy parity (float32) and decode speed (args.dtype) with CUDA graphs on and off.
+    On the CPU both sides take the torch decode path (the one graphs record), and the
+    speed figures only say the emulation ran."""
+    saved = os.environ.get("TOKENMILL_CPU_KERNELS")
+    if args.device == "cpu":
+        os.environ["TOKENMILL_CPU_KERNELS"] = "0"
+    try:
+        return _graphs_check(args, path, tokenizer)
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENMILL_CPU_KERNELS", None)
+        else:
+            os.environ["TOKENMILL_CPU_KERNELS"] = saved
+
+
+def _graphs_check(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
+    prompts = [tokenizer.encode(p) for p in PROMPTS[: args.parity_prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.parity_tokens, ignore_eos=True)
+    tokens, stats = {}, {}
+    loaded = load_model(path, dtype=torch.float32)
+    for enabled in (True, False):
+        llm = _graph_llm(enabled, loaded_model=loaded, tokenizer=tokenizer, dtype="float32", device=args.device,
+                         kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
+        tokens[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats[enabled] = _graph_stats(llm)
+        del llm
+        _free_device_memory()
+    same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
+    rng = random.Random(1)
+    batch = [[rng.randrange(100, tokenizer.vocab_size - 100) for _ in range(args.prompt_len)]
+             for _ in range(args.graph_batch)]
+    rates: dict[str, dict[str, float]] = {}
+    speed_stats = {}
+    loaded = load_model(path, dtype=parse_dtype(args.dtype))
+    for enabled in (True, False):
+        llm = _graph_llm(enabled, loaded_model=loaded, tokenizer=tokenizer, dtype=args.dtype, device=args.device,
+                         kv_cache_memory="2GiB", max_num_seqs=max(args.graph_batch, 1))
+        _decode_rate(llm, batch[:1], 4, args.device)  # warm-up (and the first graphs' captures)
+        side = "on" if enabled else "off"
+        rates[side] = {"batch_1_tok_s": round(_decode_rate(llm, batch[:1], args.single_tokens, args.device), 1),
+                       f"batch_{args.graph_batch}_tok_s": round(
+                           _decode_rate(llm, batch, args.single_tokens, args.device), 1)}
+        speed_stats[side] = _graph_stats(llm)
+        del llm
+        _free_device_memory()
+    ratios = {key: round(rates["on"][key] / rates["off"][key], 2) for key in rates["on"]}
+    return {"parity_float32": {"prompts": len(prompts), "tokens_each": args.parity_tokens, "identical": same,
+                               "graphs_on": stats[True], "graphs_off": stats[False]},
+            "decode": {"dtype": args.dtype, "on": rates["on"], "off": rates["off"], "on_over_off": ratios,
+                       "graphs_on": speed_stats["on"]}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -127,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--single-tokens", type=int, default=128)
+    ap.add_argument("--graph-batch", type=int, default=16, help="the batched decode of the CUDA graphs check")
     ap.add_argument("--kv-cache-memory", default="8GiB")
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU dry run)")
     ap.add_argument("--out", default=None, help="also write the JSON summary here")
@@ -134,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.parity_prompts, args.parity_tokens = 2, 8
         args.num_prompts, args.prompt_len, args.output_len, args.single_tokens = 4, 32, 8, 8
+        args.graph_batch = 3
         args.kv_cache_memory = "256MiB"
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cuda_check: no CUDA device here (torch.cuda.is_available() is False); "
@@ -146,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = torch.cuda.get_device_name()
     summary["parity_float32"] = parity(args, path, tokenizer)
     summary["throughput"] = throughput(args, path, tokenizer)
+    summary["cuda_graphs"] = graphs_check(args, path, tokenizer)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.out:
         with open(args.out, "w") as fh:
             fh.write(text + "\n")
-    ok = summary["parity_float32"]["identical"] == summary["parity_float32"]["prompts"]
+    graph_parity = summary["cuda_graphs"]["parity_float32"]
+    ok = (summary["parity_float32"]["identical"] == summary["parity_float32"]["prompts"]
+          and graph_parity["identical"] == graph_parity["prompts"])
     return 0 if ok else 1
 
 

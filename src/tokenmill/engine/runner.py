@@ -4,6 +4,10 @@ The runner owns the KV pool tensors (allocated once, from a memory budget)
 and turns a scheduled batch into: token ids, positions, a slot for each new
 token's K/V, padded block tables, and the row of each sequence whose logits
 are sampled. Prefill chunks and decodes go through one forward pass.
+
+On CUDA, pure-decode steps replay captured CUDA graphs (``cuda_graphs.py``);
+the pool then holds one extra block, past the ids the block pool hands out,
+that padded graph rows write into.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from ..model import cpu_kernels, fused_decode
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
+from . import cuda_graphs
 from .request import Request
 
 
@@ -35,14 +40,21 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 graph_backend: cuda_graphs.GraphBackend | None = None) -> None:
+        """``num_blocks``: the blocks the block pool hands out. ``graph_backend``: record
+        decode steps with it (tests inject a CPU stand-in); by default CUDA graphs on CUDA."""
         cfg = model.config
         assert cfg.head_dim is not None
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        shape = kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        backend = cuda_graphs.select_backend(device, dtype, graph_backend)
+        # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
+        self.scratch_block: int | None = num_blocks if backend is not None else None
+        self.pool_blocks = num_blocks + (1 if backend is not None else 0)  # blocks in the KV tensors
+        shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_heads = cfg.num_key_value_heads
         self.kv_elements_per_block = block_size * cfg.num_key_value_heads * cfg.head_dim
         self.kv_caches = [
@@ -56,6 +68,8 @@ class ModelRunner:
         cpu_kernels.decode_kernel_usable(device, dtype)
         # Small pure-decode batches on CPU: every layer in one native call (model/fused_decode.py).
         self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" else None
+        self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
+                                                     backend) if backend is not None else None)
 
     def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         ws = self._workspace
@@ -125,7 +139,7 @@ class ModelRunner:
             kernel_decode_tables(meta)
         elif num_decodes:
             decode_mask(meta, self.dtype, dev)
-            decode_index(meta, self.kv_heads, self.num_blocks)
+            decode_index(meta, self.kv_heads, self.pool_blocks)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -137,6 +151,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """Run one forward pass; return float32 logits of the sampled rows and their requests."""
+        if self.graphs is not None:
+            replayed = self.graphs.try_execute(items)
+            if replayed is not None:
+                return replayed
         if (self.fused is not None and len(items) <= self.fused.batch_limit()
                 and all(num_new == 1 for _, num_new in items) and fused_decode.enabled()):
             return self._execute_fused(items)
