@@ -41,11 +41,12 @@ log = logging.getLogger(__name__)
 W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
-# SmolLM2-135M, context 128-256 (fused / eager step time): float32 0.24-0.33 at
-# 1 and 0.48-0.72 at 64; bf16 0.24-0.34 at 1, ~1.0 at 16-32, 1.05-1.5 at 64;
-# int8 0.32 at 1, 0.87 at 32; int4 0.41 at 1, 0.90 at 8, 1.02-1.15 at 16.
-# A model takes its lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 16, W_INT8: 32, W_INT4: 8}
+# SmolLM2-135M, context 256 (fused / eager step time, session 4's 3-row x
+# 8-activation matmul tiles with weight prefetch): float32 0.26-0.34 at 1,
+# 0.48-0.50 at 16 and 32, 0.63 at 64; bf16 0.24-0.34 at 1, 0.70 at 16, 0.93 at
+# 32, 1.1 at 64; int8 0.34 at 1, 0.58 at 32, 0.74-0.76 at 64; int4 0.49 at 1,
+# 1.1 at 16. A model takes its lowest kind's.
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 32, W_INT8: 64, W_INT4: 8}
 
 
 def enabled() -> bool:

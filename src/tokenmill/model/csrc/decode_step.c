@@ -146,6 +146,16 @@ TM_INLINE void keep_in_register(vf *v) {
 
 #define TM_ROW_BLOCK 3 /* weight rows per pass over the activations (dense kinds) */
 
+/* The next row block's weights at column c, towards L2: interleaving three rows
+ * leaves the hardware prefetcher three short streams (one row is 2.3 KB), and
+ * weights read from memory arrived ~30% slower without this. */
+TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
+    const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    for (int64_t i = row; i < row + TM_ROW_BLOCK && i < L->n; i++)
+        __builtin_prefetch((const char *)L->w + (i * L->k + c) * esize, 0, 2);
+}
+
+
 /* Partial-sum vectors of rows [r0, r0 + nr) times NB activation rows of x,
  * reduced to out[b][r] (r < nr). Dense kinds (f32, bf16, int8 before its row
  * scale). With several activation rows, TM_ROW_BLOCK weight rows go together
@@ -166,6 +176,7 @@ TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int
         for (int64_t c = 0; c < K; c += VW) {
             vf w[TM_ROW_BLOCK];
             for (int i = 0; i < TM_ROW_BLOCK; i++) w[i] = load_dense_w(L, kind, r0 + r + i, c);
+            prefetch_dense_w(L, kind, r0 + r + TM_ROW_BLOCK, c);
             for (int b = 0; b < NB; b++) {
                 vf xv = vload(x + b * ldx + c);
                 keep_in_register(&xv);
