@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from . import cpu_kernels
-from .llama import LlamaForCausalLM
+from .llama import LlamaForCausalLM, Linear
 from .quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
         s.kind, s.n, s.k = W_INT8, q.shape[0], q.shape[1]
         s.w, s.scale = q.data_ptr(), _f32(mod.scales, keep)
         return s
-    if type(mod) is nn.Linear:
+    if type(mod) in (nn.Linear, Linear):
         w = mod.weight.detach()
         if w.dtype not in (torch.float32, torch.bfloat16):
             raise Unsupported(f"{name}: weight dtype {w.dtype}")
