@@ -171,19 +171,21 @@ def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
     assert _rel(_decode(engine, reqs, True, monkeypatch), _decode(twin, twin_reqs, False, monkeypatch)) < 5e-5
 
 
-def test_bf16_model_fused_step_stays_close_to_float32(monkeypatch) -> None:
+@pytest.mark.parametrize("batch", [1, 3, 10])
+def test_bf16_model_fused_step_stays_close_to_float32(batch: int, monkeypatch) -> None:
     loaded = tiny_loaded(seed=5)
     engine = _engine(loaded, dtype="bfloat16")
     ref = _engine(loaded, dtype="float32")
     assert engine.runner.fused is not None and engine.runner.fused.struct.cache_bf16 == 1
-    prompts = _prompts(3, seed=5)
+    prompts = _prompts(batch, seed=5)
     reqs, ref_reqs = _requests(engine, prompts), _requests(ref, prompts)
     _prefill_all_but_last(engine, reqs)
     _prefill_all_but_last(ref, ref_reqs)
     got = _decode(engine, reqs, True, monkeypatch)
     eager_bf16 = _decode(engine, reqs, False, monkeypatch)
     want = _decode(ref, ref_reqs, False, monkeypatch)
-    # float32 activations over bf16 weights and cache: no further from float32 than eager bf16
+    # bf16 weights and cache, float32 activations at batch 1 and bf16-rounded matmul inputs
+    # above it (vdpbf16ps, where the CPU has it): no further from float32 than eager bf16
     assert _rel(got, want) < max(1.5 * _rel(eager_bf16, want), 1e-3)
 
 

@@ -16,7 +16,9 @@ weight-only int8 (float32 activations), which is the more accurate of the two.
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32
 torch forward to rounding; tests check it against the torch model for every
-weight kind. It takes pure decode batches of up to a measured size per weight kind
+weight kind. One exception: bf16 weights at batch > 1 on a CPU with
+AVX512-BF16 meet bf16-rounded activations (vdpbf16ps), like the eager bf16
+matmuls, at ~1.3x the speed of widening the weights. It takes pure decode batches of up to a measured size per weight kind
 (``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;
 ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides it) and the runner falls
 back to the eager model for everything else: prefill chunks, other devices,
@@ -42,11 +44,12 @@ W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
 # SmolLM2-135M, context 256 (fused / eager step time, session 4's 3-row x
-# 8-activation matmul tiles with weight prefetch): float32 0.26-0.34 at 1,
-# 0.48-0.50 at 16 and 32, 0.63 at 64; bf16 0.24-0.34 at 1, 0.70 at 16, 0.93 at
-# 32, 1.1 at 64; int8 0.34 at 1, 0.58 at 32, 0.74-0.76 at 64; int4 0.49 at 1,
-# 1.1 at 16. A model takes its lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 32, W_INT8: 64, W_INT4: 8}
+# 8-activation matmul tiles with weight prefetch): float32 0.26-0.37 at 1,
+# 0.48-0.55 at 16, 0.71-0.81 at 64 (against oneDNN eager linears); bf16
+# (vdpbf16ps above batch 1) 0.35 at 1, 0.58 at 16, 0.84 at 64; int8 0.34 at 1,
+# 0.56 at 16, 0.99-1.0 at 64; int4 0.49 at 1, 1.1 at 16. A model takes its
+# lowest kind's.
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 8}
 
 
 def enabled() -> bool:

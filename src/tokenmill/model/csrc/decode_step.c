@@ -21,7 +21,10 @@
  * registers: float32, bfloat16, int8 with a scale per output row, and int4
  * with a (scale, zero) pair per group of input columns, packed so that byte i
  * of each 32-column chunk holds code i in its low nibble and code i + 16 in
- * its high nibble (so one byte load gives two vectors' worth of codes).
+ * its high nibble (so one byte load gives two vectors' worth of codes). The
+ * exception: bf16 weights against several activation rows, on a CPU with
+ * AVX512-BF16, multiply bf16-rounded activations with vdpbf16ps
+ * (bf16_dot_tile).
  *
  * Matmuls are matrix-vector products over up to 8 rows of activations at a
  * time: a tile of VW output rows keeps one vector of partial sums per row and
@@ -199,13 +202,61 @@ TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int
     for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
 }
 
+#if defined(__AVX512BF16__) && VW == 16
+#define TM_BF16_DOT 1
+/* bf16 weights against bf16-rounded activations with vdpbf16ps: each
+ * instruction multiplies 32 pairs and adds them into 16 float32 lanes, the way
+ * the eager bf16 model's oneDNN matmuls round their inputs. Used when several
+ * activation rows share the weights (the step is then bound by arithmetic):
+ * ~115 against ~90 GFLOPS a core for the float32-widening tile, and half the
+ * activation bytes; bf16 steps at batch 16-64 went 35 -> 27 and 126 -> 89 ms.
+ * A single row keeps float32 activations (memory-bound either way, and closer
+ * to float32). K % 32 == 0. */
+TM_INLINE void bf16_dot_tile(const TmLinear *L, const uint16_t *xh, const int NB, int64_t r0, int64_t nr,
+                             float out[TM_MAX_ROWS][VW]) {
+    const int64_t K = L->k;
+    const uint16_t *W = (const uint16_t *)L->w;
+    vf acc[TM_MAX_ROWS][VW];
+    int64_t r = 0;
+    for (; r + TM_ROW_BLOCK <= nr; r += TM_ROW_BLOCK) {
+        __m512 tot[TM_ROW_BLOCK][TM_MAX_ROWS];
+        for (int i = 0; i < TM_ROW_BLOCK; i++)
+            for (int b = 0; b < NB; b++) tot[i][b] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < K; c += 32) {
+            __m512bh w[TM_ROW_BLOCK];
+            for (int i = 0; i < TM_ROW_BLOCK; i++) w[i] = (__m512bh)_mm512_loadu_si512(W + (r0 + r + i) * K + c);
+            prefetch_dense_w(L, W_BF16, r0 + r + TM_ROW_BLOCK, c);
+            for (int b = 0; b < NB; b++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + b * K + c);
+                __asm__("" : "+v"(xv)); /* one load, not one per instruction (see keep_in_register) */
+                for (int i = 0; i < TM_ROW_BLOCK; i++) tot[i][b] = _mm512_dpbf16_ps(tot[i][b], xv, w[i]);
+            }
+        }
+        for (int i = 0; i < TM_ROW_BLOCK; i++)
+            for (int b = 0; b < NB; b++) memcpy(&acc[b][r + i], &tot[i][b], sizeof(vf));
+    }
+    for (; r < VW; r++) {
+        __m512 tot[TM_MAX_ROWS];
+        for (int b = 0; b < NB; b++) tot[b] = _mm512_setzero_ps();
+        if (r < nr)
+            for (int64_t c = 0; c < K; c += 32) {
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(W + (r0 + r) * K + c);
+                for (int b = 0; b < NB; b++)
+                    tot[b] = _mm512_dpbf16_ps(tot[b], (__m512bh)_mm512_loadu_si512(xh + b * K + c), w);
+            }
+        for (int b = 0; b < NB; b++) memcpy(&acc[b][r], &tot[b], sizeof(vf));
+    }
+    for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
+}
+#endif
+
 /* The low and high nibbles of VW bytes as float32 codes. With AVX-512 a
  * table lookup does it: vpermps reads only the low 4 bits of each index, so
  * the zero-extended byte indexes the table by its low nibble as it is, and
  * shifted right by 4 by its high one: four vector operations for 32 codes
  * instead of eight (mask, shift, widen and convert each half); int4 decode at
- * batch 1 is bound by these (6.9 -> 5.9 ms a step). This is the one place
- * with intrinsics: gcc 12 lowers a variable-index __builtin_shuffle of 16
+ * batch 1 is bound by these (6.9 -> 5.9 ms a step). Intrinsics here (and in
+ * bf16_dot_tile) only: gcc 12 lowers a variable-index __builtin_shuffle of 16
  * floats to a long permute sequence (3x slower than the converts). */
 TM_INLINE void int4_codes(vu8 bytes, vf *lo, vf *hi) {
 #if VW == 16
@@ -266,15 +317,27 @@ TM_INLINE void int4_tile(const TmLinear *L, const float *x, int64_t ldx, const f
 
 /* Per-thread activation scratch for one matmul input. */
 typedef struct {
-    float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4 */
+    float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4; or as bf16 (xh) */
     float *xsum; /* [rows, groups] */
+    const uint16_t *xh; /* [rows, k] bf16 copy of the input for bf16_dot_tile, or NULL */
 } InputScratch;
 
 /* What a matmul over input x reads: x itself, or for int4 the per-group sums
- * (and for repeat 2 the doubled input) in this thread's scratch. */
+ * (and for repeat 2 the doubled input) in this thread's scratch; for bf16
+ * weights and several rows, also a bf16 copy of x (is->xh). */
 static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx, int64_t B, InputScratch *is,
                                   int64_t *ldx_out) {
     *ldx_out = ldx;
+    is->xh = NULL;
+#ifdef TM_BF16_DOT
+    if (L->kind == W_BF16 && B > 1 && L->k % 32 == 0) {
+        uint16_t *xh = (uint16_t *)is->xext;
+        for (int64_t b = 0; b < B; b++)
+#pragma omp simd
+            for (int64_t c = 0; c < L->k; c++) xh[b * L->k + c] = f32_to_bf16(x[b * ldx + c]);
+        is->xh = xh;
+    }
+#endif
     if (L->kind != W_INT4) return x;
     const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g;
     if (L->repeat != 1) {
@@ -304,6 +367,14 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         DENSE_CASE(KIND, 6) DENSE_CASE(KIND, 7) default: dense_tile(L, KIND, xb, ldx, 8, r0, nr, out); break; \
     }
 
+#define BF16_DOT_CASE(N) \
+    case N: bf16_dot_tile(L, xhb, N, r0, nr, out); break;
+#define BF16_DOT_CASES                                                                                      \
+    switch (NB) {                                                                                           \
+        BF16_DOT_CASE(1) BF16_DOT_CASE(2) BF16_DOT_CASE(3) BF16_DOT_CASE(4) BF16_DOT_CASE(5)                \
+        BF16_DOT_CASE(6) BF16_DOT_CASE(7) default: bf16_dot_tile(L, xhb, 8, r0, nr, out); break;            \
+    }
+
 #define INT4_CASE(N) \
     case N: int4_tile(L, xb, ldx, xs, G, N, r0, nr, out); break;
 #define INT4_CASES                                                                                          \
@@ -315,7 +386,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 /* y[b, n - y_col0] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
  * Row tiles outside, activation rows inside: a tile's weights (VW rows) are read
  * from memory once and reused from cache by every group of activation rows. */
-static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, int64_t B,
+static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, const uint16_t *xh, int64_t B,
                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
     float out[TM_MAX_ROWS][VW];
@@ -330,7 +401,15 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const fl
             } else if (L->kind == W_F32) {
                 DENSE_CASES(W_F32)
             } else if (L->kind == W_BF16) {
-                DENSE_CASES(W_BF16)
+#ifdef TM_BF16_DOT
+                if (xh) {
+                    const uint16_t *xhb = xh + b0 * L->k;
+                    BF16_DOT_CASES
+                } else
+#endif
+                {
+                    DENSE_CASES(W_BF16)
+                }
             } else {
                 DENSE_CASES(W_INT8)
             }
@@ -365,7 +444,7 @@ static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int
     int64_t ldx, n0, n1;
     const float *x = prepare_input(L, in, ld_in, B, is, &ldx);
     split_rows(L->n, t, T, &n0, &n1);
-    linear_rows(L, x, ldx, is->xsum, B, n0, n1, y, ldy, accumulate, 0);
+    linear_rows(L, x, ldx, is->xsum, is->xh, B, n0, n1, y, ldy, accumulate, 0);
 }
 
 /* ------------------------------------------------------------------ small ops */
@@ -517,8 +596,8 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 for (int64_t c0 = n0; c0 < n1; c0 += VW) {
                     const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
                     /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
-                    linear_rows(&L->gate_up, xin, ldx, is.xsum, B, c0, c1, gate, VW, 0, c0);
-                    linear_rows(&L->gate_up, xin, ldx, is.xsum, B, I + c0, I + c1, up, VW, 0, I + c0);
+                    linear_rows(&L->gate_up, xin, ldx, is.xsum, is.xh, B, c0, c1, gate, VW, 0, c0);
+                    linear_rows(&L->gate_up, xin, ldx, is.xsum, is.xh, B, I + c0, I + c1, up, VW, 0, I + c0);
                     for (int64_t b = 0; b < B; b++)
                         silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
                 }
