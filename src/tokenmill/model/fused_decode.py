@@ -47,9 +47,10 @@ W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
 # 8-activation matmul tiles with weight prefetch): float32 0.26-0.37 at 1,
 # 0.48-0.55 at 16, 0.71-0.81 at 64 (against oneDNN eager linears); bf16
 # (vdpbf16ps above batch 1) 0.35 at 1, 0.58 at 16, 0.84 at 64; int8 0.34 at 1,
-# 0.56 at 16, 0.99-1.0 at 64; int4 0.49 at 1, 1.1 at 16. A model takes its
-# lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 8}
+# 0.56 at 16, 0.99-1.0 at 64; int4 (tiles dequantized to float32 from 8 rows)
+# 0.39-0.50 at 1, 0.74-0.88 at 8, 0.84-0.89 at 16, 0.88-0.91 at 64. A model
+# takes its lowest kind's.
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64}
 
 
 def enabled() -> bool:

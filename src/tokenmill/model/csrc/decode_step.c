@@ -320,7 +320,35 @@ typedef struct {
     float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4; or as bf16 (xh) */
     float *xsum; /* [rows, groups] */
     const uint16_t *xh; /* [rows, k] bf16 copy of the input for bf16_dot_tile, or NULL */
+    float *wtile;       /* [VW, k * repeat]: one int4 row tile, dequantized (int4_dequant_rows) */
 } InputScratch;
+
+#define TM_INT4_DEQUANT_ROWS 8 /* from this many activation rows, int4 tiles are dequantized first */
+
+/* Rows [r0, r0 + nr) of an int4 matrix as float32 (code * scale + zero), into
+ * w ([nr, k * repeat]). With many activation rows, unpacking a tile once and
+ * running the dense float32 tile over it beats unpacking inside the dot
+ * products: those are load-bound (two activation loads per two FMAs). */
+static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *w) {
+    const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g;
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *codes = (const uint8_t *)L->w + (r0 + r) * (kp / 2);
+        const float *s = L->scale + (r0 + r) * G, *z = L->zero + (r0 + r) * G;
+        float *wr = w + r * kp;
+        for (int64_t j = 0; j < G; j++) {
+            const vf sv = (vf){0} + s[j], zv = (vf){0} + z[j];
+            for (int64_t c = j * g; c < (j + 1) * g; c += 32)
+                for (int h = 0; h < 16 / VW; h++) {
+                    vu8 bytes;
+                    memcpy(&bytes, codes + c / 2 + h * VW, sizeof bytes);
+                    vf lo, hi;
+                    int4_codes(bytes, &lo, &hi);
+                    vstore(wr + c + h * VW, lo * sv + zv);
+                    vstore(wr + c + 16 + h * VW, hi * sv + zv);
+                }
+        }
+    }
+}
 
 /* What a matmul over input x reads: x itself, or for int4 the per-group sums
  * (and for repeat 2 the doubled input) in this thread's scratch; for bf16
@@ -359,13 +387,16 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 
 /* A compile-time weight kind and activation row count keep the loops branch-free
  * and the accumulators in registers. */
-#define DENSE_CASE(KIND, N) \
-    case N: dense_tile(L, KIND, xb, ldx, N, r0, nr, out); break;
-#define DENSE_CASES(KIND)                                                                                   \
+#define DENSE_CASE(LIN, KIND, R0, N) \
+    case N: dense_tile(LIN, KIND, xb, ldx, N, R0, nr, out); break;
+#define DENSE_KIND_CASES(LIN, KIND, R0)                                                                     \
     switch (NB) {                                                                                           \
-        DENSE_CASE(KIND, 1) DENSE_CASE(KIND, 2) DENSE_CASE(KIND, 3) DENSE_CASE(KIND, 4) DENSE_CASE(KIND, 5) \
-        DENSE_CASE(KIND, 6) DENSE_CASE(KIND, 7) default: dense_tile(L, KIND, xb, ldx, 8, r0, nr, out); break; \
+        DENSE_CASE(LIN, KIND, R0, 1) DENSE_CASE(LIN, KIND, R0, 2) DENSE_CASE(LIN, KIND, R0, 3)              \
+        DENSE_CASE(LIN, KIND, R0, 4) DENSE_CASE(LIN, KIND, R0, 5) DENSE_CASE(LIN, KIND, R0, 6)              \
+        DENSE_CASE(LIN, KIND, R0, 7) default: dense_tile(LIN, KIND, xb, ldx, 8, R0, nr, out); break;        \
     }
+#define DENSE_CASES(KIND) DENSE_KIND_CASES(L, KIND, r0)
+#define DENSE_TILE_CASES(LIN, R0) DENSE_KIND_CASES(LIN, W_F32, R0)
 
 #define BF16_DOT_CASE(N) \
     case N: bf16_dot_tile(L, xhb, N, r0, nr, out); break;
@@ -386,16 +417,26 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 /* y[b, n - y_col0] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
  * Row tiles outside, activation rows inside: a tile's weights (VW rows) are read
  * from memory once and reused from cache by every group of activation rows. */
-static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const float *xsum, const uint16_t *xh, int64_t B,
+static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const InputScratch *is, int64_t B,
                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
+    const float *xsum = is->xsum;
+    const uint16_t *xh = is->xh;
+    const int dequant = L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS;
     float out[TM_MAX_ROWS][VW];
     for (int64_t r0 = n0; r0 < n1; r0 += VW) {
         const int64_t nr = n1 - r0 < VW ? n1 - r0 : VW;
+        TmLinear tile = {0}; /* the dequantized int4 tile as a float32 matrix of nr rows */
+        if (dequant) {
+            int4_dequant_rows(L, r0, nr, is->wtile);
+            tile.kind = W_F32, tile.n = nr, tile.k = L->k * L->repeat, tile.w = is->wtile;
+        }
         for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
             const int NB = B - b0 < TM_MAX_ROWS ? (int)(B - b0) : TM_MAX_ROWS;
             const float *xb = x + b0 * ldx;
-            if (L->kind == W_INT4) {
+            if (dequant) {
+                DENSE_TILE_CASES(&tile, 0)
+            } else if (L->kind == W_INT4) {
                 const float *xs = xsum + b0 * G;
                 INT4_CASES
             } else if (L->kind == W_F32) {
@@ -444,7 +485,7 @@ static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int
     int64_t ldx, n0, n1;
     const float *x = prepare_input(L, in, ld_in, B, is, &ldx);
     split_rows(L->n, t, T, &n0, &n1);
-    linear_rows(L, x, ldx, is->xsum, is->xh, B, n0, n1, y, ldy, accumulate, 0);
+    linear_rows(L, x, ldx, is, B, n0, n1, y, ldy, accumulate, 0);
 }
 
 /* ------------------------------------------------------------------ small ops */
@@ -534,7 +575,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats;
+        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
         /* Every thread must reach every barrier: a failed allocation only skips the work. */
@@ -542,6 +583,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         InputScratch is = {h + B * H, h + B * H + B * KM};
         float *gate = is.xsum + B * KM, *up = gate + B * VW; /* [B, VW]: one tile of gate / up rows */
         float *att = up + B * VW;
+        is.wtile = att + att_floats;
         Scratch sc = {0};
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
@@ -596,8 +638,8 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 for (int64_t c0 = n0; c0 < n1; c0 += VW) {
                     const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
                     /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
-                    linear_rows(&L->gate_up, xin, ldx, is.xsum, is.xh, B, c0, c1, gate, VW, 0, c0);
-                    linear_rows(&L->gate_up, xin, ldx, is.xsum, is.xh, B, I + c0, I + c1, up, VW, 0, I + c0);
+                    linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, VW, 0, c0);
+                    linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, VW, 0, I + c0);
                     for (int64_t b = 0; b < B; b++)
                         silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
                 }
