@@ -142,6 +142,25 @@ def test_one_token_prefill_chunk_in_a_decode_batch_is_computed_but_not_sampled(m
     assert _close(logits, eager)
 
 
+def test_a_graph_step_that_samples_nothing_returns_no_rows(monkeypatch) -> None:
+    engine = _engine(monkeypatch)
+    reqs = _requests(engine, [12, 21])
+    for r in reqs:
+        r.num_computed_tokens -= 1  # every item a 1-token chunk short of its prompt's end
+    logits, sampled = engine.runner.execute([(r, 1) for r in reqs])
+    assert engine.runner.graphs.stats.replays == 1
+    assert sampled == [] and logits.shape == (0, engine.model_config.vocab_size)
+
+
+def test_sampling_generators_live_on_the_cpu(monkeypatch) -> None:
+    """The sampler draws its uniforms on the CPU; a generator on the model's device
+    (CUDA) would be refused there."""
+    engine = _engine(monkeypatch)
+    assert engine.generator.device.type == "cpu"
+    (req,) = engine.add_request("seeded", [1, 2, 3], SamplingParams(max_tokens=2, temperature=1.0, seed=7))
+    assert req.generator is not None and req.generator.device.type == "cpu"
+
+
 def test_scratch_block_is_never_handed_out(monkeypatch) -> None:
     engine = _engine(monkeypatch, num_blocks=40)
     runner = engine.runner

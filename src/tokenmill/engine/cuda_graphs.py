@@ -130,6 +130,11 @@ class GraphBackend(Protocol):
 class _CudaCaptured:
     graph: "torch.cuda.CUDAGraph"
     output: torch.Tensor
+    # The recorded callable, kept for what its closure holds: a graph replays fixed
+    # addresses and keeps none of its inputs alive, so a tensor made outside the
+    # recording and held only by the closure (the key positions) would go back to the
+    # allocator and be overwritten.
+    fn: Callable[[], torch.Tensor]
 
     def replay(self) -> None:
         self.graph.replay()
@@ -158,7 +163,7 @@ class CudaGraphBackend:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = fn()
-        return _CudaCaptured(graph, output)
+        return _CudaCaptured(graph, output, fn)
 
 
 class CaptureViolation(RuntimeError):
@@ -326,7 +331,10 @@ class DecodeGraphRunner:
         self.stats.replays += 1
         out = graph.graph.output
         # A copy, not a view: the next replay of any graph may reuse this memory (shared pool).
-        logits = out[: len(items)].clone() if len(rows) == len(items) else out[torch.tensor(rows, device=out.device)]
+        if len(rows) == len(items):
+            logits = out[: len(items)].clone()
+        else:  # some rows are 1-token prefill chunks short of their prompt's end (maybe all)
+            logits = out[torch.tensor(rows, dtype=torch.long, device=out.device)]
         return logits, sampled
 
     def _fill(self, graph: _DecodeGraph, items: list[tuple[Request, int]]) -> tuple[list[int], list[Request]]:

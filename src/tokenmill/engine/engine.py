@@ -105,13 +105,16 @@ class LLMEngine:
                 raise ValueError(f"memory budget {config.memory_budget} bytes does not hold the weights "
                                  f"({self.weight_bytes} bytes)")
         num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
-            cfg, block_size, self.dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction))
+            cfg, block_size, self.dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction, self.device))
         self.block_size = block_size
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
-        self.generator = torch.Generator(device=self.device)
+        # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
+        # any device: a CUDA generator would be refused by torch.rand there, and a seed
+        # then gives the same draws on CPU and GPU.
+        self.generator = torch.Generator()
         self.generator.manual_seed(config.seed)
         self._groups: dict[str, list[_Sequence]] = {}
         self._by_request: dict[int, _Sequence] = {}
@@ -151,7 +154,7 @@ class LLMEngine:
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
             if params.seed is not None:
-                req.generator = torch.Generator(device=self.device)
+                req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
             detok = IncrementalDetokenizer(self.tokenizer.backend, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)  # type: ignore[arg-type]
@@ -306,7 +309,12 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def _default_kv_budget(fraction: float) -> int:
+def _default_kv_budget(fraction: float, device: torch.device | None = None) -> int:
+    """``fraction`` of the memory still free where the pool will live: the GPU's
+    (after the weights are loaded) on CUDA, the host's available memory otherwise."""
+    if device is not None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * fraction)
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -112,9 +112,8 @@ class ModelRunner:
         num_decodes = sum(1 for q in query_lens if q == 1)
         # A 1-token prefill chunk is treated as a decode: same math.
         max_blocks = max(len(r.block_table) for r, _ in items)
-        tables = torch.zeros((len(items), max_blocks), dtype=torch.long)
-        for row, (request, _) in enumerate(items):
-            tables[row, : len(request.block_table)] = torch.tensor(request.block_table, dtype=torch.long)
+        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in items],
+                              dtype=torch.long)
         dev = self.device
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = -(-max(decode_lens, default=0) // bs)

@@ -209,10 +209,12 @@ def decode_mask(meta: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     nd = meta.num_decodes
     if meta.decode_mask is None and nd:
         span = meta.decode_blocks * meta.block_size
-        lens = torch.tensor(meta.seq_lens[:nd])
-        mask = torch.zeros((nd, 1, span), dtype=dtype)
-        mask.masked_fill_(torch.arange(span)[None, None, :] >= lens[:, None, None], float("-inf"))
-        meta.decode_mask = mask.to(device)
+        # Built where it is used: only the lengths cross from the host (a [nd, span] mask
+        # copied from the CPU each step would be megabytes at large batches on CUDA).
+        lens = torch.tensor(meta.seq_lens[:nd]).to(device)
+        mask = torch.zeros((nd, 1, span), dtype=dtype, device=device)
+        mask.masked_fill_(torch.arange(span, device=device)[None, None, :] >= lens[:, None, None], float("-inf"))
+        meta.decode_mask = mask
     return meta.decode_mask
 
 
