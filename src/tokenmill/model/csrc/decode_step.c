@@ -26,7 +26,7 @@
  * AVX512-BF16, multiply bf16-rounded activations with vdpbf16ps
  * (bf16_dot_tile).
  *
- * Matmuls are matrix-vector products over up to 8 rows of activations at a
+ * Matmuls are matrix-vector products over up to 6 rows of activations at a
  * time: a tile of VW output rows keeps one vector of partial sums per row and
  * activation row; one shuffle tree (transpose_sum) then turns the VW vectors
  * into VW results.
@@ -39,7 +39,7 @@
 #endif
 #include <sched.h>
 
-#define TM_MAX_ROWS 8 /* activation rows per pass over a weight tile */
+#define TM_MAX_ROWS 6 /* activation rows per pass over a weight tile */
 
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
 
@@ -147,11 +147,11 @@ TM_INLINE void keep_in_register(vf *v) {
 #endif
 }
 
-#define TM_ROW_BLOCK 3 /* weight rows per pass over the activations (dense kinds) */
+#define TM_ROW_BLOCK 4 /* weight rows per pass over the activations (dense kinds) */
 
-/* The next row block's weights at column c, towards L2: interleaving three rows
- * leaves the hardware prefetcher three short streams (one row is 2.3 KB), and
- * weights read from memory arrived ~30% slower without this. */
+/* The next row block's weights at column c, towards L2: interleaving a block's
+ * rows leaves the hardware prefetcher that many short streams (one row is
+ * 2.3 KB), and weights read from memory arrived ~30% slower without this. */
 TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
     const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     for (int64_t i = row; i < row + TM_ROW_BLOCK && i < L->n; i++)
@@ -162,9 +162,11 @@ TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, 
 /* Partial-sum vectors of rows [r0, r0 + nr) times NB activation rows of x,
  * reduced to out[b][r] (r < nr). Dense kinds (f32, bf16, int8 before its row
  * scale). With several activation rows, TM_ROW_BLOCK weight rows go together
- * against up to 8 activation rows: 3 + 8 loads feed 24 FMAs held in 24 of the
- * 32 vector registers (one row at a time against 4 activation rows was 5 loads
- * per 4 FMAs: load-bound, ~70 GFLOPS a core against ~95 now, fp32 and bf16). */
+ * against up to 6 activation rows: 4 + 6 loads feed 24 FMAs held in 24 of the
+ * 32 vector registers, and a 16-row tile is 4 whole blocks (one row at a time
+ * against 4 activation rows was 5 loads per 4 FMAs: load-bound, ~70 GFLOPS a
+ * core against ~90-105 now; 3 rows x 8 left every 16th row to the slow loop,
+ * 7-12% behind). */
 TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int64_t ldx, const int NB, int64_t r0,
                           int64_t nr, float out[TM_MAX_ROWS][VW]) {
     const int64_t K = L->k;
@@ -392,8 +394,8 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #define DENSE_KIND_CASES(LIN, KIND, R0)                                                                     \
     switch (NB) {                                                                                           \
         DENSE_CASE(LIN, KIND, R0, 1) DENSE_CASE(LIN, KIND, R0, 2) DENSE_CASE(LIN, KIND, R0, 3)              \
-        DENSE_CASE(LIN, KIND, R0, 4) DENSE_CASE(LIN, KIND, R0, 5) DENSE_CASE(LIN, KIND, R0, 6)              \
-        DENSE_CASE(LIN, KIND, R0, 7) default: dense_tile(LIN, KIND, xb, ldx, 8, R0, nr, out); break;        \
+        DENSE_CASE(LIN, KIND, R0, 4) DENSE_CASE(LIN, KIND, R0, 5)                                           \
+        default: dense_tile(LIN, KIND, xb, ldx, 6, R0, nr, out); break;                                     \
     }
 #define DENSE_CASES(KIND) DENSE_KIND_CASES(L, KIND, r0)
 #define DENSE_TILE_CASES(LIN, R0) DENSE_KIND_CASES(LIN, W_F32, R0)
@@ -403,15 +405,15 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #define BF16_DOT_CASES                                                                                      \
     switch (NB) {                                                                                           \
         BF16_DOT_CASE(1) BF16_DOT_CASE(2) BF16_DOT_CASE(3) BF16_DOT_CASE(4) BF16_DOT_CASE(5)                \
-        BF16_DOT_CASE(6) BF16_DOT_CASE(7) default: bf16_dot_tile(L, xhb, 8, r0, nr, out); break;            \
+        default: bf16_dot_tile(L, xhb, 6, r0, nr, out); break;                                              \
     }
 
 #define INT4_CASE(N) \
     case N: int4_tile(L, xb, ldx, xs, G, N, r0, nr, out); break;
 #define INT4_CASES                                                                                          \
     switch (NB) {                                                                                           \
-        INT4_CASE(1) INT4_CASE(2) INT4_CASE(3) INT4_CASE(4) INT4_CASE(5) INT4_CASE(6) INT4_CASE(7)          \
-        default: int4_tile(L, xb, ldx, xs, G, 8, r0, nr, out); break;                                       \
+        INT4_CASE(1) INT4_CASE(2) INT4_CASE(3) INT4_CASE(4) INT4_CASE(5)                                    \
+        default: int4_tile(L, xb, ldx, xs, G, 6, r0, nr, out); break;                                       \
     }
 
 /* y[b, n - y_col0] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
