@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,13 @@ class CacheConfig:
     kv_cache_fraction: float = 0.2  # of available memory when kv_cache_memory is None
     num_blocks: int | None = None  # explicit override (tests)
     enable_prefix_caching: bool = True
+
+
+def env_switch_on(name: str) -> bool:
+    """An on/off environment switch that defaults to on: False when ``name`` is set to
+    0, false, no or off (any case). Read on every call, so tests and benchmarks can
+    flip it in-process."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 CPU_TOKEN_BUDGET = 512

@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import env_switch_on
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -69,7 +71,7 @@ _logged_disabled = False
 def enabled() -> bool:
     """False when ``TOKENMILL_CPU_KERNELS=0`` (read on every call, so tests and
     benchmarks can switch it in-process)."""
-    return os.environ.get("TOKENMILL_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch_on("TOKENMILL_CPU_KERNELS")
 
 
 def cache_dir() -> Path:

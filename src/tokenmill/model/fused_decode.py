@@ -18,7 +18,9 @@ paths round activations to bf16 between ops), so its logits match the float32
 torch forward to rounding; tests check it against the torch model for every
 weight kind. One exception: bf16 weights at batch > 1 on a CPU with
 AVX512-BF16 meet bf16-rounded activations (vdpbf16ps), like the eager bf16
-matmuls, at ~1.3x the speed of widening the weights. It takes pure decode batches of up to a measured size per weight kind
+matmuls, at ~1.3x the speed of widening the weights.
+
+It takes pure decode batches of up to a measured size per weight kind
 (``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;
 ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides it) and the runner falls
 back to the eager model for everything else: prefill chunks, other devices,
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import env_switch_on
 from . import cpu_kernels
 from .llama import LlamaForCausalLM, Linear
 from .quant import Int4Linear, Int8Linear
@@ -55,10 +58,7 @@ MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64}
 
 def enabled() -> bool:
     """``TOKENMILL_FUSED_DECODE=0`` (or ``TOKENMILL_CPU_KERNELS=0``) turns the fused step off."""
-    flag = os.environ.get("TOKENMILL_FUSED_DECODE", "1").strip().lower()
-    return flag not in ("0", "false", "no", "off") and cpu_kernels.enabled()
-
-
+    return env_switch_on("TOKENMILL_FUSED_DECODE") and cpu_kernels.enabled()
 
 
 class _Linear(ctypes.Structure):

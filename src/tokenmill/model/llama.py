@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, env_switch_on
 from .attention import AttentionMetadata, paged_attention, write_kv
 
 ONEDNN_SWITCH = "TOKENMILL_ONEDNN_LINEAR"
@@ -27,7 +26,7 @@ ONEDNN_SWITCH = "TOKENMILL_ONEDNN_LINEAR"
 def onednn_linear_usable() -> bool:
     """Whether float32 CPU linears go through oneDNN: torch built with it, the op
     answers a probe correctly, and ``TOKENMILL_ONEDNN_LINEAR`` is not 0 (read once)."""
-    if os.environ.get(ONEDNN_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_switch_on(ONEDNN_SWITCH):
         return False
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
