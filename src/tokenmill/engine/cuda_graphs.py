@@ -73,10 +73,11 @@ from typing import Callable, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..config import env_switch_on
 from ..model import cpu_kernels
 from ..model.attention import AttentionMetadata, decode_gather_index
 from ..model.llama import LlamaForCausalLM
-from .request import Request
+from .request import Request, one_token_step
 
 log = logging.getLogger("tokenmill.cuda_graphs")
 
@@ -89,7 +90,7 @@ _FIELDS = 4  # ids, positions, slots, seq_lens: one row each ahead of the block 
 
 def enabled() -> bool:
     """False when ``TOKENMILL_CUDA_GRAPHS`` is 0/false/no/off (read when a runner is built)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch_on(ENV_SWITCH)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -343,27 +344,20 @@ class DecodeGraphRunner:
         b, w, bs = graph.batch, graph.width, self.block_size
         n = len(items)
         scratch = self.scratch_block
-        ids = [0] * b
-        positions = [0] * b
+        step_ids, step_positions, rows, sampled = one_token_step(items)
+        pad = [0] * (b - n)
+        ids, positions = step_ids + pad, step_positions + pad
         slots = [scratch * bs] * b
         lens = [1] * b
         counts = [0] * b
         blocks: list[int] = []
-        rows: list[int] = []
-        sampled: list[Request] = []
-        for row, (request, _) in enumerate(items):
-            pos = request.num_computed_tokens
+        for row, ((request, _), pos) in enumerate(zip(items, step_positions)):
             table = request.block_table
-            ids[row] = request.all_token_ids[pos]
-            positions[row] = pos
             slots[row] = table[pos // bs] * bs + pos % bs
             lens[row] = pos + 1
             used = pos // bs + 1
             counts[row] = used
             blocks.extend(table[:used])
-            if pos + 1 == request.num_tokens:  # a 1-token prefill chunk short of the end samples nothing
-                rows.append(row)
-                sampled.append(request)
         if graph.copied is not None:
             graph.copied.synchronize()  # the previous step's copy has read the buffer
         host = graph.host

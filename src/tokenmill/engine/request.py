@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from ..model.sampler import Logprob
 
@@ -134,6 +134,24 @@ class Request:
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+
+def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
+    """Inputs of a step in which every item computes one token (decodes, and 1-token
+    prefill chunks): each item's token id and position, and the rows that sample with
+    their requests (a 1-token chunk short of its prompt's end samples nothing)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    sampled: list[Request] = []
+    for row, (request, _) in enumerate(items):
+        position = request.num_computed_tokens
+        ids.append(request.token_at(position))
+        positions.append(position)
+        if position + 1 == request.num_tokens:
+            rows.append(row)
+            sampled.append(request)
+    return ids, positions, rows, sampled
 
 
 @dataclass

@@ -21,7 +21,7 @@ from ..model.attention import (AttentionMetadata, decode_index, decode_mask, ker
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs
-from .request import Request
+from .request import Request, one_token_step
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -167,22 +167,12 @@ class ModelRunner:
     def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """One new token per sequence, through the fused native decode step."""
         assert self.fused is not None
-        ids: list[int] = []
-        seq_lens: list[int] = []
-        rows: list[int] = []
-        sampled: list[Request] = []
+        ids, positions, rows, sampled = one_token_step(items)
+        seq_lens = [position + 1 for position in positions]
         width = max(len(request.block_table) for request, _ in items)
-        tables: list[list[int]] = []
-        for row, (request, _) in enumerate(items):
-            position = request.num_computed_tokens
-            ids.append(request.all_token_ids[position])
-            seq_lens.append(position + 1)
-            # -1 padding: a table shorter than its sequence needs is refused by the kernel
-            # (ValueError before anything is written), never read as block 0.
-            tables.append(request.block_table + [-1] * (width - len(request.block_table)))
-            if position + 1 == request.num_tokens:  # a 1-token prefill chunk short of the end samples nothing
-                rows.append(row)
-                sampled.append(request)
+        # -1 padding: a table shorter than its sequence needs is refused by the kernel
+        # (ValueError before anything is written), never read as block 0.
+        tables = [request.block_table + [-1] * (width - len(request.block_table)) for request, _ in items]
         embeddings = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
         logits = self.fused.run(embeddings, torch.tensor(tables, dtype=torch.int32),
                                 torch.tensor(seq_lens, dtype=torch.int32))

@@ -376,6 +376,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         x = is->xext;
         *ldx_out = kp;
     }
+    if (B >= TM_INT4_DEQUANT_ROWS) return x; /* dequantized tiles (linear_rows) need no group sums */
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < G; j++) {
             const float *xb = x + b * *ldx_out + j * g;
