@@ -1,6 +1,7 @@
 """Builds the flattened batch for one step and runs the model on it.
 
-The runner owns the KV pool tensors (allocated once, from a memory budget)
+The runner owns the KV pool tensors (allocated once, from a memory budget; on
+CPU one allocation on huge pages, see host_memory.py)
 and turns a scheduled batch into: token ids, positions, a slot for each new
 token's K/V, padded block tables, and the row of each sequence whose logits
 are sampled. Prefill chunks and decodes go through one forward pass.
@@ -21,6 +22,7 @@ from ..model.attention import (AttentionMetadata, decode_index, decode_mask, ker
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs
+from .host_memory import kv_pool_tensors
 from .request import Request, one_token_step
 
 
@@ -57,10 +59,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_heads = cfg.num_key_value_heads
         self.kv_elements_per_block = block_size * cfg.num_key_value_heads * cfg.head_dim
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device)
         self.dtype = dtype
         # Flat decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
