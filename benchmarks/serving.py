@@ -95,7 +95,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-async def _drive_server(url: str, prompts: list[list[int]], out_len: int, concurrency: int) -> Result:
+async def _drive_server(url: str, prompts: list[list[int]], out_len: int, concurrency: int,
+                        warmup: list[int] | None = None) -> Result:
+    """Closed loop at ``concurrency`` over ``prompts`` after one uncounted warm-up
+    request (``warmup``, or the first prompt, which its counted repeat then finds
+    in the prefix cache)."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     samples: list[Sample] = []
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
@@ -128,7 +132,7 @@ async def _drive_server(url: str, prompts: list[list[int]], out_len: int, concur
                 samples.append(await one(queue.get_nowait()))
 
         # warm-up, not counted
-        await one(prompts[0])
+        await one(warmup if warmup is not None else prompts[0])
         t0 = time.perf_counter()
         await asyncio.gather(*[worker() for _ in range(concurrency)])
         wall = time.perf_counter() - t0

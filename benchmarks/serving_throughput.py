@@ -10,8 +10,10 @@ prefix, exactly ``--output-len`` output tokens, ``ignore_eos``, greedy):
 2. each concurrency in ``--concurrency`` (default 16 and 64): ``--waves`` x
    concurrency requests, closed loop.
 
-Each level starts with one uncounted warm-up request (its first prompt, sent
-again afterwards: that repeat may hit the prefix cache).
+Each level starts with one uncounted warm-up request with a prompt of its own,
+so no counted request finds its prompt in the prefix cache (before session 5
+the warm-up repeated the level's first prompt, which made one of the two
+single-stream requests skip its prefill).
 
 Printed per row: output tok/s, the ratio to the single-stream rate, TPOT p50
 and p99 (per request: (end - first token) / (tokens - 1)), TTFT p50. Issue 9
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(args.model)
-    total = args.single_requests + sum(c * args.waves for c in levels)
+    total = 1 + args.single_requests + sum(1 + c * args.waves for c in levels)  # a warm-up prompt per level
     prompts = make_prompts(tokenizer, total, args.input_len)
     proc, url = start_server(args, max(levels))
     print(f"# serving_throughput: dtype {args.dtype}, prompts {args.input_len} tokens, {args.output_len} output "
@@ -86,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
             used += n
             return out
 
-        single = asyncio.run(_drive_server(url, take(args.single_requests), args.output_len, 1))
+        single = asyncio.run(_drive_server(url, take(args.single_requests), args.output_len, 1, take(1)[0]))
         base = single.tokens / single.wall
         print(row("1", single, None), flush=True)
         for c in levels:
-            res = asyncio.run(_drive_server(url, take(c * args.waves), args.output_len, c))
+            res = asyncio.run(_drive_server(url, take(c * args.waves), args.output_len, c, take(1)[0]))
             print(row(str(c), res, base), flush=True)
     finally:
         stop_server(proc)
