@@ -142,15 +142,15 @@ def test_float32_torch_path_is_bit_identical_to_reference(monkeypatch) -> None:
 
 @needs_kernel
 def test_float32_kernel_matches_reference_closely() -> None:
-    """The kernel's own exp and summation order move fp32 results by rounding only;
-    prefill rows (not the kernel's) stay bit-identical."""
+    """The kernels' own exp and summation order move fp32 results by rounding only,
+    for the decode rows and the prefill chunk's rows alike."""
     seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
     q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
     got = paged_attention(q, kc, vc, meta, 0.125)
     want = paged_attention_reference(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.equal(got[:12], want[:12])  # the decodes really took the kernel
-    assert torch.equal(got[12:], want[12:])
+    assert not torch.equal(got[12:], want[12:])  # and the chunk took the prefill kernel
 
 
 def _alone(meta: AttentionMetadata, row: int, length: int) -> AttentionMetadata:

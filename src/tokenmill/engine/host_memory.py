@@ -8,56 +8,45 @@ GB/s with 4 KB pages and 16-17 GB/s with 2 MB pages (a C loop over a shuffled
 512 MB buffer, software prefetch two blocks ahead).
 
 Where transparent huge pages are set to ``madvise`` (the common default),
-memory only gets them if asked before it is first touched: the pool is
-allocated once, ``madvise(MADV_HUGEPAGE)``-ed, then zeroed. Anything that
-cannot be done (another OS, THP ``never``, an old kernel) leaves ordinary
-pages, with the same contents. ``TOKENMILL_HUGE_PAGES=0`` turns it off.
+memory only gets them if asked before it is first touched. So the pool is its
+own anonymous mapping (fresh pages, never recycled from the heap, where a
+previous owner may already have faulted them in as 4 KB pages),
+``madvise(MADV_HUGEPAGE)``-ed, then zeroed. Anything that cannot be done
+(another OS, THP ``never``) leaves ordinary pages with the same contents.
+``TOKENMILL_HUGE_PAGES=0`` turns it off.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import logging
-import sys
+import mmap
 
 import torch
 
 from ..config import env_switch_on
 
-log = logging.getLogger(__name__)
-
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-
-
-def _madvise_huge(address: int, length: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        return libc.madvise(address, length, MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous 1-D CPU tensor of ``numel`` elements whose pages are
-    huge pages where the kernel allows it (same contents either way)."""
-    if not env_switch_on("TOKENMILL_HUGE_PAGES") or numel * torch.empty((), dtype=dtype).element_size() < HUGE_PAGE:
+    huge pages where the kernel allows it (same contents either way). The tensor
+    keeps its mapping alive."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+    if (not env_switch_on("TOKENMILL_HUGE_PAGES") or nbytes < HUGE_PAGE or advice is None
+            or not hasattr(mmap, "MAP_ANONYMOUS")):
         return torch.zeros(numel, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    # Slack for a 2 MB-aligned start and a whole number of huge pages after it.
-    raw = torch.empty(numel + 2 * HUGE_PAGE // itemsize, dtype=dtype)
-    start = (raw.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    offset = (start - raw.data_ptr()) // itemsize  # torch's CPU buffers are at least itemsize-aligned
-    length = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    if not _madvise_huge(start, length):
-        log.debug("madvise(MADV_HUGEPAGE) refused; the KV pool stays on ordinary pages")
-    view = raw[offset:offset + numel]
-    view.zero_()  # first touch: the page faults hand out huge pages now
+    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    # Private and anonymous (a plain mmap(-1, n) is shared, and shared memory has its own
+    # THP setting); 2 MB of slack for an aligned start.
+    region = mmap.mmap(-1, length + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
+    offset = -base % HUGE_PAGE  # base is page-aligned, so is the offset
+    try:
+        region.madvise(advice, offset, length)
+    except OSError:
+        pass  # e.g. a kernel without THP: ordinary pages
+    view = torch.frombuffer(region, dtype=dtype, count=numel, offset=offset)
+    view.zero_()  # first touch now: the page faults hand out huge pages
     return view
 
 

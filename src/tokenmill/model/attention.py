@@ -29,8 +29,15 @@ attended as ``[kv_heads, num_decodes, group, head_dim]`` queries (a query head
 group read as rows of its KV head). float32 there keeps the reference's exact
 ops (matmul, float32 softmax, matmul); bf16 uses
 ``scaled_dot_product_attention`` at small batches (measured 2x faster at
-batch 1) and the matmul form at large ones. Prefill chunks always use torch
-(one sequence at a time, SDPA: compute-bound, the copy is small next to it).
+batch 1) and the matmul form at large ones.
+
+Prefill chunks on CPU go through a second C kernel
+(``cpu_kernels.paged_prefill_attention``, ``csrc/prefill_attention.c``): one
+sequence per call, causal flash-style attention with register-tiled score and
+output matmuls, reading the cached prefix and the chunk's own K/V in place.
+torch's SDPA flash kernel ran SmolLM2's shapes at 40-60 GFLOPS and a chunk
+after a prefix needed a gather copy and an explicit mask first. Elsewhere,
+and as the fallback, chunks go one sequence at a time through SDPA.
 
 ``paged_attention_reference`` is the plain formulation with fresh gathers,
 kept for tests and the benchmarks' eager baseline
@@ -66,6 +73,8 @@ class AttentionMetadata:
     # For the CPU decode kernel (built once per step; derived from the fields above when None):
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int32 context lengths
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, decode_blocks] int32, contiguous
+    # For the CPU prefill kernel: block_tables as int32, contiguous (built by the first layer).
+    prefill_block_tables: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -176,8 +185,28 @@ def paged_attention(
     nd = meta.num_decodes
     if nd and not _kernel_decodes(q, k_cache, v_cache, meta, scale, out):
         _torch_decodes(q, k_cache, v_cache, meta, scale, out)
-    _prefill_attention(q, k_cache, v_cache, meta, scale, out)
+    if meta.num_seqs > nd and not _kernel_prefills(q, k_cache, v_cache, meta, scale, out):
+        _prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
+
+
+def _kernel_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, out: torch.Tensor) -> bool:
+    """Prefill chunks through the C kernel, reading their context (cached prefix and
+    the chunk's own K/V, already written) in place; False when it does not apply here."""
+    if not cpu_kernels.decode_kernel_usable(q.device, k_cache.dtype):  # same library, same conditions
+        return False
+    if meta.prefill_block_tables is None:
+        meta.prefill_block_tables = meta.block_tables.to(torch.int32).contiguous()
+    tables = meta.prefill_block_tables
+    start = meta.num_decodes
+    for i in range(meta.num_decodes, meta.num_seqs):
+        qlen = meta.query_lens[i]
+        if not cpu_kernels.paged_prefill_attention(q[start:start + qlen], k_cache, v_cache, tables[i],
+                                                   meta.seq_lens[i], scale, out[start:start + qlen]):
+            return False  # the same conditions hold for every chunk: the first answers for all
+        start += qlen
+    return True
 
 
 def _kernel_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -49,10 +49,11 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.c"  # includes paged_attention.c: one library, one translation unit
-SOURCES = (CSRC / "paged_attention.c", SOURCE)  # what the cache key hashes
+SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", SOURCE)  # what the cache key hashes
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _ABI_VERSION = 1
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
+_PREFILL_ENTRY = {torch.float32: "tm_paged_prefill_f32", torch.bfloat16: "tm_paged_prefill_bf16"}
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,12 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     for name in _ENTRY.values():
         fn = getattr(cdll, name)
         fn.argtypes = args
+        fn.restype = ctypes.c_int
+    prefill_args = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
+                    ctypes.c_int]
+    for name in _PREFILL_ENTRY.values():
+        fn = getattr(cdll, name)
+        fn.argtypes = prefill_args
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
@@ -230,4 +237,46 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("paged_decode_attention: a sequence length or block id lies outside the table or pool")
     if rc != 0:
         raise MemoryError("paged_decode_attention: the kernel could not allocate its scratch memory")
+    return True
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                            seq_len: int, scale: float, out: torch.Tensor,
+                            library: KernelLibrary | None = None) -> bool:
+    """Causal attention of one prefill chunk straight from the pool (its own K/V
+    already written there); returns False (nothing written) when the kernel cannot
+    take these tensors, so the caller falls back.
+
+    q, out: [q_len, heads, head_dim] in the pool's dtype, each head's row
+    contiguous (token rows may be strided); query j sits at absolute position
+    seq_len - q_len + j and sees keys 0 .. that position. table: 1-D int32 block
+    ids of the sequence, contiguous. k_cache, v_cache as for
+    :func:`paged_decode_attention`.
+    """
+    entry = _PREFILL_ENTRY.get(k_cache.dtype)
+    if entry is None or (library is None and not enabled()):
+        return False
+    q_len, heads, head_dim = q.shape
+    kv_heads, num_blocks, block_size, cache_dim = k_cache.shape
+    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, out, table)):
+        return False
+    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
+            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
+            and table.dtype == torch.int32 and table.dim() == 1 and table.is_contiguous()):
+        return False
+    lib = library or load()
+    if lib is None or head_dim % lib.vector_width:
+        return False
+    if q_len == 0:
+        return True
+    rc = getattr(lib.cdll, entry)(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.numel(),
+        int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if rc == 1:
+        raise ValueError("paged_prefill_attention: the chunk, its length or a block id lies outside the table or pool")
+    if rc != 0:
+        raise MemoryError("paged_prefill_attention: the kernel could not allocate its scratch memory")
     return True

@@ -32,6 +32,7 @@
  * into VW results.
  */
 #include "paged_attention.c"
+#include "prefill_attention.c"
 
 #include <omp.h>
 #if defined(__AVX512F__)

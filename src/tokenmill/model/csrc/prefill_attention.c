@@ -1,0 +1,285 @@
+/* Causal attention for one prefill chunk, reading the paged KV cache in place.
+ *
+ * Included by decode_step.c after paged_attention.c (one library; it reuses
+ * that file's vector type, loads, bf16 conversions and exp_nonpos).
+ *
+ * The chunk's queries sit at absolute positions seq_len - q_len ... seq_len - 1
+ * and query p sees keys 0 ... p. For every query head h (kv head h / group):
+ *     out[p, h, :] = softmax(scale * q[p, h] . K[:p + 1]) @ V[:p + 1]
+ * where row j of K is k_cache[kv, table[j / bs], j % bs, :].
+ *
+ * Why not torch's SDPA: its CPU flash kernel ran SmolLM2's shapes (9 query
+ * heads, 3 kv heads, head_dim 64) at 40-60 GFLOPS, and a chunk after a cached
+ * prefix first had to gather K/V out of the pool into contiguous copies. Here
+ * both matmuls are register tiles like the dense ones in decode_step.c:
+ *
+ * - an item is (kv head, block of query positions); its rows are the block's
+ *   positions x the group's query heads, position-major, in float32;
+ * - keys go in blocks of KB = 4 vectors of positions: the block's K rows are
+ *   transposed once into Kt[d][key] (shared by every row of the item) and its
+ *   V rows copied into Vs[key][d];
+ * - scores: TR rows x KB keys, TR x 4 accumulators, one broadcast of q[r][d]
+ *   per row and 4 loads of Kt per d;
+ * - scale, then online softmax per row (running max and sum, earlier output
+ *   rescaled); scaling the scores rather than q keeps peaked scores as exact
+ *   as the reference's;
+ * - output: TR rows x 4 vectors of head_dim, one broadcast of p[r][key] per
+ *   row and 4 loads of V per key.
+ * Key blocks past a tile's last position are skipped (causal), and only blocks
+ * that cross a row's own position are masked. All arithmetic is float32.
+ */
+
+#if VW == 16
+#define PF_TR 6 /* rows per register tile: 6 x 4 accumulators of 16 floats */
+#else
+#define PF_TR 3 /* 8-float vectors, 16 registers */
+#endif
+#define PF_NV 4            /* vectors of keys per score tile, of head_dim per output tile */
+#define PF_KB (PF_NV * VW) /* keys per block */
+#define PF_ROWS 96         /* query rows (positions x group heads) per item, at most */
+
+typedef struct {
+    const void *q, *k_cache, *v_cache;
+    const int32_t *table;
+    void *out;
+    int64_t q_stride, out_stride; /* elements between consecutive positions' rows */
+    int64_t heads, kv_heads, head_dim, num_blocks, block_size, seq_len, q_len;
+    float scale;
+} PrefillArgs;
+
+typedef struct {
+    float *q;     /* PF_ROWS x D: the item's queries */
+    float *o;     /* PF_ROWS x D: unnormalised output */
+    float *m, *l; /* PF_ROWS: running max and sum of exp */
+    float *kt;    /* D x PF_KB: a key block, transposed */
+    float *vs;    /* PF_KB x D: the block's values */
+    float *p;     /* PF_TR x PF_KB: a tile's probabilities */
+    float *alpha; /* PF_TR: a tile's rescale factors */
+} PrefillScratch;
+
+/* Scores of rows r0 .. r0 + NR - 1 against the key block (keys past nk are
+ * zero rows of Kt; the caller masks them). */
+TM_INLINE void prefill_scores(const float *restrict q, const float *restrict kt, int64_t D, int NR, float *s) {
+    vf acc[PF_TR][PF_NV];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < PF_NV; c++) acc[r][c] = (vf){0};
+    for (int64_t d = 0; d < D; d++) {
+        vf k[PF_NV];
+        for (int c = 0; c < PF_NV; c++) k[c] = vload(kt + d * PF_KB + c * VW);
+        for (int r = 0; r < NR; r++) {
+            const float qv = q[r * D + d];
+            for (int c = 0; c < PF_NV; c++) acc[r][c] += qv * k[c];
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < PF_NV; c++) vstore(s + r * PF_KB + c * VW, acc[r][c]);
+}
+
+/* o[r] = o[r] * alpha[r] + sum over keys j < nk of p[r][j] * vs[j], for NR rows. */
+TM_INLINE void prefill_output(float *restrict o, const float *restrict p, const float *restrict alpha,
+                              const float *restrict vs, int64_t D, int64_t nk, int NR) {
+    for (int64_t c0 = 0; c0 < D; c0 += PF_NV * VW) {
+        const int nv = (D - c0) / VW < PF_NV ? (int)((D - c0) / VW) : PF_NV;
+        vf acc[PF_TR][PF_NV];
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nv; c++) acc[r][c] = vload(o + r * D + c0 + c * VW) * alpha[r];
+        for (int64_t j = 0; j < nk; j++) {
+            vf v[PF_NV];
+            for (int c = 0; c < nv; c++) v[c] = vload(vs + j * D + c0 + c * VW);
+            for (int r = 0; r < NR; r++) {
+                const float pj = p[r * PF_KB + j];
+                for (int c = 0; c < nv; c++) acc[r][c] += pj * v[c];
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nv; c++) vstore(o + r * D + c0 + c * VW, acc[r][c]);
+    }
+}
+
+/* Scores -> probabilities for NR rows, in place in s (copied to p), updating
+ * the running max and sum. Row r's query is at absolute position pos[r]; key j
+ * of the block at kb0 + j is visible when kb0 + j <= pos[r] and j < nk. */
+TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
+                               const int64_t *pos, int64_t kb0, int64_t nk, float scale, int NR) {
+    for (int r = 0; r < NR; r++) {
+        float *restrict sr = s + r * PF_KB;
+        int64_t visible = pos[r] - kb0 + 1;
+        if (visible > nk) visible = nk;
+        if (visible <= 0) { /* the whole block is in this row's future */
+            alpha[r] = 1.0f;
+            memset(sr, 0, PF_KB * sizeof(float));
+            continue;
+        }
+#pragma omp simd
+        for (int64_t j = 0; j < PF_KB; j++) sr[j] = j < visible ? sr[j] * scale : -INFINITY;
+        float mx = m[r];
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < PF_KB; j++) mx = sr[j] > mx ? sr[j] : mx;
+        const float a = exp_nonpos(m[r] - mx); /* 0 when m[r] is still -inf */
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < PF_KB; j++) {
+            const float e = j < visible ? exp_nonpos(sr[j] - mx) : 0.0f;
+            sr[j] = e;
+            sum += e;
+        }
+        l[r] = l[r] * a + sum;
+        m[r] = mx;
+        alpha[r] = a;
+    }
+}
+
+/* Key block kb0 .. kb0 + nk - 1 of one kv head: K transposed into kt, V into vs
+ * (float32), zeros past nk. */
+TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0, int64_t nk, int bf16,
+                                  PrefillScratch *sc) {
+    const int64_t D = a->head_dim, BS = a->block_size;
+    const size_t esize = bf16 ? 2 : 4;
+    const size_t head_bytes = (size_t)a->num_blocks * BS * D * esize;
+    const char *kbase = (const char *)a->k_cache + kvh * head_bytes;
+    const char *vbase = (const char *)a->v_cache + kvh * head_bytes;
+    for (int64_t j = 0; j < PF_KB; j++) {
+        float *restrict vrow = sc->vs + j * D;
+        if (j >= nk) {
+            for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = 0.0f;
+            memset(vrow, 0, D * sizeof(float));
+            continue;
+        }
+        const int64_t key = kb0 + j;
+        const size_t off = ((size_t)a->table[key / BS] * BS + key % BS) * D * esize;
+        if (bf16) {
+            const uint16_t *krow = (const uint16_t *)(kbase + off), *vsrc = (const uint16_t *)(vbase + off);
+            for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = bf16_to_f32(krow[d]);
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) vrow[d] = bf16_to_f32(vsrc[d]);
+        } else {
+            const float *krow = (const float *)(kbase + off);
+            for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = krow[d];
+            memcpy(vrow, vbase + off, D * sizeof(float));
+        }
+    }
+}
+
+/* One item: kv head kvh, query positions p0 .. p0 + np - 1 of the chunk. */
+TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int bf16, int64_t D,
+                            PrefillScratch *sc) {
+    const int64_t G = a->heads / a->kv_heads;
+    const int64_t R = np * G;
+    const int64_t first_abs = a->seq_len - a->q_len; /* absolute position of the chunk's query 0 */
+    int64_t pos[PF_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t p = p0 + r / G, h = kvh * G + r % G;
+        pos[r] = first_abs + p;
+        float *restrict qr = sc->q + r * D;
+        if (bf16) {
+            const uint16_t *src = (const uint16_t *)a->q + p * a->q_stride + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) qr[d] = bf16_to_f32(src[d]);
+        } else {
+            const float *src = (const float *)a->q + p * a->q_stride + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) qr[d] = src[d];
+        }
+        sc->m[r] = -INFINITY;
+        sc->l[r] = 0.0f;
+    }
+    memset(sc->o, 0, R * D * sizeof(float));
+    const int64_t keys = pos[R - 1] + 1; /* the last row sees the most */
+    for (int64_t kb0 = 0; kb0 < keys; kb0 += PF_KB) {
+        const int64_t nk = keys - kb0 < PF_KB ? keys - kb0 : PF_KB;
+        prefill_load_block(a, kvh, kb0, nk, bf16, sc);
+        for (int64_t r0 = 0; r0 < R; r0 += PF_TR) {
+            const int nr = R - r0 < PF_TR ? (int)(R - r0) : PF_TR;
+            if (pos[r0 + nr - 1] < kb0) continue; /* every row of the tile is before this block */
+            float *s = sc->p;
+            if (nr == PF_TR)
+                prefill_scores(sc->q + r0 * D, sc->kt, D, PF_TR, s);
+            else
+                prefill_scores(sc->q + r0 * D, sc->kt, D, nr, s);
+            prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr);
+            if (nr == PF_TR)
+                prefill_output(sc->o + r0 * D, s, sc->alpha, sc->vs, D, nk, PF_TR);
+            else
+                prefill_output(sc->o + r0 * D, s, sc->alpha, sc->vs, D, nk, nr);
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        const int64_t p = p0 + r / G, h = kvh * G + r % G;
+        const float inv = 1.0f / sc->l[r]; /* l >= 1: the row's own key is visible */
+        const float *restrict orow = sc->o + r * D;
+        if (bf16) {
+            uint16_t *dst = (uint16_t *)a->out + p * a->out_stride + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(orow[d] * inv);
+        } else {
+            float *dst = (float *)a->out + p * a->out_stride + h * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = orow[d] * inv;
+        }
+    }
+}
+
+static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads, int bf16) {
+    const int64_t D = a->head_dim;
+    if (a->kv_heads <= 0 || a->heads <= 0 || a->heads % a->kv_heads || D <= 0 || D % VW || a->block_size <= 0 ||
+        a->q_len <= 0 || a->seq_len < a->q_len || a->heads / a->kv_heads > PF_ROWS)
+        return 1;
+    const int64_t used = (a->seq_len + a->block_size - 1) / a->block_size;
+    if (used > table_len) return 1;
+    for (int64_t b = 0; b < used; b++)
+        if (a->table[b] < 0 || a->table[b] >= a->num_blocks) return 1;
+    const int64_t G = a->heads / a->kv_heads;
+    const int64_t per_item = PF_ROWS / G; /* query positions per item */
+    const int64_t blocks = (a->q_len + per_item - 1) / per_item;
+    const int64_t items = blocks * a->kv_heads;
+    const size_t floats = (size_t)(2 * PF_ROWS * D + 2 * PF_ROWS + 2 * D * PF_KB + PF_TR * PF_KB + PF_TR);
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > items) num_threads = (int)items;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        if (!buf) {
+            failed = 1;
+        } else {
+            PrefillScratch sc;
+            sc.q = buf;
+            sc.o = sc.q + PF_ROWS * D;
+            sc.m = sc.o + PF_ROWS * D;
+            sc.l = sc.m + PF_ROWS;
+            sc.kt = sc.l + PF_ROWS;
+            sc.vs = sc.kt + D * PF_KB;
+            sc.p = sc.vs + PF_KB * D;
+            sc.alpha = sc.p + PF_TR * PF_KB;
+            /* Later query blocks see more keys: hand them out first. */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < items; it++) {
+                const int64_t blk = blocks - 1 - it / a->kv_heads, kvh = it % a->kv_heads;
+                const int64_t p0 = blk * per_item;
+                const int64_t np = a->q_len - p0 < per_item ? a->q_len - p0 : per_item;
+                if (D == 64)
+                    prefill_item(a, kvh, p0, np, bf16, 64, &sc);
+                else
+                    prefill_item(a, kvh, p0, np, bf16, D, &sc);
+            }
+            free(buf);
+        }
+    }
+    return failed ? 2 : 0;
+}
+
+#define TM_PREFILL_ENTRY(name, T, is_bf16)                                                                   \
+    int name(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,        \
+             int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads, int64_t kv_heads,            \
+             int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, T *out,                  \
+             int64_t out_stride, int num_threads) {                                                         \
+        PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,  \
+                         num_blocks, block_size, seq_len, q_len, scale};                                   \
+        return prefill_run(&a, table_len, num_threads, is_bf16);                                            \
+    }
+
+/* Returns 0 on success, 1 on arguments the kernel does not take or that would
+ * read outside the pool (nothing written), 2 when scratch memory could not be
+ * allocated. */
+TM_PREFILL_ENTRY(tm_paged_prefill_f32, float, 0)
+TM_PREFILL_ENTRY(tm_paged_prefill_bf16, uint16_t, 1)
