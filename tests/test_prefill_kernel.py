@@ -143,6 +143,9 @@ def test_declines_what_it_cannot_take(lib) -> None:
                                                    out.double(), library=lib)
     assert not cpu_kernels.paged_prefill_attention(q, k, v, table, 50, 0.125, out.bfloat16(), library=lib)
     assert not cpu_kernels.paged_prefill_attention(q.transpose(1, 2), k, v, table, 50, 0.125, out, library=lib)
+    wide = torch.randn(4, cpu_kernels.PREFILL_MAX_GROUP + 1, 64)  # a query group larger than an item holds
+    assert not cpu_kernels.paged_prefill_attention(wide, k[:1], v[:1], table, 50, 0.125, torch.empty_like(wide),
+                                                   library=lib)
 
 
 def _mixed_batch(dtype: torch.dtype):
