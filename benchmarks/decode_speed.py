@@ -17,20 +17,24 @@ Rows (all on the same GGUF file, the same number of threads):
 
 Prefill: one ``--prefill-len``-token prompt (one step), tok/s = prompt
 tokens / step time. Decode: ``--decode-len`` greedy tokens after a short
-prompt, tok/s = decode steps / their time. Each is repeated ``--repeats``
-times; the best repeat is reported, because on this shared 2-core machine
-the other processes only ever add time. Ratios are against the eager row
-measured in the same run.
+prompt, tok/s = decode steps / their time. Every engine is built first, then
+measured ``--repeats`` times in rounds (each engine once per round), so a
+slow spell of this shared host's memory bandwidth falls on every row alike
+rather than on whichever engine ran then; the best repeat is reported,
+because the other processes only ever add time. Ratios are against the eager
+row measured in the same run.
 
     .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,gguf+lm_head,gguf+lm_head:eager]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -82,27 +86,41 @@ def measure(engine: LLMEngine, prefill_len: int, decode_len: int, seed: int) -> 
     return prefill, decode
 
 
-def tokenmill_row(config: str, args: argparse.Namespace, reference: bool = False) -> tuple[float, float]:
-    config, _, mode = config.partition(":")
-    eager = reference or mode == "eager"
-    engine = make_engine(config)
-    attention._USE_REFERENCE = reference
+Runner = Callable[[int], tuple[float, float]]  # seed -> (prefill tok/s, decode tok/s) of one repeat
+
+
+@contextlib.contextmanager
+def _paths(reference: bool, eager: bool) -> Iterator[None]:
+    """The reference attention and/or the fused step off, for one measurement."""
     saved = os.environ.get("TOKENMILL_FUSED_DECODE")
+    attention._USE_REFERENCE = reference
     if eager:
         os.environ["TOKENMILL_FUSED_DECODE"] = "0"
     try:
-        measure(engine, 64, 8, seed=99)  # warm-up
-        runs = [measure(engine, args.prefill_len, args.decode_len, seed=i) for i in range(args.repeats)]
+        yield
     finally:
         attention._USE_REFERENCE = False
         if saved is None:
             os.environ.pop("TOKENMILL_FUSED_DECODE", None)
         else:
             os.environ["TOKENMILL_FUSED_DECODE"] = saved
-    return max(r[0] for r in runs), max(r[1] for r in runs)
 
 
-def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] | str:
+def tokenmill_runner(config: str, args: argparse.Namespace, reference: bool = False) -> Runner:
+    config, _, mode = config.partition(":")
+    eager = reference or mode == "eager"
+    engine = make_engine(config)
+
+    def run(seed: int) -> tuple[float, float]:
+        with _paths(reference, eager):
+            return measure(engine, args.prefill_len, args.decode_len, seed)
+
+    with _paths(reference, eager):
+        measure(engine, 64, 8, seed=99)  # warm-up
+    return run
+
+
+def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
     try:
         from llama_cpp import Llama  # type: ignore[import-not-found]
     except ImportError:
@@ -111,21 +129,23 @@ def llamacpp_row(args: argparse.Namespace, threads: int) -> tuple[float, float] 
 
     llm = Llama(model_path=default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
                 n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)
-    rng = random.Random(0)
-    best_p = best_d = 0.0
-    for _ in range(args.repeats):
+
+    def run(seed: int) -> tuple[float, float]:
+        rng = random.Random(seed)
         prompt = [rng.randrange(100, 40000) for _ in range(args.prefill_len)]
         llm.reset()
         t = time.perf_counter()
         llm.eval(prompt)
-        best_p = max(best_p, args.prefill_len / (time.perf_counter() - t))
+        prefill = args.prefill_len / (time.perf_counter() - t)
         llm.reset()
         llm.eval(prompt[:32])
         t = time.perf_counter()
         for _ in range(args.decode_len):  # one token per eval, as a decode step; the token's value costs nothing
             llm.eval([rng.randrange(100, 40000)])
-        best_d = max(best_d, args.decode_len / (time.perf_counter() - t))
-    return best_p, best_d
+        return prefill, args.decode_len / (time.perf_counter() - t)
+
+    run(99)  # warm-up
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,22 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# decode_speed: threads {threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
           f"load {os.getloadavg()[0]:.2f}")
-    base_p, base_d = tokenmill_row("float32", args, reference=True)
-    rows: list[tuple[str, float, float]] = [
-        ("tokenmill float32 eager, reference attention (baseline)", base_p, base_d)]
+    runners: list[tuple[str, Runner]] = [
+        ("tokenmill float32 eager, reference attention (baseline)", tokenmill_runner("float32", args, reference=True))]
     for config in args.configs.split(","):
-        p, d = tokenmill_row(config, args)
-        rows.append((f"tokenmill {config}", p, d))
-    lc = llamacpp_row(args, threads)
+        runners.append((f"tokenmill {config}", tokenmill_runner(config, args)))
+    lc = llamacpp_runner(args, threads)
+    note = lc if isinstance(lc, str) else ""
+    if not isinstance(lc, str):
+        runners.append(("llama.cpp (llama-cpp-python), same GGUF", lc))
+    best = {name: (0.0, 0.0) for name, _ in runners}
+    for seed in range(args.repeats):  # rounds: every engine once per round
+        for name, run in runners:
+            p, d = run(seed)
+            best[name] = (max(best[name][0], p), max(best[name][1], d))
+    rows = [(name, *best[name]) for name, _ in runners]
+    base_p, base_d = rows[0][1], rows[0][2]
+    lc_p, lc_d = (float("nan"), float("nan")) if note else rows[-1][1:]
     print("| engine | prefill tok/s | vs eager | vs llama.cpp | decode tok/s | vs eager | vs llama.cpp |")
     print("|---|---|---|---|---|---|---|")
-    if isinstance(lc, str):
-        note = lc
-        lc_p = lc_d = float("nan")
-    else:
-        rows.append(("llama.cpp (llama-cpp-python), same GGUF", *lc))
-        note = ""
-        lc_p, lc_d = lc
     for name, p, d in rows:
         print(f"| {name} | {p:.0f} | {p / base_p:.2f}x | {p / lc_p:.2f}x | {d:.1f} | {d / base_d:.2f}x "
               f"| {d / lc_d:.2f}x |")
