@@ -20,6 +20,8 @@ import torch
 from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import AttentionMetadata, kv_cache_shape, paged_attention, paged_attention_reference
 
+from test_cpu_kernels import assert_matches  # float32 to 1e-5, bf16 within half a bf16 ulp
+
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 
 
@@ -67,14 +69,6 @@ def run(lib, q, k, v, table, seq_len, scale) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     assert cpu_kernels.paged_prefill_attention(q, k, v, table, seq_len, scale, out, library=lib)
     return out
-
-
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    else:  # float32 math over bf16 inputs, one bf16 rounding of the output
-        err = (got.double() - want).abs()
-        assert bool((err <= want.abs() * 2.0**-8 + 1e-6).all()), float((err / want.abs()).max())
 
 
 CASES = [  # seq_len, q_len

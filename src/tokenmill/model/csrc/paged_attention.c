@@ -345,6 +345,17 @@ static int64_t check_args(const Args *a, int64_t num_seqs, int64_t bt_width) {
     return max_len;
 }
 
+/* Threads for `items` independent work items: at least one, at most one per item. */
+TM_INLINE int threads_for(int num_threads, int64_t items) {
+    if (num_threads > items) num_threads = (int)items;
+    return num_threads < 1 ? 1 : num_threads;
+}
+
+/* One thread's scratch: `floats` floats, 64-byte aligned; NULL when out of memory. */
+TM_INLINE float *scratch_floats(size_t floats) {
+    return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+}
+
 static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_threads, int bf16) {
     const int64_t max_len = check_args(a, num_seqs, bt_width);
     if (max_len < 0) return 1;
@@ -352,12 +363,10 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
     const int64_t G = a->heads / a->kv_heads, D = a->head_dim;
     const int64_t items = num_seqs * a->kv_heads;
     const size_t floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = (int)items;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads_for(num_threads, items)) reduction(| : failed)
     {
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float *buf = scratch_floats(floats);
         if (!buf) {
             failed = 1;
         } else {

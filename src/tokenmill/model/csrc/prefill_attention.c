@@ -233,12 +233,10 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
     const int64_t blocks = (a->q_len + per_item - 1) / per_item;
     const int64_t items = blocks * a->kv_heads;
     const size_t floats = (size_t)(2 * PF_ROWS * D + 2 * PF_ROWS + 2 * D * PF_KB + PF_TR * PF_KB + PF_TR);
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = (int)items;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads_for(num_threads, items)) reduction(| : failed)
     {
-        float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        float *buf = scratch_floats(floats);
         if (!buf) {
             failed = 1;
         } else {
