@@ -56,7 +56,7 @@ SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", SOURCE)  # 
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _ABI_VERSION = 1
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
-PREFILL_MAX_GROUP = 96  # query heads per kv head the prefill kernel takes (PF_ROWS in prefill_attention.c)
+PREFILL_MAX_GROUP = 192  # query heads per kv head the prefill kernel takes (PF_ROWS in prefill_attention.c)
 _PREFILL_ENTRY = {torch.float32: "tm_paged_prefill_f32", torch.bfloat16: "tm_paged_prefill_bf16"}
 
 
