@@ -196,6 +196,40 @@ def decode_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool
     return load() is not None
 
 
+def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    index_tensors: tuple[torch.Tensor, ...], library: KernelLibrary | None) -> KernelLibrary | None:
+    """The library to run an attention kernel on these tensors with, or None when it
+    cannot take them. Both kernels want: q and out [tokens, heads, head_dim] in the
+    pool's dtype (float32 or bf16), each head's row contiguous (token rows may be
+    strided); contiguous K and V pools [kv_heads, num_blocks, block_size, head_dim];
+    everything, the int32 tables included, on the CPU; a head size that is a multiple
+    of the vector width. ``library``: a specific build (tests); by default the cached
+    one, when the kernels are enabled."""
+    if k_cache.dtype not in _ENTRY or (library is None and not enabled()):
+        return None
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads, cache_dim = k_cache.shape[0], k_cache.shape[3]
+    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, out, *index_tensors)):
+        return None
+    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
+            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim):
+        return None
+    lib = library or load()
+    if lib is None or head_dim % lib.vector_width:
+        return None
+    return lib
+
+
+def _raise_for(rc: int, name: str, bad_arguments: str) -> None:
+    """The kernels' return codes: 1 refused arguments (nothing written), 2 no scratch memory."""
+    if rc == 1:
+        raise ValueError(f"{name}: {bad_arguments}")
+    if rc != 0:
+        raise MemoryError(f"{name}: the kernel could not allocate its scratch memory")
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, library: KernelLibrary | None = None) -> bool:
@@ -210,37 +244,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context length including the new token. ``library``: a specific build
     (tests); by default the cached one.
     """
-    entry = _ENTRY.get(k_cache.dtype)
-    if entry is None or (library is None and not enabled()):
-        return False
+    lib = _usable_library(q, k_cache, v_cache, out, (block_tables, seq_lens), library)
     nd, heads, head_dim = q.shape
-    kv_heads, num_blocks, block_size, cache_dim = k_cache.shape
-    tensors = (q, k_cache, v_cache, out, block_tables, seq_lens)
-    if any(t.device.type != "cpu" for t in tensors):
-        return False
-    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
-            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape):
-        return False
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-            and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
-            and block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    if lib is None or not (
+            block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
             and block_tables.dim() == 2 and block_tables.shape[0] >= nd and seq_lens.numel() >= nd
             and (block_tables.stride(1) == 1 or block_tables.shape[1] <= 1)):
         return False
-    lib = library or load()
-    if lib is None or head_dim % lib.vector_width:
-        return False
     if nd == 0:
         return True
-    rc = getattr(lib.cdll, entry)(
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    rc = getattr(lib.cdll, _ENTRY[k_cache.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
         nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
         out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if rc == 1:
-        raise ValueError("paged_decode_attention: a sequence length or block id lies outside the table or pool")
-    if rc != 0:
-        raise MemoryError("paged_decode_attention: the kernel could not allocate its scratch memory")
+    _raise_for(rc, "paged_decode_attention", "a sequence length or block id lies outside the table or pool")
     return True
 
 
@@ -257,30 +276,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ids of the sequence, contiguous. k_cache, v_cache as for
     :func:`paged_decode_attention`.
     """
-    entry = _PREFILL_ENTRY.get(k_cache.dtype)
-    if entry is None or (library is None and not enabled()):
-        return False
+    lib = _usable_library(q, k_cache, v_cache, out, (table,), library)
     q_len, heads, head_dim = q.shape
-    kv_heads, num_blocks, block_size, cache_dim = k_cache.shape
-    if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, out, table)):
-        return False
-    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
-            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim
-            and table.dtype == torch.int32 and table.dim() == 1 and table.is_contiguous()):
-        return False
-    lib = library or load()
-    if lib is None or head_dim % lib.vector_width or heads // kv_heads > PREFILL_MAX_GROUP:
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if lib is None or not (table.dtype == torch.int32 and table.dim() == 1 and table.is_contiguous()
+                           and heads // kv_heads <= PREFILL_MAX_GROUP):
         return False
     if q_len == 0:
         return True
-    rc = getattr(lib.cdll, entry)(
+    rc = getattr(lib.cdll, _PREFILL_ENTRY[k_cache.dtype])(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.numel(),
         int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
         out.data_ptr(), out.stride(0), torch.get_num_threads())
-    if rc == 1:
-        raise ValueError("paged_prefill_attention: the chunk, its length or a block id lies outside the table or pool")
-    if rc != 0:
-        raise MemoryError("paged_prefill_attention: the kernel could not allocate its scratch memory")
+    _raise_for(rc, "paged_prefill_attention", "the chunk, its length or a block id lies outside the table or pool")
     return True
