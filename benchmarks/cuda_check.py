@@ -292,6 +292,20 @@ def env_section(args: argparse.Namespace) -> dict:
     return info
 
 
+def _recorded_run(llm: Any, prompts: list[list[int]], params: Any, tag: str,
+                  forced: dict[str, list[int]] | None = None) -> tuple[list[list[int]], list[torch.Tensor], dict]:
+    """Run the prompts on ``llm`` (pass it fresh: it is released here), recording
+    each request's logits; returns output tokens, logits and graph counters."""
+    with support.LogitRecorder(llm.engine, forced=forced or {}) as rec:
+        reqs = support.run_requests(llm.engine, prompts, params, tag)
+    tokens = [list(r.output_token_ids) for r in reqs]
+    logits = [rec.logits(r.request_id) for r in reqs]
+    stats = _graph_stats(llm)
+    del llm, reqs
+    _release()
+    return tokens, logits, stats
+
+
 def parity_section(ctx: Context) -> dict:
     """float32 engine on the device against transformers float32 on the CPU."""
     from tokenmill import SamplingParams
@@ -303,15 +317,9 @@ def parity_section(ctx: Context) -> dict:
     else:
         ref = support.reference_from_loaded(ctx.loaded)
     prompts = ctx.prompts(PARITY_LENGTHS[: a.parity_prompts], seed=a.seed + 1)
-    llm = ctx.llm("float32", kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    with support.LogitRecorder(llm.engine) as rec:
-        reqs = support.run_requests(llm.engine, prompts, params, "parity")
-    got_tokens = [list(r.output_token_ids) for r in reqs]
-    got_logits = [rec.logits(r.request_id) for r in reqs]
-    graphs = _graph_stats(llm)
-    del llm
-    _release()
+    got_tokens, got_logits, graphs = _recorded_run(
+        ctx.llm("float32", kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts))), prompts, params, "parity")
     want_logits = [support.reference_logits(ref, p + g[:-1], len(p) - 1) for p, g in zip(prompts, got_tokens)]
     teacher = support.compare_logits(got_logits, want_logits, a.rel_tolerance)
     ref_tokens = [support.reference_greedy(ref, p, tokens) for p in prompts]
@@ -331,24 +339,12 @@ def graphs_parity_section(ctx: Context) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=a.parity_tokens, ignore_eos=True)
     opts = dict(kv_cache_memory="1GiB", max_num_seqs=max(8, len(prompts)))
     with _CpuKernelsOff(a.device):
-        on = ctx.llm("float32", graphs=True, **opts)
-        with support.LogitRecorder(on.engine) as rec_on:
-            reqs = support.run_requests(on.engine, prompts, params, "on")
-        on_tokens = [list(r.output_token_ids) for r in reqs]
-        on_logits = [rec_on.logits(r.request_id) for r in reqs]
-        on_stats = _graph_stats(on)
-        del on
-        _release()
-        off = ctx.llm("float32", graphs=False, **opts)
+        on_tokens, on_logits, on_stats = _recorded_run(ctx.llm("float32", graphs=True, **opts), prompts, params, "on")
         forced = {f"off{i}#0": toks for i, toks in enumerate(on_tokens)}
-        with support.LogitRecorder(off.engine, forced=forced) as rec_off:
-            off_reqs = support.run_requests(off.engine, prompts, params, "off")
-        off_logits = [rec_off.logits(r.request_id) for r in off_reqs]
-        if [list(r.output_token_ids) for r in off_reqs] != on_tokens:
+        off_tokens, off_logits, off_stats = _recorded_run(ctx.llm("float32", graphs=False, **opts), prompts, params,
+                                                          "off", forced=forced)
+        if off_tokens != on_tokens:
             raise RuntimeError("teacher forcing did not hold: the off run's tokens differ from the on run's")
-        off_stats = _graph_stats(off)
-        del off
-        _release()
     teacher = support.compare_logits(on_logits, off_logits, a.rel_tolerance)
     replayed = bool(on_stats.get("active") and on_stats.get("replays", 0) > 0)
     return {"prompts": len(prompts), "tokens_each": a.parity_tokens, "teacher_forced": teacher,
