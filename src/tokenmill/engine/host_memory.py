@@ -17,6 +17,7 @@ previous owner may already have faulted them in as 4 KB pages),
 """
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -30,7 +31,7 @@ def zeros_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous 1-D CPU tensor of ``numel`` elements whose pages are
     huge pages where the kernel allows it (same contents either way). The tensor
     keeps its mapping alive."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     if (not env_switch_on("TOKENMILL_HUGE_PAGES") or nbytes < HUGE_PAGE or advice is None
             or not hasattr(mmap, "MAP_ANONYMOUS")):
@@ -57,9 +58,6 @@ def kv_pool_tensors(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
     if device.type != "cpu":
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
-    per_tensor = 1
-    for size in shape:
-        per_tensor *= size
-    flat = zeros_on_huge_pages(2 * num_layers * per_tensor, dtype)
+    flat = zeros_on_huge_pages(2 * num_layers * math.prod(shape), dtype)
     parts = flat.view(num_layers, 2, *shape)
     return [(parts[i, 0], parts[i, 1]) for i in range(num_layers)]

@@ -98,7 +98,7 @@ TM_INLINE void prefill_output(float *restrict o, const float *restrict p, const 
     }
 }
 
-/* Scores -> probabilities for NR rows, in place in s (copied to p), updating
+/* Scores -> probabilities for NR rows, in place in s, updating
  * the running max and sum. Row r's query is at absolute position pos[r]; key j
  * of the block at kb0 + j is visible when kb0 + j <= pos[r] and j < nk. */
 TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
