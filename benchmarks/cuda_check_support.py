@@ -113,6 +113,34 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_id=eos, vocab_size=vocab_size)
 
 
+def write_synthetic_folder(folder: str, seed: int = 0, num_layers: int | None = None) -> None:
+    """The synthetic model and tokenizer as a Hugging Face folder (config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json), so that ``tokenmill
+    serve --model FOLDER`` and the serving benchmarks run on the GPU machine, where
+    the bundled GGUF cannot travel. About 540 MB (float32)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    loaded = synthetic_loaded(seed, num_layers)
+    cfg = loaded.config
+    tokenizer = synthetic_tokenizer(cfg.vocab_size)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+              "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+              "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+              "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "eos_token_id": tokenizer.eos_token_id, "torch_dtype": "float32"}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(out / "model.safetensors"))
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}))
+
+
 def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
     """Token-id prompts of the given lengths (ids clear of the last, special, id)."""
     rng = random.Random(seed)
@@ -320,3 +348,15 @@ def compare_tokens(got: list[list[int]], want: list[list[int]]) -> dict:
     return {"prompts": len(got), "identical_sequences": sum(f is None for f in first),
             "identical_token_fraction": same / total if total else None, "first_divergence": first,
             "distinct_tokens": len({t for seq in got for t in seq})}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="write the synthetic SmolLM2-shaped model as a Hugging Face folder")
+    ap.add_argument("folder")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None)
+    a = ap.parse_args()
+    write_synthetic_folder(a.folder, a.seed, a.layers)
+    print(f"wrote {a.folder}")

@@ -141,11 +141,15 @@ async def _drive_server(url: str, prompts: list[list[int]], out_len: int, concur
 
 def launch_server(serve_flags: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str]:
     """Start `tokenmill serve` on a free loopback port with ``serve_flags``; return it
-    and its URL once /health answers (SystemExit if it exits or is not up in time)."""
+    and its URL once /health answers (SystemExit if it exits or is not up in time).
+    The server's output is dropped unless ``TOKENMILL_BENCH_SERVER_LOG`` names a file
+    to append it to (how a failed start on the GPU machine shows its traceback)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *serve_flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_path = os.environ.get("TOKENMILL_BENCH_SERVER_LOG")
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while True:

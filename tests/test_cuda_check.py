@@ -3,6 +3,7 @@
 comparison and teacher-forcing pieces it is built from (fast)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -136,6 +137,25 @@ def test_synthetic_tokenizer_covers_the_whole_vocabulary() -> None:
     ids = tok.encode("hello, world", add_special_tokens=False)
     assert tok.decode(ids) == "hello, world" and max(ids) > 255  # two-byte merges are used
     assert isinstance(tok.decode([300, 40000, 49150]), str)
+
+
+def test_synthetic_folder_loads_back_as_the_same_model_and_tokenizer(tmp_path) -> None:
+    """What cuda_serving.sh serves on the GPU: the folder must load through the server's
+    own loaders into exactly the in-memory synthetic model."""
+    import cuda_check_support as support
+    from tokenmill.model.loader import load_model
+    from tokenmill.tokenizer import Tokenizer
+
+    support.write_synthetic_folder(str(tmp_path), seed=3, num_layers=1)
+    want = support.synthetic_loaded(seed=3, num_layers=1)
+    got = load_model(str(tmp_path))
+    # the folder names the synthetic tokenizer's own end-of-text id (SmolLM2's 1 and 2 mean nothing there)
+    assert got.config == dataclasses.replace(want.config, bos_token_id=None, eos_token_id=49151)
+    assert got.weights.keys() == want.weights.keys()
+    assert all(torch.equal(got.weights[k], want.weights[k]) for k in want.weights)
+    tok = Tokenizer.from_model_path(str(tmp_path))
+    assert tok.vocab_size == 49152 and tok.eos_token_id == 49151 and not tok.add_bos
+    assert tok.decode(tok.encode("Request 7. alpha beta", add_special_tokens=False)) == "Request 7. alpha beta"
 
 
 def test_teacher_forcing_drives_the_engine_and_records_its_own_logits() -> None:
