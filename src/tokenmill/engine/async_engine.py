@@ -179,27 +179,48 @@ class AsyncEngine:
             if not deltas and not self.engine.scheduler.running:
                 self._wakeup.wait(timeout=0.002)  # a batching policy's window
                 self._wakeup.clear()
-            for delta in deltas:
-                stream = self._streams.get(delta.request_id)
-                if stream is None:
-                    continue
-                stream.put(delta)
-                if delta.finished:
-                    stream.remaining -= 1
-                    if stream.remaining == 0:
-                        del self._streams[delta.request_id]
-                        stream.put(_FINISHED)
+            self._deliver(deltas)
             if self.on_step is not None:
                 try:
                     self.on_step(self.engine, deltas)
                 except Exception:  # noqa: BLE001
                     log.exception("on_step hook failed")
 
+    def _deliver(self, deltas: list[SequenceDelta]) -> None:
+        """Hand a step's deltas to their streams with one wake-up per event loop.
+
+        One ``call_soon_threadsafe`` per delta cost a self-pipe write and a loop
+        wake-up per token: at 64 streams, 64 of each per step, in the thread the
+        HTTP side needs. A step's items go over as one batch, in order.
+        """
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None:
+                continue
+            batch = batches.setdefault(stream.loop, [])
+            batch.append((stream.queue, delta))
+            if delta.finished:
+                stream.remaining -= 1
+                if stream.remaining == 0:
+                    del self._streams[delta.request_id]
+                    batch.append((stream.queue, _FINISHED))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop is closed: nobody is left to read its streams
+                log.warning("dropping %d deltas for a closed event loop", len(batch))
+
     def _fail_all(self, exc: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             stream.put(RuntimeError(f"internal engine error: {exc}"))
         self._streams.clear()
+
+
+def _put_all(batch: list[tuple["asyncio.Queue[Any]", Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 def _settle(future: "asyncio.Future[Any]", result: Any, exc: BaseException | None) -> None:
