@@ -33,6 +33,7 @@
  */
 #include "paged_attention.c"
 #include "prefill_attention.c"
+#include "argmax.c"
 
 #include <omp.h>
 #if defined(__AVX512F__)
