@@ -65,6 +65,13 @@ JSON fields (top level):
   engine loop, after an untimed run of other prompts of the same lengths:
   ``output_tok_s``, ``total_tok_s``, ``seconds``, ``timed`` graph counters.
 
+* ``step_profile`` (``--dtype``, the smallest and largest of ``--decode-batches``):
+  ``step_ms`` (engine step, graphs on), ``replay_ms`` (that bucket's graph replayed
+  back to back: the device's share), ``host_ms`` (the difference), ``host_profile``
+  (cProfile of the steps: own and cumulative ms per step by function) and ``eager``
+  (torch.profiler over eager steps: kernels launched per step, their summed time,
+  the costliest names; ATen ops on the CPU).
+
 On the CPU there are no CUDA graphs: "on" records with the tests' emulated backend
 (same buckets, padding and static buffers; replay re-runs the step) and the CPU C
 kernels are switched off in the graph sections, so the dry run still checks the
@@ -91,7 +98,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_check_support as support  # noqa: E402
 
-SECTIONS = ("parity", "graphs_parity", "decode", "throughput")
+SECTIONS = ("parity", "graphs_parity", "decode", "throughput", "step_profile")
 PARITY_LENGTHS = [5, 17, 33, 64, 100, 9, 48, 130]  # mixed: some cross block edges, widths differ
 
 
@@ -427,6 +434,119 @@ def throughput_section(ctx: Context) -> dict:
             "total_tok_s": round((produced + a.num_prompts * a.prompt_len) / elapsed, 1), "timed": timed}
 
 
+def _ready_batch(ctx: Context, llm: Any, batch: int, tag: str, tokens: int) -> None:
+    """Add ``batch`` prompts of ``--prompt-len`` (``tokens`` to generate) and step until
+    each has its first token."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    reqs = [llm.engine.add_request(f"{tag}{i}", ids, params)[0]
+            for i, ids in enumerate(ctx.prompts([ctx.args.prompt_len] * batch, seed=ctx.args.seed + 7))]
+    while any(not r.output_token_ids for r in reqs):
+        llm.engine.step()
+
+
+def _host_profile(engine: Any, steps: int) -> list[dict]:
+    """cProfile over ``steps`` engine steps: the functions with the most own time, per step."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:18]
+    return [{"function": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls_per_step": round(v[1] / steps, 1),
+             "own_ms_per_step": round(1000 * v[2] / steps, 3), "cumulative_ms_per_step": round(1000 * v[3] / steps, 3)}
+            for k, v in rows]
+
+
+def _kernels_per_step(ctx: Context, engine: Any, steps: int) -> dict:
+    """torch.profiler over eager decode steps: device kernels (CUDA) or ATen ops (CPU) per
+    step, their summed time, and the costliest names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ctx.args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    ctx.sync()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        ctx.sync()
+    names: dict[str, list[float]] = {}
+    count, total_us = 0, 0.0
+    for evt in prof.events():
+        if cuda:
+            t = float(getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0) or 0)
+            if not (str(evt.device_type).endswith("CUDA") and t > 0):
+                continue
+        elif evt.name.startswith("aten::"):
+            t = float(evt.cpu_time_total)
+        else:
+            continue
+        count += 1
+        total_us += t
+        names.setdefault(evt.name[:90], [0, 0.0])
+        names[evt.name[:90]][0] += 1
+        names[evt.name[:90]][1] += t
+    top = sorted(names.items(), key=lambda kv: kv[1][1], reverse=True)[:12]
+    return {"what": "CUDA kernels" if cuda else "ATen ops (nested ones included)",
+            "per_step": round(count / steps, 1), "summed_ms_per_step": round(total_us / 1000 / steps, 3),
+            "top": [{"name": n, "per_step": round(c / steps, 1), "ms_per_step": round(t / 1000 / steps, 3)}
+                    for n, (c, t) in top]}
+
+
+def step_profile_section(ctx: Context) -> dict:
+    """Where a decode step's time goes, for the smallest and largest decode batch: engine
+    step wall time (graphs on) against the bare replay of its graph (back to back, no
+    host work: the device's share), the host's own time by function (cProfile), and the
+    kernels an eager step launches (what a graph replays)."""
+    a = ctx.args
+    steps = 5 if a.quick else 30
+    out: dict[str, Any] = {"dtype": a.dtype, "prompt_len": a.prompt_len, "steps": steps}
+    with _CpuKernelsOff(a.device):
+        for b in sorted({min(a.decode_batches), max(a.decode_batches)}):
+            row: dict[str, Any] = {}
+            llm = ctx.llm(a.dtype, graphs=True, kv_cache_memory=a.kv_cache_memory, max_num_seqs=b)
+            _ready_batch(ctx, llm, b, f"p{b}-", 2 * steps + 8)
+            for _ in range(3):  # captures (if any) happen here
+                llm.engine.step()
+            ctx.sync()
+            t = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            ctx.sync()
+            row["step_ms"] = round(1000 * (time.perf_counter() - t) / steps, 3)
+            graphs = llm.engine.runner.graphs
+            if graphs is not None and graphs.graphs:
+                key = max(graphs.graphs, key=lambda k: (k[0] >= b, -k[0], k[1]))  # this batch's bucket
+                graph = graphs.graphs[key].graph
+                ctx.sync()
+                t = time.perf_counter()
+                with torch.inference_mode():  # (the CPU stand-in re-runs the step)
+                    for _ in range(steps):
+                        graph.replay()
+                ctx.sync()
+                row["bucket"] = list(key)
+                row["replay_ms"] = round(1000 * (time.perf_counter() - t) / steps, 3)
+                row["host_ms"] = round(row["step_ms"] - row["replay_ms"], 3)
+            row["host_profile"] = _host_profile(llm.engine, steps)
+            del llm, graphs
+            _release()
+            llm = ctx.llm(a.dtype, graphs=False, kv_cache_memory=a.kv_cache_memory, max_num_seqs=b)
+            _ready_batch(ctx, llm, b, f"e{b}-", 8)
+            llm.engine.step()
+            row["eager"] = _kernels_per_step(ctx, llm.engine, 3)
+            del llm
+            _release()
+            out[f"batch_{b}"] = row
+            print(f"cuda_check:   step_profile batch {b}: step {row['step_ms']} ms, replay {row.get('replay_ms')} ms, "
+                  f"{row['eager']['per_step']} {row['eager']['what']} per eager step", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -484,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(args)
     model = run.section("model", ctx.build)
     runners = {"parity": parity_section, "graphs_parity": graphs_parity_section, "decode": decode_section,
-               "throughput": throughput_section}
+               "throughput": throughput_section, "step_profile": step_profile_section}
     for name in SECTIONS:
         if name not in args.sections:
             continue

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from conftest import make_tiny_llm  # noqa: E402
 
-SECTIONS = ("env", "model", "parity", "graphs_parity", "decode", "throughput")
+SECTIONS = ("env", "model", "parity", "graphs_parity", "decode", "throughput", "step_profile")
 
 
 @pytest.mark.slow
@@ -64,6 +64,13 @@ def test_cuda_check_dry_run_on_cpu_writes_every_section(tmp_path) -> None:
         assert off["timed"] == {"active": False}
     assert set(decode["on_over_off"]) == {"batch_1", "batch_3"}
     assert summary["throughput"]["output_tok_s"] > 0 and summary["throughput"]["total_tok_s"] > 0
+
+    profile = summary["step_profile"]
+    for b in (1, 3):
+        row = profile[f"batch_{b}"]
+        assert row["step_ms"] > 0 and row["replay_ms"] > 0 and row["bucket"][0] >= b
+        assert row["host_profile"] and all(r["own_ms_per_step"] >= 0 for r in row["host_profile"])
+        assert row["eager"]["per_step"] > 100 and row["eager"]["top"]  # a 30-layer step is many ops
 
 
 @pytest.mark.slow
