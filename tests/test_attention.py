@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import (AttentionMetadata, kv_cache_shape, paged_attention,
-                                       paged_attention_reference, write_kv)
+from tokenmill.model import attention
+from tokenmill.model.attention import (AttentionMetadata, batched_prefill_attention, kv_cache_shape,
+                                       paged_attention, paged_attention_reference, write_kv)
 from tokenmill.model.llama import RotaryEmbedding, _rotate
 from tokenmill.config import ModelConfig
 
@@ -122,6 +123,44 @@ def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: 
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
 
 
+BATCHED_CASES = {
+    **{k: v for k, v in CASES.items() if k in ("prefill", "prefill_cached_prefix", "mixed")},
+    "prefills_of_many_lengths": [(5, 1), (1, 1), (3, 3), (40, 40), (57, 2), (18, 17)],
+    "chunks_after_long_prefixes": [(70, 1), (90, 30), (66, 4), (31, 31)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(BATCHED_CASES))
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_batched_prefill_matches_one_chunk_at_a_time(case: str, heads: int, kv_heads: int, dtype) -> None:
+    """The GPU's padded one-call prefill path (run here on CPU) against the plain softmax
+    and against the per-chunk SDPA path it replaces; decode rows are left alone."""
+    q, kc, vc, meta, tables = make_case(BATCHED_CASES[case], heads, kv_heads, dtype, seed=len(case) + heads,
+                                        workspace=False)
+    scale = 16**-0.5
+    nd = meta.num_decodes
+    got = torch.full_like(q, float("nan"))
+    batched_prefill_attention(q, kc, vc, meta, scale, got)
+    assert got[:nd].isnan().all() and not got[nd:].isnan().any()
+    one_by_one = torch.empty_like(q)
+    attention._prefill_attention(q, kc, vc, meta, scale, one_by_one)
+    want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, scale)[nd:]
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[nd:].double(), want, **tol)
+    torch.testing.assert_close(got[nd:].double(), one_by_one[nd:].double(), **tol)
+    assert meta.padded_prefill is not None and meta.padded_prefill.max_k % 16 == 0  # built once, kept
+
+
+def test_batched_prefill_applies_off_the_cpu_to_two_or_more_chunks(monkeypatch) -> None:
+    cuda = torch.device("cuda")
+    assert attention.use_batched_prefill(cuda, 2) and attention.use_batched_prefill(cuda, 40)
+    assert not attention.use_batched_prefill(cuda, 1)  # a lone chunk: causal SDPA, no mask
+    assert not attention.use_batched_prefill(torch.device("cpu"), 8)  # the C kernel reads chunks in place
+    monkeypatch.setenv("TOKENMILL_BATCHED_PREFILL", "0")
+    assert not attention.use_batched_prefill(cuda, 8)
+
+
 @pytest.mark.parametrize("nd", [2, 40])  # below and above the bf16 SDPA/matmul switch (40 * 128 rows)
 def test_bf16_decode_paths_match_reference(nd: int, decode_path: str) -> None:
     seqs = [(100 + 3 * i, 1) for i in range(nd)]
@@ -203,3 +242,35 @@ def test_rotation_with_signed_table_equals_rotate_half() -> None:
     sin = rope.sin[pos][:, None]
     plain = x * cos + torch.cat([-x[..., 8:], x[..., :8]], dim=-1) * sin
     assert torch.equal(_rotate(x, *rope.tables(pos, torch.float32)), plain)
+
+
+def test_engine_output_is_the_same_with_batched_prefill(monkeypatch) -> None:
+    """The whole engine with every multi-chunk prefill step forced through the padded
+    path (on CPU, kernels off): the same greedy tokens as chunk by chunk, with prompts
+    long enough to be split across steps and to follow cached prefixes."""
+    from conftest import make_tiny_llm
+    from tokenmill import SamplingParams
+
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    rng = random.Random(3)
+    shared = [rng.randrange(1, 200) for _ in range(40)]
+    prompts = [shared + [rng.randrange(1, 200) for _ in range(n)] for n in (3, 70, 18, 1, 45)]
+    prompts += [[rng.randrange(1, 200) for _ in range(n)] for n in (9, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = make_tiny_llm(max_num_batched_tokens=64, block_size=BS)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    plain = run()
+    used: list[int] = []
+    real = attention.batched_prefill_attention
+
+    def spy(q, k_cache, v_cache, meta, scale, out):  # type: ignore[no-untyped-def]
+        used.append(meta.num_seqs - meta.num_decodes)
+        real(q, k_cache, v_cache, meta, scale, out)
+
+    monkeypatch.setattr(attention, "batched_prefill_attention", spy)
+    monkeypatch.setattr(attention, "use_batched_prefill", lambda device, chunks: chunks > 1)
+    assert run() == plain
+    assert used and max(used) > 1

@@ -75,6 +75,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, decode_blocks] int32, contiguous
     # For the CPU prefill kernel: block_tables as int32, contiguous (built by the first layer).
     prefill_block_tables: torch.Tensor | None = None
+    # For batched prefill attention off the CPU (built by the first layer that needs it).
+    padded_prefill: "PaddedPrefill | None" = None
 
     @property
     def num_seqs(self) -> int:
@@ -186,7 +188,10 @@ def paged_attention(
     if nd and not _kernel_decodes(q, k_cache, v_cache, meta, scale, out):
         _torch_decodes(q, k_cache, v_cache, meta, scale, out)
     if meta.num_seqs > nd and not _kernel_prefills(q, k_cache, v_cache, meta, scale, out):
-        _prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        if use_batched_prefill(q.device, meta.num_seqs - nd):
+            batched_prefill_attention(q, k_cache, v_cache, meta, scale, out)
+        else:
+            _prefill_attention(q, k_cache, v_cache, meta, scale, out)
     return out
 
 
@@ -270,6 +275,91 @@ def _torch_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 
 
 _USE_REFERENCE = os.environ.get("TOKENMILL_ATTENTION", "").lower() == "reference"
+
+
+@dataclass
+class PaddedPrefill:
+    """A step's prefill chunks laid out as one padded batch, built once per step.
+
+    ``n`` chunks, each padded to ``max_q`` query rows and ``max_k`` key positions
+    (a multiple of 16: the fused kernels want an aligned mask row)."""
+
+    n: int
+    max_q: int
+    max_k: int
+    key_slots: torch.Tensor  # [n * max_k] long: pool slot of each key position (padding: slot 0)
+    query_rows: torch.Tensor  # [n * max_q] long: row of q for each padded query (padding: the chunk's first)
+    real_rows: torch.Tensor  # [T - num_decodes] long: where each real query sits in the padded order
+    mask: torch.Tensor  # [n, 1, max_q, max_k] bool: True = attend
+
+
+def padded_prefill(meta: AttentionMetadata, device: torch.device) -> PaddedPrefill:
+    """Build (once per step, kept on meta) the padded layout of the step's prefill chunks."""
+    if meta.padded_prefill is not None:
+        return meta.padded_prefill
+    nd, bs = meta.num_decodes, meta.block_size
+    qlens, slens = meta.query_lens[nd:], meta.seq_lens[nd:]
+    n, max_q = len(qlens), max(qlens)
+    max_k = -(-max(slens) // 16) * 16
+    query_rows: list[int] = []
+    real_rows: list[int] = []
+    start = nd
+    for i, qlen in enumerate(qlens):
+        query_rows.extend(range(start, start + qlen))
+        query_rows.extend([start] * (max_q - qlen))
+        real_rows.extend(range(i * max_q, i * max_q + qlen))
+        start += qlen
+    tables = meta.block_tables[nd:].to(device)
+    pos = torch.arange(max_k, device=device)
+    block_col = (pos // bs).clamp(max=tables.shape[1] - 1)
+    slots = tables[:, block_col] * bs + pos % bs  # [n, max_k]
+    slen = torch.tensor(slens, device=device)
+    qlen_t = torch.tensor(qlens, device=device)
+    slots = torch.where(pos[None, :] < slen[:, None], slots, torch.zeros_like(slots))
+    # Query i of a chunk sits at position slen - qlen + i and sees keys up to it; a padded
+    # query row sees key 0 alone (a row with nothing to attend would come out NaN).
+    rows = torch.arange(max_q, device=device)
+    last = (slen - qlen_t)[:, None] + rows[None, :]  # [n, max_q]
+    real = rows[None, :] < qlen_t[:, None]
+    mask = (pos[None, None, :] <= last[:, :, None]) & real[:, :, None]
+    mask |= (~real)[:, :, None] & (pos == 0)[None, None, :]
+    meta.padded_prefill = PaddedPrefill(
+        n=n, max_q=max_q, max_k=max_k, key_slots=slots.reshape(-1),
+        query_rows=torch.tensor(query_rows, dtype=torch.long).to(device),
+        real_rows=torch.tensor(real_rows, dtype=torch.long).to(device), mask=mask[:, None])
+    return meta.padded_prefill
+
+
+def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    """Every prefill chunk of the step in one SDPA call over a padded batch (GPU).
+
+    One sequence at a time, a step of eight 256-token prompts issued ~10 small
+    kernels per chunk per layer from Python (on an H200 the eager mixed steps then
+    cost more than all graph-replayed decodes). Padded here, it is a fixed handful
+    of kernels per layer whatever the number of chunks; the price is padding up to
+    the longest chunk and context, which a GPU absorbs."""
+    pp = padded_prefill(meta, q.device)
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    heads = q.shape[1]
+    group = heads // kv_heads
+
+    def context(cache: torch.Tensor) -> torch.Tensor:  # [n, heads, max_k, head_dim]
+        flat = cache.view(kv_heads, num_blocks * block_size, head_dim)
+        ctx = flat.index_select(1, pp.key_slots).view(kv_heads, pp.n, pp.max_k, head_dim).transpose(0, 1)
+        return (ctx.repeat_interleave(group, dim=1) if group > 1 else ctx).to(q.dtype)
+
+    qp = q.index_select(0, pp.query_rows).view(pp.n, pp.max_q, heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qp, context(k_cache), context(v_cache), attn_mask=pp.mask, scale=scale)
+    o = o.transpose(1, 2).reshape(pp.n * pp.max_q, heads, head_dim)
+    out[meta.num_decodes:] = o.index_select(0, pp.real_rows)
+
+
+def use_batched_prefill(device: torch.device, chunks: int) -> bool:
+    """Off the CPU (whose C kernel reads chunks in place), two or more chunks go through
+    one padded call; a lone chunk keeps the per-chunk path, whose causal SDPA needs no
+    mask. ``TOKENMILL_BATCHED_PREFILL=0`` turns it off."""
+    return chunks > 1 and device.type != "cpu" and os.environ.get("TOKENMILL_BATCHED_PREFILL", "1") != "0"
 
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
