@@ -36,8 +36,11 @@ Prefill chunks on CPU go through a second C kernel
 sequence per call, causal flash-style attention with register-tiled score and
 output matmuls, reading the cached prefix and the chunk's own K/V in place.
 torch's SDPA flash kernel ran SmolLM2's shapes at 40-60 GFLOPS and a chunk
-after a prefix needed a gather copy and an explicit mask first. Elsewhere,
-and as the fallback, chunks go one sequence at a time through SDPA.
+after a prefix needed a gather copy and an explicit mask first. Off the CPU,
+two or more chunks go through one SDPA call over a padded batch
+(``batched_prefill_attention``: a fixed handful of kernels per layer instead of
+~10 per chunk launched from Python); a lone chunk, and the CPU fallback, go
+one sequence at a time through SDPA.
 
 ``paged_attention_reference`` is the plain formulation with fresh gathers,
 kept for tests and the benchmarks' eager baseline
