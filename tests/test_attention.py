@@ -161,6 +161,20 @@ def test_batched_prefill_applies_off_the_cpu_to_two_or_more_chunks(monkeypatch) 
     assert not attention.use_batched_prefill(cuda, 8)
 
 
+def test_batched_prefill_is_refused_when_padding_would_be_too_large(monkeypatch) -> None:
+    """Short chunks after long prefixes are each padded to the longest context: past the
+    byte cap the step goes chunk by chunk (same result)."""
+    seqs = [(7, 1), (300, 4), (290, 2), (12, 12)]
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=4, workspace=False)
+    # 3 chunks x 9 heads x 304 keys x 16 dims x 4 bytes x (K and V), plus a 3 x 12 x 304 mask
+    need = 2 * 3 * 9 * 304 * 16 * 4 + 3 * 12 * 304
+    assert attention.batched_prefill_fits(meta, q)
+    monkeypatch.setattr(attention, "BATCHED_PREFILL_MAX_BYTES", need - 1)
+    assert not attention.batched_prefill_fits(meta, q)
+    monkeypatch.setattr(attention, "BATCHED_PREFILL_MAX_BYTES", need)
+    assert attention.batched_prefill_fits(meta, q)
+
+
 @pytest.mark.parametrize("nd", [2, 40])  # below and above the bf16 SDPA/matmul switch (40 * 128 rows)
 def test_bf16_decode_paths_match_reference(nd: int, decode_path: str) -> None:
     seqs = [(100 + 3 * i, 1) for i in range(nd)]

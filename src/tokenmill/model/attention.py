@@ -191,7 +191,7 @@ def paged_attention(
     if nd and not _kernel_decodes(q, k_cache, v_cache, meta, scale, out):
         _torch_decodes(q, k_cache, v_cache, meta, scale, out)
     if meta.num_seqs > nd and not _kernel_prefills(q, k_cache, v_cache, meta, scale, out):
-        if use_batched_prefill(q.device, meta.num_seqs - nd):
+        if use_batched_prefill(q.device, meta.num_seqs - nd) and batched_prefill_fits(meta, q):
             batched_prefill_attention(q, k_cache, v_cache, meta, scale, out)
         else:
             _prefill_attention(q, k_cache, v_cache, meta, scale, out)
@@ -363,6 +363,22 @@ def use_batched_prefill(device: torch.device, chunks: int) -> bool:
     one padded call; a lone chunk keeps the per-chunk path, whose causal SDPA needs no
     mask. ``TOKENMILL_BATCHED_PREFILL=0`` turns it off."""
     return chunks > 1 and device.type != "cpu" and os.environ.get("TOKENMILL_BATCHED_PREFILL", "1") != "0"
+
+
+BATCHED_PREFILL_MAX_BYTES = 512 * 2**20
+
+
+def batched_prefill_fits(meta: AttentionMetadata, q: torch.Tensor) -> bool:
+    """Whether the padded batch (K and V copies for every query head, the mask) stays
+    under ``BATCHED_PREFILL_MAX_BYTES``. Many short chunks after long cached prefixes
+    would each be padded to the longest context: 256 chunks after 8K-token prefixes
+    are ~5 GB of padded bf16 K/V, where one chunk at a time needs a few MB."""
+    nd = meta.num_decodes
+    n = meta.num_seqs - nd
+    max_k = -(-max(meta.seq_lens[nd:]) // 16) * 16
+    kv_bytes = 2 * n * q.shape[1] * max_k * q.shape[2] * q.element_size()
+    mask_bytes = n * max(meta.query_lens[nd:]) * max_k
+    return kv_bytes + mask_bytes <= BATCHED_PREFILL_MAX_BYTES
 
 
 def _prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
