@@ -8,7 +8,9 @@ prefix, exactly ``--output-len`` output tokens, ``ignore_eos``, greedy):
 1. one stream (``--single-requests`` requests, one after another): the
    single-stream decode rate, output tokens / wall time, is the baseline;
 2. each concurrency in ``--concurrency`` (default 16 and 64): ``--waves`` x
-   concurrency requests, closed loop.
+   concurrency requests, closed loop;
+3. one stream again: this host's speed drifts within a run, so the last line
+   also gives each level's ratio against the mean of both single-stream rates.
 
 Each level starts with one uncounted warm-up request with a prompt of its own,
 so no counted request finds its prompt in the prefix cache (before session 5
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenmill.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(args.model)
-    total = 1 + args.single_requests + sum(1 + c * args.waves for c in levels)  # a warm-up prompt per level
+    # a warm-up prompt per level; the single stream runs at the start and again at the end
+    total = 2 * (1 + args.single_requests) + sum(1 + c * args.waves for c in levels)
     prompts = make_prompts(tokenizer, total, args.input_len)
     proc, url = start_server(args, max(levels))
     print(f"# serving_throughput: dtype {args.dtype}, prompts {args.input_len} tokens, {args.output_len} output "
@@ -91,9 +94,19 @@ def main(argv: list[str] | None = None) -> int:
         single = asyncio.run(_drive_server(url, take(args.single_requests), args.output_len, 1, take(1)[0]))
         base = single.tokens / single.wall
         print(row("1", single, None), flush=True)
+        rates: dict[int, float] = {}
         for c in levels:
             res = asyncio.run(_drive_server(url, take(c * args.waves), args.output_len, c, take(1)[0]))
+            rates[c] = res.tokens / res.wall
             print(row(str(c), res, base), flush=True)
+        # This host's speed drifts within a run: the single stream again, and the ratios
+        # against the mean of both single-stream measurements.
+        end = asyncio.run(_drive_server(url, take(args.single_requests), args.output_len, 1, take(1)[0]))
+        print(row("1 (again, at the end)", end, base), flush=True)
+        mean = (base + end.tokens / end.wall) / 2
+        ratios = ", ".join(f"{c} streams {rate / mean:.2f}x" for c, rate in rates.items())
+        print(f"\nsingle stream {base:.1f} tok/s at the start, {end.tokens / end.wall:.1f} at the end; "
+              f"against their mean ({mean:.1f}): {ratios}", flush=True)
     finally:
         stop_server(proc)
     return 0
