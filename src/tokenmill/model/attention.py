@@ -296,6 +296,11 @@ class PaddedPrefill:
     mask: torch.Tensor  # [n, 1, max_q, max_k] bool: True = attend
 
 
+def _padded_key_len(seq_lens: list[int]) -> int:
+    """Key positions of the padded batch: the longest context, rounded up to 16."""
+    return -(-max(seq_lens) // 16) * 16
+
+
 def padded_prefill(meta: AttentionMetadata, device: torch.device) -> PaddedPrefill:
     """Build (once per step, kept on meta) the padded layout of the step's prefill chunks."""
     if meta.padded_prefill is not None:
@@ -303,7 +308,7 @@ def padded_prefill(meta: AttentionMetadata, device: torch.device) -> PaddedPrefi
     nd, bs = meta.num_decodes, meta.block_size
     qlens, slens = meta.query_lens[nd:], meta.seq_lens[nd:]
     n, max_q = len(qlens), max(qlens)
-    max_k = -(-max(slens) // 16) * 16
+    max_k = _padded_key_len(slens)
     query_rows: list[int] = []
     real_rows: list[int] = []
     start = nd
@@ -375,7 +380,7 @@ def batched_prefill_fits(meta: AttentionMetadata, q: torch.Tensor) -> bool:
     are ~5 GB of padded bf16 K/V, where one chunk at a time needs a few MB."""
     nd = meta.num_decodes
     n = meta.num_seqs - nd
-    max_k = -(-max(meta.seq_lens[nd:]) // 16) * 16
+    max_k = _padded_key_len(meta.seq_lens[nd:])
     kv_bytes = 2 * n * q.shape[1] * max_k * q.shape[2] * q.element_size()
     mask_bytes = n * max(meta.query_lens[nd:]) * max_k
     return kv_bytes + mask_bytes <= BATCHED_PREFILL_MAX_BYTES
