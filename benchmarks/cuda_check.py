@@ -359,15 +359,21 @@ def graphs_parity_section(ctx: Context) -> dict:
             "passed": bool(teacher["passed"] and replayed and not off_stats.get("active"))}
 
 
-def _decode_pass(ctx: Context, llm: Any, prompts: list[list[int]], tokens: int, tag: str) -> dict:
-    """Decode tokens/s of the prompts run together: the steps after every first token."""
+def _start_greedy(engine: Any, prompts: list[list[int]], tokens: int, tag: str) -> None:
+    """Add the prompts (greedy, ``tokens`` each, ignore_eos) and step until every one
+    has its first token: what follows are decode steps."""
     from tokenmill import SamplingParams
 
-    engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     reqs = [engine.add_request(f"{tag}{i}", ids, params)[0] for i, ids in enumerate(prompts)]
     while any(not r.output_token_ids for r in reqs):
         engine.step()
+
+
+def _decode_pass(ctx: Context, llm: Any, prompts: list[list[int]], tokens: int, tag: str) -> dict:
+    """Decode tokens/s of the prompts run together: the steps after every first token."""
+    engine = llm.engine
+    _start_greedy(engine, prompts, tokens + 1, tag)
     ctx.sync()
     before = _graph_stats(llm)
     produced, steps = 0, 0
@@ -434,18 +440,6 @@ def throughput_section(ctx: Context) -> dict:
             "total_tok_s": round((produced + a.num_prompts * a.prompt_len) / elapsed, 1), "timed": timed}
 
 
-def _ready_batch(ctx: Context, llm: Any, batch: int, tag: str, tokens: int) -> None:
-    """Add ``batch`` prompts of ``--prompt-len`` (``tokens`` to generate) and step until
-    each has its first token."""
-    from tokenmill import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    reqs = [llm.engine.add_request(f"{tag}{i}", ids, params)[0]
-            for i, ids in enumerate(ctx.prompts([ctx.args.prompt_len] * batch, seed=ctx.args.seed + 7))]
-    while any(not r.output_token_ids for r in reqs):
-        llm.engine.step()
-
-
 def _host_profile(engine: Any, steps: int) -> list[dict]:
     """cProfile over ``steps`` engine steps: the functions with the most own time, per step."""
     import cProfile
@@ -509,8 +503,9 @@ def step_profile_section(ctx: Context) -> dict:
     with _CpuKernelsOff(a.device):
         for b in sorted({min(a.decode_batches), max(a.decode_batches)}):
             row: dict[str, Any] = {}
+            prompts = ctx.prompts([a.prompt_len] * b, seed=a.seed + 7)
             llm = ctx.llm(a.dtype, graphs=True, kv_cache_memory=a.kv_cache_memory, max_num_seqs=b)
-            _ready_batch(ctx, llm, b, f"p{b}-", 2 * steps + 8)
+            _start_greedy(llm.engine, prompts, 2 * steps + 8, f"p{b}-")
             for _ in range(3):  # captures (if any) happen here
                 llm.engine.step()
             ctx.sync()
@@ -536,7 +531,7 @@ def step_profile_section(ctx: Context) -> dict:
             del llm, graphs
             _release()
             llm = ctx.llm(a.dtype, graphs=False, kv_cache_memory=a.kv_cache_memory, max_num_seqs=b)
-            _ready_batch(ctx, llm, b, f"e{b}-", 8)
+            _start_greedy(llm.engine, prompts, 8, f"e{b}-")
             llm.engine.step()
             row["eager"] = _kernels_per_step(ctx, llm.engine, 3)
             del llm

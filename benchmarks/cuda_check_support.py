@@ -138,7 +138,8 @@ def write_synthetic_folder(folder: str, seed: int = 0, num_layers: int | None = 
     (out / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.contiguous() for k, v in loaded.weights.items()}, str(out / "model.safetensors"))
     tokenizer.backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}))
+    eos = tokenizer.backend.id_to_token(tokenizer.eos_token_id)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "add_bos_token": False}))
 
 
 def random_prompts(lengths: list[int], vocab_size: int, seed: int) -> list[list[int]]:
