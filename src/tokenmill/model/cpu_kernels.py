@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use and called through ctypes.
 
-Four kernels, one library:
+Five kernels, one library:
 
 * ``csrc/paged_attention.c``: decode attention reading the KV blocks in place
   through the block table (copying every sequence's blocks into a contiguous
@@ -10,7 +10,10 @@ Four kernels, one library:
   SDPA plus the gather it needed);
 * ``csrc/argmax.c``: greedy sampling's row argmax (torch's CPU argmax does
   not vectorize its index tracking: ~1.5 ms for 64 rows of 49,152 logits);
-* ``csrc/decode_step.c`` (which includes the other three): a whole decode step,
+* ``csrc/elementwise.c``: RMSNorm, rotary and SiLU(gate) * up of the eager
+  model's prefill and mixed steps, one pass each instead of two to seven
+  ATen ops (the fused decode step inlines the same one-row routines);
+* ``csrc/decode_step.c`` (which includes the other four): a whole decode step,
   every layer in one call, for small batches (``fused_decode.py``).
 
 C with no torch headers and no build step at install time: the first call
@@ -54,7 +57,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, one translation unit
-SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", SOURCE)  # what the cache key hashes
+SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
+           SOURCE)  # what the cache key hashes
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 _ABI_VERSION = 1
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
@@ -153,6 +157,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
         fn.restype = ctypes.c_int
     cdll.tm_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     cdll.tm_argmax_rows.restype = ctypes.c_int
+    cdll.tm_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
+    cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
+    cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
+    for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows):
+        fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
     cdll.tm_decode_struct_sizes.restype = ctypes.c_int64
@@ -314,3 +323,71 @@ def argmax_rows(logits: torch.Tensor, library: KernelLibrary | None = None) -> t
                                      torch.get_num_threads())
         _raise_for(rc, "argmax_rows", "bad shape or stride")
     return out
+
+
+def _cpu_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """2-D with unit inner stride (rows may be strided, as slices of a fused projection are)."""
+    return x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1) and x.stride(0) >= x.shape[1]
+
+
+def _elementwise_library(library: KernelLibrary | None) -> KernelLibrary | None:
+    return library or (load() if enabled() else None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             library: KernelLibrary | None = None) -> torch.Tensor | None:
+    """``weight * x / rms(x)`` over the last dimension of a 2-D float32 CPU tensor, in one
+    pass (a new contiguous tensor); None when the kernel is off or cannot take it."""
+    if not (_cpu_f32(x, weight) and _rows_ok(x) and weight.is_contiguous() and weight.shape == x.shape[1:]):
+        return None
+    lib = _elementwise_library(library)
+    if lib is None:
+        return None
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    rc = lib.cdll.tm_rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), rows, n, float(eps),
+                                   out.data_ptr(), n, torch.get_num_threads())
+    _raise_for(rc, "rms_norm", "bad shape or stride")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int, library: KernelLibrary | None = None) -> torch.Tensor | None:
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:2 * inter]`` for a 2-D float32 CPU
+    tensor, in one pass (a new [rows, inter] tensor); None when the kernel is off or
+    cannot take it."""
+    if not (_cpu_f32(gate_up) and _rows_ok(gate_up) and gate_up.shape[1] == 2 * inter and inter > 0):
+        return None
+    lib = _elementwise_library(library)
+    if lib is None:
+        return None
+    rows = gate_up.shape[0]
+    out = torch.empty((rows, inter), dtype=torch.float32)
+    rc = lib.cdll.tm_silu_mul_rows(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(), inter,
+                                   torch.get_num_threads())
+    _raise_for(rc, "silu_mul", "bad shape or stride")
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library: KernelLibrary | None = None) -> bool:
+    """Rotary embedding in place, bit-identical to ``x * cos + x.roll(D // 2, -1) * signed_sin``
+    (model/llama.py's ``_rotate``): x [tokens, heads, D] float32 on CPU, each token's heads
+    contiguous (token rows may be strided); cos, signed_sin: [tokens, 1, D] (or [tokens, D]),
+    contiguous. False (nothing written) when the kernel is off or cannot take them."""
+    if not (_cpu_f32(x, cos, signed_sin) and x.dim() == 3 and cos.is_contiguous() and signed_sin.is_contiguous()):
+        return False
+    tokens, heads, d = x.shape
+    if not (x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= heads * d
+            and cos.numel() == tokens * d and signed_sin.numel() == tokens * d and d % 2 == 0 and d <= 512):
+        return False
+    lib = _elementwise_library(library)
+    if lib is None:
+        return False
+    if tokens:
+        rc = lib.cdll.tm_rope_rows(x.data_ptr(), x.stride(0), tokens, heads, d, cos.data_ptr(),
+                                   signed_sin.data_ptr(), torch.get_num_threads())
+        _raise_for(rc, "rope_", "bad shape or stride")
+    return True

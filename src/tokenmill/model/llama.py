@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, env_switch_on
+from . import cpu_kernels
 from .attention import AttentionMetadata, paged_attention, write_kv
 
 ONEDNN_SWITCH = "TOKENMILL_ONEDNN_LINEAR"
@@ -48,10 +49,27 @@ class Linear(nn.Linear):
     without autograd (the op has no backward); the engine runs in inference mode."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
-                and not torch.is_grad_enabled() and onednn_linear_usable()):
+        if self._onednn(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)``: through oneDNN the add is a post-op of the matmul (the
+        same float32 sum, bit for bit, without a second pass over the output)."""
+        if self._onednn(x) and residual.dtype == torch.float32 and residual.is_contiguous():
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.weight, self.bias, "add")
+        return residual + self.forward(x)
+
+    def _onednn(self, x: torch.Tensor) -> bool:
+        return (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
+                and not torch.is_grad_enabled() and onednn_linear_usable())
+
+
+def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """``residual + layer(x)`` for any projection (quantized ones have no fused add)."""
+    if isinstance(layer, Linear):
+        return layer.forward_add(x, residual)
+    return residual + layer(x)
 
 
 class RMSNorm(nn.Module):
@@ -61,6 +79,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # float32 on CPU: one pass in C
+            if fused is not None:
+                return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -147,7 +169,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output, added to ``residual`` when one is given."""
         qkv = self.qkv_proj(x)
         tokens, d = qkv.shape[0], self.head_dim
         v = qkv[:, self.q_size + self.kv_size :].view(tokens, self.num_kv_heads, d)
@@ -157,12 +181,14 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, d))
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         else:
-            # q and k heads side by side: one rotation for both.
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, d), *rope)
+            # q and k heads side by side: one rotation for both (in place in C on CPU float32).
+            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, d)
+            if not cpu_kernels.rope_(qk, *rope):
+                qk = _rotate(qk, *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+        return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
 
 
 class MLP(nn.Module):
@@ -172,9 +198,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, added to ``residual`` when one is given."""
+        gate_up = self.gate_up_proj(x)
+        act = cpu_kernels.silu_mul(gate_up, self.intermediate) if gate_up.dim() == 2 else None
+        if act is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act) if residual is None else linear_add(self.down_proj, act, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -186,8 +217,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class LlamaForCausalLM(nn.Module):

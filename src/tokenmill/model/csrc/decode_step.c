@@ -34,6 +34,7 @@
 #include "paged_attention.c"
 #include "prefill_attention.c"
 #include "argmax.c"
+#include "elementwise.c"
 
 #include <omp.h>
 #if defined(__AVX512F__)
@@ -491,51 +492,6 @@ static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int
     const float *x = prepare_input(L, in, ld_in, B, is, &ldx);
     split_rows(L->n, t, T, &n0, &n1);
     linear_rows(L, x, ldx, is, B, n0, n1, y, ldy, accumulate, 0);
-}
-
-/* ------------------------------------------------------------------ small ops */
-
-/* out = w * x / rms(x), float32. */
-TM_INLINE void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
-}
-
-/* Rotate-half rotary embedding of one head, in place. */
-TM_INLINE void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
-    const int64_t h = D / 2;
-    float tmp[512];
-#pragma omp simd
-    for (int64_t i = 0; i < h; i++) {
-        tmp[i] = x[i] * cos[i] - x[i + h] * sin[i];
-        tmp[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
-    }
-    memcpy(x, tmp, D * sizeof(float));
-}
-
-TM_INLINE void store_row(void *cache, int bf16, size_t offset, const float *src, int64_t D) {
-    if (bf16) {
-        uint16_t *dst = (uint16_t *)cache + offset;
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
-    } else {
-        memcpy((float *)cache + offset, src, D * sizeof(float));
-    }
-}
-
-/* silu(g) * u, vectorizable: e = exp(-|g|) <= 1 keeps exp_nonpos in range. */
-TM_INLINE void silu_mul(const float *g, const float *u, float *out, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        const float a = g[i] < 0.0f ? g[i] : -g[i];
-        const float e = exp_nonpos(a);
-        const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        out[i] = g[i] * sig * u[i];
-    }
 }
 
 /* ------------------------------------------------------------------ the step */

@@ -1,0 +1,126 @@
+/* The small per-token operations of a Llama layer, float32 (CPU, OpenMP).
+ *
+ * Two users: the fused decode step (decode_step.c) calls the one-row
+ * routines inline, and the eager model (model/llama.py) calls the row-parallel
+ * entry points on prefill and mixed steps. There, torch ran each of these as
+ * several ATen ops over the whole [tokens, features] tensor, each a pass
+ * through memory with a fresh output: RMSNorm as pow, mean, add, rsqrt and two
+ * multiplications; rotary as two multiplications, a roll (itself a cat) and an
+ * add; SiLU(gate) * up as two. At 512 tokens on the 2-core development CPU
+ * they took ~10-18% of a mixed step whose matmuls run near the FMA peak.
+ * Here each is one pass, row by row, the rows split over the threads.
+ *
+ * Numerics: the rotary entry point computes torch's formula operation by
+ * operation with contraction into FMAs switched off, so it is bit-identical
+ * to model/llama.py's `_rotate`. RMSNorm sums its squares in another order
+ * than torch's mean (a few ulp apart), and SiLU uses exp_nonpos (within
+ * ~2 ulp of expf): the same arithmetic the fused decode step has always used.
+ * Included by decode_step.c (one library).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Below this many floats a call runs on one thread: waking the second costs more. */
+#define EW_SERIAL_FLOATS (1 << 15)
+
+/* ------------------------------------------------------------------ one row */
+
+/* out = w * x / rms(x), float32. */
+TM_INLINE void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* Rotate-half rotary embedding of one head, in place. */
+TM_INLINE void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
+    const int64_t h = D / 2;
+    float tmp[512];
+#pragma omp simd
+    for (int64_t i = 0; i < h; i++) {
+        tmp[i] = x[i] * cos[i] - x[i + h] * sin[i];
+        tmp[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+    }
+    memcpy(x, tmp, D * sizeof(float));
+}
+
+TM_INLINE void store_row(void *cache, int bf16, size_t offset, const float *src, int64_t D) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)cache + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+    } else {
+        memcpy((float *)cache + offset, src, D * sizeof(float));
+    }
+}
+
+/* silu(g) * u, vectorizable: e = exp(-|g|) <= 1 keeps exp_nonpos in range; sigmoid(g) is
+ * 1 / (1 + e) for g >= 0 and e / (1 + e) below, one division either way. */
+TM_INLINE void silu_mul(const float *g, const float *u, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float a = g[i] < 0.0f ? g[i] : -g[i];
+        const float e = exp_nonpos(a);
+        const float sig = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
+        out[i] = g[i] * sig * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------ row-parallel entry points */
+
+TM_INLINE int ew_threads(int num_threads, int64_t rows, int64_t floats_per_row) {
+    return rows * floats_per_row < EW_SERIAL_FLOATS ? 1 : threads_for(num_threads, rows);
+}
+
+/* out[r] = rms_norm(x[r]) for `rows` rows of n floats (row strides ldx, ldo). */
+int tm_rms_norm_rows(const float *x, int64_t ldx, const float *w, int64_t rows, int64_t n, float eps, float *out,
+                     int64_t ldo, int num_threads) {
+    if (rows < 0 || n < 1 || ldx < n || ldo < n) return 1;
+#pragma omp parallel for num_threads(ew_threads(num_threads, rows, n)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * ldx, w, n, eps, out + r * ldo);
+    return 0;
+}
+
+/* out[r, :inter] = silu(gu[r, :inter]) * gu[r, inter : 2 * inter]: gate and up side by side,
+ * as the fused gate/up projection leaves them. */
+int tm_silu_mul_rows(const float *gu, int64_t ldg, int64_t rows, int64_t inter, float *out, int64_t ldo,
+                     int num_threads) {
+    if (rows < 0 || inter < 1 || ldg < 2 * inter || ldo < inter) return 1;
+#pragma omp parallel for num_threads(ew_threads(num_threads, rows, 3 * inter)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) silu_mul(gu + r * ldg, gu + r * ldg + inter, out + r * ldo, inter);
+    return 0;
+}
+
+/* One row's `heads` heads of D floats, in place: x * cos + roll(x, D/2) * ssin, where ssin is
+ * the sin table with its first half negated (model/llama.py's `_rotate`). Each product and the
+ * sum are rounded separately, as torch's three ops round them: no FMA contraction here. */
+__attribute__((optimize("fp-contract=off"))) static void rope_row(float *x, int64_t heads, int64_t D,
+                                                                   const float *cos, const float *ssin) {
+    const int64_t h = D / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *p = x + hd * D;
+        float tmp[512];
+#pragma omp simd
+        for (int64_t i = 0; i < h; i++) {
+            const float a = p[i] * cos[i], b = p[i + h] * ssin[i];
+            const float c = p[i + h] * cos[i + h], d = p[i] * ssin[i + h];
+            tmp[i] = a + b;
+            tmp[i + h] = c + d;
+        }
+        memcpy(p, tmp, D * sizeof(float));
+    }
+}
+
+/* Rotary embedding in place over `rows` token rows (stride ldx), each holding `heads` heads of
+ * D floats from its start; cos and ssin: [rows, D], contiguous, this step's tables. */
+int tm_rope_rows(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, const float *cos,
+                 const float *ssin, int num_threads) {
+    if (rows < 0 || heads < 1 || D < 2 || D % 2 || D > 512 || ldx < heads * D) return 1;
+#pragma omp parallel for num_threads(ew_threads(num_threads, rows, heads * D)) schedule(static)
+    for (int64_t r = 0; r < rows; r++) rope_row(x + r * ldx, heads, D, cos + r * D, ssin + r * D);
+    return 0;
+}

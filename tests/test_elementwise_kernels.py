@@ -1,0 +1,148 @@
+"""The eager model's one-pass C ops (model/csrc/elementwise.c) and the fused residual add.
+
+Rotary must be bit-identical to the torch formula it replaces; RMSNorm and
+SiLU(gate) * up are checked against float64 (they sum and exponentiate in
+another order than torch, as the fused decode step always has); the residual
+add fused into oneDNN's matmul must equal the separate add bit for bit; and
+every op falls back to torch where the kernel cannot take its tensors."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.model import cpu_kernels
+from tokenmill.model.llama import MLP, Linear, RMSNorm, _rotate, linear_add
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
+
+
+@pytest.fixture(scope="module")
+def lib() -> cpu_kernels.KernelLibrary:
+    return cpu_kernels.build()
+
+
+def _rows(seed: int, rows: int, cols: int, pad: int, scale: float = 1.0) -> torch.Tensor:
+    """[rows, cols] float32, a strided view of a wider tensor when pad > 0."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols + pad, generator=gen) * scale)[:, :cols]
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(0, 40), n=st.integers(1, 1100), pad=st.sampled_from([0, 0, 5, 64]),
+       scale=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**31 - 1))
+def test_rms_norm_matches_float64(lib, rows, n, pad, scale, seed) -> None:
+    x = _rows(seed, rows, n, pad, scale)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    got = cpu_kernels.rms_norm(x, w, 1e-5, library=lib)
+    assert got is not None and got.shape == (rows, n) and got.is_contiguous()
+    x64 = x.double()
+    want = w.double() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.allclose(got.double(), want, rtol=2e-6, atol=1e-6 * float(w.abs().max()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(0, 40), inter=st.integers(1, 700), pad=st.sampled_from([0, 0, 7]),
+       scale=st.sampled_from([0.1, 3.0, 60.0]), seed=st.integers(0, 2**31 - 1))
+def test_silu_mul_matches_float64(lib, rows, inter, pad, scale, seed) -> None:
+    gu = _rows(seed, rows, 2 * inter, pad, scale)
+    if rows:
+        gu[0, 0] = -0.0
+        gu[-1, min(1, inter - 1)] = -200.0  # exp underflows: silu -> -0
+    got = cpu_kernels.silu_mul(gu, inter, library=lib)
+    assert got is not None and got.shape == (rows, inter)
+    g, u = gu[:, :inter].double(), gu[:, inter:].double()
+    want = g * torch.sigmoid(g) * u
+    assert torch.allclose(got.double(), want, rtol=4e-6, atol=1e-30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.integers(0, 30), heads=st.integers(1, 12), half=st.integers(1, 64),
+       extra=st.sampled_from([0, 0, 3, 128]), seed=st.integers(0, 2**31 - 1))
+def test_rope_is_bit_identical_to_rotate(lib, tokens, heads, half, extra, seed) -> None:
+    d = 2 * half
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(tokens, heads * d + extra, generator=gen)  # q/k heads, then v columns
+    x = fused[:, : heads * d].view(tokens, heads, d)
+    cos = torch.randn(tokens, 1, d, generator=gen)
+    sin = torch.randn(tokens, 1, d, generator=gen)
+    want = _rotate(x, cos, sin)
+    tail = fused[:, heads * d :].clone()
+    assert cpu_kernels.rope_(x, cos, sin, library=lib)
+    assert torch.equal(x, want)
+    assert torch.equal(fused[:, heads * d :], tail)  # columns past the heads untouched
+
+
+def test_ops_decline_what_they_cannot_take(lib) -> None:
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    assert cpu_kernels.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5, library=lib) is None
+    assert cpu_kernels.rms_norm(x.t().contiguous().t(), w, 1e-5, library=lib) is None  # inner stride 4
+    assert cpu_kernels.rms_norm(x, torch.randn(63), 1e-5, library=lib) is None
+    assert cpu_kernels.silu_mul(x, 31, library=lib) is None  # not gate and up of equal width
+    assert cpu_kernels.silu_mul(x.double(), 32, library=lib) is None
+    q = torch.randn(3, 2, 64)
+    cos, sin = torch.randn(3, 1, 64), torch.randn(3, 1, 64)
+    before = q.clone()
+    assert not cpu_kernels.rope_(q.bfloat16(), cos.bfloat16(), sin.bfloat16(), library=lib)
+    assert not cpu_kernels.rope_(q, cos[:2], sin[:2], library=lib)  # a table row short
+    assert not cpu_kernels.rope_(q.transpose(0, 1), cos, sin, library=lib)  # heads not contiguous
+    assert torch.equal(q, before)
+
+
+def test_kernels_switched_off_fall_back_to_torch(monkeypatch) -> None:
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    x = torch.randn(5, 32)
+    assert cpu_kernels.rms_norm(x, torch.ones(32), 1e-5) is None
+    assert cpu_kernels.silu_mul(x, 16) is None
+    assert not cpu_kernels.rope_(x.view(5, 1, 32), torch.ones(5, 1, 32), torch.zeros(5, 1, 32))
+    norm = RMSNorm(32, 1e-5)
+    x64 = x.double()
+    want = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)).float()
+    assert torch.allclose(norm(x), want, atol=1e-6)
+
+
+def test_modules_take_the_kernels_on_cpu_float32() -> None:
+    """RMSNorm (2-D) and the MLP go through C and agree with the torch formulas;
+    3-D input (Qwen3's per-head norms) keeps the torch path."""
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96)
+    x = torch.randn(7, 96)
+    torch_norm = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(norm(x), torch_norm, rtol=1e-5, atol=1e-6)
+    x3 = torch.randn(7, 3, 32)
+    norm3 = RMSNorm(32, 1e-6)
+    assert torch.equal(norm3(x3), norm3.weight * (x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + 1e-6)))
+
+    class Cfg:
+        hidden_size, intermediate_size = 64, 80
+
+    mlp = MLP(Cfg())  # type: ignore[arg-type]
+    with torch.inference_mode():
+        h, res = torch.randn(6, 64), torch.randn(6, 64)
+        gate, up = mlp.gate_up_proj(h).split(80, dim=-1)
+        want = res + mlp.down_proj(F.silu(gate) * up)
+        assert torch.allclose(mlp(h, residual=res), want, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(mlp(h), want - res, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_add_is_the_separate_add_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    layer = Linear(192, 64, bias=False)
+    with torch.inference_mode():
+        for rows in (1, 7, 512):
+            x, res = torch.randn(rows, 192), torch.randn(rows, 64)
+            assert torch.equal(linear_add(layer, x, res), res + layer(x))
+        biased = Linear(32, 16, bias=True)
+        x, res = torch.randn(5, 32), torch.randn(5, 16)
+        assert torch.equal(linear_add(biased, x, res), res + biased(x))
+        other = torch.nn.Linear(32, 16)  # any other projection: the plain sum
+        assert torch.equal(linear_add(other, x, res), res + other(x))
+        half = layer.bfloat16()  # not float32: no oneDNN post-op, the plain sum
+        xb, rb = torch.randn(3, 192).bfloat16(), torch.randn(3, 64).bfloat16()
+        assert torch.equal(linear_add(half, xb, rb), rb + half(xb))
