@@ -2,12 +2,14 @@
 
 Rotary must be bit-identical to the torch formula it replaces; RMSNorm and
 SiLU(gate) * up are checked against float64 (they sum and exponentiate in
-another order than torch, as the fused decode step always has); the residual
+another order than torch, as the fused decode step always has); the K/V
+stores must write exactly what index_copy_ writes; the residual
 add fused into oneDNN's matmul must equal the separate add bit for bit; and
 every op falls back to torch where the kernel cannot take its tensors."""
 from __future__ import annotations
 
 import shutil
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.model import cpu_kernels
+from tokenmill.model.attention import kv_cache_shape, write_kv
 from tokenmill.model.llama import MLP, Linear, RMSNorm, _rotate, linear_add
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
@@ -146,3 +149,34 @@ def test_linear_add_is_the_separate_add_bit_for_bit() -> None:
         half = layer.bfloat16()  # not float32: no oneDNN post-op, the plain sum
         xb, rb = torch.randn(3, 192).bfloat16(), torch.randn(3, 64).bfloat16()
         assert torch.equal(linear_add(half, xb, rb), rb + half(xb))
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.integers(0, 40), kv_heads=st.integers(1, 4), d=st.sampled_from([16, 64, 80]),
+       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**31 - 1))
+def test_store_kv_writes_what_index_copy_writes(lib, tokens, kv_heads, d, block_size, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = tokens // block_size + 3
+    shape = kv_cache_shape(num_blocks, block_size, kv_heads, d)
+    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    fused = torch.randn(tokens, 3 * kv_heads * d, generator=gen)  # q | k | v side by side, as qkv_proj leaves them
+    k = fused[:, kv_heads * d : 2 * kv_heads * d].view(tokens, kv_heads, d)
+    v = fused[:, 2 * kv_heads * d :].view(tokens, kv_heads, d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    with mock.patch.object(cpu_kernels, "store_kv", return_value=False):  # the torch path
+        write_kv(want_k, want_v, k, v, slots)
+    assert cpu_kernels.store_kv(k_cache, v_cache, k, v, slots, library=lib)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_store_kv_refuses_a_slot_outside_the_pool(lib) -> None:
+    k_cache = torch.zeros(kv_cache_shape(2, 4, 1, 16))
+    v_cache = torch.zeros_like(k_cache)
+    k = v = torch.ones(2, 1, 16)
+    with pytest.raises(ValueError):
+        cpu_kernels.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 8]), library=lib)
+    assert not k_cache.any() and not v_cache.any()  # checked before anything is written
+    assert not cpu_kernels.store_kv(k_cache.bfloat16(), v_cache.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                    torch.tensor([0, 1]), library=lib)
+    assert not cpu_kernels.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 1], dtype=torch.int32), library=lib)

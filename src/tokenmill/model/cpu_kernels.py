@@ -10,9 +10,10 @@ Five kernels, one library:
   SDPA plus the gather it needed);
 * ``csrc/argmax.c``: greedy sampling's row argmax (torch's CPU argmax does
   not vectorize its index tracking: ~1.5 ms for 64 rows of 49,152 logits);
-* ``csrc/elementwise.c``: RMSNorm, rotary and SiLU(gate) * up of the eager
-  model's prefill and mixed steps, one pass each instead of two to seven
-  ATen ops (the fused decode step inlines the same one-row routines);
+* ``csrc/elementwise.c``: RMSNorm, rotary, SiLU(gate) * up and the K/V
+  stores of the eager model's prefill and mixed steps, one pass each instead
+  of two to seven ATen ops (the fused decode step inlines the same one-row
+  routines);
 * ``csrc/decode_step.c`` (which includes the other four): a whole decode step,
   every layer in one call, for small batches (``fused_decode.py``).
 
@@ -160,7 +161,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     cdll.tm_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
     cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
     cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
-    for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows):
+    cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows):
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
@@ -390,4 +392,32 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library:
         rc = lib.cdll.tm_rope_rows(x.data_ptr(), x.stride(0), tokens, heads, d, cos.data_ptr(),
                                    signed_sin.data_ptr(), torch.get_num_threads())
         _raise_for(rc, "rope_", "bad shape or stride")
+    return True
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, library: KernelLibrary | None = None) -> bool:
+    """``attention.write_kv`` in one pass: k, v [tokens, kv_heads, head_dim] float32 on CPU,
+    each token's heads contiguous (token rows may be strided); float32 pools [kv_heads,
+    num_blocks, block_size, head_dim], contiguous; slot_mapping int64 [tokens]. False
+    (nothing written) when the kernel is off or cannot take them; ValueError for a slot
+    outside the pool, as index_copy_ would raise."""
+    if not (_cpu_f32(k, v, k_cache, v_cache) and k.dim() == 3 and v.shape == k.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+            and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]):
+        return False
+    tokens, kv_heads, d = k.shape
+    if not (k_cache.shape[0] == kv_heads and k_cache.shape[3] == d
+            and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v))):
+        return False
+    lib = _elementwise_library(library)
+    if lib is None:
+        return False
+    if tokens:
+        num_slots = k_cache.shape[1] * k_cache.shape[2]
+        rc = lib.cdll.tm_store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads, d,
+                                       slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
+                                       torch.get_num_threads())
+        _raise_for(rc, "store_kv", "a slot lies outside the pool")
     return True

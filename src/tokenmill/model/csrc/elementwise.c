@@ -124,3 +124,23 @@ int tm_rope_rows(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, 
     for (int64_t r = 0; r < rows; r++) rope_row(x + r * ldx, heads, D, cos + r * D, ssin + r * D);
     return 0;
 }
+
+/* The new keys and values of `rows` tokens into one layer's pools ([kv_heads, num_slots, D]
+ * each; slot s of head h at (h * num_slots + s) * D): row r's kv head h comes from
+ * k + r * ldk + h * D (and likewise v). float32 pools only; 1 when a slot is out of range
+ * (checked before anything is written). */
+int tm_store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t rows, int64_t kv_heads,
+                     int64_t D, const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots,
+                     int num_threads) {
+    if (rows < 0 || kv_heads < 1 || D < 1 || ldk < kv_heads * D || ldv < kv_heads * D) return 1;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+#pragma omp parallel for num_threads(ew_threads(num_threads, rows, 2 * kv_heads * D)) schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const size_t dst = ((size_t)h * num_slots + slots[r]) * D;
+            memcpy(k_cache + dst, k + r * ldk + h * D, D * sizeof(float));
+            memcpy(v_cache + dst, v + r * ldv + h * D, D * sizeof(float));
+        }
+    return 0;
+}
