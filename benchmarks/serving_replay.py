@@ -64,7 +64,9 @@ class PartTimer:
         self.on = False
 
     def wrap(self, owner: Any, name: str, label: str) -> None:
-        fn: Callable[..., Any] = getattr(owner, name)
+        fn: Callable[..., Any] | None = getattr(owner, name, None)
+        if fn is None:  # an older checkout (interleaved A/B runs) may lack the piece
+            return
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
