@@ -56,11 +56,15 @@ def instrument(engine: LLMEngine) -> None:
         if isinstance(layer, nn.Linear) or type(layer).__name__.endswith("Linear"):
             name = "lm_head" if layer is model.lm_head else "linear"
             layer.forward = _label(name, layer.forward)  # type: ignore[method-assign]
+            if hasattr(layer, "forward_add"):  # o and down projections with the residual add fused
+                layer.forward_add = _label(name, layer.forward_add)  # type: ignore[method-assign]
         elif isinstance(layer, llama_mod.RMSNorm):
             layer.forward = _label("norm", layer.forward)  # type: ignore[method-assign]
     if hasattr(model.rope, "tables"):  # tables once per step, _rotate per layer
         model.rope.tables = _label("rope", model.rope.tables)  # type: ignore[method-assign]
         llama_mod._rotate = _label("rope", llama_mod._rotate)
+        if hasattr(llama_mod, "cpu_kernels"):  # the C rotation, in place (CPU float32)
+            llama_mod.cpu_kernels.rope_ = _label("rope", llama_mod.cpu_kernels.rope_)
     else:  # older layout: rope(positions, q, k) per layer
         model.rope.forward = _label("rope", model.rope.forward)  # type: ignore[method-assign]
     llama_mod.paged_attention = _label("attention", llama_mod.paged_attention)
