@@ -1,7 +1,8 @@
 """The eager model's one-pass C ops (model/csrc/elementwise.c) and the fused residual add.
 
-Rotary must be bit-identical to the torch formula it replaces; RMSNorm and
-SiLU(gate) * up are checked against float64 (they sum and exponentiate in
+Rotary must be bit-identical to the torch formula it replaces, in float32 and
+bf16; RMSNorm and SiLU(gate) * up are checked against float64 (bf16: within
+one bf16 step of torch's ops, almost always equal) (they sum and exponentiate in
 another order than torch, as the fused decode step always has); the K/V
 stores must write exactly what index_copy_ writes; the residual
 add fused into oneDNN's matmul must equal the separate add bit for bit; and
@@ -65,14 +66,15 @@ def test_silu_mul_matches_float64(lib, rows, inter, pad, scale, seed) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(tokens=st.integers(0, 30), heads=st.integers(1, 12), half=st.integers(1, 64),
-       extra=st.sampled_from([0, 0, 3, 128]), seed=st.integers(0, 2**31 - 1))
-def test_rope_is_bit_identical_to_rotate(lib, tokens, heads, half, extra, seed) -> None:
+       extra=st.sampled_from([0, 0, 3, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_rope_is_bit_identical_to_rotate(lib, tokens, heads, half, extra, dtype, seed) -> None:
     d = 2 * half
     gen = torch.Generator().manual_seed(seed)
-    fused = torch.randn(tokens, heads * d + extra, generator=gen)  # q/k heads, then v columns
+    fused = torch.randn(tokens, heads * d + extra, generator=gen).to(dtype)  # q/k heads, then v columns
     x = fused[:, : heads * d].view(tokens, heads, d)
-    cos = torch.randn(tokens, 1, d, generator=gen)
-    sin = torch.randn(tokens, 1, d, generator=gen)
+    cos = torch.randn(tokens, 1, d, generator=gen).to(dtype)
+    sin = torch.randn(tokens, 1, d, generator=gen).to(dtype)
     want = _rotate(x, cos, sin)
     tail = fused[:, heads * d :].clone()
     assert cpu_kernels.rope_(x, cos, sin, library=lib)
@@ -80,10 +82,45 @@ def test_rope_is_bit_identical_to_rotate(lib, tokens, heads, half, extra, seed) 
     assert torch.equal(fused[:, heads * d :], tail)  # columns past the heads untouched
 
 
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors of equal signs are, elementwise."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 24), n=st.sampled_from([1, 16, 64, 576, 1000]), scale=st.sampled_from([0.05, 1.0, 20.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_bf16_rms_norm_rounds_as_the_torch_module_does(lib, rows, n, scale, seed) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=gen) * scale).bfloat16()
+    w = torch.randn(n, generator=gen).bfloat16()
+    got = cpu_kernels.rms_norm(x, w, 1e-5, library=lib)
+    assert got is not None and got.dtype == torch.bfloat16
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()  # RMSNorm.forward's ops
+    ulps = _bf16_ulps(got, want)
+    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.97
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 24), inter=st.sampled_from([1, 16, 200, 1536]), scale=st.sampled_from([0.1, 3.0, 40.0]),
+       seed=st.integers(0, 2**31 - 1))
+def test_bf16_silu_mul_rounds_as_torch_does(lib, rows, inter, scale, seed) -> None:
+    gu = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(seed)) * scale).bfloat16()
+    got = cpu_kernels.silu_mul(gu, inter, library=lib)
+    assert got is not None and got.dtype == torch.bfloat16
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    # exp_nonpos flushes e^x below x = -87 to 0: silu of such a gate is 0, not ~1e-36
+    tiny = (want.float().abs() < 1e-30) & (got.float().abs() < 1e-30)
+    ulps = torch.where(tiny, 0, _bf16_ulps(got, want))
+    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.97
+
+
 def test_ops_decline_what_they_cannot_take(lib) -> None:
     x = torch.randn(4, 64)
     w = torch.randn(64)
-    assert cpu_kernels.rms_norm(x.bfloat16(), w.bfloat16(), 1e-5, library=lib) is None
+    assert cpu_kernels.rms_norm(x.half(), w.half(), 1e-5, library=lib) is None
+    assert cpu_kernels.rms_norm(x.bfloat16(), w, 1e-5, library=lib) is None  # mixed dtypes
     assert cpu_kernels.rms_norm(x.t().contiguous().t(), w, 1e-5, library=lib) is None  # inner stride 4
     assert cpu_kernels.rms_norm(x, torch.randn(63), 1e-5, library=lib) is None
     assert cpu_kernels.silu_mul(x, 31, library=lib) is None  # not gate and up of equal width
@@ -91,7 +128,8 @@ def test_ops_decline_what_they_cannot_take(lib) -> None:
     q = torch.randn(3, 2, 64)
     cos, sin = torch.randn(3, 1, 64), torch.randn(3, 1, 64)
     before = q.clone()
-    assert not cpu_kernels.rope_(q.bfloat16(), cos.bfloat16(), sin.bfloat16(), library=lib)
+    assert not cpu_kernels.rope_(q.double(), cos.double(), sin.double(), library=lib)
+    assert not cpu_kernels.rope_(q, cos.bfloat16(), sin.bfloat16(), library=lib)
     assert not cpu_kernels.rope_(q, cos[:2], sin[:2], library=lib)  # a table row short
     assert not cpu_kernels.rope_(q.transpose(0, 1), cos, sin, library=lib)  # heads not contiguous
     assert torch.equal(q, before)
@@ -153,13 +191,14 @@ def test_linear_add_is_the_separate_add_bit_for_bit() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(tokens=st.integers(0, 40), kv_heads=st.integers(1, 4), d=st.sampled_from([16, 64, 80]),
-       block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 2**31 - 1))
-def test_store_kv_writes_what_index_copy_writes(lib, tokens, kv_heads, d, block_size, seed) -> None:
+       block_size=st.sampled_from([1, 4, 16]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_store_kv_writes_what_index_copy_writes(lib, tokens, kv_heads, d, block_size, dtype, seed) -> None:
     gen = torch.Generator().manual_seed(seed)
     num_blocks = tokens // block_size + 3
     shape = kv_cache_shape(num_blocks, block_size, kv_heads, d)
-    k_cache, v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-    fused = torch.randn(tokens, 3 * kv_heads * d, generator=gen)  # q | k | v side by side, as qkv_proj leaves them
+    k_cache, v_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    fused = torch.randn(tokens, 3 * kv_heads * d, generator=gen).to(dtype)  # q | k | v, as qkv_proj leaves them
     k = fused[:, kv_heads * d : 2 * kv_heads * d].view(tokens, kv_heads, d)
     v = fused[:, 2 * kv_heads * d :].view(tokens, kv_heads, d)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
@@ -177,6 +216,7 @@ def test_store_kv_refuses_a_slot_outside_the_pool(lib) -> None:
     with pytest.raises(ValueError):
         cpu_kernels.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 8]), library=lib)
     assert not k_cache.any() and not v_cache.any()  # checked before anything is written
-    assert not cpu_kernels.store_kv(k_cache.bfloat16(), v_cache.bfloat16(), k.bfloat16(), v.bfloat16(),
+    assert not cpu_kernels.store_kv(k_cache.half(), v_cache.half(), k.half(), v.half(),
                                     torch.tensor([0, 1]), library=lib)
+    assert not cpu_kernels.store_kv(k_cache.bfloat16(), v_cache.bfloat16(), k, v, torch.tensor([0, 1]), library=lib)
     assert not cpu_kernels.store_kv(k_cache, v_cache, k, v, torch.tensor([0, 1], dtype=torch.int32), library=lib)

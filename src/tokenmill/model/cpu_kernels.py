@@ -158,10 +158,11 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
         fn.restype = ctypes.c_int
     cdll.tm_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_int]
     cdll.tm_argmax_rows.restype = ctypes.c_int
-    cdll.tm_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64, ctypes.c_int]
-    cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, ctypes.c_int]
-    cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_int]
-    cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, ctypes.c_int]
+    cint = ctypes.c_int
+    cdll.tm_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64, cint, cint]
+    cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, cint, cint]
+    cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, cint]
+    cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, cint]
     for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows):
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
@@ -327,8 +328,10 @@ def argmax_rows(logits: torch.Tensor, library: KernelLibrary | None = None) -> t
     return out
 
 
-def _cpu_f32(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+def _cpu_same_float(*tensors: torch.Tensor) -> bool:
+    """All on the CPU, all float32 or all bfloat16 (what the elementwise kernels take)."""
+    dtype = tensors[0].dtype
+    return dtype in _ENTRY and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -342,44 +345,47 @@ def _elementwise_library(library: KernelLibrary | None) -> KernelLibrary | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              library: KernelLibrary | None = None) -> torch.Tensor | None:
-    """``weight * x / rms(x)`` over the last dimension of a 2-D float32 CPU tensor, in one
-    pass (a new contiguous tensor); None when the kernel is off or cannot take it."""
-    if not (_cpu_f32(x, weight) and _rows_ok(x) and weight.is_contiguous() and weight.shape == x.shape[1:]):
+    """``weight * x / rms(x)`` over the last dimension of a 2-D float32 or bf16 CPU tensor
+    (weight in the same dtype), in one pass, rounding as model/llama.py's RMSNorm rounds
+    (a new contiguous tensor); None when the kernel is off or cannot take it."""
+    if not (_cpu_same_float(x, weight) and _rows_ok(x) and weight.is_contiguous() and weight.shape == x.shape[1:]):
         return None
     lib = _elementwise_library(library)
     if lib is None:
         return None
     rows, n = x.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty((rows, n), dtype=x.dtype)
     rc = lib.cdll.tm_rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), rows, n, float(eps),
-                                   out.data_ptr(), n, torch.get_num_threads())
+                                   out.data_ptr(), n, int(x.dtype == torch.bfloat16), torch.get_num_threads())
     _raise_for(rc, "rms_norm", "bad shape or stride")
     return out
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int, library: KernelLibrary | None = None) -> torch.Tensor | None:
-    """``silu(gate_up[:, :inter]) * gate_up[:, inter:2 * inter]`` for a 2-D float32 CPU
-    tensor, in one pass (a new [rows, inter] tensor); None when the kernel is off or
-    cannot take it."""
-    if not (_cpu_f32(gate_up) and _rows_ok(gate_up) and gate_up.shape[1] == 2 * inter and inter > 0):
+    """``silu(gate_up[:, :inter]) * gate_up[:, inter:2 * inter]`` for a 2-D float32 or bf16
+    CPU tensor, in one pass (a new [rows, inter] tensor; bf16 rounds after the SiLU and
+    after the product, as torch's two ops do); None when the kernel is off or cannot take it."""
+    if not (_cpu_same_float(gate_up) and _rows_ok(gate_up) and gate_up.shape[1] == 2 * inter and inter > 0):
         return None
     lib = _elementwise_library(library)
     if lib is None:
         return None
     rows = gate_up.shape[0]
-    out = torch.empty((rows, inter), dtype=torch.float32)
+    out = torch.empty((rows, inter), dtype=gate_up.dtype)
     rc = lib.cdll.tm_silu_mul_rows(gate_up.data_ptr(), gate_up.stride(0), rows, inter, out.data_ptr(), inter,
-                                   torch.get_num_threads())
+                                   int(gate_up.dtype == torch.bfloat16), torch.get_num_threads())
     _raise_for(rc, "silu_mul", "bad shape or stride")
     return out
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library: KernelLibrary | None = None) -> bool:
     """Rotary embedding in place, bit-identical to ``x * cos + x.roll(D // 2, -1) * signed_sin``
-    (model/llama.py's ``_rotate``): x [tokens, heads, D] float32 on CPU, each token's heads
-    contiguous (token rows may be strided); cos, signed_sin: [tokens, 1, D] (or [tokens, D]),
-    contiguous. False (nothing written) when the kernel is off or cannot take them."""
-    if not (_cpu_f32(x, cos, signed_sin) and x.dim() == 3 and cos.is_contiguous() and signed_sin.is_contiguous()):
+    (model/llama.py's ``_rotate``), float32 or bf16: x [tokens, heads, D] on CPU, each token's
+    heads contiguous (token rows may be strided); cos, signed_sin: [tokens, 1, D] (or
+    [tokens, D]), contiguous, in x's dtype. False (nothing written) when the kernel is off or
+    cannot take them."""
+    if not (_cpu_same_float(x, cos, signed_sin) and x.dim() == 3
+            and cos.is_contiguous() and signed_sin.is_contiguous()):
         return False
     tokens, heads, d = x.shape
     if not (x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= heads * d
@@ -390,19 +396,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library:
         return False
     if tokens:
         rc = lib.cdll.tm_rope_rows(x.data_ptr(), x.stride(0), tokens, heads, d, cos.data_ptr(),
-                                   signed_sin.data_ptr(), torch.get_num_threads())
+                                   signed_sin.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
         _raise_for(rc, "rope_", "bad shape or stride")
     return True
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, library: KernelLibrary | None = None) -> bool:
-    """``attention.write_kv`` in one pass: k, v [tokens, kv_heads, head_dim] float32 on CPU,
-    each token's heads contiguous (token rows may be strided); float32 pools [kv_heads,
-    num_blocks, block_size, head_dim], contiguous; slot_mapping int64 [tokens]. False
-    (nothing written) when the kernel is off or cannot take them; ValueError for a slot
-    outside the pool, as index_copy_ would raise."""
-    if not (_cpu_f32(k, v, k_cache, v_cache) and k.dim() == 3 and v.shape == k.shape
+    """``attention.write_kv`` in one pass: k, v [tokens, kv_heads, head_dim] on CPU, each
+    token's heads contiguous (token rows may be strided); pools [kv_heads, num_blocks,
+    block_size, head_dim], contiguous, in k's dtype (float32 or bf16); slot_mapping int64
+    [tokens]. False (nothing written) when the kernel is off or cannot take them;
+    ValueError for a slot outside the pool, as index_copy_ would raise."""
+    if not (_cpu_same_float(k, v, k_cache, v_cache) and k.dim() == 3 and v.shape == k.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
             and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
             and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]):
@@ -418,6 +424,6 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         num_slots = k_cache.shape[1] * k_cache.shape[2]
         rc = lib.cdll.tm_store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads, d,
                                        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
-                                       torch.get_num_threads())
+                                       k.element_size(), torch.get_num_threads())
         _raise_for(rc, "store_kv", "a slot lies outside the pool")
     return True

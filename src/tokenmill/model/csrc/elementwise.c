@@ -10,12 +10,15 @@
  * they took ~10-18% of a mixed step whose matmuls run near the FMA peak.
  * Here each is one pass, row by row, the rows split over the threads.
  *
- * Numerics: the rotary entry point computes torch's formula operation by
- * operation with contraction into FMAs switched off, so it is bit-identical
- * to model/llama.py's `_rotate`. RMSNorm sums its squares in another order
- * than torch's mean (a few ulp apart), and SiLU uses exp_nonpos (within
- * ~2 ulp of expf): the same arithmetic the fused decode step has always used.
- * Included by decode_step.c (one library).
+ * Rows are float32 or bfloat16 (the model's dtype; bf16 passed as raw uint16
+ * bits). Numerics follow the torch ops they replace, rounding to bf16 where
+ * each of those ops rounds its output: the rotary entry point computes
+ * torch's formula operation by operation with contraction into FMAs switched
+ * off, so it is bit-identical to model/llama.py's `_rotate` in both dtypes.
+ * RMSNorm sums its squares in another order than torch's mean (a few float32
+ * ulp apart), and SiLU uses exp_nonpos (within ~2 ulp of expf): the same
+ * arithmetic the fused decode step has always used; in bf16 that rarely moves
+ * a rounded result by one bf16 ulp. Included by decode_step.c (one library).
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,22 +79,59 @@ TM_INLINE int ew_threads(int num_threads, int64_t rows, int64_t floats_per_row) 
     return rows * floats_per_row < EW_SERIAL_FLOATS ? 1 : threads_for(num_threads, rows);
 }
 
-/* out[r] = rms_norm(x[r]) for `rows` rows of n floats (row strides ldx, ldo). */
-int tm_rms_norm_rows(const float *x, int64_t ldx, const float *w, int64_t rows, int64_t n, float eps, float *out,
-                     int64_t ldo, int num_threads) {
+/* torch's RMSNorm on bf16: the norm in float32, rounded to bf16, times the bf16 weight, rounded. */
+TM_INLINE void rms_norm_bf16(const uint16_t *x, const uint16_t *w, int64_t n, float eps, uint16_t *out) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; i++) ss += bf16_to_f32(x[i]) * bf16_to_f32(x[i]);
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * r)));
+}
+
+/* out[r] = rms_norm(x[r]) for `rows` rows of n floats (row strides ldx, ldo, in elements);
+ * bf16: x, w and out are bf16. */
+int tm_rms_norm_rows(const void *x, int64_t ldx, const void *w, int64_t rows, int64_t n, float eps, void *out,
+                     int64_t ldo, int bf16, int num_threads) {
     if (rows < 0 || n < 1 || ldx < n || ldo < n) return 1;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, n)) schedule(static)
-    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * ldx, w, n, eps, out + r * ldo);
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            rms_norm_bf16((const uint16_t *)x + r * ldx, (const uint16_t *)w, n, eps, (uint16_t *)out + r * ldo);
+        else
+            rms_norm((const float *)x + r * ldx, (const float *)w, n, eps, (float *)out + r * ldo);
+    }
     return 0;
+}
+
+/* torch's F.silu(gate) * up on bf16: silu in float32, rounded; the product, rounded. */
+TM_INLINE void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float gf = bf16_to_f32(g[i]);
+        const float a = gf < 0.0f ? gf : -gf;
+        const float e = exp_nonpos(a);
+        const float silu = gf * ((gf >= 0.0f ? 1.0f : e) / (1.0f + e));
+        out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu)) * bf16_to_f32(u[i]));
+    }
 }
 
 /* out[r, :inter] = silu(gu[r, :inter]) * gu[r, inter : 2 * inter]: gate and up side by side,
  * as the fused gate/up projection leaves them. */
-int tm_silu_mul_rows(const float *gu, int64_t ldg, int64_t rows, int64_t inter, float *out, int64_t ldo,
+int tm_silu_mul_rows(const void *gu, int64_t ldg, int64_t rows, int64_t inter, void *out, int64_t ldo, int bf16,
                      int num_threads) {
     if (rows < 0 || inter < 1 || ldg < 2 * inter || ldo < inter) return 1;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, 3 * inter)) schedule(static)
-    for (int64_t r = 0; r < rows; r++) silu_mul(gu + r * ldg, gu + r * ldg + inter, out + r * ldo, inter);
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16) {
+            const uint16_t *row = (const uint16_t *)gu + r * ldg;
+            silu_mul_bf16(row, row + inter, (uint16_t *)out + r * ldo, inter);
+        } else {
+            const float *row = (const float *)gu + r * ldg;
+            silu_mul(row, row + inter, (float *)out + r * ldo, inter);
+        }
+    }
     return 0;
 }
 
@@ -115,32 +155,64 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row(float *x, int6
     }
 }
 
-/* Rotary embedding in place over `rows` token rows (stride ldx), each holding `heads` heads of
- * D floats from its start; cos and ssin: [rows, D], contiguous, this step's tables. */
-int tm_rope_rows(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, const float *cos,
-                 const float *ssin, int num_threads) {
+/* The same in bf16: each product (exact in float32) rounded to bf16, their sum in float32
+ * rounded to bf16, as torch's bf16 mul, mul and add round. */
+__attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t *x, int64_t heads, int64_t D,
+                                                                        const uint16_t *cos, const uint16_t *ssin) {
+    const int64_t h = D / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        uint16_t *p = x + hd * D;
+        uint16_t tmp[512];
+#pragma omp simd
+        for (int64_t i = 0; i < h; i++) {
+            const float lo = bf16_to_f32(p[i]), hi = bf16_to_f32(p[i + h]);
+            const float a = bf16_to_f32(f32_to_bf16(lo * bf16_to_f32(cos[i])));
+            const float b = bf16_to_f32(f32_to_bf16(hi * bf16_to_f32(ssin[i])));
+            const float c = bf16_to_f32(f32_to_bf16(hi * bf16_to_f32(cos[i + h])));
+            const float d = bf16_to_f32(f32_to_bf16(lo * bf16_to_f32(ssin[i + h])));
+            tmp[i] = f32_to_bf16(a + b);
+            tmp[i + h] = f32_to_bf16(c + d);
+        }
+        memcpy(p, tmp, D * sizeof(uint16_t));
+    }
+}
+
+/* Rotary embedding in place over `rows` token rows (stride ldx elements), each holding `heads`
+ * heads of D values from its start; cos and ssin: [rows, D], contiguous, this step's tables,
+ * in the rows' dtype. */
+int tm_rope_rows(void *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, const void *cos, const void *ssin,
+                 int bf16, int num_threads) {
     if (rows < 0 || heads < 1 || D < 2 || D % 2 || D > 512 || ldx < heads * D) return 1;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, heads * D)) schedule(static)
-    for (int64_t r = 0; r < rows; r++) rope_row(x + r * ldx, heads, D, cos + r * D, ssin + r * D);
+    for (int64_t r = 0; r < rows; r++) {
+        if (bf16)
+            rope_row_bf16((uint16_t *)x + r * ldx, heads, D, (const uint16_t *)cos + r * D,
+                          (const uint16_t *)ssin + r * D);
+        else
+            rope_row((float *)x + r * ldx, heads, D, (const float *)cos + r * D, (const float *)ssin + r * D);
+    }
     return 0;
 }
 
 /* The new keys and values of `rows` tokens into one layer's pools ([kv_heads, num_slots, D]
  * each; slot s of head h at (h * num_slots + s) * D): row r's kv head h comes from
- * k + r * ldk + h * D (and likewise v). float32 pools only; 1 when a slot is out of range
- * (checked before anything is written). */
-int tm_store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, int64_t rows, int64_t kv_heads,
-                     int64_t D, const int64_t *slots, float *k_cache, float *v_cache, int64_t num_slots,
+ * k + r * ldk + h * D (and likewise v), in the pools' dtype (esize bytes an element: 4 or 2).
+ * 1 when a slot is out of range (checked before anything is written). */
+int tm_store_kv_rows(const void *k, int64_t ldk, const void *v, int64_t ldv, int64_t rows, int64_t kv_heads,
+                     int64_t D, const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int64_t esize,
                      int num_threads) {
-    if (rows < 0 || kv_heads < 1 || D < 1 || ldk < kv_heads * D || ldv < kv_heads * D) return 1;
+    if (rows < 0 || kv_heads < 1 || D < 1 || ldk < kv_heads * D || ldv < kv_heads * D || (esize != 2 && esize != 4))
+        return 1;
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+    const size_t row_bytes = (size_t)D * esize;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, 2 * kv_heads * D)) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < kv_heads; h++) {
-            const size_t dst = ((size_t)h * num_slots + slots[r]) * D;
-            memcpy(k_cache + dst, k + r * ldk + h * D, D * sizeof(float));
-            memcpy(v_cache + dst, v + r * ldv + h * D, D * sizeof(float));
+            const size_t dst = ((size_t)h * num_slots + slots[r]) * row_bytes;
+            const size_t src = ((size_t)r * ldk + h * D) * esize, src_v = ((size_t)r * ldv + h * D) * esize;
+            memcpy((char *)k_cache + dst, (const char *)k + src, row_bytes);
+            memcpy((char *)v_cache + dst, (const char *)v + src_v, row_bytes);
         }
     return 0;
 }
