@@ -2,7 +2,7 @@
 
 Rotary must be bit-identical to the torch formula it replaces, in float32 and
 bf16; RMSNorm and SiLU(gate) * up are checked against float64 (bf16: within
-one bf16 step of torch's ops, almost always equal) (they sum and exponentiate in
+one or two bf16 steps of torch's ops, almost always equal) (they sum and exponentiate in
 another order than torch, as the fused decode step always has); the K/V
 stores must write exactly what index_copy_ writes; the residual
 add fused into oneDNN's matmul must equal the separate add bit for bit; and
@@ -98,8 +98,8 @@ def test_bf16_rms_norm_rounds_as_the_torch_module_does(lib, rows, n, scale, seed
     assert got is not None and got.dtype == torch.bfloat16
     xf = x.float()
     want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()  # RMSNorm.forward's ops
-    ulps = _bf16_ulps(got, want)
-    assert int(ulps.max()) <= 1 and float((ulps == 0).float().mean()) > 0.97
+    ulps = _bf16_ulps(got, want)  # the norm one bf16 step off can be two after the weight's rounding
+    assert int(ulps.max()) <= 2 and float((ulps == 0).float().mean()) > 0.97
 
 
 @settings(max_examples=60, deadline=None)

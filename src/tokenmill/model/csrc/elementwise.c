@@ -18,7 +18,8 @@
  * RMSNorm sums its squares in another order than torch's mean (a few float32
  * ulp apart), and SiLU uses exp_nonpos (within ~2 ulp of expf): the same
  * arithmetic the fused decode step has always used; in bf16 that rarely moves
- * a rounded result by one bf16 ulp. Included by decode_step.c (one library).
+ * a rounded result, by one bf16 step (two for RMSNorm, whose weight multiply
+ * rounds again). Included by decode_step.c (one library).
  */
 #include <math.h>
 #include <stdint.h>
@@ -135,47 +136,29 @@ int tm_silu_mul_rows(const void *gu, int64_t ldg, int64_t rows, int64_t inter, v
     return 0;
 }
 
-/* One row's `heads` heads of D floats, in place: x * cos + roll(x, D/2) * ssin, where ssin is
- * the sin table with its first half negated (model/llama.py's `_rotate`). Each product and the
- * sum are rounded separately, as torch's three ops round them: no FMA contraction here. */
-__attribute__((optimize("fp-contract=off"))) static void rope_row(float *x, int64_t heads, int64_t D,
-                                                                   const float *cos, const float *ssin) {
-    const int64_t h = D / 2;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        float *p = x + hd * D;
-        float tmp[512];
-#pragma omp simd
-        for (int64_t i = 0; i < h; i++) {
-            const float a = p[i] * cos[i], b = p[i + h] * ssin[i];
-            const float c = p[i + h] * cos[i + h], d = p[i] * ssin[i + h];
-            tmp[i] = a + b;
-            tmp[i + h] = c + d;
-        }
-        memcpy(p, tmp, D * sizeof(float));
+/* One head of D values, in place: x * cos + roll(x, D/2) * ssin, where ssin is the sin table
+ * with its first half negated (model/llama.py's `_rotate`). Each product and the sum are
+ * rounded as torch's three ops round them: float32, each on its own (no FMA contraction
+ * here); bf16, each product (exact in float32) and the float32 sum rounded to bf16. Positions
+ * i and i + D/2 only read each other, so the pair is read before either is written. */
+#define TM_ROTATE(NAME, T, MUL, ROUND)                                                                      \
+    __attribute__((optimize("fp-contract=off"))) static void NAME(T *p, int64_t D, const T *cos,          \
+                                                                  const T *ssin) {                         \
+        const int64_t h = D / 2;                                                                            \
+        _Pragma("omp simd") for (int64_t i = 0; i < h; i++) {                                               \
+            const T lo = p[i], hi = p[i + h];                                                               \
+            p[i] = ROUND(MUL(lo, cos[i]) + MUL(hi, ssin[i]));                                               \
+            p[i + h] = ROUND(MUL(hi, cos[i + h]) + MUL(lo, ssin[i + h]));                                   \
+        }                                                                                                   \
     }
-}
 
-/* The same in bf16: each product (exact in float32) rounded to bf16, their sum in float32
- * rounded to bf16, as torch's bf16 mul, mul and add round. */
-__attribute__((optimize("fp-contract=off"))) static void rope_row_bf16(uint16_t *x, int64_t heads, int64_t D,
-                                                                        const uint16_t *cos, const uint16_t *ssin) {
-    const int64_t h = D / 2;
-    for (int64_t hd = 0; hd < heads; hd++) {
-        uint16_t *p = x + hd * D;
-        uint16_t tmp[512];
-#pragma omp simd
-        for (int64_t i = 0; i < h; i++) {
-            const float lo = bf16_to_f32(p[i]), hi = bf16_to_f32(p[i + h]);
-            const float a = bf16_to_f32(f32_to_bf16(lo * bf16_to_f32(cos[i])));
-            const float b = bf16_to_f32(f32_to_bf16(hi * bf16_to_f32(ssin[i])));
-            const float c = bf16_to_f32(f32_to_bf16(hi * bf16_to_f32(cos[i + h])));
-            const float d = bf16_to_f32(f32_to_bf16(lo * bf16_to_f32(ssin[i + h])));
-            tmp[i] = f32_to_bf16(a + b);
-            tmp[i + h] = f32_to_bf16(c + d);
-        }
-        memcpy(p, tmp, D * sizeof(uint16_t));
-    }
+TM_INLINE float f32_product(float a, float b) { return a * b; }
+TM_INLINE float f32_as_is(float a) { return a; }
+TM_INLINE float bf16_product(uint16_t a, uint16_t b) {
+    return bf16_to_f32(f32_to_bf16(bf16_to_f32(a) * bf16_to_f32(b)));
 }
+TM_ROTATE(rotate_f32, float, f32_product, f32_as_is)
+TM_ROTATE(rotate_bf16, uint16_t, bf16_product, f32_to_bf16)
 
 /* Rotary embedding in place over `rows` token rows (stride ldx elements), each holding `heads`
  * heads of D values from its start; cos and ssin: [rows, D], contiguous, this step's tables,
@@ -184,13 +167,15 @@ int tm_rope_rows(void *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, c
                  int bf16, int num_threads) {
     if (rows < 0 || heads < 1 || D < 2 || D % 2 || D > 512 || ldx < heads * D) return 1;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, heads * D)) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        if (bf16)
-            rope_row_bf16((uint16_t *)x + r * ldx, heads, D, (const uint16_t *)cos + r * D,
-                          (const uint16_t *)ssin + r * D);
-        else
-            rope_row((float *)x + r * ldx, heads, D, (const float *)cos + r * D, (const float *)ssin + r * D);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t hd = 0; hd < heads; hd++) {
+            if (bf16)
+                rotate_bf16((uint16_t *)x + r * ldx + hd * D, D, (const uint16_t *)cos + r * D,
+                            (const uint16_t *)ssin + r * D);
+            else
+                rotate_f32((float *)x + r * ldx + hd * D, D, (const float *)cos + r * D,
+                           (const float *)ssin + r * D);
+        }
     return 0;
 }
 
