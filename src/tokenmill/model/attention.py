@@ -94,7 +94,7 @@ def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: in
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store new keys/values ([T, kv_heads, head_dim]) into the pool at their slots."""
-    if cpu_kernels.store_kv(k_cache, v_cache, k, v, slot_mapping):  # CPU float32: one C pass
+    if cpu_kernels.store_kv(k_cache, v_cache, k, v, slot_mapping):  # CPU float32 / bf16: one C pass
         return
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))

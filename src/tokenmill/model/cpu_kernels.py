@@ -308,26 +308,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return True
 
 
-def argmax_rows(logits: torch.Tensor, library: KernelLibrary | None = None) -> torch.Tensor | None:
-    """``logits.argmax(dim=-1)`` for a 2-D float32 CPU tensor with unit inner stride,
-    the same indices as torch gives (first of equal maxima; NaN wins), as int64; None
-    when the kernel is off or cannot take the tensor (the caller uses torch)."""
-    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and (logits.stride(1) == 1 or logits.shape[1] == 1)
-            and logits.stride(0) >= logits.shape[1]):
-        return None
-    lib = library or (load() if enabled() else None)
-    if lib is None:
-        return None
-    rows, cols = logits.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    if rows:
-        rc = lib.cdll.tm_argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(),
-                                     torch.get_num_threads())
-        _raise_for(rc, "argmax_rows", "bad shape or stride")
-    return out
-
-
 def _cpu_same_float(*tensors: torch.Tensor) -> bool:
     """All on the CPU, all float32 or all bfloat16 (what the elementwise kernels take)."""
     dtype = tensors[0].dtype
@@ -339,8 +319,28 @@ def _rows_ok(x: torch.Tensor) -> bool:
     return x.dim() == 2 and (x.stride(1) == 1 or x.shape[1] <= 1) and x.stride(0) >= x.shape[1]
 
 
-def _elementwise_library(library: KernelLibrary | None) -> KernelLibrary | None:
+def _enabled_library(library: KernelLibrary | None) -> KernelLibrary | None:
+    """``library`` (a specific build, in tests), else the cached one when the kernels are on."""
     return library or (load() if enabled() else None)
+
+
+def argmax_rows(logits: torch.Tensor, library: KernelLibrary | None = None) -> torch.Tensor | None:
+    """``logits.argmax(dim=-1)`` for a 2-D float32 CPU tensor with unit inner stride,
+    the same indices as torch gives (first of equal maxima; NaN wins), as int64; None
+    when the kernel is off or cannot take the tensor (the caller uses torch)."""
+    if not (logits.device.type == "cpu" and logits.dtype == torch.float32 and _rows_ok(logits)
+            and logits.shape[1] > 0):
+        return None
+    lib = _enabled_library(library)
+    if lib is None:
+        return None
+    rows, cols = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        rc = lib.cdll.tm_argmax_rows(logits.data_ptr(), rows, cols, logits.stride(0), out.data_ptr(),
+                                     torch.get_num_threads())
+        _raise_for(rc, "argmax_rows", "bad shape or stride")
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -350,7 +350,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (a new contiguous tensor); None when the kernel is off or cannot take it."""
     if not (_cpu_same_float(x, weight) and _rows_ok(x) and weight.is_contiguous() and weight.shape == x.shape[1:]):
         return None
-    lib = _elementwise_library(library)
+    lib = _enabled_library(library)
     if lib is None:
         return None
     rows, n = x.shape
@@ -367,7 +367,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int, library: KernelLibrary | None = 
     after the product, as torch's two ops do); None when the kernel is off or cannot take it."""
     if not (_cpu_same_float(gate_up) and _rows_ok(gate_up) and gate_up.shape[1] == 2 * inter and inter > 0):
         return None
-    lib = _elementwise_library(library)
+    lib = _enabled_library(library)
     if lib is None:
         return None
     rows = gate_up.shape[0]
@@ -391,7 +391,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library:
     if not (x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= heads * d
             and cos.numel() == tokens * d and signed_sin.numel() == tokens * d and d % 2 == 0 and d <= 512):
         return False
-    lib = _elementwise_library(library)
+    lib = _enabled_library(library)
     if lib is None:
         return False
     if tokens:
@@ -417,7 +417,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     if not (k_cache.shape[0] == kv_heads and k_cache.shape[3] == d
             and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v))):
         return False
-    lib = _elementwise_library(library)
+    lib = _enabled_library(library)
     if lib is None:
         return False
     if tokens:

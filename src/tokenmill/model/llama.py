@@ -79,10 +79,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # float32 on CPU: one pass in C
-            if fused is not None:
-                return fused
+        fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # 2-D float32/bf16 on CPU: one pass in C
+        if fused is not None:
+            return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -201,7 +200,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, added to ``residual`` when one is given."""
         gate_up = self.gate_up_proj(x)
-        act = cpu_kernels.silu_mul(gate_up, self.intermediate) if gate_up.dim() == 2 else None
+        act = cpu_kernels.silu_mul(gate_up, self.intermediate)
         if act is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             act = F.silu(gate) * up

@@ -62,16 +62,17 @@ TM_INLINE void store_row(void *cache, int bf16, size_t offset, const float *src,
     }
 }
 
-/* silu(g) * u, vectorizable: e = exp(-|g|) <= 1 keeps exp_nonpos in range; sigmoid(g) is
+/* g * sigmoid(g), vectorizable: e = exp(-|g|) <= 1 keeps exp_nonpos in range; sigmoid(g) is
  * 1 / (1 + e) for g >= 0 and e / (1 + e) below, one division either way. */
+TM_INLINE float silu(float g) {
+    const float e = exp_nonpos(g < 0.0f ? g : -g);
+    return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+/* silu(g) * u, float32. */
 TM_INLINE void silu_mul(const float *g, const float *u, float *out, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        const float a = g[i] < 0.0f ? g[i] : -g[i];
-        const float e = exp_nonpos(a);
-        const float sig = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
-        out[i] = g[i] * sig * u[i];
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
 }
 
 /* ------------------------------------------------------------------ row-parallel entry points */
@@ -109,13 +110,8 @@ int tm_rms_norm_rows(const void *x, int64_t ldx, const void *w, int64_t rows, in
 /* torch's F.silu(gate) * up on bf16: silu in float32, rounded; the product, rounded. */
 TM_INLINE void silu_mul_bf16(const uint16_t *g, const uint16_t *u, uint16_t *out, int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; i++) {
-        const float gf = bf16_to_f32(g[i]);
-        const float a = gf < 0.0f ? gf : -gf;
-        const float e = exp_nonpos(a);
-        const float silu = gf * ((gf >= 0.0f ? 1.0f : e) / (1.0f + e));
-        out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu)) * bf16_to_f32(u[i]));
-    }
+    for (int64_t i = 0; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(silu(bf16_to_f32(g[i])))) * bf16_to_f32(u[i]));
 }
 
 /* out[r, :inter] = silu(gu[r, :inter]) * gu[r, inter : 2 * inter]: gate and up side by side,
