@@ -15,6 +15,13 @@ Rows (all on the same GGUF file, the same number of threads):
 * llama.cpp through ``llama-cpp-python`` when it is installed (the optional
   extra ``bench-llamacpp``); otherwise the script says so and skips the row.
 
+``--isa avx2`` measures what an AVX2-only CPU runs: the script re-runs itself
+with torch's dispatch narrowed (``ATEN_CPU_CAPABILITY=avx2``) and the C
+kernels built without AVX-512 (``TOKENMILL_KERNEL_ISA=avx2``); give it a
+llama.cpp built the same way with ``--llamacpp-path`` (a ``pip install
+--target`` folder of llama-cpp-python compiled with ``GGML_NATIVE=OFF
+GGML_AVX512=OFF``), so both sides use the same instructions.
+
 Prefill: one ``--prefill-len``-token prompt (one step), tok/s = prompt
 tokens / step time. Decode: ``--decode-len`` greedy tokens after a short
 prompt, tok/s = decode steps / their time. Every engine is built first, then
@@ -121,6 +128,8 @@ def tokenmill_runner(config: str, args: argparse.Namespace, reference: bool = Fa
 
 
 def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
+    if args.llamacpp_path:
+        sys.path.insert(0, args.llamacpp_path)
     try:
         from llama_cpp import Llama  # type: ignore[import-not-found]
     except ImportError:
@@ -155,11 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the engine's choice, all cores)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: measure as an AVX2-only CPU runs (torch and the C kernels without AVX-512)")
+    ap.add_argument("--llamacpp-path", default="", help="folder holding a llama_cpp package to import first")
     args = ap.parse_args(argv)
+    if args.isa == "avx2" and os.environ.get("TOKENMILL_KERNEL_ISA") != "avx2":
+        env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TOKENMILL_KERNEL_ISA="avx2")
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     global THREADS
     THREADS = args.threads
     threads = args.threads or torch.get_num_threads()
-    print(f"# decode_speed: threads {threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+    print(f"# decode_speed: isa {args.isa} (torch {torch.backends.cpu.get_cpu_capability()}), "
+          f"threads {threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
           f"load {os.getloadavg()[0]:.2f}")
     runners: list[tuple[str, Runner]] = [

@@ -127,7 +127,7 @@ def test_int8_linear_matches_its_dequantized_weight(rows: int) -> None:
 def test_int4_linear_matches_its_dequantized_weight(group: int, rows: int) -> None:
     w = _weights(128, 256)
     layer = Int4Linear.from_float(w, group)
-    assert layer.layout == "cpu" and layer.unpack_ok
+    assert layer.layout == "nibbles" and layer.unpack_ok  # the project's packing, on every CPU
     x = torch.randn(2, rows, 256)  # leading dims are kept
     want = x @ layer.dequantized_weight().t()
     got = layer(x)
@@ -157,21 +157,37 @@ def test_w8a8_dynamic_activations_are_close_but_not_identical() -> None:
     assert torch.equal(dyn(x[:1]), wo(x[:1]))  # one row: weight-only kernel for both
 
 
-def test_nibble_fallback_when_no_kernel_packs(monkeypatch) -> None:
-    """The path other devices take: plain nibbles, dequantize per matmul."""
-    monkeypatch.setattr(Int4Linear, "_pack", staticmethod(lambda codes, layout: None))
+def test_int4_without_the_c_kernels_dequantizes_per_matmul(monkeypatch) -> None:
+    """With the C kernels off (no gcc, TOKENMILL_CPU_KERNELS=0) every row count takes the
+    unpack + dense path, with the same result as the kernel within rounding."""
     w = _weights(96, 128)
     codes = quantize_int4(w, 32)
     layer = Int4Linear(codes)
     assert layer.layout == "nibbles" and layer.packed.shape == (96, 64)
     x = torch.randn(5, 128)
-    assert _rel(layer(x), x @ codes.dequantize().t()) < 1e-2
+    with_kernel = layer(x)
+    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+    without = layer(x)
+    assert _rel(without, x @ codes.dequantize().t()) < 1e-2
+    assert _rel(with_kernel, without) < 1e-2
     ids = torch.tensor([0, 95, 7, 7])
     assert torch.allclose(layer.rows(ids), codes.dequantize()[ids])
 
 
+def test_int4_packing_round_trips_and_is_the_kernels_order() -> None:
+    """pack_int4: in each 32-column chunk byte i holds code i (low) and code i + 16 (high)."""
+    from tokenmill.model.cpu_kernels import pack_int4, unpack_int4
+
+    codes = torch.randint(0, 16, (7, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(codes)
+    assert packed.shape == (7, 48)
+    assert int(packed[2, 3]) == int(codes[2, 3]) | (int(codes[2, 19]) << 4)
+    assert int(packed[4, 16 + 5]) == int(codes[4, 32 + 5]) | (int(codes[4, 32 + 21]) << 4)
+    assert torch.equal(unpack_int4(packed), codes)
+
+
 def test_rows_read_back_for_a_tied_embedding() -> None:
-    w = _weights(192, 64)  # 192 rows: three 64-row blocks of the CPU packing
+    w = _weights(192, 64)
     ids = torch.tensor([0, 31, 32, 63, 64, 100, 191, 5])
     i4 = Int4Linear.from_float(w, 32)
     assert torch.equal(i4.rows(ids), i4.dequantized_weight()[ids])

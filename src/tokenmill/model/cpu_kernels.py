@@ -61,7 +61,11 @@ SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, on
 SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
            SOURCE)  # what the cache key hashes
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-_ABI_VERSION = 1
+# Instruction-set builds: "native" takes everything this CPU has; "avx2" leaves
+# AVX-512 out, so a wide machine runs (and tests) what an AVX2-only one runs;
+# "portable" targets baseline x86-64 (SSE2) and runs anywhere.
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
+_ABI_VERSION = 2
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 PREFILL_MAX_GROUP = 192  # query heads per kv head the prefill kernel takes (PF_ROWS in prefill_attention.c)
 _PREFILL_ENTRY = {torch.float32: "tm_paged_prefill_f32", torch.bfloat16: "tm_paged_prefill_bf16"}
@@ -84,6 +88,41 @@ def enabled() -> bool:
     """False when ``TOKENMILL_CPU_KERNELS=0`` (read on every call, so tests and
     benchmarks can switch it in-process)."""
     return env_switch_on("TOKENMILL_CPU_KERNELS")
+
+
+def isa() -> str:
+    """The kernels' instruction-set build: ``TOKENMILL_KERNEL_ISA`` (native, avx2,
+    portable); unset, it follows torch's ``ATEN_CPU_CAPABILITY`` when that narrows
+    torch to AVX2 or less, so one variable makes the whole process the narrower machine."""
+    name = os.environ.get("TOKENMILL_KERNEL_ISA", "").strip().lower()
+    if not name:
+        aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+        name = {"avx2": "avx2", "default": "portable"}.get(aten, "native")
+    if name not in ISA_FLAGS:
+        raise ValueError(f"TOKENMILL_KERNEL_ISA={name!r}: choose one of {', '.join(ISA_FLAGS)}")
+    return name
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and the
+    process is not narrowed below AVX-512: only then is a bf16 matmul faster
+    than float32 here (elsewhere oneDNN emulates it, several times slower)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = _cpu_flags()
+    return bool({"avx512_bf16", "amx_bf16"} & flags) and isa() == "native" and \
+        torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
 def cache_dir() -> Path:
@@ -138,7 +177,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     """Compile (unless cached) and load the kernel library; raises on failure.
     ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
     cc = _compiler()
-    flags = CFLAGS + tuple(extra_flags)
+    flags = CFLAGS + ISA_FLAGS[isa()] + tuple(extra_flags)
     path = _library_path(cc, flags)
     if not path.exists():
         _compile(cc, flags, path)
@@ -167,6 +206,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
+    cdll.tm_linear.argtypes = [ptr, ptr, i64, i64, ptr, i64, cint]
+    cdll.tm_linear.restype = ctypes.c_int
     cdll.tm_decode_struct_sizes.restype = ctypes.c_int64
     cdll.tm_kernels_abi_version.restype = ctypes.c_int
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
@@ -184,8 +225,7 @@ def load() -> KernelLibrary | None:
         if not _tried:
             try:
                 _lib = build()
-                log.info("decode attention: C kernel reading the paged KV cache in place (%s, %d-float vectors)",
-                         _lib.path, _lib.vector_width)
+                log.info("CPU kernels: %s build, %d-float vectors (%s)", isa(), _lib.vector_width, _lib.path)
             except Exception as exc:  # any failure: keep the torch path
                 _lib = None
                 log.warning("decode attention: C kernel unavailable (%s); using the torch gather path", exc)
@@ -427,3 +467,56 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                                        k.element_size(), torch.get_num_threads())
         _raise_for(rc, "store_kv", "a slot lies outside the pool")
     return True
+
+
+# --------------------------------------------------------------------------- one projection
+
+W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3  # TmLinear.kind
+
+
+class TmLinear(ctypes.Structure):
+    """decode_step.c's description of one projection (weights stay in their stored
+    precision; int4 in :func:`pack_int4`'s order with float32 scale and ``z - 8 s``)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
+                ("pad", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p)]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] (K % 32 == 0) -> [N, K / 2] bytes, the project's int4 packing:
+    in each 32-column chunk, byte i holds code i (low nibble) and code i + 16 (high
+    nibble), so one byte load gives the kernels two vectors' worth of codes. It is
+    the same on every CPU, unlike torch's int4pack, which changes with its ISA dispatch."""
+    n, k = codes.shape
+    c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: [N, K / 2] bytes -> uint8 codes [N, K] (into ``out``)."""
+    n, half = packed.shape
+    dst = out if out is not None else torch.empty((n, 2 * half), dtype=torch.uint8, device=packed.device)
+    chunks = dst.view(n, half // 16, 2, 16)
+    src = packed.view(n, half // 16, 16)
+    chunks[:, :, 0].copy_(src).bitwise_and_(15)
+    chunks[:, :, 1].copy_(src).bitwise_right_shift_(4)
+    return dst
+
+
+def linear(desc: TmLinear, x: torch.Tensor, library: KernelLibrary | None = None) -> torch.Tensor | None:
+    """``desc`` applied to float32 CPU rows x [B, k] (unit inner stride) -> a new float32
+    [B, n] tensor; None when the kernels are off or cannot take it (the caller uses torch)."""
+    if not (x.device.type == "cpu" and x.dtype == torch.float32 and _rows_ok(x) and x.shape[1] == desc.k):
+        return None
+    lib = _enabled_library(library)
+    if lib is None:
+        return None
+    out = torch.empty((x.shape[0], desc.n), dtype=torch.float32)
+    rc = lib.cdll.tm_linear(ctypes.addressof(desc), x.data_ptr(), max(x.stride(0), desc.k), x.shape[0],
+                            out.data_ptr(), desc.n, torch.get_num_threads())
+    if rc == 1:
+        return None
+    _raise_for(rc, "linear", "bad layer description")
+    return out

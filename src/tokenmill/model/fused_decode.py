@@ -5,8 +5,8 @@ small CPU, their fixed costs outweigh the arithmetic: an int4 step of
 SmolLM2-135M took 12 ms, of which the weights are read in ~4. ``csrc/
 decode_step.c`` runs every layer, the final norm and the LM head in one OpenMP
 region (see its header); this module hands it the model: pointers to the
-weights in their stored precision (float32, bf16, int8, int4; int4 repacked
-once at build into the kernel's nibble order), float32 copies of the norm
+weights in their stored precision (float32, bf16, int8, int4 in the
+project's own packing, read where the layer keeps it), float32 copies of the norm
 weights, the rotary tables and each layer's KV pool.
 
 The pointers are taken once, at build: a model whose modules or pool are
@@ -43,7 +43,8 @@ from .quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
-W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3
+W_F32, W_BF16, W_INT8, W_INT4 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
+                                  cpu_kernels.W_INT4)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
 # SmolLM2-135M, context 256 (fused / eager step time, session 4's 4-row x
@@ -61,11 +62,7 @@ def enabled() -> bool:
     return env_switch_on("TOKENMILL_FUSED_DECODE") and cpu_kernels.enabled()
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+_Linear = cpu_kernels.TmLinear
 
 
 class _Layer(ctypes.Structure):
@@ -85,14 +82,6 @@ class _Model(ctypes.Structure):
 
 class Unsupported(Exception):
     """The model has something the fused step does not implement."""
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [N, K] (K % 32 == 0) -> [N, K / 2] bytes: in each 32-column chunk,
-    byte i holds code i (low nibble) and code i + 16 (high nibble)."""
-    n, k = codes.shape
-    c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
-    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
 @dataclass
@@ -157,16 +146,11 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
     s.repeat, s.group = 1, 0
     if isinstance(mod, Int4Linear):
         if not mod.unpack_ok or mod.group_size % 32:
-            raise Unsupported(f"{name}: int4 packing the kernel cannot read back")
-        codes = mod._codes()  # [N, K * repeat]
-        packed = pack_int4(codes)
-        sz = mod.scale_zeros.float()  # [G, N, 2]
-        scale = sz[..., 0].t().contiguous()
-        zero = (sz[..., 1] - 8.0 * sz[..., 0]).t().contiguous()
-        keep += [packed, scale, zero]
-        s.kind, s.group, s.repeat = W_INT4, mod.group_size, mod.repeat
-        s.n, s.k = mod.out_features, mod.in_features
-        s.w, s.scale, s.zero = packed.data_ptr(), scale.data_ptr(), zero.data_ptr()
+            raise Unsupported(f"{name}: int4 in tinygemm's packing, which the kernel cannot read")
+        d = mod.kernel_description()  # the layer's own buffers, no copy
+        ctypes.pointer(s)[0] = d
+        s.bias = _f32(bias, keep) if bias is not None else None
+        keep.append(mod._desc[1])
         return s
     if isinstance(mod, Int8Linear):
         q = mod.qweight.contiguous()

@@ -1,37 +1,27 @@
 """Weight-only int8 / int4 linear layers, and GGUF blocks served as they are.
 
-Kernels, measured on the 2-core AVX-512 CPU this project develops on (one
-thread, the 120 linears of one SmolLM2-135M step, cold weights, bf16
-activations; ms per step at 1 / 16 / 64 / 512 rows):
-
-    dense fp32                          68 / 155 / 380 / 2273
-    dense bf16                          54 /  88 / 189 / 1134
-    int8 _weight_int8pack_mm            32 / 117 / 404 / 3073
-    int8 dequantize + dense bf16        95 / 130 / 232 / 1229
-    int8 dynamic (int8 act., _int_mm)   33 /  65 / 140 / ~900
-    int4 _weight_int4pack_mm_for_cpu    16 /  91 / 343 / 2695
-    int4 unpack + dense bf16           309 / 360 / 471 / 1451
-
-So: the weight-only kernels win at decode sizes (int4 3-4x, int8 ~2x faster
-than dense bf16) and grow linearly with rows; past ``KernelPolicy``'s
-thresholds the layer dequantizes into a shared scratch buffer and runs one
-dense bf16 matmul. Dynamic int8 activations are the fastest at large batch
-but cost accuracy on this model (greedy top-1 agreement 85% vs 96% for
-weight-only on 256 tokens), so they are a separate mode, ``w8a8``. float32
-activations make the weight-only kernels 10-25x slower, so quantized layers
-compute in bf16 whatever the model dtype is. torchao's CPU wrappers were
-measured 2-11x slower than these aten kernels and are not used.
+Kernels. Weight-only kernels win at decode sizes and grow linearly with rows;
+past ``KernelPolicy``'s thresholds a layer dequantizes into a shared scratch
+buffer and runs one dense matmul, in bf16 where the CPU multiplies bf16
+natively and in float32 elsewhere (``dense_dtype``; oneDNN emulates bf16 on
+AVX2 several times slower than float32). int4 on the CPU uses the project's
+own packing and C kernel (``cpu_kernels.pack_int4``, ``tm_linear``), the same
+on every instruction set: torch's CPU int4pack changes layout with its ISA
+dispatch, so weights packed for it could not be read back (for a tied
+embedding, or by the fused decode step) on every machine. int8 uses torch's
+weight-only kernel with bf16 activations. Dynamic int8 activations are the
+fastest at large batch but cost accuracy, so they are a separate mode,
+``w8a8``. benchmarks/PROFILE.md has the measurements behind these choices.
 
 On CUDA the tinygemm int4 kernel and the int8 weight-only kernel are tried
 once per layer shape against the dequantized weight; where a kernel is
-missing or disagrees, and on any other device, layers dequantize and matmul.
+missing or disagrees, layers dequantize and matmul.
 
 Formats. int8: symmetric, one scale per output channel. int4: asymmetric,
-one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``
-(torch's int4pack convention). Scales are rounded to bf16 *before* the codes
-are chosen, so the kernel's bf16 scales are exact. GGUF: Q4_0 is
-``s = d, z = 0``, Q4_1 is ``s = d, z = m + 8d`` (codes kept bit for bit, d and
-m rounded from fp16 to bf16); Q8_0 has a scale per 32 columns, which no int8
+one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``.
+Scales are rounded to bf16 *before* the codes are chosen, so a kernel's bf16
+scales are exact. GGUF: Q4_0 is ``s = d, z = 0``, Q4_1 is ``s = d, z = m + 8d``
+(codes kept bit for bit); Q8_0 has a scale per 32 columns, which no int8
 kernel takes, so each code ``q = 16*hi + lo`` is split into two int4 codes and
 the layer multiplies ``[x, x]`` by ``[W_hi | W_lo]`` with the int4 kernel:
 the same 8.5 bits per weight, no re-quantization.
@@ -65,6 +55,24 @@ class KernelPolicy:
 
 
 POLICY = KernelPolicy()
+
+
+_DENSE_DTYPE: dict[str, torch.dtype] = {}
+
+
+def dense_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a quantized layer dequantizes into for a dense matmul (many rows):
+    bf16 on CUDA and on CPUs that multiply bf16 natively, float32 elsewhere, where
+    oneDNN emulates bf16 several times slower than float32. Decided once per device type."""
+    kind = torch.device(device).type
+    if kind not in _DENSE_DTYPE:
+        if kind == "cpu":
+            from .cpu_kernels import native_bf16
+
+            _DENSE_DTYPE[kind] = torch.bfloat16 if native_bf16() else torch.float32
+        else:
+            _DENSE_DTYPE[kind] = torch.bfloat16
+    return _DENSE_DTYPE[kind]
 
 
 # --------------------------------------------------------------------------- formats
@@ -242,7 +250,7 @@ class _QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(COMPUTE_DTYPE)
+        x2 = x.reshape(-1, self.in_features)
         y = self._matmul(x2) if x2.shape[0] else x2.new_zeros((0, self.out_features))
         if self.bias is not None:
             y = y + self.bias
@@ -291,13 +299,15 @@ class Int8Linear(_QuantLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        x = x.to(COMPUTE_DTYPE)
         if self.dynamic and rows >= POLICY.int8_dynamic_min_rows:
             return self._dynamic(x)
         if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
             return self._weight_only(x)
         n, k = self.qweight.shape
-        wb = _scratch("wbf", x.device, COMPUTE_DTYPE, n * k).view(n, k).copy_(self.qweight)
-        return F.linear(x, wb.mul_(self.scales[:, None]))
+        dense = dense_dtype(x.device)
+        w = _scratch("wbf", x.device, dense, n * k).view(n, k).copy_(self.qweight)
+        return F.linear(x.to(dense), w.mul_(self.scales[:, None].to(dense)))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
@@ -305,10 +315,14 @@ class Int8Linear(_QuantLinear):
 
 
 class Int4Linear(_QuantLinear):
-    """int4 weights with group-wise (scale, zero), in the device kernel's packing.
+    """int4 weights with group-wise (scale, zero): ``w = (code - 8) * s + z``.
 
-    ``layout``: "cpu" (torch's CPU int4pack), "cuda" (tinygemm int4pack) or
-    "nibbles" (two codes per byte, dequantized for every matmul: the fallback).
+    ``layout``: "nibbles" on the CPU and any device without a native kernel: the
+    project's own packing (:func:`cpu_kernels.pack_int4`), identical on every CPU,
+    multiplied by the C kernel (``tm_linear``, float32 activations) up to
+    ``POLICY.int4_kernel_max_rows`` rows and unpacked into one dense matmul above
+    that (or everywhere when the C kernels are off); "tinygemm" on CUDA, torch's
+    packed int4 kernel where it agrees with the dequantized weight.
     """
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
@@ -316,44 +330,37 @@ class Int4Linear(_QuantLinear):
         super().__init__(kp // codes.repeat, n, bias)
         self.group_size, self.repeat = codes.group_size, codes.repeat
         dev = codes.codes.device
-        sz = torch.stack([codes.scales.t(), codes.zeros.t()], -1).to(COMPUTE_DTYPE).contiguous()
-        self.register_buffer("scale_zeros", sz)  # [K // group, N, 2], the kernels' layout
+        self.register_buffer("scales", codes.scales.float().contiguous())  # [N, K' // group]
+        self.register_buffer("zeros", codes.zeros.float().contiguous())
         self.layout = "nibbles"
-        self.unpack_ok = False
-        shape_key = (dev.type, n, kp, self.group_size, self.repeat)
-        for layout in (("cpu",) if dev.type == "cpu" else ("cuda",) if dev.type == "cuda" else ()):
-            packed = self._pack(codes.codes, layout)
-            if packed is None:
-                continue
-            self.register_buffer("packed", packed)
-            self.layout = layout
-            if _kernel_works(("int4", layout, *shape_key), self._kernel_matmul, codes.dequantize, 2,
-                             self.in_features, dev):
-                break
-            self.layout = "nibbles"
-        if self.layout == "nibbles":
-            c = codes.codes
-            self.register_buffer("packed", (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous())
-            self.unpack_ok = True
-        elif self.layout == "cpu" and n % 64 == 0:
-            key = ("int4-unpack", *shape_key)
-            if key not in _VERIFIED:
-                _VERIFIED[key] = torch.equal(self._codes(), codes.codes)
-            self.unpack_ok = _VERIFIED[key]
+        if dev.type == "cuda":
+            packed = self._tinygemm_pack(codes.codes)
+            if packed is not None:
+                sz = torch.stack([codes.scales.t(), codes.zeros.t()], -1).to(torch.bfloat16).contiguous()
+                self.register_buffer("packed", packed)
+                self.register_buffer("scale_zeros", sz)  # [K' // group, N, 2], tinygemm's layout
+                self.layout = "tinygemm"
+                if not _kernel_works(("int4", "tinygemm", n, kp, self.group_size, self.repeat),
+                                     self._kernel_matmul, codes.dequantize, 2, self.in_features, dev):
+                    self.layout = "nibbles"
+        self.unpack_ok = self.layout == "nibbles"
+        if self.unpack_ok:
+            from .cpu_kernels import pack_int4
+
+            self.register_buffer("packed", pack_int4(codes.codes))
+        self._desc: Any = None  # the C kernel's description of this layer, made on first use
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
         return cls(quantize_int4(w, group_size), bias)
 
     @staticmethod
-    def _pack(codes: torch.Tensor, layout: str) -> torch.Tensor | None:
+    def _tinygemm_pack(codes: torch.Tensor) -> torch.Tensor | None:
         n, kp = codes.shape
+        tiles = next((t for t in (8, 4, 2) if kp % (t * 16) == 0), None)
+        if tiles is None:
+            return None
         try:
-            if layout == "cpu":
-                return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-            tiles = next((t for t in (8, 4, 2) if kp % (t * 16) == 0), None)
-            if tiles is None:
-                return None
             as_bytes = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8)  # even column high nibble
             try:
                 return torch._convert_weight_to_int4pack(as_bytes.contiguous(), tiles)
@@ -363,74 +370,82 @@ class Int4Linear(_QuantLinear):
             return None
 
     def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(COMPUTE_DTYPE)
         if self.repeat == 2:
             x = torch.cat([x, x], dim=1)
-        if self.layout == "cpu":
-            return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scale_zeros)
         return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scale_zeros)
+
+    def kernel_description(self) -> Any:
+        """The C kernels' ``TmLinear`` for this layer (pointers into its buffers; the
+        fused decode step takes the same one)."""
+        from . import cpu_kernels
+
+        if self._desc is None:
+            d = cpu_kernels.TmLinear()
+            zero = (self.zeros - 8.0 * self.scales).contiguous()  # w = code * s + (z - 8 s)
+            d.kind, d.group, d.repeat = cpu_kernels.W_INT4, self.group_size, self.repeat
+            d.n, d.k = self.out_features, self.in_features
+            d.w, d.scale, d.zero = self.packed.data_ptr(), self.scales.data_ptr(), zero.data_ptr()
+            d.bias = None
+            self._desc = (d, zero)  # keep the derived zeros alive with the description
+        return self._desc[0]
 
     def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
-        n = self.out_features
-        kp = self.packed.shape[1] * 2
-        dst = out if out is not None else torch.empty((n, kp), dtype=torch.uint8, device=self.packed.device)
-        if self.layout == "nibbles":
-            pairs = dst.view(n, kp // 2, 2)
-            pairs[..., 0].copy_(self.packed).bitwise_and_(15)
-            pairs[..., 1].copy_(self.packed).bitwise_right_shift_(4)
-            return dst
-        src = self.packed.view(n // 64, kp, 32).transpose(1, 2)  # 64-row blocks; byte j holds rows j and j + 32
-        blocks = dst.view(n // 64, 64, kp)
-        blocks[:, :32].copy_(src).bitwise_and_(15)
-        blocks[:, 32:].copy_(src).bitwise_right_shift_(4)
-        return dst
+        from .cpu_kernels import unpack_int4
 
-    def _dequant(self, codes: torch.Tensor, cols: torch.Tensor | None = None,
+        if not self.unpack_ok:
+            raise RuntimeError("tinygemm's int4 packing cannot be read back")
+        return unpack_int4(self.packed, out)
+
+    def _dequant(self, codes: torch.Tensor, rows: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        """(codes - 8) * s + z in float32 for all rows, or for the rows ``cols`` picks;
+        """(codes - 8) * s + z in float32 for all rows, or for the rows ``rows`` picks;
         into ``out`` when given (the repeat-2 halves are then left unsummed)."""
-        sz = self.scale_zeros.float()  # [G, N, 2]
-        if cols is not None:
-            sz = sz[:, cols]
-        s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [rows, G, 1]
-        rows, kp = codes.shape
+        s, z = (self.scales, self.zeros) if rows is None else (self.scales[rows], self.zeros[rows])
+        s, z = s[..., None], z[..., None]  # [rows, G, 1]
+        n, kp = codes.shape
         g = self.group_size
-        w = torch.mul(codes.view(rows, kp // g, g), s, out=None if out is None else out.view(rows, kp // g, g))
-        w = w.add_(z - 8.0 * s).view(rows, kp)
+        w = torch.mul(codes.view(n, kp // g, g), s, out=None if out is None else out.view(n, kp // g, g))
+        w = w.add_(z - 8.0 * s).view(n, kp)
         if out is not None or self.repeat == 1:
             return w
-        return w.view(rows, self.repeat, self.in_features).sum(1)
+        return w.view(n, self.repeat, self.in_features).sum(1)
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.unpack_ok:
             return self._dequant(self._codes())
-        eye = torch.eye(self.in_features, device=self.scale_zeros.device, dtype=COMPUTE_DTYPE)
+        eye = torch.eye(self.in_features, device=self.packed.device, dtype=COMPUTE_DTYPE)
         return self._kernel_matmul(eye).float().t().contiguous()  # the kernel itself reads it out
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout != "nibbles" and (x.shape[0] <= POLICY.int4_kernel_max_rows or not self.unpack_ok):
+        if self.layout == "tinygemm":
             return self._kernel_matmul(x)
+        if x.device.type == "cpu" and x.shape[0] <= POLICY.int4_kernel_max_rows:
+            from .cpu_kernels import linear
+
+            y = linear(self.kernel_description(), x.float().contiguous())
+            if y is not None:
+                return y
         # Unpack into shared scratch buffers: fresh multi-MB tensors on every call cost more in
-        # page faults than the arithmetic (measured 11 ms vs ~2 ms for a 3072 x 576 layer).
+        # page faults than the arithmetic.
         n, kp = self.out_features, self.packed.shape[1] * 2
         codes = self._codes(_scratch("codes", x.device, torch.uint8, n * kp).view(n, kp))
         w32 = self._dequant(codes, out=_scratch("w32", x.device, torch.float32, n * kp))
-        wb = _scratch("wbf", x.device, COMPUTE_DTYPE, n * kp).view(n, kp).copy_(w32)
+        dense = dense_dtype(x.device)
+        w = w32 if dense == torch.float32 else _scratch("wbf", x.device, dense, n * kp).view(n, kp).copy_(w32)
+        x = x.to(dense)
         if self.repeat == 2:
             x = torch.cat([x, x], dim=1)
-        return F.linear(x, wb)
+        return F.linear(x, w.view(n, kp))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Dequantized rows for an embedding lookup; None when the packing is opaque."""
         if not self.unpack_ok:
             return None
-        if self.layout == "nibbles":
-            codes = torch.stack([self.packed[ids] & 15, self.packed[ids] >> 4], -1).reshape(len(ids), -1)
-        else:
-            kp = self.packed.shape[1] * 2
-            b = self.packed.view(self.out_features // 64, kp, 32)[ids // 64, :, ids % 32]  # [T, K']
-            codes = torch.where(((ids % 64) >= 32)[:, None], b >> 4, b & 15)
-        return self._dequant(codes, ids)
+        from .cpu_kernels import unpack_int4
+
+        return self._dequant(unpack_int4(self.packed[ids]), ids)
 
 
 class QuantizedEmbedding(nn.Module):

@@ -143,7 +143,7 @@ TM_INLINE vf load_dense_w(const TmLinear *L, const int kind, int64_t row, int64_
  * per FMA instead of one in all): an empty asm that "changes" the value makes
  * it load once into a register. */
 TM_INLINE void keep_in_register(vf *v) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX__) /* a vf fills one register only from AVX on */
     __asm__("" : "+v"(*v));
 #else
     (void)v;
@@ -619,6 +619,37 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         failed = !ok;
     }
     free(qkv);
+    return failed ? 2 : 0;
+}
+
+/* One projection y = L(x) outside the fused step: the eager model's int4 layers
+ * (and tests) use it, so that int4 weights are read in the project's own nibble
+ * order on every CPU instead of a library's instruction-set-dependent packing.
+ * x: [B, k] float32 rows ldx apart; y: [B, n] float32 rows ldy apart. Threads
+ * split the output rows in whole tiles, as in the step. Returns 0, 1 for a
+ * layer description the kernel cannot take (nothing written), 2 when scratch
+ * memory could not be allocated. */
+int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, int num_threads) {
+    if (B < 0 || L->n <= 0 || L->k <= 0 || ldx < L->k || ldy < L->n) return 1;
+    if (L->kind == W_INT4 && (L->group <= 0 || L->group % 32 || L->repeat < 1 || (L->k * L->repeat) % L->group))
+        return 1;
+    if (L->kind != W_INT4 && L->k % VW) return 1;
+    if (B == 0) return 0;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / L->group : 0;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        const int T = omp_get_num_threads(), t = omp_get_thread_num();
+        const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp;
+        float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        if (buf) {
+            InputScratch is = {buf, buf + B * kp, NULL, buf + B * kp + B * G};
+            thread_linear(L, x, ldx, B, &is, t, T, y, ldy, 0);
+            free(buf);
+        }
+        failed = buf == NULL;
+    }
     return failed ? 2 : 0;
 }
 

@@ -403,7 +403,7 @@ TM_ENTRY(tm_paged_decode_f32, float, 0)
 TM_ENTRY(tm_paged_decode_bf16, uint16_t, 1)
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 1; }
+int tm_kernels_abi_version(void) { return 2; }
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }

@@ -1,0 +1,145 @@
+"""The C projection kernel (``tm_linear`` in model/csrc/decode_step.c) on its own.
+
+Every weight kind the fused decode step reads (float32, bf16, int8 with a row
+scale, int4 in the project's packing with and without the repeat-2 split),
+row counts on both sides of the int4 dequantize-tile threshold, against a
+float64 product of the dequantized weight; for each instruction-set build this
+machine can run (native, AVX2 without AVX-512, portable x86-64), so a wide
+machine checks what a narrow one runs.
+"""
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.model import cpu_kernels
+from tokenmill.model.cpu_kernels import TmLinear, pack_int4
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+BUILDS = ["native"] + (["avx2", "portable"] if X86 else [])
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def lib(request) -> cpu_kernels.KernelLibrary:
+    """Each ISA build; a compile failure fails the tests (only a missing gcc skips).
+    The avx2 build runs on any x86-64 CPU with AVX2: the test machine has it or
+    its own native build is narrower still (then the flags change nothing)."""
+    flags = cpu_kernels.ISA_FLAGS[request.param]
+    if request.param == "avx2" and "avx2" not in cpu_kernels._cpu_flags():
+        pytest.skip("this CPU has no AVX2: the AVX2 build cannot run here")
+    return cpu_kernels.build(flags)
+
+
+def _desc(kind: int, n: int, k: int, keep: list[torch.Tensor], seed: int, repeat: int = 1,
+          group: int = 32, bias: bool = False) -> tuple[TmLinear, torch.Tensor]:
+    """A random layer of ``kind`` and the float64 weight [n, k] it stands for."""
+    g = torch.Generator().manual_seed(seed)
+    d = TmLinear()
+    d.kind, d.n, d.k, d.repeat, d.group = kind, n, k, repeat, group
+    if kind == cpu_kernels.W_INT4:
+        kp = k * repeat
+        codes = torch.randint(0, 16, (n, kp), generator=g, dtype=torch.uint8)
+        scale = torch.rand(n, kp // group, generator=g) * 0.02 + 1e-3
+        zero = torch.randn(n, kp // group, generator=g) * 0.01  # already z - 8 s: w = code * s + zero
+        packed = pack_int4(codes)
+        w = (codes.view(n, kp // group, group).double() * scale[..., None].double()
+             + zero[..., None].double()).view(n, repeat, k).sum(1)
+        keep += [packed, scale, zero]
+        d.w, d.scale, d.zero = packed.data_ptr(), scale.data_ptr(), zero.data_ptr()
+    elif kind == cpu_kernels.W_INT8:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) * 0.01 + 1e-3
+        w = q.double() * scale.double()[:, None]
+        keep += [q, scale]
+        d.w, d.scale = q.data_ptr(), scale.data_ptr()
+    else:
+        dtype = torch.float32 if kind == cpu_kernels.W_F32 else torch.bfloat16
+        wt = (torch.randn(n, k, generator=g) * 0.05).to(dtype).contiguous()
+        w = wt.double()
+        keep.append(wt)
+        d.w = wt.data_ptr()
+    d.bias = None
+    if bias:
+        b = torch.randn(n, generator=g)
+        keep.append(b)
+        d.bias = b.data_ptr()
+        w = (w, b.double())  # type: ignore[assignment]
+    return d, w
+
+
+def _check(lib, d: TmLinear, w, rows: int, seed: int) -> None:
+    x = torch.randn(rows, d.k, generator=torch.Generator().manual_seed(seed))
+    got = cpu_kernels.linear(d, x, library=lib)
+    assert got is not None and got.shape == (rows, d.n) and got.dtype == torch.float32
+    weight, bias = w if isinstance(w, tuple) else (w, None)
+    want = x.double() @ weight.t()
+    if bias is not None:
+        want = want + bias
+    # bf16 weights meet bf16-rounded activations on AVX512-BF16 CPUs (vdpbf16ps) from 2 rows.
+    tol = 1e-2 if d.kind == cpu_kernels.W_BF16 else 1e-5
+    err = float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
+    assert err < tol, (d.kind, rows, err)
+
+
+KINDS = [cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8, cpu_kernels.W_INT4]
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 40])
+def test_each_weight_kind_matches_float64(lib, kind: int, rows: int) -> None:
+    keep: list[torch.Tensor] = []
+    d, w = _desc(kind, 72, 128, keep, seed=rows, bias=rows == 5)
+    _check(lib, d, w, rows, seed=rows + 100)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 20])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_split_and_groups(lib, rows: int, group: int) -> None:
+    """repeat 2 (GGUF Q8_0 as [hi | lo] codes) and every group size the layers take."""
+    keep: list[torch.Tensor] = []
+    d, w = _desc(cpu_kernels.W_INT4, 40, 256, keep, seed=group, repeat=2 if rows % 2 else 1, group=group)
+    _check(lib, d, w, rows, seed=rows)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), k_chunks=st.integers(1, 6), rows=st.integers(1, 30),
+       kind=st.sampled_from(KINDS), seed=st.integers(0, 10_000))
+def test_shapes_off_the_tile_grid(n: int, k_chunks: int, rows: int, kind: int, seed: int) -> None:
+    """Output counts that are not a multiple of the vector width, any row count."""
+    lib = cpu_kernels.build(cpu_kernels.ISA_FLAGS[cpu_kernels.isa()])
+    keep: list[torch.Tensor] = []
+    d, w = _desc(kind, n, 32 * k_chunks, keep, seed=seed)
+    _check(lib, d, w, rows, seed=seed)
+
+
+def test_refuses_what_it_cannot_take() -> None:
+    lib = cpu_kernels.build(cpu_kernels.ISA_FLAGS[cpu_kernels.isa()])
+    keep: list[torch.Tensor] = []
+    d, _ = _desc(cpu_kernels.W_INT4, 16, 64, keep, seed=0)
+    assert cpu_kernels.linear(d, torch.randn(2, 63), library=lib) is None  # wrong width
+    assert cpu_kernels.linear(d, torch.randn(2, 64, dtype=torch.float64), library=lib) is None
+    d.group = 48  # not a multiple of 32: the kernel says no, nothing is written
+    assert cpu_kernels.linear(d, torch.randn(2, 64), library=lib) is None
+    empty = cpu_kernels.linear(_desc(cpu_kernels.W_F32, 16, 64, keep, seed=1)[0], torch.randn(0, 64), library=lib)
+    assert empty is not None and empty.shape == (0, 16)
+
+
+def test_isa_follows_torch_capability(monkeypatch) -> None:
+    """ATEN_CPU_CAPABILITY=avx2 narrows the kernels too, unless TOKENMILL_KERNEL_ISA says otherwise."""
+    monkeypatch.delenv("TOKENMILL_KERNEL_ISA", raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert cpu_kernels.isa() == "avx2"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert cpu_kernels.isa() == "portable"
+    monkeypatch.setenv("TOKENMILL_KERNEL_ISA", "native")
+    assert cpu_kernels.isa() == "native"
+    monkeypatch.setenv("TOKENMILL_KERNEL_ISA", "avx9000")
+    with pytest.raises(ValueError, match="choose one of"):
+        cpu_kernels.isa()
