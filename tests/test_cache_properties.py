@@ -229,3 +229,84 @@ def test_prefix_stats_count_each_request_once_even_when_it_waits_for_blocks():
     stats = sim.cache.stats
     assert stats.queried_tokens == 13 + 20
     assert stats.hit_tokens == sim.active[1].num_cached_tokens == 12
+
+
+def _distinct_prompt_tokens(prompts: list[list[int]]) -> int:
+    """Tokens in the trie of the prompts: what a perfect prefix cache computes."""
+    seen: set[tuple[int, ...]] = set()
+    for p in prompts:
+        for i in range(1, len(p) + 1):
+            seen.add(tuple(p[:i]))
+    return len(seen)
+
+
+def test_burst_sharing_a_prefix_computes_it_once():
+    """16 requests at once behind one 64-token prefix: the first computes it, the rest
+    wait for its blocks instead of computing them again (in-flight prefix sharing)."""
+    sim = Sim(400, True, 32, 16)
+    prefix = [7] * 3 + list(range(61))
+    prompts = [prefix + [100 + i] * 8 for i in range(16)]
+    for i, p in enumerate(prompts):
+        sim.add(f"b{i}", p, 4)
+    sim.drain(500)
+    computed = sim.sched.num_prompt_tokens_computed
+    assert computed < 64 + 16 * 8 + 2 * BLOCK, computed  # the prefix once, each own part once
+    stats = sim.cache.stats
+    assert stats.queried_tokens == 16 * 72
+    assert stats.hit_tokens == stats.queried_tokens - computed
+
+
+def test_a_producer_that_stalls_releases_its_waiters():
+    """A waiter only waits while its producer runs: with the producer preempted (a pool
+    too small for both), the waiter computes for itself and everything finishes."""
+    sim = Sim(12, True, 8, 4)
+    prefix = list(range(32))  # 8 blocks
+    sim.add("p", prefix + [90], 12)
+    sim.add("w", prefix + [91], 12)
+    sim.drain(2000)
+    assert all(r.is_finished for r in sim.active)
+
+
+burst_st = st.tuples(
+    st.integers(0, 2),  # which shared prefix
+    st.lists(st.integers(0, 5), min_size=1, max_size=9),  # own suffix
+    st.integers(1, 6),  # max tokens
+    st.integers(0, 3),  # arrival step
+    st.one_of(st.none(), st.integers(0, 12)),  # abort at step
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shared=st.lists(st.lists(st.integers(0, 3), min_size=4, max_size=30), min_size=3, max_size=3),
+    requests=st.lists(burst_st, min_size=2, max_size=14),
+    num_blocks=st.integers(6, 80),
+    budget=st.integers(1, 20),
+    max_seqs=st.integers(1, 16),
+    order=st.randoms(use_true_random=False),
+)
+def test_bursts_with_shared_prefixes_never_deadlock_or_leak(shared, requests, num_blocks, budget, max_seqs, order):
+    """Random arrival orders, long shared prefixes, small pools (preemption), aborts:
+    every request finishes, no block leaks, and with room for everything no prompt
+    token is computed twice beyond a block per request (partial blocks cannot be shared)."""
+    sim = Sim(num_blocks, True, budget, max_seqs)
+    arrivals = list(enumerate(requests))
+    order.shuffle(arrivals)
+    aborts: dict[int, list[str]] = {}
+    added: list[list[int]] = []
+    for step in range(4):
+        for idx, (which, suffix, max_tokens, arrival, abort_at) in arrivals:
+            if arrival == step and sim.add(f"r{idx}", shared[which] + suffix, max_tokens):
+                added.append(shared[which] + suffix)
+                if abort_at is not None:
+                    aborts.setdefault(abort_at, []).append(f"r{idx}")
+        for rid in aborts.pop(step, []):
+            for req in sim.active:
+                if req.request_id == rid:
+                    sim.sched.abort(req)
+        if sim.sched.has_work():
+            sim.step(step % 4)
+    sim.drain(limit=3000)
+    roomy = num_blocks >= sum(-(-(len(p) + 6) // BLOCK) for p in added) and not any(r[4] is not None for r in requests)
+    if roomy and sim.sched.num_preemptions == 0:
+        assert sim.sched.num_prompt_tokens_computed <= _distinct_prompt_tokens(added) + BLOCK * len(added)

@@ -73,6 +73,9 @@ class _EngineStateCollector(Collector):
         hits = cache.stats.hit_tokens if cache is not None else 0
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
+        yield counter("tokenmill:prompt_tokens_computed", "Prompt tokens run through the model (not served from the "
+                      "prefix cache, recomputes after preemption included).",
+                      eng.scheduler.num_prompt_tokens_computed)
 
 
 class _AliasCollector(Collector):

@@ -114,6 +114,9 @@ class Request:
     num_cached_blocks: int = 0
     # Scheduler step at which it last joined the running batch (prefill ordering).
     admitted_step: int = 0
+    # Chained hashes of the prompt's full blocks (the scheduler's in-flight prefix
+    # sharing spots other requests computing the same blocks); filled on first use.
+    prompt_block_hashes: list[int] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,6 +10,20 @@ ones go first in admission order, so nobody starves. When the pool runs out, the
 request is preempted by recompute: its blocks go back (full ones stay in the
 prefix cache, so recompute is often a cache hit) and it re-enters the queue
 at the front. A step that preempted admits nobody new (no thrash).
+
+In-flight prefix sharing: a burst of requests behind one system prompt or
+document would otherwise each compute the shared blocks that the first one
+has not finished yet. So before a prefill chunk is given out, the request
+picks up any blocks that others finished since it last looked (the prefix
+cache is walked again, not only at admission), and a request whose next
+prompt block is still being computed by an older running request waits for
+it instead of computing it again, as long as that producer (or the producer
+it waits for in turn) was scheduled in the same step. Waits only point at
+older requests, so they cannot form a cycle; a producer that is preempted or
+gets no budget makes no progress, and its waiters then compute for
+themselves. Admission spends the budget that the new request's first chunk
+will need (nothing when it will wait), so a burst joins together when it
+shares a prefix and one by one when it does not.
 """
 from __future__ import annotations
 
@@ -56,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prompt tokens actually run through the model
         self._budget = 0  # tokens left in the step being scheduled
         self._now = 0.0
         self._step = 0  # steps scheduled so far
@@ -127,6 +142,67 @@ class Scheduler:
         if request.first_scheduled_time is None:  # counted once it first runs (_started)
             request.num_cached_tokens = request.num_computed_tokens
 
+    def _extend_prefix(self, request: Request) -> None:
+        """Pick up prompt blocks that other requests finished since ``request`` last
+        walked the prefix cache. Progress inside the first uncached block (less than a
+        block of tokens) is dropped when a cached copy of that block is found."""
+        if self.prefix_cache is None or not request.block_table:
+            return
+        done = request.num_cached_blocks
+        if request.num_computed_tokens >= request.num_prompt_tokens or \
+                request.num_computed_tokens >= (done + 1) * self.block_size:
+            return  # past its prompt, or a partial block it has not indexed yet (cannot happen mid-prompt)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= done:
+            return
+        blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
+        if len(blocks) <= done:
+            return
+        for index in range(done, len(blocks)):
+            self.pool.acquire(blocks[index])
+            if index < len(request.block_table):
+                self.pool.release([request.block_table[index]])
+                request.block_table[index] = blocks[index]
+            else:
+                request.block_table.append(blocks[index])
+        gained = len(blocks) * self.block_size - request.num_computed_tokens
+        request.num_cached_blocks = len(blocks)
+        request.num_computed_tokens = len(blocks) * self.block_size
+        if request.first_scheduled_time is None:
+            request.num_cached_tokens = request.num_computed_tokens
+        else:  # already counted at its start: count the new hits now
+            request.num_cached_tokens += gained
+            self.prefix_cache.stats.hit_tokens += gained
+
+    def _block_hashes(self, request: Request) -> list[int]:
+        """Chained hashes of the prompt's full blocks (block i's covers tokens 0 .. end of i)."""
+        if request.prompt_block_hashes is None:
+            bs, ids, h = self.block_size, request.prompt_token_ids, 0
+            hashes: list[int] = []
+            for i in range(len(ids) // bs):
+                h = hash((h, tuple(ids[i * bs : (i + 1) * bs])))
+                hashes.append(h)
+            request.prompt_block_hashes = hashes
+        return request.prompt_block_hashes
+
+    def _producers(self, requests: list[Request]) -> dict[Request, Request]:
+        """For each prefilling request (oldest first), the oldest older request that has
+        its next prompt block still to compute: the one it should wait for."""
+        if self.prefix_cache is None:
+            return {}
+        claimed: dict[int, Request] = {}  # block hash -> oldest request that will compute it
+        waits: dict[Request, Request] = {}
+        for request in requests:
+            hashes = self._block_hashes(request)
+            nxt = request.num_computed_tokens // self.block_size
+            if nxt < len(hashes) and (nxt + 1) * self.block_size < request.num_tokens:
+                producer = claimed.get(hashes[nxt])
+                if producer is not None:
+                    waits[request] = producer
+            for h in hashes[nxt:]:
+                claimed.setdefault(h, request)
+        return waits
+
     def _started(self, request: Request) -> None:
         """First tokens scheduled: the queue wait ends, the prefix hit is final."""
         request.first_scheduled_time = self._now
@@ -154,7 +230,9 @@ class Scheduler:
         admitted: list[Request] = []
         if not batch.preempted:
             self.policy.begin_step(self.running, self.waiting, now)
-            while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
+            admit_budget = self._budget  # what admitted requests' first chunks will take
+            prefilling = self._prefilling([])
+            while self.waiting and admit_budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 if not self.policy.may_admit(request):
                     break
@@ -168,23 +246,61 @@ class Scheduler:
                 request.admitted_step = self._step
                 self.running.append(request)
                 admitted.append(request)
+                prefilling.append(request)
+                if request not in self._producers(prefilling):
+                    admit_budget -= first_chunk
 
         # 3. Prefill chunks. Requests that joined within the last
         #    ``prefill_starvation_steps`` steps go shortest remaining prompt first: a
         #    prompt that is mostly cached costs a few tokens and should not wait behind
         #    a long prefill. Older ones come first, in admission order: nobody starves.
+        #    A request whose next prompt block an older one is computing waits for it
+        #    (see the module docstring) when that producer runs in this step.
         bound = self.config.prefill_starvation_steps
-        pending = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 or r in admitted]
+        pending = self._prefilling(admitted)
+        for request in pending:
+            self._extend_prefix(request)
+        waits = self._producers(pending)
         pending.sort(key=lambda r: (1, r.num_tokens - r.num_computed_tokens)
                      if self._step - r.admitted_step < bound else (0, r.admitted_step))
+        deferred: list[Request] = []
         for request in pending:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted (or sent back) earlier in this loop
+            if request in waits:
+                deferred.append(request)
+                continue
             if self._budget <= 0:
                 break
             remaining = request.num_tokens - request.num_computed_tokens
             self._schedule(batch, request, min(remaining, self._budget))
+        scheduled = {r for r, _ in batch.items}
+        progressing: dict[Request, bool] = {}
+
+        def progresses(r: Request) -> bool:  # scheduled now, or waiting on one that is
+            if r not in progressing:
+                progressing[r] = r in scheduled or (r in waits and progresses(waits[r]))
+            return progressing[r]
+
+        for request in sorted(deferred, key=self._age):
+            if request.status is not RequestStatus.RUNNING or progresses(waits[request]):
+                continue
+            del waits[request]  # its producer is stalled: compute for itself
+            progressing[request] = False
+            if self._budget > 0:
+                remaining = request.num_tokens - request.num_computed_tokens
+                self._schedule(batch, request, min(remaining, self._budget))
+                scheduled.add(request)
+                progressing[request] = True
         return batch
+
+    def _age(self, request: Request) -> tuple[int, int]:
+        """Older first: admission step, then place in the running list (FCFS)."""
+        return request.admitted_step, self.running.index(request) if request in self.running else len(self.running)
+
+    def _prefilling(self, admitted: list[Request]) -> list[Request]:
+        """Running requests with prompt (or recompute) tokens left, oldest first."""
+        return [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1 or r in admitted]
 
     def _schedule(self, batch: ScheduledBatch, request: Request, num_new: int) -> None:
         """Give ``request`` ``num_new`` tokens this step, growing its block table;
@@ -218,6 +334,8 @@ class Scheduler:
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance progress and index newly full blocks in the prefix cache."""
         for request, num_new in batch.items:
+            self.num_prompt_tokens_computed += max(0, min(num_new, request.num_prompt_tokens
+                                                          - request.num_computed_tokens))
             request.num_computed_tokens += num_new
             self._cache_full_blocks(request)
 
