@@ -8,6 +8,16 @@ output tokens each (streaming). The same workload runs against
 rate for both, and the ratios.
 
     .venv/bin/python benchmarks/prefix_cache.py [--requests 64] [--concurrency 8]
+
+``--burst``: the burst case instead. 16 requests sent at once, each a shared
+1,024-token prefix plus 128 tokens of its own (token ids, so the counts are
+exact), 64 output tokens; against the baseline of the same burst with only the
+128 own tokens per request, on the same server. Prints the prompt tokens the
+server computed (``tokenmill:prompt_tokens_computed``) against the ideal
+1,024 + 16 x 128, the TTFT p50 ratio, and whether each output equals that of
+the same request sent alone afterwards.
+
+    .venv/bin/python benchmarks/prefix_cache.py --burst [--burst-requests 16]
 """
 from __future__ import annotations
 
@@ -92,6 +102,70 @@ async def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: i
     }
 
 
+def computed_prompt_tokens(url: str) -> float:
+    """The server's running count of prompt tokens run through the model."""
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tokenmill:prompt_tokens_computed_total"):
+            return float(line.split()[-1])
+    raise SystemExit("the server exports no tokenmill:prompt_tokens_computed_total")
+
+
+async def burst(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[str]]:
+    """Every prompt at once; (TTFTs, output texts) in prompt order."""
+    async with httpx.AsyncClient(timeout=1200) as client:
+        async def go(p: list[int]) -> tuple[float, str]:
+            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                    "ignore_eos": True}
+            start = time.perf_counter()
+            ttft, text = None, []
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+                        text.append(chunk["choices"][0].get("text", ""))
+            return ttft or time.perf_counter() - start, "".join(text)
+
+        done = await asyncio.gather(*(go(p) for p in prompts))
+    return [t for t, _ in done], [x for _, x in done]
+
+
+def run_burst(args: argparse.Namespace) -> None:
+    rng = random.Random(1)
+    n, shared_len, own_len = args.burst_requests, 1024, 128
+
+    def tokens(k: int) -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(k)]
+
+    prefix = tokens(shared_len)
+    shared = [prefix + tokens(own_len) for _ in range(n)]
+    unshared = [tokens(own_len) for _ in range(n)]
+    proc, url = start_server(True, ["--max-num-seqs", str(max(16, n)), *args.server_args.split()])
+    try:
+        asyncio.run(burst(url, [tokens(16)], 2))  # warm-up
+        before = computed_prompt_tokens(url)
+        ttft_shared, texts = asyncio.run(burst(url, shared, args.burst_max_tokens))
+        computed = computed_prompt_tokens(url) - before
+        ttft_unshared, _ = asyncio.run(burst(url, unshared, args.burst_max_tokens))
+        alone = [asyncio.run(burst(url, [p], args.burst_max_tokens))[1][0] for p in shared]
+    finally:
+        stop_server(proc)
+    ideal = shared_len + n * own_len
+    p50s, p50u = statistics.median(ttft_shared), statistics.median(ttft_unshared)
+    same = sum(a == b for a, b in zip(texts, alone))
+    print(f"burst: {n} requests at once, {shared_len} shared + {own_len} own prompt tokens, "
+          f"{args.burst_max_tokens} output tokens; {os.cpu_count()} CPUs; server flags: {args.server_args or 'defaults'}")
+    print(f"prompt tokens computed: {computed:.0f} against ideal {ideal} ({computed / ideal:.2f}x; "
+          f"{n * (shared_len + own_len)} sent)")
+    print(f"TTFT p50: shared burst {p50s:.2f} s, own tokens only (baseline) {p50u:.2f} s: {p50s / p50u:.2f}x")
+    print(f"TTFT p99: shared burst {max(ttft_shared):.2f} s, baseline {max(ttft_unshared):.2f} s")
+    print(f"outputs equal to the same request sent alone: {same}/{n}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)
@@ -101,7 +175,13 @@ def main() -> None:
     ap.add_argument("--question-words", type=int, default=36)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--server-args", default="", help="extra `tokenmill serve` flags for both servers, one string")
+    ap.add_argument("--burst", action="store_true", help="the shared-prefix burst case (see the docstring)")
+    ap.add_argument("--burst-requests", type=int, default=16)
+    ap.add_argument("--burst-max-tokens", type=int, default=64)
     args = ap.parse_args()
+    if args.burst:
+        run_burst(args)
+        return
     prompts = make_workload(args.requests, args.documents, args.doc_words, args.question_words)
     figures = {}
     for caching in (True, False):

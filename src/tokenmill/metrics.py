@@ -73,6 +73,19 @@ class _EngineStateCollector(Collector):
         hits = cache.stats.hit_tokens if cache is not None else 0
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
+        spec = eng.speculator.stats if getattr(eng, "speculator", None) is not None else None
+        if spec is not None:
+            yield counter("vllm:spec_decode_num_drafts", "Speculative proposals made (one per sequence and step).",
+                          spec.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed.", spec.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                          spec.num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by position in the proposal.",
+                                          labels=[*labels, "position"])
+            for pos, count in enumerate(spec.accepted_per_position):
+                per_pos.add_metric([*values, str(pos)], count)
+            yield per_pos
         yield counter("tokenmill:prompt_tokens_computed", "Prompt tokens run through the model (not served from the "
                       "prefix cache, recomputes after preemption included).",
                       eng.scheduler.num_prompt_tokens_computed)

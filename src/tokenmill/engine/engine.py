@@ -25,6 +25,7 @@ from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
+from .speculative import SpeculativeConfig, Speculator
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -120,6 +121,8 @@ class LLMEngine:
         self._by_request: dict[int, _Sequence] = {}
         self.last_step = StepStats()
         self.total_preemptions = 0
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.speculator = Speculator(spec) if spec is not None else None
 
     # -- requests ------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -190,6 +193,8 @@ class LLMEngine:
     # -- the step ------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
         started = time.monotonic()
+        if self.speculator is not None:
+            self.speculator.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
         batch = self.scheduler.schedule(started)
         self.total_preemptions += len(batch.preempted)
         if not batch:
@@ -197,15 +202,44 @@ class LLMEngine:
             return []
         logits, sampled = self.runner.execute(batch.items)
         self.scheduler.after_step(batch)
-        result = sample(logits, sampled, self.generator) if sampled else None
+        # Rows of requests that ran speculative proposals are checked, the others sampled.
+        plain_rows: list[int] = []
+        checks: list[tuple[Request, int]] = []
+        row = 0
+        while row < len(sampled):
+            req = sampled[row]
+            if req.spec_token_ids:
+                checks.append((req, row))
+                row += 1 + len(req.spec_token_ids)
+            else:
+                plain_rows.append(row)
+                row += 1
+        plain = [sampled[i] for i in plain_rows]
+        if checks and plain:
+            logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
+        else:
+            logits_plain = logits
+        result = sample(logits_plain, plain, self.generator) if plain else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
         touched: list[_Sequence] = []
         if result is not None:
-            for req, token, lp in zip(sampled, result.token_ids, result.logprobs):
+            for req, token, lp in zip(plain, result.token_ids, result.logprobs):
                 seq = self._by_request[id(req)]
                 self._append_token(seq, token, lp, now)
                 touched.append(seq)
+        for req, row in checks:
+            assert self.speculator is not None
+            tokens = self.speculator.verify(req, logits[row : row + 1 + len(req.spec_token_ids)], self.generator)
+            seq = self._by_request[id(req)]
+            appended = 0
+            for token in tokens:
+                self._append_token(seq, token, None, now)
+                appended += 1
+                if req.is_finished:
+                    break
+            self.scheduler.accept_proposals(req, appended - 1)
+            touched.append(seq)
         for seq in touched:
             deltas.append(self._delta(seq, now))
         for seq in touched:

@@ -35,6 +35,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: never decode this request speculatively
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +118,10 @@ class Request:
     # Chained hashes of the prompt's full blocks (the scheduler's in-flight prefix
     # sharing spots other requests computing the same blocks); filled on first use.
     prompt_block_hashes: list[int] | None = None
+    # Speculative decoding: this step's proposals (verified after it), and back-off state.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_misses: int = 0
+    spec_backoff_until: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -135,8 +140,21 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_at(self, index: int) -> int:
+        """Token ``index`` of prompt + output, then of this step's speculative proposals."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+        if index < n:
+            return self.prompt_token_ids[index]
+        index -= n
+        if index < len(self.output_token_ids):
+            return self.output_token_ids[index]
+        return self.spec_token_ids[index - len(self.output_token_ids)]
+
+    def step_token_ids(self, start: int, count: int) -> list[int]:
+        """Tokens start .. start + count of prompt + output + proposals (what a step runs)."""
+        tokens = self.all_token_ids
+        if start + count > len(tokens):
+            tokens = tokens + self.spec_token_ids
+        return tokens[start : start + count]
 
 
 def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
@@ -155,6 +173,30 @@ def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], lis
             rows.append(row)
             sampled.append(request)
     return ids, positions, rows, sampled
+
+
+def decode_rows(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[Request], list[int],
+                                                               list[Request]]:
+    """Inputs of a step run as decode rows: every item one token, or one token plus its
+    speculative proposals (one row each, at consecutive positions of the same sequence).
+    Returns each row's token id, position and request, the rows whose logits are used,
+    and their requests (a proposing request once per row: all its rows are checked)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    owners: list[Request] = []
+    rows: list[int] = []
+    sampled: list[Request] = []
+    for request, num_new in items:
+        start = request.num_computed_tokens
+        checks = bool(request.spec_token_ids)
+        for position in range(start, start + num_new):
+            if checks or position + 1 == request.num_tokens:
+                rows.append(len(ids))
+                sampled.append(request)
+            ids.append(request.token_at(position))
+            positions.append(position)
+            owners.append(request)
+    return ids, positions, owners, rows, sampled
 
 
 @dataclass

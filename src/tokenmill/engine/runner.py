@@ -23,7 +23,7 @@ from ..model.attention import (AttentionMetadata, decode_index, decode_mask, ker
 from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs
 from .host_memory import kv_pool_tensors
-from .request import Request, one_token_step
+from .request import Request, decode_rows
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -98,14 +98,16 @@ class ModelRunner:
         for request, num_new in items:
             start = request.num_computed_tokens
             end = start + num_new
-            tokens = request.all_token_ids
-            ids.extend(tokens[start:end])
+            ids.extend(request.step_token_ids(start, num_new))
             positions.extend(range(start, end))
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_lens.append(num_new)
-            if end == request.num_tokens:  # the chunk reaches the end: sample
+            if request.spec_token_ids:  # a speculative verify: every row's logits are checked
+                logits_rows.extend(range(len(ids) - num_new, len(ids)))
+                sampled.extend([request] * num_new)
+            elif end == request.num_tokens:  # the chunk reaches the end: sample
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         num_decodes = sum(1 for q in query_lens if q == 1)
@@ -153,8 +155,8 @@ class ModelRunner:
             replayed = self.graphs.try_execute(items)
             if replayed is not None:
                 return replayed
-        if (self.fused is not None and len(items) <= self.fused.batch_limit()
-                and all(num_new == 1 for _, num_new in items) and fused_decode.enabled()):
+        if (self.fused is not None and sum(n for _, n in items) <= self.fused.batch_limit()
+                and all(n == 1 + len(r.spec_token_ids) for r, n in items) and fused_decode.enabled()):
             return self._execute_fused(items)
         inputs = self.prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -164,17 +166,18 @@ class ModelRunner:
         return logits, inputs.sampled
 
     def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """One new token per sequence, through the fused native decode step."""
+        """One new token per sequence (plus its speculative proposals, one row each),
+        through the fused native decode step."""
         assert self.fused is not None
-        ids, positions, rows, sampled = one_token_step(items)
+        ids, positions, owners, rows, sampled = decode_rows(items)
         seq_lens = [position + 1 for position in positions]
         width = max(len(request.block_table) for request, _ in items)
         # -1 padding: a table shorter than its sequence needs is refused by the kernel
         # (ValueError before anything is written), never read as block 0.
-        tables = [request.block_table + [-1] * (width - len(request.block_table)) for request, _ in items]
+        tables = [request.block_table + [-1] * (width - len(request.block_table)) for request in owners]
         embeddings = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
         logits = self.fused.run(embeddings, torch.tensor(tables, dtype=torch.int32),
                                 torch.tensor(seq_lens, dtype=torch.int32))
-        if len(rows) != len(items):
+        if len(rows) != len(ids):
             logits = logits[rows]
         return logits, sampled

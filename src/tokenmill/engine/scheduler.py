@@ -108,6 +108,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -218,12 +219,21 @@ class Scheduler:
         batch = ScheduledBatch()
         self._budget = self.config.max_num_batched_tokens or CPU_TOKEN_BUDGET
 
-        # 1. Running decodes, in admission order: one token each.
+        # 1. Running decodes, in admission order: one token each, plus the speculative
+        #    proposals made for this step while the budget and free blocks hold them
+        #    (proposals never cost another request its place).
+        proposals = {r: r.spec_token_ids for r in self.running if r.spec_token_ids}
+        for request in self.running:
+            request.spec_token_ids = []
         for request in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
             if self._budget <= 0:
                 break
             if request.status is RequestStatus.RUNNING:
-                self._schedule(batch, request, 1)
+                draft = proposals.get(request, [])
+                if draft and self._budget > len(draft) and self._blocks_short(
+                        request, request.num_tokens + len(draft)) <= self.pool.num_available:
+                    request.spec_token_ids = draft
+                self._schedule(batch, request, 1 + len(request.spec_token_ids))
 
         # 2. Waiting requests join, FCFS, in a step that preempted nobody. They walk
         #    the prefix cache now, so step 3 knows what is left of their prompts.
@@ -336,7 +346,15 @@ class Scheduler:
         for request, num_new in batch.items:
             self.num_prompt_tokens_computed += max(0, min(num_new, request.num_prompt_tokens
                                                           - request.num_computed_tokens))
-            request.num_computed_tokens += num_new
+            # Speculative proposals count once accepted (accept_proposals).
+            request.num_computed_tokens += num_new - len(request.spec_token_ids)
+            self._cache_full_blocks(request)
+
+    def accept_proposals(self, request: Request, accepted: int) -> None:
+        """``accepted`` proposals of ``request`` (already appended to its output) were
+        right: their K/V from the verify step stands; index what became full blocks."""
+        if accepted and request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens += accepted
             self._cache_full_blocks(request)
 
     def _cache_full_blocks(self, request: Request) -> None:

@@ -57,7 +57,7 @@ def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
             seed=_seed(body.seed), max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
             stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, speculative=body.speculative)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
 

@@ -79,6 +79,7 @@ class _SamplingFields(_Model):
     user: str | None = Field(None, max_length=256)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # False: this request never decodes speculatively
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":

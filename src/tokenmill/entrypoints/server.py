@@ -196,7 +196,7 @@ def engine_config_from_args(args: Any) -> Any:
                                    batching=args.batching, quantization=args.quantization,
                                    max_waiting=args.max_waiting)
     for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
-                "quantize_lm_head", "num_threads"):
+                "quantize_lm_head", "num_threads", "speculative_config"):
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value

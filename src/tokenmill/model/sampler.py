@@ -107,6 +107,21 @@ def _inverse_cdf(probs: torch.Tensor, generators: list[torch.Generator | None],
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
+def processed_probs(logits: torch.Tensor, params: Any) -> torch.Tensor:
+    """The distribution a random row of ``params`` draws from, for every row of
+    ``logits`` ([R, V]): temperature, then top-k / top-p / min-p, then softmax (no
+    penalties: speculative verification, which uses this, skips requests with them)."""
+    vocab = logits.shape[-1]
+    sub = logits / params.temperature
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        rows = sub.shape[0]
+        top_k = torch.full((rows,), params.top_k if params.top_k > 0 else vocab, device=logits.device)
+        top_p = torch.full((rows,), params.top_p, device=logits.device, dtype=sub.dtype)
+        min_p = torch.full((rows,), params.min_p, device=logits.device, dtype=sub.dtype)
+        sub = _filter(sub, top_k, top_p, min_p)
+    return sub.softmax(dim=-1)
+
+
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy picks: the C kernel on CPU (torch's CPU argmax is ~20x slower than a
     vectorized max at vocabulary width), torch elsewhere; the same indices either way."""

@@ -6,7 +6,7 @@
  * took; the weights themselves are read in ~4 ms. Here every layer runs in one
  * OpenMP parallel region: each thread owns a slice of every matmul's output
  * rows and one set of (sequence, kv head) attention items, and the threads
- * meet at five spin barriers per layer (libgomp's own barriers sleep under the
+ * meet at six spin barriers per layer (libgomp's own barriers sleep under the
  * OMP_WAIT_POLICY=PASSIVE that tokenmill sets, and a futex wake-up per barrier
  * would cost more than the work between them).
  *
@@ -14,7 +14,9 @@
  * fused q/k/v projection (+ bias), optional per-head q/k RMSNorm (Qwen3),
  * rotate-half rotary from the model's cos/sin tables, the new K/V written into
  * the paged pool, attention over the pool in place (paged_attention.c's item
- * routine), o projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down
+ * routine; all rows store their K/V before any attends, so several rows of one
+ * sequence at consecutive positions, a speculative verify, run as one step),
+ * o projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down
  * projection + residual, the final norm and (optionally) the LM head.
  *
  * Weights stay in their stored precision and are widened to float32 in
@@ -583,9 +585,14 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                     const size_t off = ((size_t)kvh * m->num_blocks * BS + slot) * D;
                     store_row(L->k_cache, m->cache_bf16, off, k, D);
                     store_row(L->v_cache, m->cache_bf16, off, v, D);
-                    attend_any(&a, b, kvh, m->cache_bf16, 0, &sc);
                 }
             }
+            /* Every row's K/V is in the pool before anyone attends: rows of one sequence
+             * at consecutive positions (a speculative verify) see each other's keys. */
+            barrier_wait(&bar, &sense);
+            if (ok)
+                for (int64_t it = t; it < B * m->kv_heads; it += T)
+                    attend_any(&a, it / m->kv_heads, it % m->kv_heads, m->cache_bf16, 0, &sc);
             barrier_wait(&bar, &sense);
             /* 3. o projection, added into the residual stream. */
             if (ok) thread_linear(&L->o, attn, NQ, B, &is, t, T, x, H, 1);

@@ -1,0 +1,209 @@
+"""Speculative decoding with n-gram (prompt lookup) proposals.
+
+A single stream on a CPU is bound by reading the weights once per token; a
+step that checks K proposed tokens reads them once for K + 1 rows. Proposals
+come from the request's own text: the last n tokens (n from
+``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
+prompt + output, and the tokens that followed that occurrence are proposed.
+This pays off where answers repeat spans of their input (summaries, edits,
+code changes, extraction) and costs nothing where no n-gram repeats.
+
+Verification runs as an ordinary step: the sequence's row for its last token
+plus one row per proposal, at consecutive positions, through the same paged
+attention (the fused CPU decode step takes them as decode rows of one
+sequence; elsewhere they are a prefill chunk). The scheduler counts only
+accepted tokens as computed, so the K/V written for rejected proposals lies
+past the sequence's length, is never indexed by the prefix cache, and is
+overwritten by the next step; the blocks stay in the request's table and go
+back with it.
+
+Acceptance keeps the output distribution exact: greedy rows accept a proposal
+while it equals the argmax; sampled rows accept proposal d with probability
+p(d) under the row's processed distribution (temperature, top-k, top-p,
+min-p) and otherwise draw from p with d removed, which is rejection sampling
+for a proposal that puts all its mass on d. Requests with penalties, pending
+``min_tokens``, logprobs, or ``speculative=False`` decode one token at a time.
+
+Back-off: a request whose proposals were all rejected waits 2, 4, 8, ... steps
+(up to ``max_backoff_steps``) before proposing again, and proposals are made
+only while the step's verify rows stay under ``max_verify_rows``: at many
+streams the step is bound by arithmetic, and extra rows would cost more than
+they save.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..model.sampler import processed_probs
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``--speculative-config`` keys that apply here."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    max_verify_rows: int = 16  # proposal rows per step, all sequences together
+    max_backoff_steps: int = 64
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
+                             f"{', '.join(METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From the JSON text of ``--speculative-config`` (or a dict)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known - {"model"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown keys {', '.join(unknown)}")
+        if value.get("model") not in (None, "", "[ngram]"):
+            raise ValueError("--speculative-config: a draft model is not supported; use method 'ngram'")
+        return cls(**{k: v for k, v in value.items() if k in known})
+
+
+def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+    suffix of ``tokens`` (``n_max`` down to ``n_min`` tokens long); [] when none repeats."""
+    total = len(tokens)
+    if total < n_min + 1:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = arr[total - n:]
+        # candidate starts i < total - n whose n tokens equal the suffix
+        hits = np.ones(total - n, dtype=bool)
+        for j in range(n):
+            hits &= arr[j : total - n + j] == suffix[j]
+        starts = np.flatnonzero(hits)
+        if starts.size:
+            start = int(starts[-1]) + n  # the latest occurrence: its continuation
+            return arr[start : start + k].tolist()
+    return []
+
+
+@dataclass
+class SpecStats:
+    """Counters with vLLM's meaning: drafts made, tokens proposed, tokens accepted (per position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def eligible(request: Any) -> bool:
+    """Whether this request may decode speculatively (see the module docstring)."""
+    p = request.params
+    return (getattr(p, "speculative", True) and not p.needs_penalties and p.logprobs is None
+            and len(request.output_token_ids) >= p.min_tokens)
+
+
+class Speculator:
+    """Makes proposals before a step and checks them after it."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecStats()
+        self._step = 0
+
+    def propose(self, decoding: Sequence[Any]) -> None:
+        """Set ``spec_token_ids`` on the requests (in decode phase) that get proposals this step."""
+        self._step += 1
+        cfg = self.config
+        rows = 0
+        for request in decoding:
+            request.spec_token_ids = []
+            if rows >= cfg.max_verify_rows or self._step < request.spec_backoff_until or not eligible(request):
+                continue
+            room = request.max_tokens - len(request.output_token_ids) - 1  # the step's own token counts too
+            k = min(cfg.num_speculative_tokens, room, cfg.max_verify_rows - rows)
+            if k <= 0:
+                continue
+            draft = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            request.spec_token_ids = draft
+            rows += len(draft)
+
+    def verify(self, request: Any, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+        """Tokens to append for a request whose proposals ``request.spec_token_ids`` were
+        run: ``logits`` [1 + len(proposals), V] rows for its last token and each proposal.
+        Returns the accepted proposals plus one token drawn where the first one failed
+        (or after the last); records acceptance and backs off when nothing was taken."""
+        draft = list(request.spec_token_ids)
+        params = request.params
+        if params.greedy:
+            best = logits.argmax(dim=-1).tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == best[accepted]:
+                accepted += 1
+            out = draft[:accepted] + [best[accepted]]
+        else:
+            probs = processed_probs(logits, params)
+            gen = request.generator if request.generator is not None else generator
+            u = torch.rand(len(draft) + 1, generator=gen, dtype=torch.float64).tolist()
+            out = []
+            for i, d in enumerate(draft):
+                if u[i] < float(probs[i, d]):
+                    out.append(d)
+                    continue
+                residual = probs[i].double().clone()
+                residual[d] = 0.0
+                out.append(_draw(residual, u[-1]))
+                break
+            else:
+                out.append(_draw(probs[len(draft)].double(), u[-1]))
+            accepted = len(out) - 1
+        self.stats.record(len(draft), accepted)
+        if draft and accepted == 0:
+            request.spec_misses += 1
+            request.spec_backoff_until = self._step + min(2 ** request.spec_misses, self.config.max_backoff_steps)
+        elif accepted:
+            request.spec_misses = 0
+        request.spec_token_ids = []
+        return out
+
+
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """Inverse CDF of unnormalised ``weights`` at ``u`` in [0, 1)."""
+    cum = weights.cumsum(0)
+    total = float(cum[-1])
+    if total <= 0.0:
+        return int(weights.argmax())
+    return int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True).clamp(
+        max=weights.numel() - 1)[0])
