@@ -153,3 +153,36 @@ def test_abort_mid_speculation_frees_everything():
         engine.abort_request(f"r{i}")
     assert not engine.has_unfinished()
     engine.check_idle_invariants()
+
+
+def test_server_reports_speculation_in_metrics_and_console():
+    import asyncio
+
+    import httpx
+
+    from test_server_support import make_tiny_app, metric
+
+    from tokenmill.entrypoints.console import mount_console
+
+    app = make_tiny_app({"speculative_config": SPEC})
+    mount_console(app, ui=False)
+    try:
+        async def go() -> tuple[str, dict, dict]:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                         timeout=60) as client:
+                prompt = "abcdefgh " * 6
+                done = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24,
+                                                                  "temperature": 0})
+                off = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24,
+                                                                 "temperature": 0, "speculative": False})
+                assert done.status_code == off.status_code == 200
+                assert done.json()["choices"][0]["text"] == off.json()["choices"][0]["text"]
+                return ((await client.get("/metrics")).text, (await client.get("/v1/engine/stats")).json(),
+                        done.json())
+        text, stats, _ = asyncio.run(go())
+        drafted = metric(text, "vllm:spec_decode_num_draft_tokens_total")
+        assert drafted > 0
+        assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") <= drafted
+        assert stats["speculative"]["enabled"] and stats["speculative"]["draft_tokens"] == drafted
+    finally:
+        app.state.tokenmill.aengine.shutdown()

@@ -199,6 +199,17 @@ class EngineWindow:
         }
 
 
+def _speculative(engine: Any) -> dict[str, Any]:
+    """Speculative decoding's counters (the same as /metrics' vllm:spec_decode_*)."""
+    spec = getattr(engine, "speculator", None)
+    if spec is None:
+        return {"enabled": False}
+    st = spec.stats
+    return {"enabled": True, "drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
+            "accepted_tokens": st.num_accepted_tokens, "acceptance_rate": st.acceptance_rate if st.num_draft_tokens
+            else None, "accepted_per_position": list(st.accepted_per_position)}
+
+
 def _cache_counters(engine: Any) -> tuple[int, int]:
     cache = engine.prefix_cache
     if cache is None:
@@ -307,6 +318,7 @@ class ConsoleStats:
                 "hit_tokens_total": int(cache.stats.hit_tokens) if cache is not None else 0,
             },
             "preemptions_total": int(engine.total_preemptions),
+            "speculative": _speculative(engine),
             "totals": {  # read from the /metrics registry itself
                 "prompt_tokens": int(counters["vllm:prompt_tokens_total"]),
                 "generation_tokens": int(counters["vllm:generation_tokens_total"]),

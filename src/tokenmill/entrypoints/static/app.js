@@ -99,6 +99,10 @@ function render(s) {
     ? `${fmtNum(pc.hit_tokens)} of ${fmtNum(pc.queried_tokens)} prompt tokens` : "prefix caching disabled");
   setText("preemptions", fmtNum(s.preemptions_total));
   setText("preempt-sub", `${fmtNum(lm.preemptions)} in the last minute`);
+  const sp = s.speculative || {enabled: false};
+  setText("spec-rate", sp.enabled ? fmtPct(sp.acceptance_rate) : "off");
+  setText("spec-sub", sp.enabled
+    ? `${fmtNum(sp.accepted_tokens)} of ${fmtNum(sp.draft_tokens)} proposed tokens` : "--speculative-config not set");
 
   const kv = s.kv_blocks, total = Math.max(1, kv.total);
   for (const [id, n] of [["kv-used", kv.in_use], ["kv-cached", kv.cached], ["kv-free", kv.free]]) {
