@@ -140,8 +140,17 @@ def test_quantized_fused_step_matches_the_dequantized_float_model(options: dict,
         r.num_computed_tokens = t.num_computed_tokens
     got = _decode(engine, reqs, True, monkeypatch)
     want = _decode(twin, twin_reqs, False, monkeypatch)
-    assert _rel(got, want) < 1e-5
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    if options["quantization"] == "int4" and _int4_activations_quantized():
+        assert _rel(got, want) < 3e-2  # int8 activations (AVX2 integer dot products)
+    else:
+        assert _rel(got, want) < 1e-5
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def _int4_activations_quantized() -> bool:
+    """The library's int4 matmuls multiply int8-quantized activations (AVX2 builds)."""
+    lib = cpu_kernels.load()
+    return lib is not None and lib.int4_q8
 
 
 def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
@@ -168,7 +177,8 @@ def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
     for r, t in zip(reqs, twin_reqs):
         r.num_computed_tokens = t.num_computed_tokens
     # the hi half carries 16x the scale of the lo half: their float32 sums round a little more
-    assert _rel(_decode(engine, reqs, True, monkeypatch), _decode(twin, twin_reqs, False, monkeypatch)) < 5e-5
+    tol = 3e-2 if _int4_activations_quantized() else 5e-5
+    assert _rel(_decode(engine, reqs, True, monkeypatch), _decode(twin, twin_reqs, False, monkeypatch)) < tol
 
 
 @pytest.mark.parametrize("batch", [1, 3, 10])

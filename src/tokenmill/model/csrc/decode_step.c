@@ -39,7 +39,7 @@
 #include "elementwise.c"
 
 #include <omp.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <sched.h>
@@ -322,12 +322,96 @@ TM_INLINE void int4_tile(const TmLinear *L, const float *x, int64_t ldx, const f
     for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define TM_INT4_Q8 1
+/* int4 against int8 activations with integer dot products, on AVX2 (no AVX-512):
+ * widening each code to float costs more there than the rest of the step, so
+ * the input is quantized per 32 columns (x ~ xq * d, as llama.cpp's q8_0) and
+ * vpmaddubsw multiplies 32 unsigned codes by 32 signed activations at once.
+ * Per group: s * sum(d_c * (codes . xq)) over its 32-column chunks, plus the
+ * zero term on the exact float sums. Activations lose ~1/254 of their range;
+ * the AVX-512 build keeps float32 activations. */
+TM_INLINE void int4_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t ldxs,
+                            const int NB, int64_t r0, int64_t nr, float out[TM_MAX_ROWS][VW]) {
+    const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g, C = kp / 32;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    vf acc[TM_MAX_ROWS][VW];
+    for (int64_t r = 0; r < VW; r++) {
+        __m256 tot[TM_MAX_ROWS];
+        float zs[TM_MAX_ROWS];
+        for (int b = 0; b < NB; b++) tot[b] = _mm256_setzero_ps(), zs[b] = 0.0f;
+        if (r < nr) {
+            const int64_t row = r0 + r;
+            const uint8_t *codes = (const uint8_t *)L->w + row * (kp / 2);
+            const float *s = L->scale + row * G, *z = L->zero + row * G;
+            for (int64_t j = 0; j < G; j++) {
+                for (int64_t c = j * g; c < (j + 1) * g; c += 32) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + c / 2));
+                    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                                                       _mm_and_si128(bytes, low4)); /* codes c .. c + 31 */
+                    for (int b = 0; b < NB; b++) {
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * kp + c));
+                        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+                        tot[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[j] * xd[b * C + c / 32]),
+                                                 tot[b]);
+                    }
+                }
+                for (int b = 0; b < NB; b++) zs[b] += z[j] * xsum[b * ldxs + j];
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            memcpy(&acc[b][r], &tot[b], sizeof(vf));
+            acc[b][r][0] += zs[b];
+        }
+    }
+    for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
+}
+
+/* Rows of x as int8 with one scale per 32 columns (round to nearest), and each
+ * group's sum of the quantized values (into xsum, [B, kp / group]): the zero
+ * term must see the same input as the codes, or a large zero point would turn
+ * the input's rounding into a large error. */
+static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp, int64_t group, int8_t *xq, float *xd,
+                             float *xsum) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c0 = 0; c0 < kp; c0 += 32) {
+            const float *xs = x + b * ldx + c0;
+            float amax = 0.0f;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int8_t *q = xq + b * kp + c0;
+            int32_t qsum = 0;
+            for (int i = 0; i < 32; i++) {
+                q[i] = (int8_t)lrintf(xs[i] * id);
+                qsum += q[i];
+            }
+            xd[b * (kp / 32) + c0 / 32] = d;
+            float *gs = xsum + b * (kp / group) + c0 / group;
+            if (c0 % group == 0) *gs = 0.0f;
+            *gs += d * (float)qsum;
+        }
+}
+#endif
+
+/* Whether this build multiplies int4 weights by int8-quantized activations (tests
+ * compare it within activation-quantization error instead of float rounding). */
+int tm_kernels_int4_q8(void) {
+#ifdef TM_INT4_Q8
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Per-thread activation scratch for one matmul input. */
 typedef struct {
     float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4; or as bf16 (xh) */
     float *xsum; /* [rows, groups] */
     const uint16_t *xh; /* [rows, k] bf16 copy of the input for bf16_dot_tile, or NULL */
     float *wtile;       /* [VW, k * repeat]: one int4 row tile, dequantized (int4_dequant_rows) */
+    int8_t *xq;         /* [rows, k * repeat]: the input as int8, a scale per 32 columns (int4_q8_tile) */
+    float *xd;          /* [rows, k * repeat / 32]: those scales */
 } InputScratch;
 
 #define TM_INT4_DEQUANT_ROWS 8 /* from this many activation rows, int4 tiles are dequantized first */
@@ -382,6 +466,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         *ldx_out = kp;
     }
     if (B >= TM_INT4_DEQUANT_ROWS) return x; /* dequantized tiles (linear_rows) need no group sums */
+#ifndef TM_INT4_Q8
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < G; j++) {
             const float *xb = x + b * *ldx_out + j * g;
@@ -390,6 +475,9 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
             for (int64_t c = 0; c < g; c++) t += xb[c];
             is->xsum[b * G + j] = t;
         }
+#else
+    quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum);
+#endif
     return x;
 }
 
@@ -414,12 +502,18 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         default: bf16_dot_tile(L, xhb, 6, r0, nr, out); break;                                              \
     }
 
+#ifdef TM_INT4_Q8 /* the input as int8 rows (prepare_input quantized it) */
+#define INT4_CALL(N) \
+    int4_q8_tile(L, is->xq + b0 * L->k * L->repeat, is->xd + b0 * (L->k * L->repeat / 32), xs, G, N, r0, nr, out)
+#else
+#define INT4_CALL(N) int4_tile(L, xb, ldx, xs, G, N, r0, nr, out)
+#endif
 #define INT4_CASE(N) \
-    case N: int4_tile(L, xb, ldx, xs, G, N, r0, nr, out); break;
+    case N: INT4_CALL(N); break;
 #define INT4_CASES                                                                                          \
     switch (NB) {                                                                                           \
         INT4_CASE(1) INT4_CASE(2) INT4_CASE(3) INT4_CASE(4) INT4_CASE(5)                                    \
-        default: int4_tile(L, xb, ldx, xs, G, 6, r0, nr, out); break;                                       \
+        default: INT4_CALL(6); break;                                                                       \
     }
 
 /* y[b, n - y_col0] (=, or += when accumulate) for n in [n0, n1), from a prepared input.
@@ -538,7 +632,8 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM;
+        const size_t q8_floats = ((size_t)B * KM + 3) / 4 + (size_t)B * KM / 32; /* int4_q8_tile's input */
+        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
         /* Every thread must reach every barrier: a failed allocation only skips the work. */
@@ -547,6 +642,8 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         float *gate = is.xsum + B * KM, *up = gate + B * VW; /* [B, VW]: one tile of gate / up rows */
         float *att = up + B * VW;
         is.wtile = att + att_floats;
+        is.xq = (int8_t *)(is.wtile + VW * KM);
+        is.xd = is.wtile + VW * KM + ((size_t)B * KM + 3) / 4;
         Scratch sc = {0};
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
@@ -648,10 +745,12 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
-        const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp;
+        const size_t q8 = ((size_t)B * kp + 3) / 4; /* floats holding the int8 input */
+        const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)B * kp / 32;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         if (buf) {
-            InputScratch is = {buf, buf + B * kp, NULL, buf + B * kp + B * G};
+            float *q8_at = buf + B * kp + B * G + VW * kp;
+            InputScratch is = {buf, buf + B * kp, NULL, buf + B * kp + B * G, (int8_t *)q8_at, q8_at + q8};
             thread_linear(L, x, ldx, B, &is, t, T, y, ldy, 0);
             free(buf);
         }
