@@ -140,17 +140,17 @@ def test_quantized_fused_step_matches_the_dequantized_float_model(options: dict,
         r.num_computed_tokens = t.num_computed_tokens
     got = _decode(engine, reqs, True, monkeypatch)
     want = _decode(twin, twin_reqs, False, monkeypatch)
-    if options["quantization"] == "int4" and _int4_activations_quantized():
+    if _activations_quantized():
         assert _rel(got, want) < 3e-2  # int8 activations (AVX2 integer dot products)
     else:
         assert _rel(got, want) < 1e-5
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def _int4_activations_quantized() -> bool:
-    """The library's int4 matmuls multiply int8-quantized activations (AVX2 builds)."""
+def _activations_quantized() -> bool:
+    """The library's int4 / int8 matmuls multiply int8-quantized activations (AVX2 builds)."""
     lib = cpu_kernels.load()
-    return lib is not None and lib.int4_q8
+    return lib is not None and lib.q8_activations
 
 
 def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
@@ -177,7 +177,7 @@ def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
     for r, t in zip(reqs, twin_reqs):
         r.num_computed_tokens = t.num_computed_tokens
     # the hi half carries 16x the scale of the lo half: their float32 sums round a little more
-    tol = 3e-2 if _int4_activations_quantized() else 5e-5
+    tol = 3e-2 if _activations_quantized() else 5e-5
     assert _rel(_decode(engine, reqs, True, monkeypatch), _decode(twin, twin_reqs, False, monkeypatch)) < tol
 
 

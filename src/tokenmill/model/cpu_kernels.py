@@ -76,7 +76,7 @@ class KernelLibrary:
     cdll: ctypes.CDLL
     path: Path
     vector_width: int  # floats per vector register; head_dim must be a multiple of it
-    int4_q8: bool = False  # int4 matmuls quantize activations to int8 (integer dot products, AVX2 builds)
+    q8_activations: bool = False  # int4/int8 matmuls of few rows quantize activations to int8 (AVX2 builds)
 
 
 _lock = threading.Lock()
@@ -212,10 +212,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     cdll.tm_decode_struct_sizes.restype = ctypes.c_int64
     cdll.tm_kernels_abi_version.restype = ctypes.c_int
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
-    cdll.tm_kernels_int4_q8.restype = ctypes.c_int
+    cdll.tm_kernels_q8_activations.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {cdll.tm_kernels_abi_version()}, expected {_ABI_VERSION}")
-    return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_int4_q8()))
+    return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()))
 
 
 def load() -> KernelLibrary | None:
@@ -228,7 +228,7 @@ def load() -> KernelLibrary | None:
             try:
                 _lib = build()
                 log.info("CPU kernels: %s build, %d-float vectors%s (%s)", isa(), _lib.vector_width,
-                         ", int4 x int8 integer dot products" if _lib.int4_q8 else "", _lib.path)
+                         ", int4/int8 x int8 integer dot products" if _lib.q8_activations else "", _lib.path)
             except Exception as exc:  # any failure: keep the torch path
                 _lib = None
                 log.warning("decode attention: C kernel unavailable (%s); using the torch gather path", exc)

@@ -323,7 +323,7 @@ TM_INLINE void int4_tile(const TmLinear *L, const float *x, int64_t ldx, const f
 }
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-#define TM_INT4_Q8 1
+#define TM_Q8_DOT 1
 /* int4 against int8 activations with integer dot products, on AVX2 (no AVX-512):
  * widening each code to float costs more there than the rest of the step, so
  * the input is quantized per 32 columns (x ~ xq * d, as llama.cpp's q8_0) and
@@ -368,6 +368,34 @@ TM_INLINE void int4_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
     for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
 }
 
+/* int8 weights (a scale per row, applied by the caller) against int8 activations:
+ * vpmaddubsw wants one unsigned operand, so |w| meets x with w's sign (vpsignb),
+ * as llama.cpp's q8_0 kernel does. K % 32 == 0. */
+TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd, const int NB, int64_t r0,
+                            int64_t nr, float out[TM_MAX_ROWS][VW]) {
+    const int64_t K = L->k, C = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    vf acc[TM_MAX_ROWS][VW];
+    for (int64_t r = 0; r < VW; r++) {
+        __m256 tot[TM_MAX_ROWS];
+        for (int b = 0; b < NB; b++) tot[b] = _mm256_setzero_ps();
+        if (r < nr) {
+            const int8_t *w = (const int8_t *)L->w + (r0 + r) * K;
+            for (int64_t c = 0; c < K; c += 32) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c));
+                const __m256i aw = _mm256_sign_epi8(wv, wv);
+                for (int b = 0; b < NB; b++) {
+                    const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xq + b * K + c)), wv);
+                    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones);
+                    tot[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[b * C + c / 32]), tot[b]);
+                }
+            }
+        }
+        for (int b = 0; b < NB; b++) memcpy(&acc[b][r], &tot[b], sizeof(vf));
+    }
+    for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
+}
+
 /* Rows of x as int8 with one scale per 32 columns (round to nearest), and each
  * group's sum of the quantized values (into xsum, [B, kp / group]): the zero
  * term must see the same input as the codes, or a large zero point would turn
@@ -387,17 +415,19 @@ static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp,
                 qsum += q[i];
             }
             xd[b * (kp / 32) + c0 / 32] = d;
-            float *gs = xsum + b * (kp / group) + c0 / group;
-            if (c0 % group == 0) *gs = 0.0f;
-            *gs += d * (float)qsum;
+            if (xsum) {
+                float *gs = xsum + b * (kp / group) + c0 / group;
+                if (c0 % group == 0) *gs = 0.0f;
+                *gs += d * (float)qsum;
+            }
         }
 }
 #endif
 
 /* Whether this build multiplies int4 weights by int8-quantized activations (tests
  * compare it within activation-quantization error instead of float rounding). */
-int tm_kernels_int4_q8(void) {
-#ifdef TM_INT4_Q8
+int tm_kernels_q8_activations(void) {
+#ifdef TM_Q8_DOT
     return 1;
 #else
     return 0;
@@ -457,6 +487,12 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         is->xh = xh;
     }
 #endif
+#ifdef TM_Q8_DOT
+    if (L->kind == W_INT8 && B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) { /* int8_q8_tile's input */
+        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL);
+        return x;
+    }
+#endif
     if (L->kind != W_INT4) return x;
     const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g;
     if (L->repeat != 1) {
@@ -466,7 +502,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         *ldx_out = kp;
     }
     if (B >= TM_INT4_DEQUANT_ROWS) return x; /* dequantized tiles (linear_rows) need no group sums */
-#ifndef TM_INT4_Q8
+#ifndef TM_Q8_DOT
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < G; j++) {
             const float *xb = x + b * *ldx_out + j * g;
@@ -502,7 +538,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         default: bf16_dot_tile(L, xhb, 6, r0, nr, out); break;                                              \
     }
 
-#ifdef TM_INT4_Q8 /* the input as int8 rows (prepare_input quantized it) */
+#ifdef TM_Q8_DOT /* the input as int8 rows (prepare_input quantized it) */
 #define INT4_CALL(N) \
     int4_q8_tile(L, is->xq + b0 * L->k * L->repeat, is->xd + b0 * (L->k * L->repeat / 32), xs, G, N, r0, nr, out)
 #else
@@ -554,7 +590,14 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
                     DENSE_CASES(W_BF16)
                 }
             } else {
-                DENSE_CASES(W_INT8)
+#ifdef TM_Q8_DOT
+                if (B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) {
+                    int8_q8_tile(L, is->xq + b0 * L->k, is->xd + b0 * (L->k / 32), NB, r0, nr, out);
+                } else
+#endif
+                {
+                    DENSE_CASES(W_INT8)
+                }
             }
             for (int b = 0; b < NB; b++) {
                 float *yb = y + (b0 + b) * ldy - y_col0 + r0;
