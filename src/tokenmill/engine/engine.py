@@ -19,6 +19,7 @@ from ..model.llama import LlamaForCausalLM, RotaryEmbedding
 from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
 from ..tokenizer import Tokenizer
+from . import auto
 from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
@@ -75,8 +76,14 @@ class LLMEngine:
         if config.scheduler.max_num_batched_tokens is None:
             config.scheduler.max_num_batched_tokens = (
                 CPU_TOKEN_BUDGET if self.device.type == "cpu" else CUDA_TOKEN_BUDGET)
+        dtype_choice = auto.resolve_dtype(config.dtype, self.device)
+        config.dtype = dtype_choice[0]
         self.dtype = parse_dtype(config.dtype)
         loaded = loaded or load_model(config.model, dtype=self.dtype)
+        quant_choice = auto.resolve_quantization(config.quantization, loaded)
+        config.quantization = quant_choice[0]
+        if dtype_choice[1] != "as asked" or quant_choice[1] != "as asked":
+            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice))
         self.model_config = loaded.config
         self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
         cfg = loaded.config

@@ -16,12 +16,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Model and engine flags, shared with `tokenmill generate`."""
     p.add_argument("--model", default=None,
                    help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype (default float32)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype; auto: bfloat16 where the CPU multiplies it natively (and on CUDA), "
+                        "else float32 (default float32)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf", "w8a8"],
+    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
                    help="weight quantization: none, int8, int4 (weight-only), gguf (keep the file's Q8_0/Q4_0/Q4_1 "
-                        "blocks), w8a8 (int8 weights and dynamic int8 activations) (default none)")
+                        "blocks), w8a8 (int8 weights and dynamic int8 activations), auto (gguf when the file "
+                        "has such blocks, else none) (default none)")
     p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 group size along the input dimension (default 32)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
