@@ -68,6 +68,26 @@ def tiny_loaded(seed: int = 0, **overrides) -> LoadedModel:
     return LoadedModel(config=cfg, weights=tiny_weights(cfg, seed), quant_types={}, source="tiny", format="hf")
 
 
+def save_tiny_hf_folder(folder, seed: int = 0) -> str:
+    """The tiny random Llama (weights of ``seed``) saved as a Hugging Face folder, so
+    anything that loads a model by path can load it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = tiny_config()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "eos_token_id": TINY_EOS}))
+    save_file({k: v.contiguous() for k, v in tiny_weights(cfg, seed).items()}, str(folder / "model.safetensors"))
+    tiny_tokenizer().backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
+    return str(folder)
+
+
 def make_tiny_llm(**options):
     """An LLM over the tiny random model (fp32 unless told otherwise)."""
     from tokenmill import LLM

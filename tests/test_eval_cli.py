@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conftest import TINY_EOS, tiny_config, tiny_tokenizer, tiny_weights
+from conftest import save_tiny_hf_folder
 from tokenmill.entrypoints.cli import main
 
 EVAL_SET = [
@@ -23,20 +23,7 @@ TEXT = "The keeper climbed the stairs each evening and lit the lamp before suppe
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> str:
     """The tiny random Llama saved as a Hugging Face folder, so the CLI can load it by path."""
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("tiny-hf")
-    cfg = tiny_config()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "eos_token_id": TINY_EOS}))
-    save_file({k: v.contiguous() for k, v in tiny_weights(cfg).items()}, str(folder / "model.safetensors"))
-    tiny_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-    return str(folder)
+    return save_tiny_hf_folder(tmp_path_factory.mktemp("tiny-hf"))
 
 
 @pytest.fixture(scope="module")

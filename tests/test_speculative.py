@@ -37,6 +37,10 @@ def test_config_parses_vllm_json_and_refuses_what_it_cannot_do():
         SpeculativeConfig.parse({"method": "eagle"})
     with pytest.raises(ValueError, match="draft model"):
         SpeculativeConfig.parse({"method": "ngram", "model": "some/model"})
+    with pytest.raises(ValueError, match="needs"):
+        SpeculativeConfig.parse({"method": "draft_model"})
+    assert SpeculativeConfig.parse({"model": "/m", "num_speculative_tokens": 2}).method == "draft_model"
+    assert SpeculativeConfig.parse({"model": "[ngram]"}).method == "ngram"
 
 
 def _request(draft, temperature=1.0, top_k=-1, generator=None):
@@ -186,3 +190,29 @@ def test_server_reports_speculation_in_metrics_and_console():
         assert stats["speculative"]["enabled"] and stats["speculative"]["draft_tokens"] == drafted
     finally:
         app.state.tokenmill.aengine.shutdown()
+
+
+def test_draft_model_proposals(tmp_path):
+    """A draft model (here the target's own weights, saved to disk): every greedy
+    proposal is accepted and the text is the plain engine's; a different draft
+    (other weights) is often rejected and the text is still the plain engine's."""
+    from conftest import save_tiny_hf_folder
+
+    prompts = [[(7 * i + j) % 250 for j in range(20 + 3 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    want = [o.outputs[0].token_ids for o in make_tiny_llm().generate(prompts, params)]
+    same = save_tiny_hf_folder(tmp_path / "same") if (tmp_path / "same").mkdir() is None else ""
+    llm = make_tiny_llm(speculative_config={"model": same, "num_speculative_tokens": 3,
+                                            "draft_kv_cache_memory": "16MiB"})
+    assert llm.engine.speculator.config.method == "draft_model"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens == stats.num_draft_tokens
+    (tmp_path / "other").mkdir()
+    other = save_tiny_hf_folder(tmp_path / "other", seed=9)
+    llm2 = make_tiny_llm(speculative_config={"method": "draft_model", "model": other, "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in llm2.generate(prompts, params)] == want
+    assert llm2.engine.speculator.stats.num_accepted_tokens < llm2.engine.speculator.stats.num_draft_tokens
+    assert not llm2.engine.speculator.proposer._shadows or all(
+        t.is_finished for t, _ in llm2.engine.speculator.proposer._shadows.values())
+    llm2.engine.check_idle_invariants()

@@ -89,18 +89,7 @@ class LLMEngine:
         cfg = loaded.config
         max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_len
-        # Build on the meta device (no random init of weights about to be overwritten),
-        # then materialise and load; the rotary tables are computed for real.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, max_positions=max_len)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.rope = RotaryEmbedding(cfg, max_len).to(self.device)
-        model.load_weights(loaded.weights)
-        if config.quantization not in ("none", None):
-            from ..model.quant import quantize_model
-
-            quantize_model(model, loaded, config)
-        model.eval()
+        model = build_model(loaded, config, self.device, self.dtype, max_len)
         self.model = model
         self.weight_bytes = _weight_bytes(model)
 
@@ -129,7 +118,16 @@ class LLMEngine:
         self.last_step = StepStats()
         self.total_preemptions = 0
         spec = SpeculativeConfig.parse(config.speculative_config)
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator: Speculator | None = None
+        if spec is not None:
+            proposer = None
+            if spec.method == "draft_model":
+                from .draft import DraftModelProposer
+
+                assert spec.model is not None
+                proposer = DraftModelProposer(spec.model, spec.draft_kv_cache_memory, cfg.vocab_size, self.device,
+                                              max_len, block_size)
+            self.speculator = Speculator(spec, proposer)
 
     # -- requests ------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -335,6 +333,24 @@ class LLMEngine:
         self.pool.check_invariants(idle=not self.scheduler.has_work())
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants(self.pool.ref_counts)
+
+
+def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                max_len: int) -> LlamaForCausalLM:
+    """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``."""
+    # Build on the meta device (no random init of weights about to be overwritten),
+    # then materialise and load; the rotary tables are computed for real.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config, max_positions=max_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = RotaryEmbedding(loaded.config, max_len).to(device)
+    model.load_weights(loaded.weights)
+    if config.quantization not in ("none", None):
+        from ..model.quant import quantize_model
+
+        quantize_model(model, loaded, config)
+    model.eval()
+    return model
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:

@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram (prompt lookup) proposals.
+"""Speculative decoding with n-gram (prompt lookup) or draft-model proposals.
 
 A single stream on a CPU is bound by reading the weights once per token; a
 step that checks K proposed tokens reads them once for K + 1 rows. Proposals
@@ -6,7 +6,9 @@ come from the request's own text: the last n tokens (n from
 ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked up earlier in
 prompt + output, and the tokens that followed that occurrence are proposed.
 This pays off where answers repeat spans of their input (summaries, edits,
-code changes, extraction) and costs nothing where no n-gram repeats.
+code changes, extraction) and costs nothing where no n-gram repeats. The
+second method runs a small draft model with the target's vocabulary
+(``draft.py``) greedily for K tokens.
 
 Verification runs as an ordinary step: the sequence's row for its last token
 plus one row per proposal, at consecutive positions, through the same paged
@@ -34,14 +36,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from ..model.sampler import processed_probs
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # draft_model: a local GGUF file or HF folder with the target's vocabulary
+    draft_kv_cache_memory: str | int = "512MiB"  # draft_model: the draft's own KV pool
     max_verify_rows: int = 16  # proposal rows per step, all sequences together
     max_backoff_steps: int = 64
 
@@ -59,6 +63,10 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
                              f"{', '.join(METHODS)}")
+        if self.method == "ngram" and self.model:
+            raise ValueError("--speculative-config: \"model\" names a draft model, for method 'draft_model'")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("--speculative-config: method 'draft_model' needs \"model\": a local draft model path")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -77,12 +85,16 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("--speculative-config must be a JSON object")
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - known - {"model"})
+        unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"--speculative-config: unknown keys {', '.join(unknown)}")
-        if value.get("model") not in (None, "", "[ngram]"):
-            raise ValueError("--speculative-config: a draft model is not supported; use method 'ngram'")
-        return cls(**{k: v for k, v in value.items() if k in known})
+        value = dict(value)
+        if value.get("model") in ("[ngram]", "ngram", ""):  # vLLM's older spelling of the n-gram method
+            value.pop("model")
+            value.setdefault("method", "ngram")
+        elif value.get("model") and "method" not in value:
+            value["method"] = "draft_model"
+        return cls(**value)
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -135,11 +147,30 @@ def eligible(request: Any) -> bool:
             and len(request.output_token_ids) >= p.min_tokens)
 
 
-class Speculator:
-    """Makes proposals before a step and checks them after it."""
+class Proposer(Protocol):
+    """Where proposals come from: up to ``k`` tokens for each request."""
+
+    def propose(self, requests: Sequence[Any], ks: Sequence[int]) -> list[list[int]]: ...
+
+
+class NgramProposer:
+    """Prompt lookup in the request's own tokens (:func:`propose_ngram`)."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+
+    def propose(self, requests: Sequence[Any], ks: Sequence[int]) -> list[list[int]]:
+        cfg = self.config
+        return [propose_ngram(r.all_token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+                for r, k in zip(requests, ks)]
+
+
+class Speculator:
+    """Makes proposals before a step and checks them after it."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer = proposer or NgramProposer(config)
         self.stats = SpecStats()
         self._step = 0
 
@@ -148,6 +179,8 @@ class Speculator:
         self._step += 1
         cfg = self.config
         rows = 0
+        chosen: list[Any] = []
+        ks: list[int] = []
         for request in decoding:
             request.spec_token_ids = []
             if rows >= cfg.max_verify_rows or self._step < request.spec_backoff_until or not eligible(request):
@@ -156,9 +189,12 @@ class Speculator:
             k = min(cfg.num_speculative_tokens, room, cfg.max_verify_rows - rows)
             if k <= 0:
                 continue
-            draft = propose_ngram(request.all_token_ids, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
-            request.spec_token_ids = draft
-            rows += len(draft)
+            chosen.append(request)
+            ks.append(k)
+            rows += k
+        if chosen:
+            for request, draft in zip(chosen, self.proposer.propose(chosen, ks)):
+                request.spec_token_ids = draft
 
     def verify(self, request: Any, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
         """Tokens to append for a request whose proposals ``request.spec_token_ids`` were
