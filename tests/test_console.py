@@ -31,9 +31,9 @@ class _Clock:
 
 
 def _fake_engine() -> Any:
-    stats = SimpleNamespace(queried_tokens=0, hit_tokens=0)
-    return SimpleNamespace(last_step=SimpleNamespace(num_prefill_tokens=0, duration_s=0.01),
-                           prefix_cache=SimpleNamespace(stats=stats), total_preemptions=0)
+    """What the window reads: the last step's figures and the published counters."""
+    stats = SimpleNamespace(prefix_queried_tokens=0, prefix_hit_tokens=0, preemptions_total=0)
+    return SimpleNamespace(last_step=SimpleNamespace(num_prefill_tokens=0, duration_s=0.01), stats=stats)
 
 
 def _delta(rid: str, n: int, finished: bool = False, **metrics: float) -> Any:
@@ -53,22 +53,22 @@ def test_percentile_matches_numpy():
 def test_window_counts_tokens_latencies_and_cache_then_forgets_after_a_minute():
     clock = _Clock()
     engine = _fake_engine()
-    engine.prefix_cache.stats.queried_tokens = 500  # before the console started: not counted
-    engine.prefix_cache.stats.hit_tokens = 400
-    engine.total_preemptions = 3
+    engine.stats.prefix_queried_tokens = 500  # before the console started: not counted
+    engine.stats.prefix_hit_tokens = 400
+    engine.stats.preemptions_total = 3
     window = EngineWindow(clock=clock)
     window.baseline(engine)
 
     # request "a": prefill 50 tokens (32 from cache) and one token, then 3 decode steps
-    engine.prefix_cache.stats.queried_tokens += 50
-    engine.prefix_cache.stats.hit_tokens += 32
+    engine.stats.prefix_queried_tokens += 50
+    engine.stats.prefix_hit_tokens += 32
     engine.last_step.num_prefill_tokens = 18
     window.on_step(engine, [_delta("a", 1)])
     engine.last_step.num_prefill_tokens = 0
     for i in range(3):
         clock.now += 0.1
         last = i == 2
-        engine.total_preemptions += 1 if i == 1 else 0
+        engine.stats.preemptions_total += 1 if i == 1 else 0
         window.on_step(engine, [_delta("a", 1, finished=last, ttft=0.5, e2e=0.9)])
     snap = window.snapshot()
     assert snap["requests"] == {"finished": 1, "prompt_tokens": 50, "cached_tokens": 32, "output_tokens": 4}

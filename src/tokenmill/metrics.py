@@ -61,19 +61,18 @@ class _EngineStateCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", eng.num_running)
+        st = eng.stats  # the engine's last published snapshot (engine/stats.py)
+        yield gauge("vllm:num_requests_running", "Sequences in the running batch.", st.num_running)
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled (incl. queued to the engine).",
                     self.waiting())
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks held by running requests (0..1).",
-                    float(eng.pool.usage))
+                    float(st.kv_usage))
         yield counter("vllm:num_preemptions", "Preemptions (requests evicted from the batch for recompute).",
-                      eng.total_preemptions)
-        cache = eng.prefix_cache
-        queried = cache.stats.queried_tokens if cache is not None else 0
-        hits = cache.stats.hit_tokens if cache is not None else 0
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", hits)
-        spec = eng.speculator.stats if getattr(eng, "speculator", None) is not None else None
+                      st.preemptions_total)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      st.prefix_queried_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", st.prefix_hit_tokens)
+        spec = st.spec
         if spec is not None:
             yield counter("vllm:spec_decode_num_drafts", "Speculative proposals made (one per sequence and step).",
                           spec.num_drafts)
@@ -86,9 +85,6 @@ class _EngineStateCollector(Collector):
             for pos, count in enumerate(spec.accepted_per_position):
                 per_pos.add_metric([*values, str(pos)], count)
             yield per_pos
-        yield counter("tokenmill:prompt_tokens_computed", "Prompt tokens run through the model (not served from the "
-                      "prefix cache, recomputes after preemption included).",
-                      eng.scheduler.num_prompt_tokens_computed)
 
 
 class _AliasCollector(Collector):
@@ -125,18 +121,22 @@ class _TokenmillOnly(Collector):
         self.engine = engine
 
     def collect(self) -> Iterable[Metric]:
-        eng = self.engine
-        cache = eng.prefix_cache
+        st = self.engine.stats
         g = GaugeMetricFamily("tokenmill:prefix_cache_blocks",
                               "KV blocks held by the prefix cache (idle or shared).", labels=["model_name"])
-        g.add_metric([self.model_name], cache.num_cached if cache is not None else 0)
+        g.add_metric([self.model_name], st.prefix_cached_blocks)
         yield g
         pool = GaugeMetricFamily("tokenmill:kv_cache_blocks", "KV-cache blocks by state.",
                                  labels=["model_name", "state"])
-        pool.add_metric([self.model_name, "free"], eng.pool.num_free)
-        pool.add_metric([self.model_name, "in_use"], eng.pool.num_in_use)
-        pool.add_metric([self.model_name, "cached_idle"], eng.pool.num_cached_idle)
+        pool.add_metric([self.model_name, "free"], st.blocks_free)
+        pool.add_metric([self.model_name, "in_use"], st.blocks_in_use)
+        pool.add_metric([self.model_name, "cached_idle"], st.blocks_cached_idle)
         yield pool
+        computed = CounterMetricFamily("tokenmill:prompt_tokens_computed", "Prompt tokens run through the model "
+                                       "(not served from the prefix cache; recomputes after preemption included).",
+                                       labels=["model_name"])
+        computed.add_metric([self.model_name], st.prompt_tokens_computed)
+        yield computed
 
 
 class ServerMetrics:
@@ -177,7 +177,7 @@ class ServerMetrics:
                      ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
         info.labels(str(engine.block_size), str(engine.pool.num_blocks),
                     str(engine.prefix_cache is not None)).set(1)
-        reg.register(_EngineStateCollector(model_name, engine, waiting or (lambda: engine.num_waiting)))
+        reg.register(_EngineStateCollector(model_name, engine, waiting or (lambda: engine.stats.num_waiting)))
 
         self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=None)

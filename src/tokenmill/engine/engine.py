@@ -27,6 +27,7 @@ from .request import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
+from .stats import EngineStats, SpecSnapshot
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -128,6 +129,9 @@ class LLMEngine:
                 proposer = DraftModelProposer(spec.model, spec.draft_kv_cache_memory, cfg.vocab_size, self.device,
                                               max_len, block_size)
             self.speculator = Speculator(spec, proposer)
+        self._steps = 0
+        self.stats = EngineStats()
+        self._publish()
 
     # -- requests ------------------------------------------------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -172,6 +176,7 @@ class LLMEngine:
         self._groups[request_id] = group
         for seq in group:
             self._by_request[id(seq.request)] = seq
+        self._publish()
         return [s.request for s in group]
 
     def abort_request(self, request_id: str) -> bool:
@@ -182,6 +187,7 @@ class LLMEngine:
         for seq in group:
             self.scheduler.abort(seq.request)
             self._by_request.pop(id(seq.request), None)
+        self._publish()
         return True
 
     def has_unfinished(self) -> bool:
@@ -202,8 +208,10 @@ class LLMEngine:
             self.speculator.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
         batch = self.scheduler.schedule(started)
         self.total_preemptions += len(batch.preempted)
+        self._steps += 1
         if not batch:
             self.last_step = StepStats(num_preempted=len(batch.preempted))
+            self._publish()
             return []
         logits, sampled = self.runner.execute(batch.items)
         self.scheduler.after_step(batch)
@@ -258,6 +266,7 @@ class LLMEngine:
             num_preempted=len(batch.preempted),
             duration_s=now - started,
         )
+        self._publish()
         return deltas
 
     def _append_token(self, seq: _Sequence, token: int, lp: Logprob | None, now: float) -> None:
@@ -318,6 +327,23 @@ class LLMEngine:
         if group is not None and all(s.request.is_finished for s in group):
             del self._groups[group_id]
 
+    # -- published state -------------------------------------------------
+    def _publish(self) -> None:
+        """Replace ``self.stats`` with a snapshot of now (see engine/stats.py)."""
+        pool, cache, spec = self.pool, self.prefix_cache, self.speculator
+        self.stats = EngineStats(
+            steps=self._steps, num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            blocks_total=pool.num_blocks, blocks_free=pool.num_free, blocks_in_use=pool.num_in_use,
+            blocks_cached_idle=pool.num_cached_idle, prefix_cache_enabled=cache is not None,
+            prefix_cached_blocks=cache.num_cached if cache is not None else 0,
+            prefix_queried_tokens=cache.stats.queried_tokens if cache is not None else 0,
+            prefix_hit_tokens=cache.stats.hit_tokens if cache is not None else 0,
+            preemptions_total=self.total_preemptions,
+            prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
+            spec=None if spec is None else SpecSnapshot(
+                spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
+                tuple(spec.stats.accepted_per_position)))
+
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
         """Drop every idle cached block; returns how many were freed."""
@@ -326,6 +352,7 @@ class LLMEngine:
         freed = self.prefix_cache.evict_all_idle()
         for block in freed:
             self.pool.return_evicted(block)
+        self._publish()
         return len(freed)
 
     def check_idle_invariants(self) -> None:

@@ -40,6 +40,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..engine.stats import EngineStats
 from .console_auth import LOGIN_HEADERS, ConsoleSessions, login_page, same_origin
 from .errors import error_body
 
@@ -99,15 +100,15 @@ class EngineWindow:
     def baseline(self, engine: Any) -> None:
         """Take the engine's counters as they stand, so the window counts only what follows."""
         with self._lock:
-            self._cache_seen = _cache_counters(engine)
-            self._preempt_seen = int(engine.total_preemptions)
+            self._cache_seen = _cache_counters(engine.stats)
+            self._preempt_seen = int(engine.stats.preemptions_total)
 
     # -- engine thread -------------------------------------------------------
     def on_step(self, engine: Any, deltas: list[Any]) -> None:
         now = self.clock()
         step = engine.last_step
-        queried, hits = _cache_counters(engine)
-        preempted = int(engine.total_preemptions)
+        queried, hits = _cache_counters(engine.stats)
+        preempted = int(engine.stats.preemptions_total)
         with self._lock:
             sec = self.seconds.get(int(now))
             if sec is None:
@@ -199,22 +200,18 @@ class EngineWindow:
         }
 
 
-def _speculative(engine: Any) -> dict[str, Any]:
+def _speculative(stats: EngineStats) -> dict[str, Any]:
     """Speculative decoding's counters (the same as /metrics' vllm:spec_decode_*)."""
-    spec = getattr(engine, "speculator", None)
+    spec = stats.spec
     if spec is None:
         return {"enabled": False}
-    st = spec.stats
-    return {"enabled": True, "drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
-            "accepted_tokens": st.num_accepted_tokens, "acceptance_rate": st.acceptance_rate if st.num_draft_tokens
-            else None, "accepted_per_position": list(st.accepted_per_position)}
+    return {"enabled": True, "drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+            "accepted_tokens": spec.num_accepted_tokens, "acceptance_rate": spec.acceptance_rate,
+            "accepted_per_position": list(spec.accepted_per_position)}
 
 
-def _cache_counters(engine: Any) -> tuple[int, int]:
-    cache = engine.prefix_cache
-    if cache is None:
-        return 0, 0
-    return int(cache.stats.queried_tokens), int(cache.stats.hit_tokens)
+def _cache_counters(stats: EngineStats) -> tuple[int, int]:
+    return int(stats.prefix_queried_tokens), int(stats.prefix_hit_tokens)
 
 
 def _finished(now: float, delta: Any, output_tokens: int, cached: int) -> FinishedSequence:
@@ -296,8 +293,7 @@ class ConsoleStats:
     def document(self) -> dict[str, Any]:
         state = self.state
         engine = state.engine
-        pool = engine.pool
-        cache = engine.prefix_cache
+        st = engine.stats  # the engine's last published snapshot (engine/stats.py)
         recent = self.window.snapshot()
         counters, finished = self._registry_counters()
         return {
@@ -305,20 +301,19 @@ class ConsoleStats:
             "uptime_s": time.time() - self.started_unix,
             "model": self.facts,
             # the same reads as /metrics' vllm:num_requests_running / _waiting
-            "running": int(engine.num_running),
+            "running": st.num_running,
             "waiting": int(state.num_waiting()),
             "draining": bool(state.draining),
-            "kv_blocks": {"total": int(pool.num_blocks), "in_use": int(pool.num_in_use),
-                          "cached": int(pool.num_cached_idle), "free": int(pool.num_free),
-                          "usage": float(pool.usage)},
+            "kv_blocks": {"total": st.blocks_total, "in_use": st.blocks_in_use,
+                          "cached": st.blocks_cached_idle, "free": st.blocks_free, "usage": st.kv_usage},
             "prefix_cache": {
-                "enabled": cache is not None,
-                "cached_blocks": int(cache.num_cached) if cache is not None else 0,
-                "queried_tokens_total": int(cache.stats.queried_tokens) if cache is not None else 0,
-                "hit_tokens_total": int(cache.stats.hit_tokens) if cache is not None else 0,
+                "enabled": st.prefix_cache_enabled,
+                "cached_blocks": st.prefix_cached_blocks,
+                "queried_tokens_total": st.prefix_queried_tokens,
+                "hit_tokens_total": st.prefix_hit_tokens,
             },
-            "preemptions_total": int(engine.total_preemptions),
-            "speculative": _speculative(engine),
+            "preemptions_total": st.preemptions_total,
+            "speculative": _speculative(st),
             "totals": {  # read from the /metrics registry itself
                 "prompt_tokens": int(counters["vllm:prompt_tokens_total"]),
                 "generation_tokens": int(counters["vllm:generation_tokens_total"]),

@@ -84,7 +84,7 @@ class ServerState:
         return int(self.aengine.num_queued)
 
     def num_waiting(self) -> int:
-        return int(self.engine.num_waiting) + self.num_queued() + self.pending
+        return int(self.engine.stats.num_waiting) + self.num_queued() + self.pending
 
     def reserve(self, jobs: list[Job]) -> None:
         """Admit jobs, or 429 with Retry-After once the waiting queue reaches ``--max-waiting``.
