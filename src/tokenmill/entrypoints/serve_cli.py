@@ -64,6 +64,11 @@ def register(subparsers: Any) -> None:
                    help="with --capture-traffic, also store prompt text")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument("--max-request-bytes", type=_positive, default=None,
+                   help="refuse request bodies larger than this with 413 (default: 64 bytes per token of "
+                        "context, at least 1 MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a whole request body (default 30)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
     p.set_defaults(func=_run)
 

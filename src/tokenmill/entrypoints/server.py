@@ -27,9 +27,10 @@ from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
-from .openai_routes import encode, get_state, render_chat, router
+from .openai_routes import encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
+from .request_guard import BodyGuard, default_body_limit
 from .serving import ServerSettings, ServerState
 
 log = logging.getLogger("tokenmill.server")
@@ -97,6 +98,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
+    # inside the gate: the key is checked before a byte of the body is read
+    app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
+        state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
+        draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
     app.add_middleware(GateMiddleware, state=state, sessions=sessions)
     return app
 
@@ -136,7 +141,7 @@ def _misc_routes(app: FastAPI) -> None:
         # make clients (the router, the load tester) conclude /tokenize is missing
         state = get_state(request)
         if body.messages is not None:
-            text = render_chat(state, body.messages, body.add_generation_prompt)
+            text = await render_chat_async(state, body.messages, body.add_generation_prompt)
             ids = await encode(state, text, False)
         else:
             ids = await encode(state, body.prompt or "", body.add_special_tokens)
@@ -172,7 +177,8 @@ def _settings_from_args(args: Any) -> ServerSettings:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
-        grace_period_s=args.shutdown_grace)
+        grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
+        request_read_timeout_s=getattr(args, "request_read_timeout", 30.0))
 
 
 def _default_model_name(path: str | None) -> str:
