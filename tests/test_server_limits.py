@@ -188,3 +188,40 @@ def test_waiting_sequences_never_pass_max_waiting(served):
     assert set(statuses) <= {200, 429} and statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
     assert peak <= 4
     assert state.num_waiting() == 0 and state.pending == 0
+
+
+def test_cut_all_ends_streams_with_an_error_event_then_done(served):
+    """What shutdown does when the grace period is over: running streams end in-band."""
+    import asyncio
+
+    from tokenmill.entrypoints.server import _cut_all
+
+    server, state = served
+    body = {"prompt": "cut me", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    step = state.engine.step
+
+    def slow_step() -> Any:  # the tiny model would finish before the cut arrives
+        time.sleep(0.02)
+        return step()
+
+    state.engine.step = slow_step
+    try:
+        with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/v1/completions",
+                                                                 json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        assert asyncio.run_coroutine_threadsafe(_cut_all(state), state.loop).result(10) >= 1
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "service_unavailable"
+        late = httpx.post(server.url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}, timeout=30)
+        assert late.status_code == 503 and _error(late)["code"] == "shutting_down"
+    finally:
+        state.cutting = False
+        del state.engine.step
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2},
+                      timeout=30).status_code == 200

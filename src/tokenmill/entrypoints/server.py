@@ -12,6 +12,7 @@ own origin).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -76,6 +77,8 @@ class GateMiddleware:
             self.state.metrics.rejected.labels("draining").inc()
             await self._reject(send, 503, "the server is shutting down", "shutting_down", {"Retry-After": "5"})
             return
+        if self.state.loop is None:
+            self.state.loop = asyncio.get_running_loop()  # for the shutdown thread's calls
         self.state.inflight_http += 1
         try:
             await self.app(scope, receive, send)
@@ -246,9 +249,25 @@ class _DrainingServer:
         deadline = time.monotonic() + self.state.settings.grace_period_s
         while self.state.inflight_http > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.state.inflight_http > 0:
-            log.warning("grace period over; closing %d requests", self.state.inflight_http)
+        if self.state.inflight_http > 0 and self.state.loop is not None:
+            # end what is left in-band (an SSE error event, a 503 body) rather than
+            # letting uvicorn cancel the tasks mid-write
+            log.warning("grace period over; ending %d requests", self.state.inflight_http)
+            try:
+                asyncio.run_coroutine_threadsafe(_cut_all(self.state), self.state.loop).result(5)
+            except Exception:  # noqa: BLE001 - the loop is gone or stuck: uvicorn closes what is left
+                log.warning("could not end the running requests in-band")
+            deadline = time.monotonic() + _CUT_WAIT_S
+            while self.state.inflight_http > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
         server.should_exit = True
+
+
+_CUT_WAIT_S = 5.0  # after the grace period: time for cut requests to send their last bytes
+
+
+async def _cut_all(state: ServerState) -> int:
+    return state.cut_all()
 
 
 def run_server(args: Any) -> int:

@@ -69,6 +69,7 @@ class ServerState:
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
             from ..capture import TrafficCapture
@@ -76,7 +77,10 @@ class ServerState:
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size)
         self.draining = False
-        self.pending = 0  # jobs admitted by reserve() whose stream has not started yet
+        self.cutting = False  # the shutdown grace period is over: running requests end with an error
+        self._live: dict[str, Job] = {}  # jobs whose engine stream is open
+        self._cut: set[str] = set()
+        self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
 
@@ -206,6 +210,24 @@ class ServerState:
         max_tokens = cap or default or room
         return max(1, min(max_tokens, room))
 
+    # -- shutdown --------------------------------------------------------------
+    def cut_all(self) -> int:
+        """End every running request now (the grace period is over); returns how many.
+
+        Each one is aborted in the engine, and its stream raises an
+        ``APIError(503)`` where it would have ended, so a streaming client
+        gets a final error event (and ``[DONE]``), a waiting one a 503 body;
+        jobs that start after this fail the same way. Call it on the event loop."""
+        self.cutting = True
+        for job in list(self._live.values()):
+            self._cut.add(job.request_id)
+            self.aengine.abort(job.request_id)
+        return len(self._live)
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(503, "the server shut down before this request finished (its shutdown grace "
+                        "period ran out); retry it", code="shutting_down", headers={"Retry-After": "5"})
+
     # -- running -----------------------------------------------------------
     async def stream_job(self, job: Job) -> AsyncIterator[SequenceDelta]:
         """Deltas of one engine request, with metrics, capture and abort-on-exit.
@@ -223,7 +245,11 @@ class ServerState:
         if self.settings.log_requests:
             log.info("request %s: %s, %d prompt tokens, %s", job.request_id, job.endpoint,
                      len(job.prompt_ids), _params_dict(job.params))
+        if self.cutting:
+            self.release(job)
+            raise self._shutdown_error()
         gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        self._live[job.request_id] = job
         failed = False
         # release() and the generator's first step (which submits to the engine)
         # run with no await in between
@@ -251,6 +277,10 @@ class ServerState:
                     self.metrics.finished(delta.finish_reason)
                     self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
                 yield delta
+            if job.request_id in self._cut:
+                log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
+                            sum(out_tokens.values()))
+                raise self._shutdown_error()
             done = True
         except ValueError as exc:
             failed = True
@@ -259,6 +289,8 @@ class ServerState:
             failed = True
             raise APIError(503, str(exc), code="engine_dead") from None
         finally:
+            self._live.pop(job.request_id, None)
+            self._cut.discard(job.request_id)
             # abort first: it is synchronous, so a cancellation arriving at the
             # await below cannot skip it
             if not done:

@@ -1,0 +1,63 @@
+"""Shutdown edges with a real `tokenmill serve`: when the grace period runs out, running
+streams end with an OpenAI-shaped error event and [DONE], the log has one line per cut
+request and no traceback, and a client that sent half a body does not hold shutdown."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_server_support import real_server
+
+pytestmark = pytest.mark.slow
+
+
+def test_grace_expiry_ends_streams_in_band_and_half_bodies_do_not_hold_shutdown():
+    with real_server("--shutdown-grace", "1", "--kv-cache-memory", "128MiB", "--request-read-timeout", "120",
+                     "--max-num-seqs", "4") as server:
+        started = threading.Barrier(4)
+        streams: list[list[str]] = [[] for _ in range(3)]
+
+        def stream(i: int) -> None:
+            body = {"prompt": f"Story number {i}:", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            with httpx.Client(timeout=120) as client, client.stream(
+                    "POST", server.url + "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        streams[i].append(line[6:])
+                        if len(streams[i]) == 1:
+                            started.wait(60)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        half = socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30)
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000\r\n\r\n{\"prompt\": \"never finished")
+        started.wait(120)
+        sent = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        reply = half.recv(65536)
+        half_answered = time.monotonic() - sent
+        half.close()
+        for t in threads:
+            t.join(60)
+        assert server.proc.wait(30) == 0
+        exited = time.monotonic() - sent
+    assert reply.startswith(b"HTTP/1.1 503"), reply[:100]
+    assert half_answered < 2
+    assert exited < 15
+    for events in streams:
+        assert events[-1] == "[DONE]", events[-3:]
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "service_unavailable", err
+        assert len(events) > 3  # tokens arrived before the cut
+    log = "\n".join(server.lines)
+    assert "Traceback" not in log, log[-3000:]
+    assert sum("cut at shutdown" in line for line in server.lines) == 3, log[-3000:]
