@@ -61,3 +61,35 @@ def test_grace_expiry_ends_streams_in_band_and_half_bodies_do_not_hold_shutdown(
     log = "\n".join(server.lines)
     assert "Traceback" not in log, log[-3000:]
     assert sum("cut at shutdown" in line for line in server.lines) == 3, log[-3000:]
+
+
+def test_default_capture_holds_nothing_the_client_sent_and_survives_sigkill(tmp_path):
+    from tokenmill.capture import read_capture
+
+    capture = tmp_path / "cap.jsonl"
+    sent: list[str] = []
+    with real_server("--capture-traffic", str(capture), "--kv-cache-memory", "128MiB") as server:
+        with httpx.Client(timeout=120) as client:
+            for i in range(3):
+                prompt, stop = f"Quartz owl number {i} sings", f"violet{i}"
+                sent += [prompt, stop]
+                r = client.post(server.url + "/v1/completions",
+                                json={"prompt": prompt, "max_tokens": 4, "stop": [stop], "stream": i == 1})
+                assert r.status_code == 200
+            system, user, stop = "You answer in riddles.", "Where does the marmalade river flow?", "zzstop"
+            sent += [system, user, stop]
+            r = client.post(server.url + "/v1/chat/completions", json={
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                "max_tokens": 4, "stop": stop})
+            assert r.status_code == 200
+        server.proc.kill()  # SIGKILL: no shutdown code runs
+        server.proc.wait(30)
+    text = capture.read_text()
+    problems: list[tuple[str, int, str]] = []
+    recs = read_capture([capture], problems)
+    assert len(recs) == 4 and not problems
+    assert all(r["key_id"] for r in recs) and (tmp_path / ".cap.jsonl.key").exists()
+    for s in sent:
+        for piece in [s, *s.split()]:
+            if len(piece) > 3:
+                assert piece not in text, piece

@@ -180,6 +180,7 @@ def _settings_from_args(args: Any) -> ServerSettings:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
+        capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
         grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0))
 

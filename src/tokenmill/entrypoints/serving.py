@@ -38,6 +38,7 @@ class ServerSettings:
     log_requests: bool = False
     capture_path: str | None = None
     capture_text: bool = False
+    capture_key: str | None = None  # keys the capture's hashes (None: a key kept beside the file)
     heartbeat_timeout_s: float = 120.0  # /health fails when the engine loop is silent this long
     grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
     max_request_bytes: int | None = None  # request body limit (None: request_guard.default_body_limit)
@@ -74,8 +75,9 @@ class ServerState:
         if settings.capture_path:
             from ..capture import TrafficCapture
 
+            key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
-                                          block_size=self.engine.block_size)
+                                          block_size=self.engine.block_size, hash_key=key)
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
