@@ -93,3 +93,52 @@ def test_default_capture_holds_nothing_the_client_sent_and_survives_sigkill(tmp_
         for piece in [s, *s.split()]:
             if len(piece) > 3:
                 assert piece not in text, piece
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+def test_a_50mb_body_does_not_stall_health_and_its_memory_comes_back():
+    """With the limit raised above 50 MB the body is read, parsed and refused (too long for the
+    context, before tokenizing); /health keeps answering and RSS returns near where it was."""
+    with real_server("--kv-cache-memory", "128MiB", "--max-request-bytes", str(64 << 20)) as server:
+        with httpx.Client(timeout=60) as client:  # warm-up: the first requests allocate for good
+            for _ in range(2):
+                assert client.post(server.url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 2}).status_code == 200
+        time.sleep(1)
+        before = _rss_mb(server.proc.pid)
+        latencies: list[float] = []
+        stop = threading.Event()
+
+        def probe() -> None:
+            with httpx.Client(timeout=30) as client:
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    assert client.get(server.url + "/health").status_code == 200
+                    latencies.append(time.perf_counter() - t)
+                    time.sleep(0.02)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        try:
+            body = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum dolor " * 2_900_000}],
+                               "max_tokens": 4}).encode()
+            assert len(body) > 50_000_000
+            resp = httpx.post(server.url + "/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=120)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+            too_big = httpx.post(server.url + "/v1/completions", content=b"x" * (65 << 20),
+                                 headers={"content-type": "application/json"}, timeout=120)
+            assert too_big.status_code == 413
+            del body
+            time.sleep(1.5)
+        finally:
+            stop.set()
+            prober.join(30)
+        after = _rss_mb(server.proc.pid)
+    latencies.sort()
+    assert len(latencies) >= 10 and latencies[int(0.99 * (len(latencies) - 1))] < 1.0, latencies[-5:]
+    assert after - before < 100, (before, after)

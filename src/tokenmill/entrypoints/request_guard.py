@@ -25,16 +25,14 @@ cannot fit the context is refused before it is tokenized at all.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import json
-import logging
 import time
 from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body
+from .heap import trim_heap
 
 # a context token is a few bytes of text, or up to ~12 as JSON-escaped non-ASCII or a token id;
 # the rest is room for a batch of prompts, chat framing and sampling fields
@@ -42,33 +40,6 @@ BYTES_PER_CONTEXT_TOKEN = 64
 MIN_BODY_LIMIT = 1 << 20
 _POLL_S = 0.25  # how often a body read looks at the drain flag
 TRIM_AFTER_BYTES = 4 << 20  # after a body this large, freed heap memory is handed back to the OS
-
-log = logging.getLogger("tokenmill.server")
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def trim_heap() -> None:
-    """Give freed heap memory back to the OS.
-
-    glibc keeps freed memory in its arenas for reuse; after one request of
-    tens of megabytes (body, parsed JSON, prompt text, token ids) that is tens
-    of megabytes of RSS that no longer holds anything. Blocking (it walks the
-    heap): call it from a worker thread."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
 
 def default_body_limit(max_model_len: int) -> int:
     """Bytes a request body may have unless the operator says otherwise."""

@@ -28,6 +28,7 @@ from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
+from .heap import HeapTrimmer, trim_heap
 from .openai_routes import encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
@@ -295,9 +296,14 @@ def run_server(args: Any) -> int:
              engine.max_model_len, engine.prefix_cache is not None, url)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                timeout_graceful_shutdown=1, access_log=False)
+    # what loading freed (file buffers, dequantization scratch) goes back now, the rest of
+    # what requests free every half minute (entrypoints/heap.py)
+    trim_heap()
+    trimmer = HeapTrimmer().start()
     try:
         _DrainingServer(uv_config, state).server.run()
     finally:
+        trimmer.stop()
         state.close()
         aengine.shutdown()
     log.info("tokenmill stopped")
