@@ -140,5 +140,7 @@ def test_a_50mb_body_does_not_stall_health_and_its_memory_comes_back():
             prober.join(30)
         after = _rss_mb(server.proc.pid)
     latencies.sort()
+    print(f"/health: {len(latencies)} probes, p99 {latencies[int(0.99 * (len(latencies) - 1))]:.3f} s, "
+          f"max {latencies[-1]:.3f} s; RSS {before:.0f} MB before, {after:.0f} MB after")
     assert len(latencies) >= 10 and latencies[int(0.99 * (len(latencies) - 1))] < 1.0, latencies[-5:]
     assert after - before < 100, (before, after)

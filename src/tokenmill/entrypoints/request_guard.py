@@ -38,6 +38,7 @@ from .heap import trim_heap
 # the rest is room for a batch of prompts, chat framing and sampling fields
 BYTES_PER_CONTEXT_TOKEN = 64
 MIN_BODY_LIMIT = 1 << 20
+JOIN_OFF_LOOP_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a body read looks at the drain flag
 TRIM_AFTER_BYTES = 4 << 20  # after a body this large, freed heap memory is handed back to the OS
 
@@ -136,7 +137,11 @@ class BodyGuard:
                 if chunk:
                     chunks.append(chunk)
                 if not message.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    if len(chunks) == 1:
+                        return chunks[0]
+                    if size > JOIN_OFF_LOOP_BYTES:  # a large join lets go of the GIL: off the loop
+                        return await asyncio.to_thread(b"".join, chunks)
+                    return b"".join(chunks)
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
