@@ -94,3 +94,62 @@ def test_record_after_close_or_io_error_never_raises(tmp_path):
     cap2.record(0, [1], 0, 0, {}, None, None)
     assert cap2.errors == 1
     cap2.close()
+
+
+def test_hashes_are_keyed_by_a_key_kept_beside_the_file(tmp_path):
+    import os
+    import stat
+
+    from tokenmill.capture import key_path
+
+    ids = list(range(48))
+    first = TrafficCapture(tmp_path / "a.jsonl").make_record(0, ids, 0, 1, {}, None, None)
+    keyfile = Path(key_path(tmp_path / "a.jsonl"))
+    assert keyfile.name == ".a.jsonl.key" and stat.S_IMODE(os.stat(keyfile).st_mode) == 0o600
+    again = TrafficCapture(tmp_path / "a.jsonl").make_record(0, ids, 0, 1, {}, None, None)
+    assert again["block_hashes"] == first["block_hashes"] and again["key_id"] == first["key_id"]
+    other = TrafficCapture(tmp_path / "b.jsonl").make_record(0, ids, 0, 1, {}, None, None)
+    assert other["block_hashes"] != first["block_hashes"] and other["key_id"] != first["key_id"]
+    unkeyed = block_hashes(ids)
+    assert first["block_hashes"] != unkeyed[0] and first["block_content_hashes"] != unkeyed[1]
+    # replicas given one key write comparable hashes, wherever their files are
+    r1 = TrafficCapture(tmp_path / "r1" / "c.jsonl", hash_key=b"shared").make_record(0, ids, 0, 1, {}, None, None)
+    r2 = TrafficCapture(tmp_path / "r2" / "c.jsonl", hash_key=b"shared").make_record(0, ids, 0, 1, {}, None, None)
+    assert r1["block_hashes"] == r2["block_hashes"] and r1["key_id"] == r2["key_id"]
+    assert r1["block_hashes"] == block_hashes(ids, key=b"shared")[0]
+    assert not (tmp_path / "r1" / ".c.jsonl.key").exists()
+
+
+def test_stop_strings_are_stored_only_with_capture_text(tmp_path):
+    sampling = {"temperature": 0.5, "stop": ["hunter2", "\n\nUser:"], "max_tokens": 4}
+    private = TrafficCapture(tmp_path / "p.jsonl").make_record(0, [1, 2], 0, 1, sampling, None, None,
+                                                               prompt_text="my secret prompt")
+    assert "stop" not in private["sampling"] and private["sampling"]["num_stop"] == 2
+    assert "hunter2" not in json.dumps(private) and "secret" not in json.dumps(private)
+    assert private["sampling"]["temperature"] == 0.5
+    shown = TrafficCapture(tmp_path / "t.jsonl", capture_text=True).make_record(
+        0, [1, 2], 0, 1, sampling, None, None, prompt_text="my secret prompt")
+    assert shown["sampling"]["stop"] == ["hunter2", "\n\nUser:"] and shown["prompt_text"] == "my secret prompt"
+
+
+def test_a_torn_last_line_is_reported_and_the_next_record_is_not_lost(tmp_path, capsys):
+    from tokenmill.entrypoints.cli import main
+
+    path = tmp_path / "torn.jsonl"
+    with TrafficCapture(path) as cap:
+        cap.record(1.0, list(range(40)), 0, 3, {}, 0.1, 0.2)
+        cap.record(2.0, list(range(40)), 16, 3, {}, 0.1, 0.2)
+    with open(path, "a") as fh:  # a writer killed mid-line
+        fh.write('{"v":1,"arrival_time":3.0,"prompt_to')
+    with TrafficCapture(path) as cap:  # a restarted server appends
+        cap.record(4.0, list(range(40)), 0, 3, {}, 0.1, 0.2)
+    with open(path, "a") as fh:
+        fh.write("\x00\x00garbage\n")
+    problems: list[tuple[str, int, str]] = []
+    recs = read_capture([path], problems)
+    assert [r["arrival_time"] for r in recs] == [1.0, 2.0, 4.0]
+    assert [(p, n) for p, n, _ in problems] == [(str(path), 3), (str(path), 5)]
+    assert main(["trace", "analyze", str(path)]) == 0
+    out = capsys.readouterr()
+    assert f"{path} line 3: skipped" in out.err and f"{path} line 5: skipped" in out.err
+    assert "3 requests" in out.out and "2 unreadable lines skipped" in out.out and f"{path}:3" in out.out

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from test_server_support import make_tiny_app
 from tokenmill.entrypoints.console import mount_console
-from tokenmill.entrypoints.console_auth import ConsoleSessions, cookie_name, same_origin
+from tokenmill.entrypoints.console_auth import ConsoleSessions, LoginThrottle, bearer_token, cookie_name, same_origin
 
 KEY = "s3cret-console-key"
 ORIGIN = "http://testserver"  # TestClient's own origin
@@ -97,6 +97,7 @@ def test_wrong_key_reshows_the_form_with_401_and_no_cookie(keyed):
             assert "set-cookie" not in r.headers
         assert not client.cookies
         assert client.get("/").status_code == 401
+    keyed.state.console_sessions.throttle.succeeded("testclient")  # the next tests sign in at once
 
 
 def test_login_sets_a_strict_httponly_session_cookie_that_the_page_and_api_accept(keyed):
@@ -264,3 +265,43 @@ def test_cookie_name_and_same_origin():
     assert same_origin(scope(Host="h", **{"Sec-Fetch-Site": "same-origin"}))
     assert not same_origin(scope(Host="h", **{"Sec-Fetch-Site": "same-site"}))
     assert same_origin(scope(Host="h"))  # curl and friends send neither header
+
+
+def test_the_bearer_scheme_is_accepted_in_any_letter_case(keyed):
+    with TestClient(keyed) as client:
+        for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+            r = client.get("/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+            assert r.status_code == 200, scheme
+        for bad in (f"Basic {KEY}", f"Bearer{KEY}", f"Bearer {KEY}x", KEY, "Bearer"):
+            assert client.get("/v1/models", headers={"Authorization": bad}).status_code == 401, bad
+    assert bearer_token(b"bearer  abc ") == b"abc" and bearer_token("Token abc") is None
+
+
+def test_wrong_keys_slow_down_sign_in_per_client(keyed):
+    sessions = keyed.state.console_sessions
+    now = [1000.0]
+    saved = sessions.throttle
+    sessions.throttle = LoginThrottle(clock=lambda: now[0])
+    try:
+        with TestClient(keyed) as client:
+            for _ in range(3):
+                assert _login(client, "wrong").status_code == 401
+            r = _login(client, "wrong")
+            assert r.status_code == 401 and "1 s" in r.text  # the fourth wrong key costs a second
+            r = _login(client)  # even the right key waits its turn, unchecked
+            assert r.status_code == 429 and r.headers["retry-after"] == "1" and "set-cookie" not in r.headers
+            now[0] += 1.01
+            assert _login(client, "wrong").status_code == 401  # fifth: 2 s
+            assert sessions.throttle.wait_s("testclient") == pytest.approx(2.0)
+            now[0] += 1.0
+            assert _login(client).status_code == 429
+            # another client is not slowed by this one's failures
+            assert sessions.throttle.wait_s("10.0.0.9") == 0.0
+            now[0] += 1.01
+            assert _login(client).status_code == 303  # the right key clears the count
+            assert sessions.throttle.wait_s("testclient") == 0.0
+    finally:
+        sessions.throttle = saved
+    t = LoginThrottle(max_delay_s=60)
+    delays = [t.failed("c") for _ in range(12)]
+    assert delays[:3] == [0, 0, 0] and delays[3:6] == [1, 2, 4] and delays[-1] == 60

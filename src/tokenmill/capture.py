@@ -40,17 +40,33 @@ Record schema (version 1), one JSON object per line:
 - ``block_content_hashes``: hash of each full block's token ids alone (not
   chained). Lets the analyser see content shared *after* a unique block, e.g.
   a system prompt that follows a timestamp.
+- ``key_id``: a short fingerprint of the hash key (null when unkeyed): hashes
+  are comparable between records with the same ``key_id`` only
 - ``prompt_text``: the prompt text, present only with ``capture_text=True``
 
-Hashes are unkeyed, so low-entropy prompts could be guessed from them by
-someone holding the same tokenizer; pass ``hash_key`` to key them when the
-capture file leaves the operator's hands.
+Nothing the client typed is stored unless ``capture_text=True``: not the
+prompt, not the messages, not the stop strings (``sampling`` then carries
+``num_stop``, their count, instead of ``stop``).
+
+Hashes are keyed (HMAC-SHA256): unkeyed hashes of a short prompt could be
+recovered by anyone with the same tokenizer who hashes guesses. The key is
+``hash_key`` when given (``--capture-key``: replicas that share it write
+comparable hashes), otherwise a random key generated once and kept beside the
+capture file (``.FILE.key``, readable by its owner only), so restarts of
+one server stay comparable.
+
+Torn lines: a record is appended and flushed as one line, so a killed
+process loses at most the line it was writing. A capture opened on a file
+whose last line is torn starts on a fresh line, so the next record is not
+fused with it, and ``read_capture`` reports what it cannot read by line.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import sys
 import threading
 from array import array
@@ -76,13 +92,48 @@ def block_hashes(
     """
     chained: list[str] = []
     content: list[str] = []
-    parent = hashlib.sha256(_ROOT + key).digest()
+    if key:
+        def digest(data: bytes) -> bytes:
+            return hmac.new(key, data, hashlib.sha256).digest()
+    else:
+        def digest(data: bytes) -> bytes:
+            return hashlib.sha256(data).digest()
+    parent = digest(_ROOT)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         data = _ids_bytes(token_ids[start : start + block_size])
-        parent = hashlib.sha256(parent + data).digest()
+        parent = digest(parent + data)
         chained.append(parent.hex()[:HASH_HEX_CHARS])
-        content.append(hashlib.sha256(key + data).hexdigest()[:HASH_HEX_CHARS])
+        content.append(digest(data).hex()[:HASH_HEX_CHARS])
     return chained, content
+
+
+def key_id(key: bytes) -> str | None:
+    """A short public fingerprint of a hash key (None for unkeyed): equal ids, comparable hashes."""
+    return hashlib.sha256(b"tokenmill-capture-key-id" + key).hexdigest()[:12] if key else None
+
+
+def key_path(capture_path: str | os.PathLike[str]) -> str:
+    """Where the generated key of a capture file lives: ``.NAME.key`` in the same folder
+    (hidden, so ``NAME*`` globs of the rotated parts do not pick it up)."""
+    path = os.path.abspath(os.fspath(capture_path))
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.key")
+
+
+def load_or_create_key(capture_path: str | os.PathLike[str]) -> bytes:
+    """The key kept beside ``capture_path``, made (random, 256 bits, mode 0600) if there is none."""
+    path = key_path(capture_path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+        if not text:
+            raise ValueError(f"the capture key file {path} is empty; delete it or pass a key") from None
+        return text.encode()
+    text = secrets.token_hex(32)
+    with os.fdopen(fd, "w", encoding="ascii") as fh:
+        fh.write(text + "\n")
+    return text.encode()
 
 
 def chain_hashes(content_hashes: Sequence[str]) -> list[str]:
@@ -109,19 +160,23 @@ class TrafficCapture:
         block_size: int = BLOCK_SIZE,
         hash_key: bytes | None = None,
     ) -> None:
+        """``hash_key``: None for the key kept beside the file (made on first use),
+        ``b""`` for unkeyed hashes, anything else is the key."""
         self.path = os.fspath(path)
         self.capture_text = capture_text
         self.max_bytes = max_bytes
         self.backups = max(0, backups)
         self.block_size = block_size
-        self.hash_key = hash_key or b""
         self.records_written = 0
         self.errors = 0
         self._lock = threading.Lock()
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
+        self.hash_key = load_or_create_key(self.path) if hash_key is None else hash_key
+        self.key_id = key_id(self.hash_key)
         self._fh = open(self.path, "a", encoding="utf-8")
         self._size = self._fh.tell()
+        self._torn = self._size > 0 and not _ends_with_newline(self.path)
 
     def make_record(
         self,
@@ -147,13 +202,14 @@ class TrafficCapture:
             "prompt_tokens": len(prompt_token_ids),
             "cached_tokens": int(cached_tokens or 0),
             "output_tokens": int(output_tokens or 0),
-            "sampling": _jsonable(sampling or {}),
+            "sampling": _jsonable(sampling or {}) if self.capture_text else _private(sampling or {}),
             "ttft": None if ttft is None else round(float(ttft), 6),
             "e2e": None if e2e is None else round(float(e2e), 6),
             "finish_reason": finish_reason,
             "block_size": self.block_size,
             "block_hashes": chained,
             "block_content_hashes": content,
+            "key_id": self.key_id,
         }
         if self.capture_text and prompt_text is not None:
             rec["prompt_text"] = prompt_text
@@ -171,14 +227,20 @@ class TrafficCapture:
                                  finish_reason),
                 separators=(",", ":"), ensure_ascii=False,
             ) + "\n"
-            data_len = len(line.encode("utf-8"))
             with self._lock:
                 if self._fh.closed:
                     return
+                if self._torn:  # a line cut short before: finish it, so this record stands alone
+                    line = "\n" + line
+                data_len = len(line.encode("utf-8"))
                 if self._size and self._size + data_len > self.max_bytes:
                     self._rotate()
+                    line = line.lstrip("\n")
+                    data_len = len(line.encode("utf-8"))
+                self._torn = True  # until the whole line is out
                 self._fh.write(line)
                 self._fh.flush()
+                self._torn = False
                 self._size += data_len
                 self.records_written += 1
         except Exception as exc:  # capture must never take the server down
@@ -212,6 +274,21 @@ class TrafficCapture:
         self.close()
 
 
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def _private(sampling: dict[str, Any]) -> dict[str, Any]:
+    """Sampling parameters without client text: stop strings become their count."""
+    out = dict(sampling)
+    stop = out.pop("stop", None)
+    if stop:
+        out["num_stop"] = 1 if isinstance(stop, str) else len(stop)
+    return _jsonable(out)
+
+
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     """Keep JSON-serialisable sampling values; stringify anything else."""
     out: dict[str, Any] = {}
@@ -225,21 +302,33 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def read_capture(paths: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+def read_capture(paths: Sequence[str | os.PathLike[str]],
+                 problems: list[tuple[str, int, str]] | None = None) -> list[dict[str, Any]]:
     """Load records from one or more capture files (rotated parts included by the
-    caller), skipping malformed lines, sorted by arrival time."""
+    caller), sorted by arrival time.
+
+    Lines that are not records (torn by a crash, corrupted, not JSON) are left
+    out; pass ``problems`` to learn which: one ``(path, line number, reason)``
+    each, numbered from 1."""
     records: list[dict[str, Any]] = []
     for p in paths:
-        with open(p, encoding="utf-8") as fh:
-            for line in fh:
+        with open(p, encoding="utf-8", errors="replace") as fh:
+            for number, line in enumerate(fh, 1):
                 line = line.strip()
                 if not line:
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                except json.JSONDecodeError as exc:
+                    if problems is not None:
+                        problems.append((os.fspath(p), number, f"not JSON ({exc.msg} at column {exc.colno}): "
+                                         "a torn or corrupt line"))
                     continue
-                if isinstance(rec, dict) and "prompt_tokens" in rec:
+                if isinstance(rec, dict) and isinstance(rec.get("prompt_tokens"), int) \
+                        and isinstance(rec.get("arrival_time"), (int, float)):
                     records.append(rec)
+                elif problems is not None:
+                    problems.append((os.fspath(p), number, "JSON, but not a capture record "
+                                     "(no prompt_tokens or arrival_time)"))
     records.sort(key=lambda r: r.get("arrival_time") or 0.0)
     return records

@@ -221,6 +221,9 @@ def _finish(args: argparse.Namespace, result: Any, interrupted: bool) -> int:
     return 0
 
 
+_SHOW_PROBLEMS = 20
+
+
 def trace_main(args: argparse.Namespace) -> int:
     import json
 
@@ -234,10 +237,25 @@ def trace_main(args: argparse.Namespace) -> int:
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         return _fail(f"no such capture file: {', '.join(missing)}")
+    problems: list[tuple[str, int, str]] = []
     try:
-        rep = analyze(read_capture(paths), top=args.top)
+        records = read_capture(paths, problems)
+        for path, number, reason in problems[:_SHOW_PROBLEMS]:
+            print(f"tokenmill trace: {path} line {number}: skipped, {reason}", file=sys.stderr)
+        if len(problems) > _SHOW_PROBLEMS:
+            print(f"tokenmill trace: ... and {len(problems) - _SHOW_PROBLEMS} more unreadable lines",
+                  file=sys.stderr)
+        rep = analyze(records, top=args.top)
     except (OSError, ValueError) as exc:
         return _fail(str(exc))
+    if problems:
+        where = ", ".join(f"{path}:{number}" for path, number, _ in problems[:_SHOW_PROBLEMS])
+        more = f" and {len(problems) - _SHOW_PROBLEMS} more" if len(problems) > _SHOW_PROBLEMS else ""
+        rep.warnings.append(f"{len(problems)} unreadable lines skipped (torn or corrupt): {where}{more}")
+    keys = {r.get("key_id") for r in records}
+    if len(keys) > 1:
+        rep.warnings.append(f"the records were hashed with {len(keys)} different keys; prefix sharing is "
+                            "only seen between records hashed with the same key (give replicas one --capture-key)")
     print(render(rep))
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as fh:

@@ -55,6 +55,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
+        self._queued_seqs = 0  # sequences in "add" commands not applied yet (admission counts them)
+        self._queued_lock = threading.Lock()
         self._stopping = False
         self.last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
@@ -109,6 +111,9 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     def _send(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            with self._queued_lock:
+                self._queued_seqs += payload.params.n
         self._commands.put((kind, payload))
         self._wakeup.set()
 
@@ -117,6 +122,11 @@ class AsyncEngine:
     def num_queued(self) -> int:
         """Commands handed to the engine thread but not applied yet (adds among them)."""
         return self._commands.qsize()
+
+    @property
+    def num_queued_sequences(self) -> int:
+        """Sequences of the queued "add" commands (a request with ``n`` > 1 counts ``n``)."""
+        return self._queued_seqs
 
     def _apply_commands(self) -> None:
         while True:
@@ -130,6 +140,10 @@ class AsyncEngine:
                 log.exception("engine command %s failed", kind)
                 if kind == "add":
                     payload.stream.put(ValueError(f"request rejected: {exc}"))
+            finally:
+                if kind == "add":  # after the add: its sequences are in the engine's queue now
+                    with self._queued_lock:
+                        self._queued_seqs -= payload.params.n
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":

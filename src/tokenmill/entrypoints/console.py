@@ -41,7 +41,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.stats import EngineStats
-from .console_auth import LOGIN_HEADERS, ConsoleSessions, login_page, same_origin
+from .console_auth import LOGIN_HEADERS, ConsoleSessions, client_address, login_page, same_origin
 from .errors import error_body
 
 STATIC_DIR = Path(__file__).with_name("static")
@@ -384,11 +384,21 @@ def _mount_page(app: FastAPI, sessions: ConsoleSessions, metrics: Any) -> None:
             body += chunk
             if len(body) > _LOGIN_BODY_LIMIT:
                 return refuse_login(413, "That form was too large.")
+        client = client_address(request.scope)
+        wait = sessions.throttle.wait_s(client)
+        if wait > 0:  # the key is not even looked at: guesses cost time
+            metrics.rejected.labels("auth").inc()
+            response = refuse_login(429, f"Too many wrong keys. Try again in {math.ceil(wait)} s.")
+            response.headers["Retry-After"] = str(math.ceil(wait))
+            return response
         fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
         given = (fields.get("key") or [""])[0].strip()
         if not sessions.key_matches(given):
             metrics.rejected.labels("auth").inc()
-            return refuse_login(401, "That key is not right. Try again.")
+            delay = sessions.throttle.failed(client)
+            later = f" You can try again in {math.ceil(delay)} s." if delay > 0 else " Try again."
+            return refuse_login(401, "That key is not right." + later)
+        sessions.throttle.succeeded(client)
         token = sessions.open()
         response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
         response.headers.append("Set-Cookie", sessions.cookie_header(request.scope, token))

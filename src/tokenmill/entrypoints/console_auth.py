@@ -28,7 +28,13 @@ keep sending ``Authorization: Bearer KEY``, which works as before.
   ``same-origin``. Bearer requests need no such check: a browser never adds
   that header on its own.
 - Keys are compared in constant time (``hmac.compare_digest`` over SHA-256
-  digests, so not even the length leaks).
+  digests, so not even the length leaks). The ``Bearer`` scheme name is
+  matched in any letter case (RFC 9110 makes auth schemes case-insensitive).
+- Guessing is slowed: after ``LoginThrottle.free_attempts`` wrong keys from one
+  client address, each further wrong key makes it wait (1 s, then twice as
+  long each time, up to ``max_delay_s``); until then sign-in answers 429 with ``Retry-After``
+  without looking at the key. A right key clears the count. Behind a reverse
+  proxy every client shares the proxy's address, so they share the delay.
 """
 from __future__ import annotations
 
@@ -46,6 +52,10 @@ from starlette.requests import cookie_parser
 from starlette.types import Scope
 
 SESSION_TTL_S = 12 * 3600
+LOGIN_FREE_ATTEMPTS = 3
+LOGIN_BASE_DELAY_S = 1.0
+LOGIN_MAX_DELAY_S = 300.0
+LOGIN_CLIENTS = 4096  # addresses remembered at most (the longest idle go first)
 MAX_SESSIONS = 1024
 COOKIE_BASE = "tokenmill_session"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -104,6 +114,57 @@ def same_origin(scope: Scope) -> bool:
     return True
 
 
+def bearer_token(header: bytes | str | None) -> bytes | None:
+    """The credential of an ``Authorization: Bearer TOKEN`` header, the scheme in any case; else None."""
+    if header is None:
+        return None
+    raw = header.encode("latin-1") if isinstance(header, str) else header
+    scheme, _, token = raw.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip(b" \t")
+
+
+@dataclass
+class LoginThrottle:
+    """Failed sign-ins per client address, and when each may try again (exponential delay)."""
+
+    free_attempts: int = LOGIN_FREE_ATTEMPTS
+    base_delay_s: float = LOGIN_BASE_DELAY_S
+    max_delay_s: float = LOGIN_MAX_DELAY_S
+    max_clients: int = LOGIN_CLIENTS
+    clock: Callable[[], float] = time.monotonic
+    _failures: "OrderedDict[str, tuple[int, float]]" = field(default_factory=OrderedDict)  # client -> (count, next try)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wait_s(self, client: str) -> float:
+        """Seconds before ``client`` may try a key again (0: now)."""
+        with self._lock:
+            entry = self._failures.get(client)
+            return 0.0 if entry is None else max(0.0, entry[1] - self.clock())
+
+    def failed(self, client: str) -> float:
+        """Count a wrong key; returns the delay now imposed on the client."""
+        now = self.clock()
+        with self._lock:
+            count = self._failures.pop(client, (0, 0.0))[0] + 1
+            extra = count - self.free_attempts
+            delay = 0.0 if extra <= 0 else min(self.max_delay_s, self.base_delay_s * 2.0 ** (extra - 1))
+            self._failures[client] = (count, now + delay)
+            while len(self._failures) > self.max_clients:
+                self._failures.popitem(last=False)
+            return delay
+
+    def succeeded(self, client: str) -> None:
+        with self._lock:
+            self._failures.pop(client, None)
+
+
+def client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
 @dataclass
 class ConsoleSessions:
     """The API key and the console's live sessions (one per server)."""
@@ -114,10 +175,10 @@ class ConsoleSessions:
     clock: Callable[[], float] = time.monotonic
     _live: "OrderedDict[bytes, float]" = field(default_factory=OrderedDict)  # digest(token) -> expiry
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
     def __post_init__(self) -> None:
         self._key_digest = _digest(self.api_key) if self.api_key else None
-        self._bearer_digest = _digest(f"Bearer {self.api_key}") if self.api_key else None
 
     @property
     def enabled(self) -> bool:
@@ -178,10 +239,10 @@ class ConsoleSessions:
 
     def credential(self, scope: Scope) -> Credential | None:
         """Which valid credential the request carries: the Bearer key, a live session cookie, or none."""
-        if self._bearer_digest is None:
+        if self._key_digest is None:
             return None
-        given = _headers(scope).get(b"authorization")
-        if given is not None and hmac.compare_digest(_digest(given), self._bearer_digest):
+        given = bearer_token(_headers(scope).get(b"authorization"))
+        if given is not None and hmac.compare_digest(_digest(given), self._key_digest):
             return "bearer"
         if self.valid(self.token_of(scope)):
             return "cookie"

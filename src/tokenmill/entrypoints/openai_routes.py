@@ -68,6 +68,13 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+async def render_chat_async(state: ServerState, messages: list[Any], add_generation_prompt: bool = True) -> str:
+    """``render_chat``, in a worker thread when the conversation is long (Jinja over megabytes takes a while)."""
+    if sum(len(m.text()) for m in messages) > _LONG_TEXT:
+        return await asyncio.to_thread(render_chat, state, messages, add_generation_prompt)
+    return render_chat(state, messages, add_generation_prompt)
+
+
 def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool = True) -> str:
     conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
     try:
@@ -115,8 +122,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = _new_id("cmpl")
     jobs: list[Job] = []
     echo_texts: list[str] = []
-    for i, prompt in enumerate(body.prompts()):
+    prompts = body.prompts()
+    state.check_admissible(len(prompts) * body.n)  # before any tokenizing
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
+            state.check_text_fits(len(prompt), "prompt")
             ids = await encode(state, prompt, True)
             text: str | None = prompt
         else:
@@ -146,7 +156,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = get_state(request)
     state.check_model(body.model)
     request_id = _new_id("chatcmpl")
-    prompt = render_chat(state, body.messages, body.add_generation_prompt)
+    state.check_admissible(body.n)
+    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
+    prompt = await render_chat_async(state, body.messages, body.add_generation_prompt)
     ids = await encode(state, prompt, False)
     state.check_prompt_ids(ids)
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)

@@ -66,9 +66,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--capture-traffic", metavar="FILE", default=None,
                    help="append one JSON line per finished request (lengths, timings, block hashes) to FILE")
     p.add_argument("--capture-text", action="store_true",
-                   help="with --capture-traffic, also store prompt text")
+                   help="with --capture-traffic, also store what clients typed (prompt text, stop strings); "
+                        "without it nothing a client typed is stored")
+    p.add_argument("--capture-key", default=None,
+                   help="secret that keys the capture's prompt hashes (also read from TOKENMILL_CAPTURE_KEY); "
+                        "replicas sharing it write comparable hashes (default: a random key kept in "
+                        ".FILE.key beside the capture)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument("--max-request-bytes", type=_positive, default=None,
+                   help="refuse request bodies larger than this with 413 (default: 64 bytes per token of "
+                        "context, at least 1 MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a whole request body (default 30)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
     p.set_defaults(func=_run)
 

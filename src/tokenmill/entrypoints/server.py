@@ -12,6 +12,7 @@ own origin).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -27,9 +28,11 @@ from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
-from .openai_routes import encode, get_state, render_chat, router
+from .heap import HeapTrimmer, trim_heap
+from .openai_routes import encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
+from .request_guard import BodyGuard, default_body_limit
 from .serving import ServerSettings, ServerState
 
 log = logging.getLogger("tokenmill.server")
@@ -75,6 +78,8 @@ class GateMiddleware:
             self.state.metrics.rejected.labels("draining").inc()
             await self._reject(send, 503, "the server is shutting down", "shutting_down", {"Retry-After": "5"})
             return
+        if self.state.loop is None:
+            self.state.loop = asyncio.get_running_loop()  # for the shutdown thread's calls
         self.state.inflight_http += 1
         try:
             await self.app(scope, receive, send)
@@ -97,6 +102,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
+    # inside the gate: the key is checked before a byte of the body is read
+    app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
+        state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
+        draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
     app.add_middleware(GateMiddleware, state=state, sessions=sessions)
     return app
 
@@ -136,7 +145,7 @@ def _misc_routes(app: FastAPI) -> None:
         # make clients (the router, the load tester) conclude /tokenize is missing
         state = get_state(request)
         if body.messages is not None:
-            text = render_chat(state, body.messages, body.add_generation_prompt)
+            text = await render_chat_async(state, body.messages, body.add_generation_prompt)
             ids = await encode(state, text, False)
         else:
             ids = await encode(state, body.prompt or "", body.add_special_tokens)
@@ -172,7 +181,9 @@ def _settings_from_args(args: Any) -> ServerSettings:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
-        grace_period_s=args.shutdown_grace)
+        capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
+        grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
+        request_read_timeout_s=getattr(args, "request_read_timeout", 30.0))
 
 
 def _default_model_name(path: str | None) -> str:
@@ -240,9 +251,25 @@ class _DrainingServer:
         deadline = time.monotonic() + self.state.settings.grace_period_s
         while self.state.inflight_http > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.state.inflight_http > 0:
-            log.warning("grace period over; closing %d requests", self.state.inflight_http)
+        if self.state.inflight_http > 0 and self.state.loop is not None:
+            # end what is left in-band (an SSE error event, a 503 body) rather than
+            # letting uvicorn cancel the tasks mid-write
+            log.warning("grace period over; ending %d requests", self.state.inflight_http)
+            try:
+                asyncio.run_coroutine_threadsafe(_cut_all(self.state), self.state.loop).result(5)
+            except Exception:  # noqa: BLE001 - the loop is gone or stuck: uvicorn closes what is left
+                log.warning("could not end the running requests in-band")
+            deadline = time.monotonic() + _CUT_WAIT_S
+            while self.state.inflight_http > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
         server.should_exit = True
+
+
+_CUT_WAIT_S = 5.0  # after the grace period: time for cut requests to send their last bytes
+
+
+async def _cut_all(state: ServerState) -> int:
+    return state.cut_all()
 
 
 def run_server(args: Any) -> int:
@@ -269,9 +296,14 @@ def run_server(args: Any) -> int:
              engine.max_model_len, engine.prefix_cache is not None, url)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                timeout_graceful_shutdown=1, access_log=False)
+    # what loading freed (file buffers, dequantization scratch) goes back now, the rest of
+    # what requests free every half minute (entrypoints/heap.py)
+    trim_heap()
+    trimmer = HeapTrimmer().start()
     try:
         _DrainingServer(uv_config, state).server.run()
     finally:
+        trimmer.stop()
         state.close()
         aengine.shutdown()
     log.info("tokenmill stopped")

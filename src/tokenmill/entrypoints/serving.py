@@ -38,8 +38,11 @@ class ServerSettings:
     log_requests: bool = False
     capture_path: str | None = None
     capture_text: bool = False
+    capture_key: str | None = None  # keys the capture's hashes (None: a key kept beside the file)
     heartbeat_timeout_s: float = 120.0  # /health fails when the engine loop is silent this long
     grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
+    max_request_bytes: int | None = None  # request body limit (None: request_guard.default_body_limit)
+    request_read_timeout_s: float = 30.0  # the whole body must arrive within this
     retry_after_s: int = 1
 
 
@@ -67,50 +70,74 @@ class ServerState:
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
             from ..capture import TrafficCapture
 
+            key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
-                                          block_size=self.engine.block_size)
+                                          block_size=self.engine.block_size, hash_key=key)
         self.draining = False
-        self.pending = 0  # jobs admitted by reserve() whose stream has not started yet
+        self.cutting = False  # the shutdown grace period is over: running requests end with an error
+        self._live: dict[str, Job] = {}  # jobs whose engine stream is open
+        self._cut: set[str] = set()
+        self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
 
     # -- load ------------------------------------------------------------
+    # Every count here is of sequences (prompts x n), the unit the engine
+    # schedules: one request of 64 prompts with n=16 is 1024 waiting sequences,
+    # not one waiting request.
     def num_queued(self) -> int:
-        """Commands handed to the engine thread but not yet applied (mostly adds)."""
-        return int(self.aengine.num_queued)
+        """Sequences handed to the engine thread but not yet added to its queue."""
+        queued = getattr(self.aengine, "num_queued_sequences", None)
+        return int(queued if queued is not None else self.aengine.num_queued)
 
     def num_waiting(self) -> int:
         return int(self.engine.stats.num_waiting) + self.num_queued() + self.pending
 
+    def check_admissible(self, sequences: int) -> None:
+        """400 for a request with more sequences than ``--max-waiting`` would ever queue.
+
+        Checked before tokenizing, so a huge batch costs nothing; a 429 would
+        tell the client to retry something that can never be admitted."""
+        limit = self.settings.max_waiting
+        if limit is not None and sequences > limit:
+            self.metrics.rejected.labels("too_many_sequences").inc()
+            raise APIError(400, f"this request asks for {sequences} sequences (prompts x n) but the server "
+                           f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
+                           param="n", code="too_many_sequences")
+
     def reserve(self, jobs: list[Job]) -> None:
-        """Admit jobs, or 429 with Retry-After once the waiting queue reaches ``--max-waiting``.
+        """Admit jobs, or 429 with Retry-After when their sequences would take the
+        waiting queue past ``--max-waiting``.
 
         A streaming job reaches the engine only when its response starts, so
         admitted jobs count as waiting (``pending``) until ``stream_job``
         submits them; check and count happen with no await in between, so
         concurrent handlers cannot all slip past the bound."""
+        new = sum(job.params.n for job in jobs if not job.reserved)
         limit = self.settings.max_waiting
         if limit is not None:
+            self.check_admissible(new)
             waiting = self.num_waiting()
-            if waiting >= limit:
+            if waiting + new > limit:
                 self.metrics.rejected.labels("queue_full").inc()
-                raise APIError(429, f"the server is at capacity ({waiting} requests waiting, "
-                               f"limit {limit}); retry later", code="queue_full",
+                raise APIError(429, f"the server is at capacity ({waiting} sequences waiting, this request "
+                               f"adds {new}, limit {limit}); retry later", code="queue_full",
                                headers={"Retry-After": str(self.settings.retry_after_s)})
         for job in jobs:
             if not job.reserved:
                 job.reserved = True
-                self.pending += 1
+                self.pending += job.params.n
 
     def release(self, job: Job) -> None:
         """Undo ``reserve`` for one job; idempotent."""
         if job.reserved:
             job.reserved = False
-            self.pending -= 1
+            self.pending -= job.params.n
 
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
@@ -124,6 +151,28 @@ class ServerState:
             raise APIError(404, f"The model `{name}` does not exist. Served: "
                            f"{', '.join(self.settings.served_model_names)}", param="model",
                            code="model_not_found")
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters the longest vocabulary entry spells (an upper bound on the text one token
+        covers), or 0 when the tokenizer cannot say."""
+        try:
+            vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+            return max(1, max(map(len, vocab)))
+        except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no shortcut
+            return 0
+
+    def check_text_fits(self, chars: int, param: str) -> None:
+        """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it.
+
+        No token covers more than ``max_token_chars`` characters, so text of
+        more than that many characters per context token cannot fit; twice
+        that leaves room for normalizers that shorten text."""
+        per_token = self.max_token_chars
+        if per_token and chars > 2 * per_token * self.max_model_len:
+            raise APIError(400, f"{param}: the text has {chars} characters, more than any text that fits "
+                           f"this model's context length of {self.max_model_len} tokens; shorten the prompt",
+                           param=param, code="context_length_exceeded")
 
     def check_prompt_ids(self, ids: list[int]) -> None:
         if not ids:
@@ -163,6 +212,24 @@ class ServerState:
         max_tokens = cap or default or room
         return max(1, min(max_tokens, room))
 
+    # -- shutdown --------------------------------------------------------------
+    def cut_all(self) -> int:
+        """End every running request now (the grace period is over); returns how many.
+
+        Each one is aborted in the engine, and its stream raises an
+        ``APIError(503)`` where it would have ended, so a streaming client
+        gets a final error event (and ``[DONE]``), a waiting one a 503 body;
+        jobs that start after this fail the same way. Call it on the event loop."""
+        self.cutting = True
+        for job in list(self._live.values()):
+            self._cut.add(job.request_id)
+            self.aengine.abort(job.request_id)
+        return len(self._live)
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(503, "the server shut down before this request finished (its shutdown grace "
+                        "period ran out); retry it", code="shutting_down", headers={"Retry-After": "5"})
+
     # -- running -----------------------------------------------------------
     async def stream_job(self, job: Job) -> AsyncIterator[SequenceDelta]:
         """Deltas of one engine request, with metrics, capture and abort-on-exit.
@@ -180,7 +247,11 @@ class ServerState:
         if self.settings.log_requests:
             log.info("request %s: %s, %d prompt tokens, %s", job.request_id, job.endpoint,
                      len(job.prompt_ids), _params_dict(job.params))
+        if self.cutting:
+            self.release(job)
+            raise self._shutdown_error()
         gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        self._live[job.request_id] = job
         failed = False
         # release() and the generator's first step (which submits to the engine)
         # run with no await in between
@@ -208,6 +279,10 @@ class ServerState:
                     self.metrics.finished(delta.finish_reason)
                     self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
                 yield delta
+            if job.request_id in self._cut:
+                log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
+                            sum(out_tokens.values()))
+                raise self._shutdown_error()
             done = True
         except ValueError as exc:
             failed = True
@@ -216,6 +291,8 @@ class ServerState:
             failed = True
             raise APIError(503, str(exc), code="engine_dead") from None
         finally:
+            self._live.pop(job.request_id, None)
+            self._cut.discard(job.request_id)
             # abort first: it is synchronous, so a cancellation arriving at the
             # await below cannot skip it
             if not done:

@@ -15,6 +15,7 @@ can tolerate:
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -26,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..entrypoints.console_auth import bearer_token
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 
@@ -60,8 +62,9 @@ class Proxy:
         key = self.router.config.api_key
         if not key:
             return True
-        got = request.headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {key}".encode())
+        got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
+        return got is not None and hmac.compare_digest(hashlib.sha256(got).digest(),
+                                                       hashlib.sha256(key.encode()).digest())
 
     def _forward_headers(self, request: Request) -> dict[str, str]:
         out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}

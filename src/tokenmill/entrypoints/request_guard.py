@@ -1,0 +1,157 @@
+"""Bounded request bodies: a size limit, a read deadline, and JSON parsing off the event loop.
+
+Why: one event loop answers every client. A body of tens of megabytes read,
+parsed and tokenized on it stalls ``/health`` and every other request for as
+long as that takes, and a client that sends half a body and stops would hold
+a request open (and shutdown with it) forever. So before routing, the whole
+body is read here, under two bounds:
+
+- ``max_request_bytes``: a ``Content-Length`` above it is refused at once
+  with 413 (nothing is read); a chunked body is counted as it arrives and
+  refused the moment it passes the limit. The default follows the context
+  length (``default_body_limit``): a body much larger than any prompt the
+  model can take cannot be a valid request.
+- ``request_read_timeout_s``: the whole body must arrive within it (408);
+  while the server drains, an unfinished body is given up at once (503), so
+  a stalled client cannot hold shutdown.
+
+Why not parse JSON in a worker thread instead: ``json.loads`` is one C call
+that holds the GIL from start to end, so the event loop waits for it on any
+thread (0.4 s for a 50 MB string, seconds for millions of token ids). The
+limit is what keeps parsing short. What does release the GIL, tokenizing
+long text, runs in a worker thread (``openai_routes.encode``), and text that
+cannot fit the context is refused before it is tokenized at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_body
+from .heap import trim_heap
+
+# a context token is a few bytes of text, or up to ~12 as JSON-escaped non-ASCII or a token id;
+# the rest is room for a batch of prompts, chat framing and sampling fields
+BYTES_PER_CONTEXT_TOKEN = 64
+MIN_BODY_LIMIT = 1 << 20
+JOIN_OFF_LOOP_BYTES = 1 << 20
+_POLL_S = 0.25  # how often a body read looks at the drain flag
+TRIM_AFTER_BYTES = 4 << 20  # after a body this large, freed heap memory is handed back to the OS
+
+def default_body_limit(max_model_len: int) -> int:
+    """Bytes a request body may have unless the operator says otherwise."""
+    return max(MIN_BODY_LIMIT, BYTES_PER_CONTEXT_TOKEN * int(max_model_len))
+
+
+async def _reject(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+           (b"connection", b"close")]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyGuard:
+    """Reads every request body in full, within a size limit and a deadline, before the app sees it.
+
+    ``limit()``, ``timeout()`` and ``draining()`` are read per request, so
+    settings changed after start-up (tests) take effect."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[], int], timeout: Callable[[], float],
+                 draining: Callable[[], bool], on_reject: Callable[[str], None] | None = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.timeout = timeout
+        self.draining = draining
+        self.on_reject = on_reject or (lambda reason: None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit()
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:
+            self.on_reject("too_large")
+            await _reject(send, 413, f"the request body has {declared} bytes, more than this server accepts "
+                          f"({limit} bytes; see --max-request-bytes)", "request_too_large")
+            return
+        body = await self._read(receive, send, limit)
+        if body is None:
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: disconnects, for streaming responses
+
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            if len(body) > TRIM_AFTER_BYTES:
+                del body
+                await asyncio.to_thread(trim_heap)
+
+    async def _read(self, receive: Receive, send: Send, limit: int) -> bytes | None:
+        """The whole body, or None once an error response is sent (or the client left)."""
+        chunks: list[bytes] = []
+        size = 0
+        deadline = time.monotonic() + self.timeout()
+        pending: asyncio.Task[Message] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(receive())
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({pending}, timeout=max(0.0, min(_POLL_S, left)))
+                if not done:
+                    if self.draining():
+                        self.on_reject("draining")
+                        await _reject(send, 503, "the server is shutting down", "shutting_down",
+                                      {"Retry-After": "5"})
+                        return None
+                    if time.monotonic() >= deadline:
+                        self.on_reject("read_timeout")
+                        await _reject(send, 408, f"the request body did not arrive within {self.timeout():g} s",
+                                      "request_timeout")
+                        return None
+                    continue
+                message, pending = pending.result(), None
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    self.on_reject("too_large")
+                    await _reject(send, 413, f"the request body is larger than this server accepts ({limit} bytes; "
+                                  "see --max-request-bytes)", "request_too_large")
+                    return None
+                if chunk:
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    if len(chunks) == 1:
+                        return chunks[0]
+                    if size > JOIN_OFF_LOOP_BYTES:  # a large join lets go of the GIL: off the loop
+                        return await asyncio.to_thread(b"".join, chunks)
+                    return b"".join(chunks)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+
+
+def _content_length(scope: Scope) -> int | None:
+    for key, value in scope.get("headers") or []:
+        if key.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
