@@ -90,7 +90,12 @@ class LLMEngine:
         cfg = loaded.config
         max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_len
-        model = build_model(loaded, config, self.device, self.dtype, max_len)
+        calibration = None
+        if str(config.quantization).lower() == "w8a8":  # int8 activations: smooth them first
+            from ..model.smoothquant import calibration_text
+
+            calibration = self.tokenizer.encode(calibration_text())
+        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration)
         self.model = model
         self.weight_bytes = _weight_bytes(model)
 
@@ -363,8 +368,9 @@ class LLMEngine:
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_len: int) -> LlamaForCausalLM:
-    """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``."""
+                max_len: int, calibration: list[int] | None = None) -> LlamaForCausalLM:
+    """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``;
+    for int8 activations (w8a8), smoothed first on the ``calibration`` tokens."""
     # Build on the meta device (no random init of weights about to be overwritten),
     # then materialise and load; the rotary tables are computed for real.
     with torch.device("meta"):
@@ -372,6 +378,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(loaded.config, max_len).to(device)
     model.load_weights(loaded.weights)
+    if calibration and str(config.quantization).lower() == "w8a8":
+        from ..model.smoothquant import smooth_for_int8
+
+        with torch.inference_mode():
+            smooth_for_int8(model, calibration, config.cache.block_size, dtype, device)
     if config.quantization not in ("none", None):
         from ..model.quant import quantize_model
 
