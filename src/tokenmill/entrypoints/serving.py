@@ -32,7 +32,7 @@ class ServerSettings:
 
     served_model_names: list[str] = field(default_factory=lambda: ["tokenmill"])
     model_path: str | None = None
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # several: any of them opens the API
     max_waiting: int | None = None
     max_output_tokens: int | None = None
     log_requests: bool = False
@@ -41,6 +41,8 @@ class ServerSettings:
     heartbeat_timeout_s: float = 120.0  # /health fails when the engine loop is silent this long
     grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
     retry_after_s: int = 1
+    # sampling defaults for what a request leaves unset (--generation-config), SamplingParams' names
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
