@@ -86,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tokenmill.router").error("%s", exc)
         return 2
+    if config.endpoint_picker:
+        try:
+            from . import ext_proc  # noqa: F401 - gRPC and Envoy's protos
+        except ImportError as exc:
+            logging.getLogger("tokenmill.router").error(
+                "--endpoint-picker needs the router extra (%s): pip install 'tokenmill[router]'", exc.name or exc)
+            return 2
     server = RouterServer(config, log_level=args.log_level)
     logging.getLogger("tokenmill.router").info(
         "routing %s with policy %s on http://%s:%d (tokenizer: %s)",
