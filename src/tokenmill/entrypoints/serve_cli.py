@@ -241,6 +241,12 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         if args.model is not None and args.model != args.model_tag:
             return f"the model is given twice ({args.model_tag!r} and --model {args.model!r})"
         args.model = args.model_tag
+        if not args.served_model_name and os.path.exists(args.model_tag):
+            # vLLM serves a model under the name it was launched with; the file's
+            # short name (tokenmill's default) is accepted too
+            stem = os.path.basename(os.path.normpath(args.model_tag))
+            stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+            args.served_model_name = list(dict.fromkeys([args.model_tag, stem]))
     if args.model is not None and not os.path.exists(args.model):
         if args.model in BUNDLED_HUB_NAMES:
             if not args.served_model_name:
