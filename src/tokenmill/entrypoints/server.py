@@ -281,7 +281,8 @@ def run_server(args: Any) -> int:
     config = engine_config_from_args(args)
     if getattr(args, "enforce_eager", False):
         os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
-    engine = LLMEngine(config, tokenizer=tokenizer_from_args(args))
+    tokenizer = tokenizer_from_args(args)  # None: the model's own
+    engine = LLMEngine(config) if tokenizer is None else LLMEngine(config, tokenizer=tokenizer)
     aengine = AsyncEngine(engine)
     app = build_app(aengine, settings)
     # /v1/engine/stats always; the web console at GET / unless --no-ui (entrypoints/console.py)
