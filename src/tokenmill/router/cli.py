@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--fallback-endpoints", type=int, default=2, metavar="N",
+                   help="endpoint picker: other ready endpoints listed after the pick, which the gateway tries "
+                        "in turn if it fails (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -68,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
+        fallback_endpoints=args.fallback_endpoints,
     )
 
 

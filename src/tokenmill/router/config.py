@@ -66,6 +66,7 @@ class RouterConfig:
     endpoint_picker: bool = False
     grpc_port: int = 9002
     grpc_host: str | None = None  # default: same as host
+    fallback_endpoints: int = 2  # other endpoints after the pick in x-gateway-destination-endpoint
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -74,5 +75,7 @@ class RouterConfig:
             raise ValueError("give at least one --backend URL or --backend-dns name:port")
         if self.block_size < 1 or self.chars_per_block < 1:
             raise ValueError("block sizes must be positive")
+        if self.fallback_endpoints < 0:
+            raise ValueError("--fallback-endpoints must be >= 0")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")
