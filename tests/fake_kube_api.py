@@ -35,6 +35,7 @@ class FakeKubeAPI:
         self.pods: dict[str, dict[str, Any]] = {}
         self.version = 1
         self.watchers: list[queue.Queue] = []
+        self.log: list[tuple[int, dict[str, Any]]] = []  # (resourceVersion, event): replayed to late watches
         self.requests: list[str] = []
         self.lock = threading.Lock()
         stub = self
@@ -81,8 +82,10 @@ class FakeKubeAPI:
             self.version += 1
             obj = json.loads(json.dumps(obj))
             obj["metadata"]["resourceVersion"] = str(self.version)
+            event = {"type": kind, "object": obj}
+            self.log.append((self.version, event))
             for w in self.watchers:
-                w.put({"type": kind, "object": obj})
+                w.put(event)
 
     def put_pod(self, p: dict[str, Any]) -> None:
         kind = "MODIFIED" if p["metadata"]["name"] in self.pods else "ADDED"
@@ -109,7 +112,8 @@ class FakeKubeAPI:
         if parts.path == f"/api/v1/namespaces/{self.namespace}/pods":
             selector = q.get("labelSelector", "")
             if q.get("watch", "").lower() in ("true", "1"):
-                return self._watch(h, selector, float(q.get("timeoutSeconds", "30")))
+                return self._watch(h, selector, float(q.get("timeoutSeconds", "30")),
+                                   int(q.get("resourceVersion", "0") or 0))
             items = [p for p in self.pods.values() if self._matches(p, selector)]
             return self._json(h, 200, {"apiVersion": "v1", "kind": "PodList", "items": items,
                                        "metadata": {"resourceVersion": str(self.version)}})
@@ -124,9 +128,13 @@ class FakeKubeAPI:
         h.end_headers()
         h.wfile.write(raw)
 
-    def _watch(self, h: BaseHTTPRequestHandler, selector: str, timeout: float) -> None:
+    def _watch(self, h: BaseHTTPRequestHandler, selector: str, timeout: float, since: int) -> None:
+        """Events after resourceVersion ``since`` (as the API server does), then live ones."""
         events: queue.Queue = queue.Queue()
         with self.lock:
+            for version, event in self.log:
+                if version > since:
+                    events.put(event)
             self.watchers.append(events)
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
