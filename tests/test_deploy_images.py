@@ -155,3 +155,50 @@ def test_readme_walkthrough_asks_for_the_served_model_name():
     assert len(served) == 1 and asked == served, (asked, served)
     for path in re.findall(r"docker build -f (\S+)", section):
         assert (ROOT / path).exists(), path
+
+
+def test_service_monitors_select_services_and_named_ports():
+    monitors = [d for d in yaml.safe_load_all((DEPLOY / "monitoring" / "servicemonitor.yaml").read_text()) if d]
+    services = [d for p in (DEPLOY / "base").glob("*.yaml") for d in yaml.safe_load_all(p.read_text())
+                if d and d["kind"] == "Service"]
+    assert {m["metadata"]["name"] for m in monitors} == {"tokenmill-server", "tokenmill-epp"}
+    for m in monitors:
+        want = m["spec"]["selector"]["matchLabels"]
+        (svc,) = [s for s in services if want.items() <= s["metadata"].get("labels", {}).items()]  # exactly one
+        names = {p["name"] for p in svc["spec"]["ports"]}
+        assert all(e["port"] in names and e["path"] == "/metrics" for e in m["spec"]["endpoints"])
+    kustomization = yaml.safe_load((DEPLOY / "monitoring" / "kustomization.yaml").read_text())
+    for gen in kustomization["configMapGenerator"]:
+        assert all((DEPLOY / "monitoring" / f).exists() for f in gen["files"])
+
+
+def test_grafana_dashboard_queries_what_the_server_exports():
+    """Every metric the dashboard's queries name is in a real server's /metrics."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from test_server_support import make_tiny_app
+
+    dashboard = json.loads((DEPLOY / "monitoring" / "grafana-dashboard.json").read_text())
+    titles = " / ".join(p["title"] for p in dashboard["panels"]).lower()
+    for topic in ("first token", "per output token", "tokens per second", "kv cache", "prefix", "queue",
+                  "preemptions"):
+        assert topic in titles, topic
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    named = set(re.findall(r"\b((?:vllm|tokenmill):[a-z_]+)", " ".join(exprs)))
+    app = make_tiny_app({"num_blocks": 16}, api_key="k")
+    try:
+        with TestClient(app) as client:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"}
+                               ).status_code == 200
+            assert client.post("/v1/completions", json=body).status_code == 401  # a rejection, counted
+            text = client.get("/metrics").text
+    finally:
+        app.state.tokenmill.aengine.shutdown()
+    exported = set(re.findall(r"^((?:vllm|tokenmill):[a-z_]+)", text, re.M))
+    missing = {n for n in named if n not in exported}
+    assert len(named) >= 8 and not missing, missing
+    for p in dashboard["panels"]:
+        assert p["datasource"]["uid"] == "${datasource}" and p["targets"]

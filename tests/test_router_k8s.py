@@ -16,6 +16,7 @@ CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
 }
 
 
