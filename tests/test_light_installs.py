@@ -131,3 +131,22 @@ def test_make_serve_installs_no_test_tooling_and_asks_for_cpu_torch():
     test_out = subprocess.run(["make", "-n", "-B", "test"], capture_output=True, text=True, cwd=ROOT, env=env,
                               timeout=60).stdout
     assert "-e '.[test]'" in test_out
+
+
+def test_router_tests_and_fake_backends_run_without_torch(tmp_path):
+    """As on `pip install '.[router]'` where torch is absent: a sitecustomize blocks torch in the
+    test run and in every fake backend process it starts."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _NoTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'torch':\n"
+        "            raise ModuleNotFoundError(\"No module named 'torch' (blocked)\", name=name)\n"
+        "sys.meta_path.insert(0, _NoTorch())\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(SRC)]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_router_unit.py",
+         "tests/test_router_ext_proc.py::test_fallback_list_puts_the_pick_first_then_the_least_loaded"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
