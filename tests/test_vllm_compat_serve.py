@@ -148,6 +148,23 @@ def test_no_parser_does_prefix_matching():
     assert all(p.allow_abbrev is False for p in parsers), [p.prog for p in parsers if p.allow_abbrev]
 
 
+def test_every_parser_in_the_project_turns_prefix_matching_off():
+    """Scripts too: each ArgumentParser(...) and add_parser(...) call says allow_abbrev=False."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "src").rglob("*.py"), *(root / "benchmarks").glob("*.py"), root / "tests" / "fake_backend.py"]
+    calls = 0
+    for path in files:
+        text = path.read_text()
+        for m in re.finditer(r"(ArgumentParser|add_parser)\(", text):
+            calls += 1
+            window = text[m.end():m.end() + 400].split("\n\n")[0]
+            assert "allow_abbrev=False" in window or path.name == "cli_args.py", f"{path}: {text[m.start():m.end() + 60]}"
+    assert calls >= 15
+
+
 def test_version():
     proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "--version"],
                           capture_output=True, text=True, timeout=60)

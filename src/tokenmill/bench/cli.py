@@ -43,7 +43,7 @@ def _floats(text: str) -> list[float]:
 
 
 def add_bench_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="load-test an OpenAI-compatible server",
+    p = sub.add_parser("bench", allow_abbrev=False, help="load-test an OpenAI-compatible server",
                        description="Measure TTFT, TPOT, throughput, goodput and cost under load. "
                                    "Takes `vllm bench serve` command lines.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,9 +271,9 @@ def _guidellm_rate_type(args: argparse.Namespace) -> None:
 
 
 def add_trace_parser(sub: Any) -> None:
-    p = sub.add_parser("trace", help="analyse traffic captures")
+    p = sub.add_parser("trace", allow_abbrev=False, help="analyse traffic captures")
     tsub = p.add_subparsers(dest="trace_command", metavar="ACTION")
-    a = tsub.add_parser("analyze", help="lengths, arrivals, prefix sharing, prompt-layout checks")
+    a = tsub.add_parser("analyze", allow_abbrev=False, help="lengths, arrivals, prefix sharing, prompt-layout checks")
     a.add_argument("files", nargs="+", help="capture JSONL files (rotated parts: FILE.1, ...)")
     a.add_argument("--top", type=int, default=5, help="how many shared prefixes to list")
     a.add_argument("--json", dest="json_out", help="also write the analysis as JSON")

@@ -14,7 +14,7 @@ from typing import Any
 def register(subparsers: Any) -> None:
     from .serve_cli import add_engine_arguments
 
-    p = subparsers.add_parser("generate", help="print a chat answer to one prompt (no server)",
+    p = subparsers.add_parser("generate", allow_abbrev=False, help="print a chat answer to one prompt (no server)",
                               description="Answer one prompt with the model's chat template.")
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", default=None, help="optional system message")

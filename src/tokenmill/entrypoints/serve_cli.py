@@ -220,7 +220,7 @@ def add_device_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server",
+    p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
                               description="Serve a model over an OpenAI-compatible HTTP API. "
                                           "Takes `vllm serve` launch lines.")
     add_model_source_arguments(p)

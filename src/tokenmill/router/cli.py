@@ -13,7 +13,7 @@ from .config import POLICIES, RouterConfig
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "route",
+        "route", allow_abbrev=False,
         help="cache-aware router over many tokenmill (or vLLM) replicas",
         description="OpenAI-compatible reverse proxy that sends each request to the replica most "
                     "likely to hold its prefix in cache, unless that replica is overloaded. With "
