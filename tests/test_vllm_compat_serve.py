@@ -239,3 +239,25 @@ def test_allowed_origins_forms_and_cors():
     assert ok.headers.get("access-control-allow-origin") == "https://a.example"
     other = client.get("/x", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in other.headers
+
+
+def test_offline_llm_takes_vllm_keywords():
+    from tokenmill.entrypoints.llm import vllm_options
+
+    opts = vllm_options({"dtype": "auto", "max_model_len": "2k", "gpu_memory_utilization": 0.25,
+                         "tensor_parallel_size": 1, "trust_remote_code": True, "enforce_eager": False})
+    assert opts["dtype"] == "float32" and opts["max_model_len"] == 2000 and opts["cap_kv_pool"] is True
+    assert opts["memory_budget"] > 0 and "trust_remote_code" not in opts
+    assert vllm_options({"dtype": "half", "kv_cache_memory_bytes": "1G",
+                         "gpu_memory_utilization": 0.9})["kv_cache_memory"] == "1G"
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        vllm_options({"tensor_parallel_size": 2})
+
+
+def test_offline_llm_with_auto_dtype_runs(tiny_llm_factory):
+    llm = tiny_llm_factory(dtype="auto", max_model_len="512")
+    assert llm.engine.config.dtype == "float32" and llm.engine.max_model_len == 512
+    from tokenmill import SamplingParams
+
+    out = llm.generate(["ab"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 3
