@@ -73,8 +73,7 @@ def test_launch_line_settings_hold(vllm_style_server, bundled_model_path):
 def test_vllm_bench_serve_line_and_its_result(vllm_style_server, bundled_model_path, tmp_path):
     url, log = vllm_style_server
     env = dict(os.environ, OPENAI_API_KEY="b")  # where `vllm bench serve` reads the key
-    line = [*CLI, "bench", "--backend", "vllm", "--base-url", url, "--model", bundled_model_path,
-            "--endpoint", "/v1/completions", "--dataset-name", "random", "--random-input-len", "32",
+    line = [*CLI, "bench", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--dataset-name", "random", "--random-input-len", "32",
             "--random-output-len", "8", "--num-prompts", "6", "--max-concurrency", "2", "--request-rate", "inf",
             "--goodput", "ttft:60000", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
             "50,99", "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(tmp_path),
@@ -83,6 +82,7 @@ def test_vllm_bench_serve_line_and_its_result(vllm_style_server, bundled_model_p
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads((tmp_path / "vllm-run.json").read_text())
     assert (result["completed"], result["failed"], result["num_prompts"]) == (6, 0, 6)
+    assert result["model_id"] == bundled_model_path  # asked of /v1/models, with the key
     assert result["total_output_tokens"] == 48 and result["output_lens"] == [8] * 6
     assert all(30 <= n <= 34 for n in result["input_lens"])  # the server's own prompt counts
     assert result["request_rate"] == "inf" and result["max_concurrency"] == 2 and result["label"] == "cpu"

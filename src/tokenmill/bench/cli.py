@@ -361,7 +361,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
         if not target.model:
             async with httpx.AsyncClient() as client:
-                target.model = await resolve_model(client, base)
+                target.model = await resolve_model(client, base, args.api_key)
         result.target["model"] = target.model
         counter = await asyncio.to_thread(make_counter, args.tokenizer, base, target.model,
                                           args.api_key)
