@@ -68,7 +68,7 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     return name
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def add_engine_arguments(p: Any) -> None:
     """Model and engine flags, shared with `tokenmill generate`."""
     p.add_argument("--model", default=None,
                    help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
@@ -142,12 +142,13 @@ def device_memory_bytes(device: str) -> int:
     return int(pages * size)
 
 
-def add_server_arguments(p: argparse.ArgumentParser) -> None:
+def add_server_arguments(p: Any) -> None:
     """HTTP: where to listen, who may call, how it logs."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model' (default: the model file's name)")
+                   help="name(s) clients use in 'model' (default: the model as given positionally, and the "
+                        "model file's name)")
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
                         "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
@@ -174,7 +175,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
 
 
-def add_capture_arguments(p: argparse.ArgumentParser) -> None:
+def add_capture_arguments(p: Any) -> None:
     """Traffic capture for later replay (`tokenmill bench --trace`)."""
     p.add_argument("--capture-traffic", metavar="FILE", default=None,
                    help="append one JSON line per finished request (lengths, timings, block hashes) to FILE")
@@ -182,13 +183,13 @@ def add_capture_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --capture-traffic, also store prompt text")
 
 
-def add_chat_template_argument(p: argparse.ArgumentParser) -> None:
+def add_chat_template_argument(p: Any) -> None:
     """--chat-template: a Jinja file (or the template text itself) that replaces the model's."""
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file (or the template text) to use instead of the model's")
 
 
-def add_model_source_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_source_arguments(p: Any) -> None:
     """What else comes with the model: tokenizer, sampling defaults, seed, the config file."""
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="model to serve, as in `vllm serve MODEL` (same as --model)")
@@ -206,7 +207,7 @@ def add_model_source_arguments(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM launch lines; tokenmill runs no code from model folders")
 
 
-def add_device_arguments(p: argparse.ArgumentParser) -> None:
+def add_device_arguments(p: Any) -> None:
     """GPU-shaped flags of vLLM, with their CPU meaning."""
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="KV pool dtype: auto (the compute dtype) or that same dtype by name; the pool is "
@@ -223,12 +224,12 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
                               description="Serve a model over an OpenAI-compatible HTTP API. "
                                           "Takes `vllm serve` launch lines.")
-    add_model_source_arguments(p)
-    add_engine_arguments(p)
-    add_device_arguments(p)
-    add_chat_template_argument(p)
-    add_server_arguments(p)
-    add_capture_arguments(p)
+    add_model_source_arguments(p.add_argument_group("model"))
+    add_engine_arguments(p.add_argument_group("engine"))
+    add_device_arguments(p.add_argument_group("device (vLLM's GPU flags, with their CPU meaning)"))
+    add_chat_template_argument(p.add_argument_group("chat template"))
+    add_server_arguments(p.add_argument_group("HTTP server"))
+    add_capture_arguments(p.add_argument_group("traffic capture"))
     p.set_defaults(func=_run)
 
 
