@@ -103,35 +103,46 @@ def test_pool_dtype_flags_that_match_are_accepted():
 
 
 def test_config_file_holds_the_same_keys_and_the_command_line_wins(tmp_path, monkeypatch):
-    from tokenmill.entrypoints import serve_cli
-
     conf = tmp_path / "serve.yaml"
     conf.write_text("max-model-len: 2k\nenable_prefix_caching: false\napi-key: [x, y]\nport: 9001\n"
                     "enable-log-requests: true\nseed: 3\n")
     seen: dict[str, argparse.Namespace] = {}
-    monkeypatch.setattr(serve_cli, "_run", lambda args: seen.setdefault("args", args) and 0)
-    parser_run = build_parser  # the parser's func was bound at build time: patch the default instead
 
-    def fake_build():
-        p = parser_run()
-        p._subparsers._group_actions[0].choices["serve"].set_defaults(func=lambda a: seen.setdefault("args", a) and 0)
+    def fake_build():  # the real parser, whose serve command records its arguments instead of serving
+        p = build_parser()
+        serve = p._subparsers._group_actions[0].choices["serve"]
+        serve.set_defaults(func=lambda a: seen.setdefault("args", a) and 0)
         return p
 
     monkeypatch.setattr("tokenmill.entrypoints.cli.build_parser", fake_build)
-    assert main(["serve", "--config", str(conf), "--port", "9002"]) == 0
+    assert main(["serve", "--port", "9002", "--config", str(conf)]) == 0  # the command line wins, wherever
     args = seen["args"]
     assert (args.max_model_len, args.enable_prefix_caching, args.api_key, args.port, args.log_requests,
             args.seed) == (2000, False, ["x", "y"], 9002, True, 3)
+    seen.clear()
+    conf.write_text("api-key: [x, y]\nno-prefix-caching: true\ndtype: bfloat16\n")
+    assert main(["serve", "--config", str(conf), "some/model.gguf", "--api-key", "z"]) == 0
+    args = seen["args"]
+    assert (args.model_tag, args.api_key, args.enable_prefix_caching, args.dtype) == (
+        "some/model.gguf", ["z"], False, "bfloat16")
 
 
-def test_config_file_with_an_unknown_key_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("text, expected", [
+    ("max-model-len: 2k\nwarp-drive: 9\n", "unknown key 'warp-drive'"),
+    ("dtype: fp8\n", "dtype: 'fp8' is not one of"),
+    ("enable-log-requests: maybe\n", "enable-log-requests: expects true or false"),
+    ("port: [1, 2]\n", "port: takes one value, not a list"),
+])
+def test_config_file_mistakes_are_one_line(tmp_path, capsys, text, expected):
     conf = tmp_path / "serve.yaml"
-    conf.write_text("max-model-len: 2k\nwarp-drive: 9\n")
+    conf.write_text(text)
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--config", str(conf)])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err == f"tokenmill serve: error: --config {conf}: unknown key 'warp-drive'"
+    assert err == f"tokenmill serve: error: --config {conf}: {expected}" or (
+        err.startswith(f"tokenmill serve: error: --config {conf}: ") and expected in err), err
+    assert len(err.splitlines()) == 1
 
 
 def _walk(parser: argparse.ArgumentParser):

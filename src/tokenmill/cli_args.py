@@ -9,8 +9,8 @@ and must stay runnable without torch.
   usage dump and no traceback.
 - ``human_int`` reads vLLM's size suffixes (``32k`` = 32,000, ``32K`` =
   32,768), so a launch line written for vLLM means the same here.
-- ``expand_config`` turns ``--config FILE.yaml`` into flags placed before
-  the rest of the command line, so a flag given on the command line wins.
+- ``expand_config`` applies ``--config FILE.yaml`` as the parser's defaults,
+  so a flag given on the command line wins.
 """
 from __future__ import annotations
 
@@ -80,31 +80,35 @@ def unknown_flags_message(extras: Sequence[str]) -> str:
     return f"unexpected argument {name!r}"
 
 
-def _flag_tokens(key: str, value: Any, parser: argparse.ArgumentParser) -> list[str]:
-    flag = "--" + str(key).replace("_", "-")
-    action = next((a for a in parser._actions if flag in a.option_strings), None)
-    if action is None:
-        raise ValueError(f"unknown key {key!r}")
-    if isinstance(value, bool):
+def _config_default(action: argparse.Action, value: Any) -> Any:
+    """A YAML value as the default of ``action``. Strings stay strings, so argparse
+    converts them with the flag's own type (``4k`` -> 4000) as if typed."""
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ValueError("expects true or false")
         if isinstance(action, argparse.BooleanOptionalAction):
-            return [flag if value else f"--no-{flag[2:]}"]
-        if action.nargs == 0:
-            return [flag] if value else []
-        return [flag, str(value).lower()]
-    if value is None:
-        return []
+            return value
+        return action.const if value else (not action.const)
     if isinstance(value, (list, tuple)):
-        return [flag, *(str(v) for v in value)]
-    return [flag, str(value)]
+        if action.nargs not in ("+", "*"):
+            raise ValueError("takes one value, not a list")
+        return [str(v) for v in value]
+    if value is None:
+        return None
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if action.choices is not None and text not in action.choices:
+        raise ValueError(f"{text!r} is not one of {', '.join(map(str, action.choices))}")
+    return [text] if action.nargs in ("+", "*") else text
 
 
 def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser, *,
                   prog: str = "tokenmill") -> list[str]:
-    """Replace ``--config FILE`` in ``argv`` by the flags the YAML file holds.
+    """Apply ``--config FILE`` in ``argv`` to ``parser`` and return ``argv`` without it.
 
     Keys are the long flag names without dashes (``max-model-len`` or
     ``max_model_len``); booleans switch flags on or off, lists give several
-    values. The file's flags go first, so the command line overrides them."""
+    values. The file's values become the parser's defaults, so a flag on the
+    command line wins wherever it stands."""
     argv = list(argv)
     for i, tok in enumerate(argv):
         if tok == "--config" or tok.startswith("--config="):
@@ -128,13 +132,18 @@ def expand_config(argv: Sequence[str], parser: argparse.ArgumentParser, *,
         _die(prog, f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})")
     if not isinstance(data, dict):
         _die(prog, f"--config {path}: expected a mapping of flag names to values")
-    tokens: list[str] = []
+    defaults: dict[str, Any] = {}
     for key, value in data.items():
-        try:
-            tokens += _flag_tokens(str(key), value, parser)
-        except ValueError:
+        flag = "--" + str(key).replace("_", "-")
+        action = next((a for a in parser._actions if flag in a.option_strings), None)
+        if action is None:
             _die(prog, f"--config {path}: unknown key {key!r}")
-    return argv[:i] + tokens + argv[end:]
+        try:
+            defaults[action.dest] = _config_default(action, value)
+        except ValueError as exc:
+            _die(prog, f"--config {path}: {key}: {exc}")
+    parser.set_defaults(**defaults)
+    return argv[:i] + argv[end:]
 
 
 def _die(prog: str, message: str) -> NoReturn:
