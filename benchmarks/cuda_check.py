@@ -546,7 +546,7 @@ def step_profile_section(ctx: Context) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", help="decode and throughput runs (parity is always float32)")
     ap.add_argument("--model", default=None,

@@ -354,7 +354,8 @@ def compare_tokens(got: list[list[int]], want: list[list[int]]) -> dict:
 if __name__ == "__main__":
     import argparse
 
-    ap = argparse.ArgumentParser(description="write the synthetic SmolLM2-shaped model as a Hugging Face folder")
+    ap = argparse.ArgumentParser(allow_abbrev=False,
+                                 description="write the synthetic SmolLM2-shaped model as a Hugging Face folder")
     ap.add_argument("folder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--layers", type=int, default=None)

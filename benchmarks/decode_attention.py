@@ -87,7 +87,7 @@ def bench(batch: int, context: int, dtype: torch.dtype, reps: int) -> tuple[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="256,1024")

@@ -158,7 +158,7 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head,gguf+lm_head,gguf+lm_head:eager")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=64)

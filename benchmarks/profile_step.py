@@ -141,7 +141,7 @@ def profile_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=256)

@@ -49,7 +49,7 @@ def build_and_score(spec, opts, loaded, tokenizer, text_ids):  # type: ignore[no
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: bundled SmolLM2-135M)")
     p.add_argument("--configs", default="none,int8,int4,gguf",
                    help="comma-separated configurations, the first is the baseline (default none,int8,int4,gguf)")

@@ -121,7 +121,7 @@ def run_policy(policy: str, replicas: Replicas, items, args: argparse.Namespace)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--backends", choices=["auto", "real", "fake"], default="auto",
                    help="real `tokenmill serve` replicas, fake ones, or real when available (default)")
     p.add_argument("--replicas", type=int, default=3)

@@ -232,7 +232,7 @@ def report(server: Result, offline: Result, args: argparse.Namespace) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--num-requests", type=int, default=64)

@@ -82,7 +82,7 @@ class PartTimer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--streams", type=int, default=64)

@@ -66,7 +66,7 @@ def row(label: str, res: Result, base: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", default="16,64")

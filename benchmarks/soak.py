@@ -222,7 +222,8 @@ def summarise(samples: list[tuple[float, float, int]], tally: Tally, idle_in_use
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--warmup-minutes", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=8)

@@ -290,7 +290,7 @@ def start_fakes(n: int, **cfg) -> list[FakeProcess]:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     defaults = FakeConfig()

@@ -40,7 +40,8 @@ def _picker(urls, **kw) -> RouterServer:
     return RouterServer(cfg).start_in_thread()
 
 
-def _headers_msg(path="/v1/completions", eos=False, duplex=False, subset=None) -> ep.ProcessingRequest:
+def _headers_msg(path="/v1/completions", eos=False, duplex=False, subset=None,
+                 mode=None) -> ep.ProcessingRequest:
     hdrs = base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
@@ -49,6 +50,8 @@ def _headers_msg(path="/v1/completions", eos=False, duplex=False, subset=None) -
     req = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=hdrs, end_of_stream=eos))
     if duplex:
         req.protocol_config.request_body_mode = FULL_DUPLEX
+    if mode is not None:
+        req.protocol_config.request_body_mode = mode
     if subset is not None:
         hint = struct_pb2.Struct()
         hint.update({"x-gateway-destination-endpoint-subset": subset})
@@ -116,9 +119,11 @@ def test_buffered_mode_sets_header_and_metadata_and_sticks_to_prefix(fakes):
                 common = resp.request_body.response
                 assert common.clear_route_cache
                 value = _mutation_value(common)
-                assert value in endpoints
+                pick, *fallbacks = value.split(",")
+                assert pick in endpoints and len(fallbacks) == 2  # the pick, then the other two
+                assert set(value.split(",")) == endpoints
                 assert _metadata_value(resp) == value  # header and metadata agree
-                chosen.append(value)
+                chosen.append(pick)
                 s.close()
             assert len(set(chosen)) == 1  # the shared prefix keeps its replica
         state = picker.router.snapshot()["backends"]
@@ -166,7 +171,7 @@ def test_subset_hint_restricts_choice(fakes):
                 s.recv()
                 for m in _body_msgs(_completion(f"prompt {i}")):
                     s.send(m)
-                assert _mutation_value(s.recv().request_body.response) == target
+                assert _mutation_value(s.recv().request_body.response) == target  # no fallback outside it
                 s.close()
             s = Stream(ch)
             s.send(_headers_msg(subset=["10.255.255.1:8000"]))  # not a known endpoint
@@ -236,5 +241,64 @@ def test_bodyless_request_picked_on_headers_and_shed_with_429(fakes):
         # The HTTP side of an endpoint picker serves /health and /metrics too.
         assert httpx.get(picker.url + "/health").status_code == 200
         assert 'reason="shed"' in httpx.get(picker.url + "/metrics").text
+    finally:
+        picker.stop()
+
+
+def test_fallback_list_puts_the_pick_first_then_the_least_loaded(fakes):
+    picker = _picker([f.url for f in fakes], fallback_endpoints=1)
+    endpoints = [f.url.split("//")[1] for f in fakes]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as ch:
+            held = Stream(ch)  # one exchange in flight on its pick
+            held.send(_headers_msg(path="/v1/models", eos=True))
+            busy = _mutation_value(held.recv().request_headers.response).split(",")[0]
+            s = Stream(ch)
+            s.send(_headers_msg(path="/v1/models", eos=True))
+            pick, *fallbacks = _mutation_value(s.recv().request_headers.response).split(",")
+            assert pick != busy and len(fallbacks) == 1  # --fallback-endpoints 1
+            assert fallbacks[0] not in (pick, busy)  # the idle one before the busy one
+            assert {pick, busy, fallbacks[0]} == set(endpoints)
+            s.close()
+            held.close()
+        assert all(b["in_flight"] == 0 for b in picker.router.snapshot()["backends"])  # released
+    finally:
+        picker.stop()
+
+
+@pytest.mark.parametrize("mode, name", [(processing_mode_pb2.ProcessingMode.STREAMED, "STREAMED"),
+                                        (processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL, "BUFFERED_PARTIAL")])
+def test_body_modes_that_drop_the_pick_are_refused(fakes, mode, name):
+    picker = _picker([fakes[0].url])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as ch:
+            s = Stream(ch)
+            s.send(_headers_msg(mode=mode))
+            resp = s.recv()
+            assert resp.immediate_response.status.code == 500
+            err = json.loads(resp.immediate_response.body)["error"]
+            assert err["code"] == "unsupported_body_mode" and name in err["message"]
+            s.close()
+        assert all(b["requests_total"] == 0 for b in picker.router.snapshot()["backends"])
+    finally:
+        picker.stop()
+
+
+def test_explicit_buffered_and_none_modes(fakes):
+    picker = _picker([fakes[0].url])
+    endpoint = fakes[0].url.split("//")[1]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as ch:
+            s = Stream(ch)  # BUFFERED, said explicitly: CONTINUE, then the pick on the body
+            s.send(_headers_msg(mode=processing_mode_pb2.ProcessingMode.BUFFERED))
+            assert not s.recv().request_headers.response.header_mutation.set_headers
+            for m in _body_msgs(_completion("hello")):
+                s.send(m)
+            assert _mutation_value(s.recv().request_body.response) == endpoint
+            s.close()
+            s = Stream(ch)  # NONE: no body will come, so the headers carry the pick
+            s.send(_headers_msg(mode=processing_mode_pb2.ProcessingMode.NONE))
+            assert _mutation_value(s.recv().request_headers.response) == endpoint
+            s.close()
     finally:
         picker.stop()

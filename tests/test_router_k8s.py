@@ -16,6 +16,7 @@ CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
     ("gateway.networking.k8s.io/v1", "Gateway"),
     ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
 }
 
 
@@ -164,10 +165,20 @@ def test_inference_pool_endpoint_picker_and_route(variant):
     assert args[args.index("--grpc-port") + 1] == str(grpc_port)
     assert ec["readinessProbe"]["grpc"] == {"port": grpc_port, "service": "readiness"}
     assert ec["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "liveness"}
-    # The picker discovers replicas through the headless Service on the pool's port.
-    dns = args[args.index("--backend-dns") + 1]
-    host, port = dns.rsplit(":", 1)
-    assert host.startswith("tokenmill-server-headless.") and int(port) == spec["targetPorts"][0]["number"]
+    # The picker takes its replicas from this InferencePool through the API, and may read it.
+    assert args[args.index("--pool-name") + 1] == pool["metadata"]["name"]
+    account = epp["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in objs
+    binding = objs[("RoleBinding", "tokenmill-epp")]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    role = objs[("Role", binding["roleRef"]["name"])]
+    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"]
+              for g in rule["apiGroups"] for r in rule["resources"]}
+    assert {"get"} <= grants[("inference.networking.k8s.io", "inferencepools")]
+    assert {"list", "watch"} <= grants[("", "pods")]
+    # The DNS mode the manifest's comment offers still points at the pool's port.
+    headless = objs[("Service", "tokenmill-server-headless")]
+    assert headless["spec"]["ports"][0]["port"] == spec["targetPorts"][0]["number"]
     # The EPP's own CLI accepts these arguments.
     import argparse
 

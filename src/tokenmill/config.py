@@ -121,6 +121,10 @@ class EngineConfig:
     quantize_lm_head: bool = False
     memory_budget: int | None = None  # bytes for weights + KV pool together; KV gets what weights leave
     seed: int = 0
+    # With a memory_budget: never size the KV pool past what max_num_seqs sequences of
+    # max_model_len tokens can fill (a share of a large host would otherwise zero gigabytes
+    # no request can reach).
+    cap_kv_pool: bool = False
     num_threads: int | None = None  # torch intra-op threads; None: every core
     # vLLM's --speculative-config (JSON text or dict), e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: Any = None

@@ -31,6 +31,7 @@ class Target:
     ignore_eos: bool = True
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # --header KEY=VALUE
 
     @property
     def path(self) -> str:
@@ -40,6 +41,7 @@ class Target:
         h = {"Content-Type": "application/json", "Accept": "text/event-stream"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
+        h.update(self.extra_headers)
         return h
 
 

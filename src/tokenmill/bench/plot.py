@@ -20,7 +20,10 @@ def _cdf(ax: Any, values: list[float], label: str) -> None:
 
 
 def figure_png(result: dict[str, Any]) -> bytes:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'tokenmill[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -104,7 +104,7 @@ def save(result: dict[str, Any], path: str) -> None:
 def load(path: str) -> dict[str, Any]:
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     if not isinstance(data, dict) or "points" not in data:
-        raise ValueError(f"{path} is not a tokenmill bench result")
+        raise ValueError(f"{path} is neither a tokenmill nor a vLLM bench result")
     return data
 
 
@@ -129,11 +129,18 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
 
 
 def compare(paths: Sequence[str]) -> str:
-    """Metric rows x run columns; a sweep contributes one column per point."""
+    """Metric rows x run columns; a sweep contributes one column per point.
+    Reads tokenmill's result files and `vllm bench serve` ones alike."""
+    from tokenmill.bench.vllm_format import is_vllm_result, summary_from_vllm
+
     columns: list[tuple[str, Summary]] = []
     for path in paths:
-        data = load(path)
         name = Path(path).stem
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        if is_vllm_result(raw):
+            columns.append((name, summary_from_vllm(raw)))
+            continue
+        data = load(path)
         for p in data["points"]:
             label = name if len(data["points"]) == 1 else f"{name}:{p['label']}"
             columns.append((label, Summary.from_dict(p["summary"])))

@@ -98,12 +98,16 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
-async def resolve_model(client: httpx.AsyncClient, base_url: str) -> str:
+async def resolve_model(client: httpx.AsyncClient, base_url: str, api_key: str | None = None) -> str:
     """The first model the server lists; raises RuntimeError with a clear message."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        resp = await client.get(base_url + "/v1/models", timeout=15.0)
+        resp = await client.get(base_url + "/v1/models", timeout=15.0, headers=headers)
     except httpx.HTTPError as exc:
         raise RuntimeError(f"cannot reach {base_url}: {exc or type(exc).__name__}") from None
+    if resp.status_code in (401, 403):
+        raise RuntimeError(f"{base_url}/v1/models answered HTTP {resp.status_code}: give the server's key "
+                           "with --api-key or OPENAI_API_KEY")
     if resp.status_code != 200:
         raise RuntimeError(f"{base_url}/v1/models answered HTTP {resp.status_code}; pass --model")
     try:

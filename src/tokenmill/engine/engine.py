@@ -109,6 +109,9 @@ class LLMEngine:
                                  f"({self.weight_bytes} bytes)")
         num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
             cfg, block_size, self.dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction, self.device))
+        if config.cap_kv_pool and not cache_cfg.num_blocks and not cache_cfg.kv_cache_memory:
+            reachable = -(-config.scheduler.max_num_seqs * max_len // block_size) + 1
+            num_blocks = min(num_blocks, reachable)
         self.block_size = block_size
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)

@@ -22,7 +22,11 @@ _PROVIDERS: list[str] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    from .. import __version__
+    from ..cli_args import Parser
+
+    parser = Parser(prog="tokenmill", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _PROVIDERS:
         try:
@@ -36,12 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..cli_args import expand_config, unknown_flags_message
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    sub = _subparser(parser, command)
+    if sub is not None and any(a == "--config" or a.startswith("--config=") for a in argv):
+        argv = [argv[0]] + expand_config(argv[1:], sub, prog=sub.prog)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # one line naming the first flag not understood, under the command's name
+        prog = sub.prog if sub is not None else parser.prog
+        print(f"{prog}: error: {unknown_flags_message(extras)} (see {prog} --help)", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     return int(args.func(args) or 0)
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return None
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 from urllib.parse import urlsplit
 
 from starlette.requests import cookie_parser
@@ -169,7 +169,7 @@ def client_address(scope: Scope) -> str:
 class ConsoleSessions:
     """The API key and the console's live sessions (one per server)."""
 
-    api_key: str | None
+    api_key: str | Sequence[str] | None  # several keys: any of them is accepted
     ttl_s: float = SESSION_TTL_S
     max_sessions: int = MAX_SESSIONS
     clock: Callable[[], float] = time.monotonic
@@ -178,7 +178,11 @@ class ConsoleSessions:
     throttle: LoginThrottle = field(default_factory=LoginThrottle)
 
     def __post_init__(self) -> None:
-        self._key_digest = _digest(self.api_key) if self.api_key else None
+        keys = [self.api_key] if isinstance(self.api_key, str) else [k for k in self.api_key or [] if k]
+        keys = [k for k in keys if k]
+        self._key_digests = [_digest(k) for k in keys]
+        # kept for `enabled` and older callers: the first key's digest
+        self._key_digest = self._key_digests[0] if keys else None
 
     @property
     def enabled(self) -> bool:
@@ -187,9 +191,7 @@ class ConsoleSessions:
 
     # -- keys and tokens ---------------------------------------------------------
     def key_matches(self, given: str) -> bool:
-        if self._key_digest is None:
-            return False
-        return hmac.compare_digest(_digest(given), self._key_digest)
+        return _any_digest(_digest(given), self._key_digests)
 
     def open(self) -> str:
         """A new session; returns the token the cookie carries."""
@@ -241,8 +243,8 @@ class ConsoleSessions:
         """Which valid credential the request carries: the Bearer key, a live session cookie, or none."""
         if self._key_digest is None:
             return None
-        given = bearer_token(_headers(scope).get(b"authorization"))
-        if given is not None and hmac.compare_digest(_digest(given), self._key_digest):
+        given = bearer_token(_headers(scope).get(b"authorization"))  # the scheme in any letter case
+        if given is not None and _any_digest(_digest(given), self._key_digests):
             return "bearer"
         if self.valid(self.token_of(scope)):
             return "cookie"
@@ -268,6 +270,15 @@ class ConsoleSessions:
         if token is None:
             return f"{name}=; {attrs}; Max-Age=0"
         return f"{name}={token}; {attrs}; Max-Age={int(self.ttl_s)}"
+
+
+def _any_digest(given: bytes, digests: Sequence[bytes]) -> bool:
+    """Whether ``given`` equals one of ``digests``; compares against every one, so
+    the time taken does not tell which key (if any) matched."""
+    found = False
+    for digest in digests:
+        found |= hmac.compare_digest(given, digest)
+    return found
 
 
 def login_page(error: str | None = None) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 def register(subparsers: Any) -> None:
     from .serve_cli import add_engine_arguments
 
-    p = subparsers.add_parser("generate", help="print a chat answer to one prompt (no server)",
+    p = subparsers.add_parser("generate", allow_abbrev=False, help="print a chat answer to one prompt (no server)",
                               description="Answer one prompt with the model's chat template.")
     p.add_argument("prompt", help="the user message")
     p.add_argument("--system", default=None, help="optional system message")
@@ -76,13 +76,8 @@ def generate(prompt: str, *, system: str | None = None, max_tokens: int = 128, t
 
 
 def run(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
-                                   quantization=args.quantization, block_size=args.block_size,
-                                   enable_prefix_caching=not args.no_prefix_caching)
-    for key in ("kv_cache_memory", "max_model_len", "memory_budget", "quant_group_size", "quantize_lm_head",
-                "num_threads"):
-        if getattr(args, key, None) is not None:
-            options[key] = getattr(args, key)
+    from .serve_cli import engine_options
+
     generate(args.prompt, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-             seed=args.seed, raw=args.raw, stats=args.stats, **options)
+             seed=args.seed, raw=args.raw, stats=args.stats, **engine_options(args))
     return 0

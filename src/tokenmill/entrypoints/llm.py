@@ -16,11 +16,44 @@ from ..engine.engine import LLMEngine, SequenceDelta
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 
+def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``LLM(...)`` keywords in tokenmill's terms, with the same meanings as
+    `tokenmill serve`'s flags of those names (serve_cli.py)."""
+    import os
+
+    from ..cli_args import human_int
+    from .serve_cli import device_memory_bytes, resolve_dtype
+
+    out = dict(options)
+    device = out.get("device", "cpu")
+    out["dtype"] = resolve_dtype(str(out.get("dtype", "auto")), device)
+    if "kv_cache_memory_bytes" in out:
+        out["kv_cache_memory"] = out.pop("kv_cache_memory_bytes")
+    if isinstance(out.get("max_model_len"), str):
+        out["max_model_len"] = human_int(out["max_model_len"])
+    tp = int(out.pop("tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented")
+    fraction = out.pop("gpu_memory_utilization", None)
+    if fraction is not None and out.get("kv_cache_memory") is None and out.get("memory_budget") is None:
+        out["memory_budget"] = int(float(fraction) * device_memory_bytes(device))
+        out["cap_kv_pool"] = True
+    if out.pop("enforce_eager", False):
+        os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
+    out.pop("trust_remote_code", None)  # no code from model folders is ever run
+    return out
+
+
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
         loaded = engine_options.pop("loaded_model", None)
         tokenizer = engine_options.pop("tokenizer", None)
-        config = EngineConfig.from_options(model=model, dtype=dtype, **engine_options)
+        if isinstance(tokenizer, str):  # vLLM's tokenizer=PATH
+            from ..tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_model_path(tokenizer)
+        options = vllm_options(dict(engine_options, dtype=dtype))
+        config = EngineConfig.from_options(model=model, **options)
         self.engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

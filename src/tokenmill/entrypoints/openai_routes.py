@@ -45,14 +45,16 @@ def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
         raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
                        param="stop_token_ids")
 
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
+    defaults = state.settings.sampling_defaults  # --generation-config; a request's own values win
+
+    def pick(value: Any, default: Any, name: str = "") -> Any:
+        return defaults.get(name, default) if value is None else value
 
     try:
         return SamplingParams(
-            n=body.n, temperature=pick(body.temperature, 1.0), top_p=pick(body.top_p, 1.0),
-            top_k=pick(body.top_k, -1), min_p=pick(body.min_p, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            n=body.n, temperature=pick(body.temperature, 1.0, "temperature"), top_p=pick(body.top_p, 1.0, "top_p"),
+            top_k=pick(body.top_k, -1, "top_k"), min_p=pick(body.min_p, 0.0, "min_p"),
+            repetition_penalty=pick(body.repetition_penalty, 1.0, "repetition_penalty"),
             presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
             seed=_seed(body.seed), max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
             stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,

@@ -1,8 +1,28 @@
-"""`tokenmill serve`: the OpenAI-compatible server's command line."""
+"""`tokenmill serve`: the OpenAI-compatible server's command line.
+
+The flags follow `vllm serve` (same names, same meanings) so a launch line
+written for vLLM starts tokenmill unchanged; tokenmill's older names stay as
+aliases. Flags about a GPU say in their help what they mean on a CPU.
+Flags are grouped by concern, one function per group, so each can grow on
+its own.
+"""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from typing import Any
+
+from ..cli_args import human_int
+
+# The bundled model's name on the Hugging Face hub: a vLLM launch line names it
+# so, and tokenmill (which never downloads) serves its bundled copy for it.
+BUNDLED_HUB_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
+
+DTYPE_CHOICES = ["auto", "float32", "float", "bfloat16", "bf16", "float16", "half", "fp16"]
+_DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 
 def _positive(value: str) -> int:
@@ -12,15 +32,49 @@ def _positive(value: str) -> int:
     return n
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+def _model_len(value: str) -> int | None:
+    """--max-model-len: 4096, 4k (4,000), 4K (4,096); 'auto' or -1: the model's own."""
+    if value.strip().lower() in ("auto", "-1"):
+        return None
+    n = human_int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return n
+
+
+def _size(value: str) -> str:
+    """--kv-cache-memory-bytes: vLLM's 4G / 4g or tokenmill's 4GiB; kept as text for parse_size."""
+    try:
+        return str(human_int(value))
+    except argparse.ArgumentTypeError:
+        from_units = value.strip()
+        if not from_units or not (from_units[0].isdigit() or from_units[0] == "."):
+            raise argparse.ArgumentTypeError(f"not a size: {value!r}") from None
+        return from_units
+
+
+def _fraction(value: str) -> float:
+    x = float(value)
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return x
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """Aliases -> canonical names; 'auto' is left to the engine, which decides it for the
+    machine it runs on (engine/auto.py)."""
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def add_engine_arguments(p: Any) -> None:
     """Model and engine flags, shared with `tokenmill generate`."""
     p.add_argument("--model", default=None,
                    help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype; auto: bfloat16 where the CPU multiplies it natively (and on CUDA), "
-                        "else float32 (default float32)")
+    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, metavar="{auto,float32,bfloat16,float16}",
+                   help="compute dtype; auto: bfloat16 where the CPU multiplies it natively (and on CUDA), else "
+                        "float32 (default float32, the exact reference)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--quantization", default="none", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
+    p.add_argument("--quantization", "-q", default="none", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
                    help="weight quantization: none, int8, int4 (weight-only), gguf (keep the file's Q8_0/Q4_0/Q4_1 "
                         "blocks), w8a8 (int8 weights and dynamic int8 activations), auto (gguf when the file "
                         "has such blocks, else none) (default none)")
@@ -29,40 +83,108 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     p.add_argument("--threads", type=_positive, default=None,
                    dest="num_threads", help="torch intra-op threads for the engine (default: all cores)")
-    p.add_argument("--max-model-len", type=_positive, default=None,
-                   help="context length (default: the model's)")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="bytes for the KV pool, e.g. 2GiB (default: a share of free memory)")
+    p.add_argument("--max-model-len", type=_model_len, default=None,
+                   help="context length: 4096, 4k (=4000) or 4K (=4096); 'auto': the model's (default auto)")
+    p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=_size, default=None,
+                   help="bytes for the KV pool: 4G (=4 GiB), 4g (=4e9) or 4GiB; overrides "
+                        "--gpu-memory-utilization (default: a share of free memory)")
+    p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                   help="share of memory for the weights and the KV pool together: of the GPU's memory on CUDA; "
+                        "on CPU, of the host memory available at start (MemAvailable). The KV pool never "
+                        "exceeds what --max-num-seqs sequences of --max-model-len tokens can fill "
+                        "(default: 20%% of free memory for the KV pool)")
     p.add_argument("--num-blocks", type=_positive, default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-budget", default=None, help="bytes for weights + KV pool together, e.g. 4GiB")
     p.add_argument("--block-size", type=_positive, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=_positive, default=64, help="sequences per batch (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=None,
+    p.add_argument("--max-num-batched-tokens", type=human_int, default=None,
                    help="token budget per engine step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of shared prompt prefixes (default on)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help=argparse.SUPPRESS)  # older name of --no-enable-prefix-caching
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                        '"prompt_lookup_max": 4}\' (default off)')
+                        '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
 
 
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("serve", help="start the OpenAI-compatible server",
-                              description="Serve a model over an OpenAI-compatible HTTP API.")
-    add_engine_arguments(p)
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig options the engine flags ask for (serve and generate alike)."""
+    options: dict[str, Any] = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device),
+                                   device=args.device, quantization=args.quantization,
+                                   block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+    for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
+                "quantize_lm_head", "num_threads", "speculative_config"):
+        value = getattr(args, key, None)
+        if value is not None:
+            options[key] = value
+    fraction = getattr(args, "gpu_memory_utilization", None)
+    if fraction is not None and args.kv_cache_memory is None and args.memory_budget is None:
+        options["memory_budget"] = int(fraction * device_memory_bytes(args.device))
+        options["cap_kv_pool"] = True
+    return options
+
+
+def device_memory_bytes(device: str) -> int:
+    """What --gpu-memory-utilization is a share of: the GPU's total memory, or the
+    host memory available now (another process's memory is not ours to take)."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[1])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return int(pages * size)
+
+
+def add_server_arguments(p: Any) -> None:
+    """HTTP: where to listen, who may call, how it logs."""
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model' (default: the model file's name)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (also read from TOKENMILL_API_KEY); "
-                        "the web console then asks for it on a sign-in page and keeps a session cookie")
+                   help="name(s) clients use in 'model' (default: the model as given positionally, and the "
+                        "model file's name)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
+                        "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
+                        "it on a sign-in page and keeps a session cookie")
+    p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
+    p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="browser origins allowed by CORS: several values, a comma list or a JSON list "
+                        "(default: no CORS headers)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--uvicorn-log-level", default="warning", choices=UVICORN_LOG_LEVELS,
+                   help="log level of the HTTP server; info and below also log each HTTP access (default warning)")
+    p.add_argument("--enable-log-requests", "--log-requests", dest="log_requests", action="store_true",
+                   help="log each request and its outcome")
+    p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help=argparse.SUPPRESS)  # older vLLM name; off is the default
     p.add_argument("--max-waiting", type=_positive, default=None,
                    help="refuse new requests with 429 once this many are waiting (default: unbounded)")
     p.add_argument("--max-output-tokens", type=_positive, default=None,
                    help="cap on every request's output; also the default when a request gives no max_tokens")
-    p.add_argument("--log-requests", action="store_true", help="log each request and its outcome")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument("--max-request-bytes", type=_positive, default=None,
+                   help="refuse request bodies larger than this with 413 (default: 64 bytes per token of "
+                        "context, at least 1 MiB)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0,
+                   help="seconds a client has to send a whole request body (default 30)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
+
+
+def add_capture_arguments(p: Any) -> None:
+    """Traffic capture for later replay (`tokenmill bench --trace`)."""
     p.add_argument("--capture-traffic", metavar="FILE", default=None,
                    help="append one JSON line per finished request (lengths, timings, block hashes) to FILE")
     p.add_argument("--capture-text", action="store_true",
@@ -72,18 +194,191 @@ def register(subparsers: Any) -> None:
                    help="secret that keys the capture's prompt hashes (also read from TOKENMILL_CAPTURE_KEY); "
                         "replicas sharing it write comparable hashes (default: a random key kept in "
                         ".FILE.key beside the capture)")
-    p.add_argument("--shutdown-grace", type=float, default=30.0,
-                   help="seconds running requests may finish after SIGTERM (default 30)")
-    p.add_argument("--max-request-bytes", type=_positive, default=None,
-                   help="refuse request bodies larger than this with 413 (default: 64 bytes per token of "
-                        "context, at least 1 MiB)")
-    p.add_argument("--request-read-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a whole request body (default 30)")
-    p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
+
+
+def add_chat_template_argument(p: Any) -> None:
+    """--chat-template: a Jinja file (or the template text itself) that replaces the model's."""
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file (or the template text) to use instead of the model's")
+
+
+def add_model_source_arguments(p: Any) -> None:
+    """What else comes with the model: tokenizer, sampling defaults, seed, the config file."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model to serve, as in `vllm serve MODEL` (same as --model)")
+    p.add_argument("--config", metavar="FILE.yaml", default=None,
+                   help="YAML file of flags (keys are flag names, e.g. 'max-model-len: 4k'); "
+                        "flags on the command line win")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer to use instead of the model's: a GGUF file or a folder with tokenizer.json")
+    p.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' reads the model folder's generation_config.json, "
+                        "'vllm' (or 'tokenmill') uses built-in defaults, a folder reads its "
+                        "generation_config.json (default auto); a request's own values win")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine's random generator (default 0)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM launch lines; tokenmill runs no code from model folders")
+
+
+def add_device_arguments(p: Any) -> None:
+    """GPU-shaped flags of vLLM, with their CPU meaning."""
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV pool dtype: auto (the compute dtype) or that same dtype by name; the pool is "
+                        "always stored in the compute dtype (fp8 KV is not implemented)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never replay CUDA graphs (no effect on CPU, which has none)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive, default=1,
+                   help="devices per replica; only 1 (run replicas behind `tokenmill route` to use more)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted for vLLM launch lines; tokenmill logs no periodic stats")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
+                              description="Serve a model over an OpenAI-compatible HTTP API. "
+                                          "Takes `vllm serve` launch lines.")
+    add_model_source_arguments(p.add_argument_group("model"))
+    add_engine_arguments(p.add_argument_group("engine"))
+    add_device_arguments(p.add_argument_group("device (vLLM's GPU flags, with their CPU meaning)"))
+    add_chat_template_argument(p.add_argument_group("chat template"))
+    add_server_arguments(p.add_argument_group("HTTP server"))
+    add_capture_arguments(p.add_argument_group("traffic capture"))
     p.set_defaults(func=_run)
 
 
+# ---- checks before anything loads ----------------------------------------------
+
+def finalize_serve_args(args: argparse.Namespace) -> str | None:
+    """Fold vLLM spellings into one meaning and check what can be checked before the
+    model loads. Returns a one-line error, or None."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            return f"the model is given twice ({args.model_tag!r} and --model {args.model!r})"
+        args.model = args.model_tag
+        if not args.served_model_name and os.path.exists(args.model_tag):
+            # vLLM serves a model under the name it was launched with; the file's
+            # short name (tokenmill's default) is accepted too
+            stem = os.path.basename(os.path.normpath(args.model_tag))
+            stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
+            args.served_model_name = list(dict.fromkeys([args.model_tag, stem]))
+    if args.model is not None and not os.path.exists(args.model):
+        if args.model in BUNDLED_HUB_NAMES:
+            if not args.served_model_name:
+                args.served_model_name = [args.model]
+            args.model = None  # the bundled copy
+        else:
+            return (f"model {args.model!r} is not a local file or folder (tokenmill does not download "
+                    "models: pass a GGUF file or a Hugging Face folder)")
+    if args.tensor_parallel_size > 1:
+        return (f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; "
+                "run one replica per device behind `tokenmill route`")
+    compute = resolve_dtype(args.dtype, args.device)
+    kv = resolve_dtype(_KV_ALIASES.get(args.kv_cache_dtype.lower(), args.kv_cache_dtype.lower()), args.device)
+    if compute == "auto" and kv != "auto":  # what auto will be on this machine
+        import torch
+
+        from ..engine.auto import resolve_dtype as resolve_auto
+
+        compute = resolve_auto("auto", torch.device(args.device))[0]
+    if kv == "auto":
+        kv = compute
+    elif kv not in ("float32", "bfloat16", "float16"):
+        return (f"--kv-cache-dtype {args.kv_cache_dtype}: not supported; the KV pool is stored in the compute "
+                f"dtype ({compute}): use auto")
+    if kv != compute:
+        return (f"--kv-cache-dtype {args.kv_cache_dtype} differs from the compute dtype {compute}; the KV pool is "
+                f"stored in the compute dtype: use auto, or --dtype {kv}")
+    for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
+                       ("--chat-template", _template_path(args.chat_template)), ("--tokenizer", args.tokenizer)):
+        if path is not None and not os.path.exists(path):
+            return f"{flag} {path}: no such file"
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        return "--ssl-keyfile and --ssl-certfile go together"
+    gen = args.generation_config
+    if gen not in ("auto", "vllm", "tokenmill") and not os.path.isdir(gen):
+        return f"--generation-config {gen}: not 'auto', 'vllm' or a folder"
+    try:
+        args.allowed_origins = parse_origins(args.allowed_origins)
+    except ValueError as exc:
+        return f"--allowed-origins: {exc}"
+    return None
+
+
+_KV_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+
+
+def _template_path(value: str | None) -> str | None:
+    """A --chat-template value that looks like a file name (not template text)."""
+    if value is None or "{" in value or "\n" in value:
+        return None
+    return value
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's text: the file's contents, or the value itself if it is template text."""
+    path = _template_path(value)
+    if path is None:
+        return value
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if path.endswith(".json"):  # chat_template.json as Hugging Face writes it
+        data = json.loads(text)
+        text = data.get("chat_template", text) if isinstance(data, dict) else text
+    return text
+
+
+def parse_origins(values: list[str] | None) -> list[str] | None:
+    """'["a","b"]' (vLLM's JSON form), 'a,b' or several values -> ['a', 'b']."""
+    if not values:
+        return None
+    out: list[str] = []
+    for value in values:
+        value = value.strip()
+        if value.startswith("["):
+            try:
+                items = json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError(f"not a JSON list: {value}") from None
+            if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+                raise ValueError(f"expected a JSON list of strings: {value}")
+            out += items
+        else:
+            out += [x.strip() for x in value.split(",") if x.strip()]
+    return out
+
+
+def generation_defaults(choice: str, model_path: str | None) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json (--generation-config), in
+    SamplingParams' names; only the keys the file sets."""
+    if choice in ("vllm", "tokenmill"):
+        return {}
+    folder = model_path if choice == "auto" else choice
+    if not folder or not os.path.isdir(folder):
+        return {}  # a GGUF file carries no generation config
+    path = os.path.join(folder, "generation_config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    keys = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+    out: dict[str, Any] = {}
+    for key, kind in keys.items():
+        value = data.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = kind(value)
+    if out.get("top_k") == 0:  # Hugging Face's "off"
+        out["top_k"] = -1
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
+    import sys
+
+    problem = finalize_serve_args(args)
+    if problem:
+        print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+        return 2
     from .server import run_server
 
     return run_server(args)

@@ -176,14 +176,18 @@ def _settings_from_args(args: Any) -> ServerSettings:
         from ..model.bundled import default_model_path
 
         model_path = default_model_path()
+    keys = args.api_key or [k for k in (os.environ.get("TOKENMILL_API_KEY"), os.environ.get("VLLM_API_KEY")) if k]
+    from .serve_cli import generation_defaults
+
     return ServerSettings(
         served_model_names=list(names), model_path=model_path,
-        api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
+        api_key=(keys[0] if len(keys) == 1 else list(keys)) if keys else None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
         grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
-        request_read_timeout_s=getattr(args, "request_read_timeout", 30.0))
+        request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
+        sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path))
 
 
 def _default_model_name(path: str | None) -> str:
@@ -200,18 +204,39 @@ def _default_model_name(path: str | None) -> str:
 
 def engine_config_from_args(args: Any) -> Any:
     from ..config import EngineConfig
+    from .serve_cli import engine_options
 
-    options: dict[str, Any] = dict(model=args.model, dtype=args.dtype, device=args.device,
-                                   block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-                                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                   batching=args.batching, quantization=args.quantization,
-                                   max_waiting=args.max_waiting)
-    for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
-                "quantize_lm_head", "num_threads", "speculative_config"):
-        value = getattr(args, key, None)
-        if value is not None:
-            options[key] = value
+    options = engine_options(args)
+    options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0))
     return EngineConfig.from_options(**options)
+
+
+def tokenizer_from_args(args: Any) -> Any:
+    """The tokenizer --tokenizer / --chat-template ask for, or None for the model's own."""
+    tokenizer_path = getattr(args, "tokenizer", None)
+    template = getattr(args, "chat_template", None)
+    if tokenizer_path is None and template is None:
+        return None
+    from ..tokenizer import Tokenizer
+    from .serve_cli import read_chat_template
+
+    tok = Tokenizer.from_model_path(tokenizer_path or args.model)
+    if template is not None:
+        tok.chat_template = read_chat_template(template)
+        tok.has_chat_template = True
+    return tok
+
+
+def add_cors(app: Any, origins: list[str] | None, allow_credentials: bool = False) -> None:
+    """CORS headers for the browser origins --allowed-origins names (none: no CORS).
+    Added last, so preflight requests are answered before the API-key gate."""
+    if not origins:
+        return
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=allow_credentials,
+                       allow_methods=["*"], allow_headers=["*"])
 
 
 def _human(n: float) -> str:
@@ -281,21 +306,30 @@ def run_server(args: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _settings_from_args(args)
     config = engine_config_from_args(args)
-    engine = LLMEngine(config)
+    if getattr(args, "enforce_eager", False):
+        os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
+    tokenizer = tokenizer_from_args(args)  # None: the model's own
+    engine = LLMEngine(config) if tokenizer is None else LLMEngine(config, tokenizer=tokenizer)
     aengine = AsyncEngine(engine)
     app = build_app(aengine, settings)
     # /v1/engine/stats always; the web console at GET / unless --no-ui (entrypoints/console.py)
     from .console import mount_console
     mount_console(app, ui=not getattr(args, "no_ui", False))
+    add_cors(app, getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
     state: ServerState = app.state.tokenmill
-    url = f"http://{args.host}:{args.port}"
+    ssl = bool(getattr(args, "ssl_certfile", None))
+    url = f"{'https' if ssl else 'http'}://{args.host}:{args.port}{getattr(args, 'root_path', '') or ''}"
     log.info("tokenmill serving model=%s (%s) dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens "
              "max_model_len=%d prefix_caching=%s url=%s", settings.served_model_names[0],
              args.model or "bundled SmolLM2-135M-Instruct", config.dtype, config.quantization,
              _human(engine.weight_bytes), engine.pool.num_blocks, engine.block_size, state.pool_tokens,
              engine.max_model_len, engine.prefix_cache is not None, url)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                               timeout_graceful_shutdown=1, access_log=False)
+    level = getattr(args, "uvicorn_log_level", "warning")
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
+                               timeout_graceful_shutdown=1, access_log=level in ("info", "debug", "trace"),
+                               root_path=getattr(args, "root_path", "") or "",
+                               ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                               ssl_certfile=getattr(args, "ssl_certfile", None))
     # what loading freed (file buffers, dequantization scratch) goes back now, the rest of
     # what requests free every half minute (entrypoints/heap.py)
     trim_heap()

@@ -32,7 +32,7 @@ class ServerSettings:
 
     served_model_names: list[str] = field(default_factory=lambda: ["tokenmill"])
     model_path: str | None = None
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # several: any of them opens the API
     max_waiting: int | None = None
     max_output_tokens: int | None = None
     log_requests: bool = False
@@ -44,6 +44,8 @@ class ServerSettings:
     max_request_bytes: int | None = None  # request body limit (None: request_guard.default_body_limit)
     request_read_timeout_s: float = 30.0  # the whole body must arrive within this
     retry_after_s: int = 1
+    # sampling defaults for what a request leaves unset (--generation-config), SamplingParams' names
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

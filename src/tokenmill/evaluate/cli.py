@@ -23,7 +23,7 @@ def sample_path(name: str) -> Path:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("eval", help="quality re-test: base vs quantized candidates",
+    p = subparsers.add_parser("eval", allow_abbrev=False, help="quality re-test: base vs quantized candidates",
                               description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                               epilog="Candidates: int8, int4, gguf, w8a8, none; options after colons: "
                                      "int4:g64, int8:lm_head, none:bf16.")

@@ -13,7 +13,7 @@ from .config import POLICIES, RouterConfig
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "route",
+        "route", allow_abbrev=False,
         help="cache-aware router over many tokenmill (or vLLM) replicas",
         description="OpenAI-compatible reverse proxy that sends each request to the replica most "
                     "likely to hold its prefix in cache, unless that replica is overloaded. With "
@@ -24,6 +24,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
                    help="DNS name whose addresses are backends, re-resolved every health interval "
                         "(e.g. a headless Service in Kubernetes)")
+    p.add_argument("--pool-name", default=None, metavar="NAME",
+                   help="take replicas from the Kubernetes API: the ready pods the InferencePool NAME selects, "
+                        "watched (in-cluster credentials, else KUBECONFIG); needs get on inferencepools and "
+                        "list/watch on pods")
+    p.add_argument("--pool-namespace", default=None, metavar="NS",
+                   help="the InferencePool's namespace (default: POD_NAMESPACE, else the pod's own)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
@@ -54,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
+    p.add_argument("--fallback-endpoints", type=int, default=2, metavar="N",
+                   help="endpoint picker: other ready endpoints listed after the pick, which the gateway tries "
+                        "in turn if it fails (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -61,6 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         backends=list(args.backend), backend_dns=list(args.backend_dns), host=args.host, port=args.port,
+        pool_name=args.pool_name, pool_namespace=args.pool_namespace,
         policy=args.policy, api_key=args.api_key, backend_api_key=args.backend_api_key,
         tokenizer=args.tokenizer, remote_tokenize=not args.no_remote_tokenize, block_size=args.block_size,
         chars_per_block=args.chars_per_block, index_capacity_blocks=args.index_capacity,
@@ -68,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
+        fallback_endpoints=args.fallback_endpoints,
     )
 
 
@@ -86,11 +97,25 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logging.getLogger("tokenmill.router").error("%s", exc)
         return 2
+    if config.endpoint_picker:
+        try:
+            from . import ext_proc  # noqa: F401 - gRPC and Envoy's protos
+        except ImportError as exc:
+            logging.getLogger("tokenmill.router").error(
+                "--endpoint-picker needs the router extra (%s): pip install 'tokenmill[router]'", exc.name or exc)
+            return 2
+    if config.pool_name:
+        try:
+            import kubernetes  # noqa: F401
+        except ImportError:
+            logging.getLogger("tokenmill.router").error(
+                "--pool-name needs the Kubernetes client: pip install 'tokenmill[router]'")
+            return 2
     server = RouterServer(config, log_level=args.log_level)
     logging.getLogger("tokenmill.router").info(
         "routing %s with policy %s on http://%s:%d (tokenizer: %s)",
-        ", ".join(config.backends + config.backend_dns), config.policy, config.host, config.port,
-        server.router.tokenizer.mode)
+        ", ".join(config.backends + config.backend_dns) or f"InferencePool {config.pool_name}", config.policy,
+        config.host, config.port, server.router.tokenizer.mode)
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:

@@ -22,6 +22,9 @@ class RouterConfig:
 
     backends: list[str] = field(default_factory=list)
     backend_dns: list[str] = field(default_factory=list)
+    # Members from the Kubernetes API: the ready pods an InferencePool selects (k8s_pool.py).
+    pool_name: str | None = None
+    pool_namespace: str | None = None  # default: POD_NAMESPACE, else the service account's
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "prefix"
@@ -66,13 +69,18 @@ class RouterConfig:
     endpoint_picker: bool = False
     grpc_port: int = 9002
     grpc_host: str | None = None  # default: same as host
+    fallback_endpoints: int = 2  # other endpoints after the pick in x-gateway-destination-endpoint
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if not self.backends and not self.backend_dns:
-            raise ValueError("give at least one --backend URL or --backend-dns name:port")
+        if not self.backends and not self.backend_dns and not self.pool_name:
+            raise ValueError("give at least one --backend URL, --backend-dns name:port or --pool-name")
+        if self.backend_dns and self.pool_name:
+            raise ValueError("give --backend-dns or --pool-name, not both")
         if self.block_size < 1 or self.chars_per_block < 1:
             raise ValueError("block sizes must be positive")
+        if self.fallback_endpoints < 0:
+            raise ValueError("--fallback-endpoints must be >= 0")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")

@@ -125,6 +125,15 @@ class Router:
         self.acquire(decision, keys)
         return decision
 
+    def fallbacks(self, primary: Backend, n: int, subset: Collection[str] | None = None) -> list[Backend]:
+        """Up to ``n`` other ready backends for the gateway to try if ``primary``
+        fails, least loaded first (their caches are no better a guess than load)."""
+        if n <= 0:
+            return []
+        w = self.config.kv_usage_weight
+        others = [b for b in self.candidates(subset=subset) if b is not primary]
+        return sorted(others, key=lambda b: (b.load(w), b.url))[:n]
+
     def acquire(self, decision: Decision, keys: list[bytes]) -> None:
         b = decision.backend
         b.in_flight += 1

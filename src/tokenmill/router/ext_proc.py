@@ -9,16 +9,29 @@ with
   with ``clear_route_cache`` so the gateway re-evaluates the route, and
 - the same value in dynamic metadata under the ``envoy.lb`` namespace,
 
-or an immediate 503 (no ready endpoint) / 429 (request shed). The gateway
-may restrict the choice with ``x-gateway-destination-endpoint-subset`` in the
+or an immediate 503 (no ready endpoint) / 429 (request shed). The value is a
+fallback list, ``ip:port,ip:port,...``: the pick first, then up to
+``fallback_endpoints`` other ready endpoints, least loaded first, which the
+gateway tries in turn when the pick fails. The gateway may restrict the
+choice with ``x-gateway-destination-endpoint-subset`` in the
 ``envoy.lb.subset_hint`` filter metadata; then only those endpoints count.
 
-Body modes: with BUFFERED (and the older STREAMED/partial modes) the headers
-are answered at once with CONTINUE and the pick rides on the response to the
-final body message. With FULL_DUPLEX_STREAMED (what the extension's gateways
-configure), Envoy does not wait for per-message answers, so the headers
-answer is held until the body has ended and then sent with the mutation,
-followed by the body itself as a streamed body response.
+Request body modes (``processing_mode.request_body_mode`` in the gateway's
+ext_proc filter, which Envoy reports in ``protocol_config``):
+
+- BUFFERED: the headers are answered at once with CONTINUE and the pick rides
+  on the response to the whole body. Also assumed when the gateway sends no
+  ``protocol_config`` (Envoy before it existed could only do this usefully).
+- FULL_DUPLEX_STREAMED (what the extension's gateways configure): Envoy does
+  not wait for per-message answers, so the headers answer is held until the
+  body has ended and then sent with the mutation, followed by the body itself
+  as a streamed body response.
+- NONE: no body comes, so the pick is made on the headers (load only, no
+  prefix affinity).
+- STREAMED and BUFFERED_PARTIAL are refused with an immediate 500 that says
+  so: Envoy applies header mutations on a body response only in BUFFERED
+  mode, so in these modes it would drop the pick and route the request as if
+  no picker existed.
 
 The Envoy messages come from the ``xds-protos`` package (generated from
 envoyproxy/data-plane-api), never hand-written copies.
@@ -51,6 +64,10 @@ LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BODY_MODE_NONE = processing_mode_pb2.ProcessingMode.NONE
+# Modes in which Envoy ignores a body response's header mutation (see the module doc).
+REFUSED_BODY_MODES = {processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED",
+                      processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL: "BUFFERED_PARTIAL"}
 
 
 def header_value(h: base_pb2.HeaderValue) -> str:
@@ -126,7 +143,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self.router.release(st.backend)
 
     async def _pick(self, st: _Stream) -> ep.ProcessingResponse | str:
-        """The chosen endpoint, or an immediate-response message."""
+        """The chosen endpoint and its fallbacks (``ip:port,ip:port``), or an
+        immediate-response message."""
         path = st.headers.get(":path", "").split("?")[0]
         try:
             body = json.loads(bytes(st.body)) if st.body else None
@@ -142,7 +160,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return immediate(429, "all endpoints are saturated; retry later", "overloaded")
         st.backend = decision.backend
         log.debug("picked %s for %s (%s)", decision.backend.endpoint, path, decision.reason)
-        return decision.backend.endpoint
+        fallbacks = self.router.fallbacks(decision.backend, self.router.config.fallback_endpoints, st.subset)
+        return ",".join([decision.backend.endpoint] + [b.endpoint for b in fallbacks])
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
@@ -152,10 +171,17 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
                     st.headers = headers_of(req.request_headers)
-                    st.duplex_request = req.protocol_config.request_body_mode == FULL_DUPLEX
+                    mode = req.protocol_config.request_body_mode if req.HasField("protocol_config") else None
+                    st.duplex_request = mode == FULL_DUPLEX
                     st.duplex_response = req.protocol_config.response_body_mode == FULL_DUPLEX
                     st.subset = subset_of(req.metadata_context)
-                    if req.request_headers.end_of_stream:  # no body (GET): pick now
+                    if mode in REFUSED_BODY_MODES:
+                        self._warn_mode(REFUSED_BODY_MODES[mode])
+                        yield immediate(500, f"endpoint picker: request body mode {REFUSED_BODY_MODES[mode]} is "
+                                        "not supported (Envoy would drop the pick); configure BUFFERED or "
+                                        "FULL_DUPLEX_STREAMED", "unsupported_body_mode")
+                        return
+                    if req.request_headers.end_of_stream or mode == BODY_MODE_NONE:  # no body coming: pick now
                         picked = await self._pick(st)
                         if isinstance(picked, ep.ProcessingResponse):
                             yield picked
@@ -207,6 +233,15 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         finally:
             # The gateway closes the stream when the HTTP exchange ends (or fails).
             self._release(st)
+
+    _warned: set[str] = set()
+
+    def _warn_mode(self, mode: str) -> None:
+        if mode not in self._warned:
+            self._warned.add(mode)
+            log.error("the gateway sends request bodies in %s mode, in which Envoy ignores the picker's "
+                      "destination header; set the ext_proc filter's request_body_mode to FULL_DUPLEX_STREAMED "
+                      "or BUFFERED (each such request is refused with 500)", mode)
 
     def _note_served(self, st: _Stream, served: str | None) -> None:
         """The gateway fell back to another endpoint: move the in-flight count."""

@@ -8,7 +8,9 @@ with an empty prefix index, since a restarted server has an empty cache.
 
 ``backend_dns`` names (a headless Service in Kubernetes) are re-resolved on
 the same beat, so pods that come and go join and leave the pool without the
-router needing the Kubernetes API.
+router needing the Kubernetes API. With ``pool_name`` the members are the
+ready pods of that InferencePool, watched through the Kubernetes API
+(k8s_pool.py) and synced on the same beat.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class BackendPool:
         self.on_health_change = on_health_change
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self.membership = None  # k8s_pool.PoolMembership with pool_name, from start()
         for url in config.backends:
             self._add(normalize_url(url))
 
@@ -181,9 +184,19 @@ class BackendPool:
             ratio = (stats.block_size or self.config.block_size) / self.config.block_size
             backend.index.resize(int(stats.num_gpu_blocks * ratio))
 
+    def _sync_members(self, urls: set[str]) -> None:
+        """Discovered backends (InferencePool pods) become exactly ``urls``."""
+        for url in urls:
+            self._add(url, from_dns=True)
+        for url in [u for u, b in self.backends.items() if b.from_dns and u not in urls]:
+            log.info("backend %s left the pool; removing", url)
+            del self.backends[url]
+
     async def check_all(self) -> None:
         if self.config.backend_dns:
             await self._resolve_dns()
+        if self.membership is not None:
+            self._sync_members(self.membership.endpoints())
         await asyncio.gather(*(self.check(b) for b in list(self.backends.values())))
 
     async def _loop(self) -> None:
@@ -204,10 +217,19 @@ class BackendPool:
                 pass
 
     async def start(self) -> None:
+        if self.config.pool_name and self.membership is None:
+            from .k8s_pool import PoolMembership
+
+            loop = asyncio.get_running_loop()
+            self.membership = PoolMembership(self.config.pool_name, self.config.pool_namespace,
+                                             on_change=lambda: loop.call_soon_threadsafe(self._wake.set))
+            await asyncio.to_thread(self.membership.start)
         await self.check_all()
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
+        if self.membership is not None:
+            await asyncio.to_thread(self.membership.stop)
         if self._task:
             self._task.cancel()
             try:
