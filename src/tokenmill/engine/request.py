@@ -35,6 +35,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +116,8 @@ class Request:
     num_cached_blocks: int = 0
     # Scheduler step at which it last joined the running batch (prefill ordering).
     admitted_step: int = 0
+    # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -66,6 +66,9 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> N
 
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     for row, req in enumerate(requests):
+        # a grammar decides when EOS may come; banning it too could leave nothing allowed
+        if getattr(req, "grammar", None) is not None:
+            continue
         if len(req.output_token_ids) < req.params.min_tokens:
             banned = set(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
@@ -114,20 +117,28 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return fast if fast is not None else logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` ([B, V] float32)."""
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None,
+           token_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` ([B, V] float32). ``token_mask``: rows and
+    their grammar bitmasks (engine/structured.py), applied after penalties."""
     batch, vocab = logits.shape
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     penalties = any(r.params.needs_penalties for r in requests)
     min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
-    if penalties or min_tokens:
+    masked = token_mask is not None and bool(token_mask[0])
+    if penalties or min_tokens or masked:
         logits = logits.clone()
         if penalties:
             _apply_penalties(logits, requests)
         if min_tokens:
             _mask_min_tokens(logits, requests)
+        if masked:
+            from ..engine.structured import apply_bitmask
+
+            assert token_mask is not None
+            apply_bitmask(logits, token_mask[0], token_mask[1])
 
     chosen = _argmax(logits)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
