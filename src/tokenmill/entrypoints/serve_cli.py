@@ -65,6 +65,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "qwen", "qwen2_5", "llama3_json", "llama4_json", "mistral"],
+                   help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
     p.set_defaults(func=_run)
 
 

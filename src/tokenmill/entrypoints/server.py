@@ -94,10 +94,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.state.tokenmill = state
     install_error_handlers(app)
     app.include_router(router)
+    from .responses_api import router as responses_router
+
+    app.include_router(responses_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
     app.add_middleware(GateMiddleware, state=state, sessions=sessions)
+    from .request_id import RequestIdMiddleware
+
+    app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
     return app
 
 
@@ -110,6 +116,15 @@ def _misc_routes(app: FastAPI) -> None:
         root = state.settings.model_path
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
                                for name in state.settings.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
+    async def get_model(model_id: str, request: Request) -> ModelCard:
+        state = get_state(request)
+        if model_id not in state.settings.served_model_names:
+            raise APIError(404, f"the model {model_id!r} does not exist (served: "
+                           f"{', '.join(state.settings.served_model_names)})", param="model",
+                           code="model_not_found")
+        return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
@@ -172,7 +187,9 @@ def _settings_from_args(args: Any) -> ServerSettings:
         api_key=args.api_key or os.environ.get("TOKENMILL_API_KEY") or None,
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
-        grace_period_s=args.shutdown_grace)
+        grace_period_s=args.shutdown_grace,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def _default_model_name(path: str | None) -> str:
