@@ -87,3 +87,22 @@ def test_eos_only_when_the_grammar_accepts(llm):
     params = SamplingParams(temperature=1.5, seed=11, max_tokens=20, structured=GrammarSpec("regex", r"[0-9]{4}"))
     for out in _gen(llm, ["a", "b", "c"], params):
         assert re.fullmatch(r"[0-9]{4}", out[0].text)
+
+
+def test_objects_are_closed_unless_the_schema_opens_them(llm):
+    from tokenmill.engine.structured import closed_schema
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "array", "items": {"type": "object",
+                                                                                "properties": {}}}},
+              "$defs": {"D": {"type": "object", "properties": {"x": {}}, "additionalProperties": True}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the caller's schema is not modified
+    # through the engine: only the listed key can appear
+    spec = GrammarSpec("json", {"type": "object", "properties": {"k": {"type": "boolean"}}})
+    for out in _gen(llm, ["p", "q"], SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=spec)):
+        assert set(json.loads(out[0].text)) <= {"k"}

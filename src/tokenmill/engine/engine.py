@@ -207,7 +207,7 @@ class LLMEngine:
         try:
             logits, sampled = self.runner.execute(batch.items)
         finally:
-            mask = masks.result() if masks is not None else None
+            mask = self.structured.wait(masks) if masks is not None else None
         self.scheduler.after_step(batch)
         token_mask = None
         if mask is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class GrammarSpec:
                 schema = {} if schema else {"not": {}}
             if not isinstance(schema, dict):
                 raise ValueError("the JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(closed_schema(schema), defaults=_JSON_OPTIONS)
         if self.kind == "regex":
             if not isinstance(self.value, str):
                 raise ValueError("the regex must be a string")
@@ -95,6 +96,33 @@ class GrammarSpec:
         raise ValueError(f"unknown structured output kind {self.kind!r}")
 
 
+def closed_schema(schema: Any, depth: int = 0) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its
+    properties and says nothing about others (``true`` stays open).
+
+    Why: a schema's author almost always means the keys listed (OpenAI's strict
+    mode requires saying so, and xgrammar, vLLM's default backend, assumes it);
+    left open, a small model constrained to the object tends to invent extra
+    keys with long free-text values until max_tokens instead of closing it."""
+    if depth > 32:
+        return schema
+    if isinstance(schema, list):
+        return [closed_schema(s, depth + 1) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_schema(v, depth + 1) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
+    for key in ("properties", "$defs", "definitions"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {k: closed_schema(v, depth + 1) for k, v in schema[key].items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMA_KEYS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else")
+
+
 class GrammarError(ValueError):
     """A grammar the engine cannot enforce; the message names the part."""
 
@@ -117,6 +145,10 @@ class StructuredOutputs:
         self._templates: OrderedDict[str, Any] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32
+        # what masks cost: time spent filling them, and the part of it the step waited for
+        self.mask_rows = 0
+        self.mask_seconds = 0.0
+        self.mask_wait_seconds = 0.0
 
     def _tok(self) -> Any:
         """The llguidance tokenizer, built on first use (~0.3 s at a 49k vocabulary)."""
@@ -167,8 +199,18 @@ class StructuredOutputs:
         from llguidance.torch import fill_next_token_bitmask_par
 
         self._tok()
+        started = time.perf_counter()
         mask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
         fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        self.mask_rows += len(matchers)
+        self.mask_seconds += time.perf_counter() - started
+        return mask
+
+    def wait(self, future: "Future[torch.Tensor]") -> torch.Tensor:
+        """The masks of ``fill_async``; the time spent waiting here is what they cost the step."""
+        started = time.perf_counter()
+        mask = future.result()
+        self.mask_wait_seconds += time.perf_counter() - started
         return mask
 
     def fill_async(self, matchers: Sequence[Any]) -> "Future[torch.Tensor]":

@@ -40,10 +40,9 @@ class ToolPlan:
         return [t["function"]["name"] for t in self.tools]
 
     def params_of(self, name: str) -> dict[str, Any]:
-        """The parameters schema the call is constrained to: closed objects (see closed_schema)."""
         for t in self.tools:
             if t["function"]["name"] == name:
-                return closed_schema(t["function"].get("parameters") or _EMPTY_PARAMS)
+                return t["function"].get("parameters") or _EMPTY_PARAMS
         return _EMPTY_PARAMS
 
     def grammar(self) -> GrammarSpec | None:
@@ -66,30 +65,6 @@ class ToolPlan:
     @property
     def constrained(self) -> bool:
         return self.mode in ("required", "named")
-
-
-def closed_schema(schema: Any, depth: int = 0) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object that lists its
-    properties and says nothing about others. A function takes the arguments it
-    declares; left open, a small model forced into the arguments object tends to
-    invent extra keys (with long free-text values) instead of closing it."""
-    if depth > 32:
-        return schema
-    if isinstance(schema, list):
-        return [closed_schema(s, depth + 1) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: closed_schema(v, depth + 1) if k in _SUBSCHEMA_KEYS else v for k, v in schema.items()}
-    for key in ("properties", "$defs", "definitions"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {k: closed_schema(v, depth + 1) for k, v in schema[key].items()}
-    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
-            and "patternProperties" not in schema:
-        out["additionalProperties"] = False
-    return out
-
-
-_SUBSCHEMA_KEYS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else")
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool,
