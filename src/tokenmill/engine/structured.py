@@ -175,9 +175,9 @@ class StructuredOutputs:
         tok = self._tok()
         try:
             grammar = spec.to_llguidance()
-        except ValueError as exc:
-            raise GrammarError(str(exc)) from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+        except Exception as exc:  # noqa: BLE001 - whatever the input did to the compiler, it is the input's fault
+            raise GrammarError(_first_line(str(exc))) from None
         if is_error or messages:
             # warnings name keywords the compiler would ignore: refuse instead of half-enforcing
             raise GrammarError(_first_line(messages[0]) if messages else "the grammar is invalid")

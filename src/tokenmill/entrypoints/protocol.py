@@ -140,11 +140,22 @@ class TextPart(_Model):
     text: str
 
 
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=256)
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=256)
     tool_call_id: str | None = None
 
     def text(self) -> str:

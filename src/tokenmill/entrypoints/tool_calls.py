@@ -116,14 +116,14 @@ def template_message(m: Any) -> dict[str, Any]:
     if m.tool_calls:
         calls = []
         for call in m.tool_calls:
-            fn = dict(call.get("function") or {})
-            args = fn.get("arguments")
+            args: Any = call.function.arguments
             if isinstance(args, str):
                 try:
-                    fn["arguments"] = json.loads(args) if args.strip() else {}
+                    args = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError:
                     pass  # leave the text as given
-            calls.append({"id": call.get("id"), "type": call.get("type", "function"), "function": fn})
+            calls.append({"id": call.id, "type": call.type,
+                          "function": {"name": call.function.name, "arguments": args}})
         out["tool_calls"] = calls
         if m.content is None:
             out["content"] = None
