@@ -163,7 +163,8 @@ def extract(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
                  for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and plan.parser is not None:
-        return plan.parser.extract(text)
+        content, calls = plan.parser.extract(text)
+        return content, calls if plan.parallel else calls[:1]
     return text, []
 
 
