@@ -106,3 +106,13 @@ def test_objects_are_closed_unless_the_schema_opens_them(llm):
     spec = GrammarSpec("json", {"type": "object", "properties": {"k": {"type": "boolean"}}})
     for out in _gen(llm, ["p", "q"], SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured=spec)):
         assert set(json.loads(out[0].text)) <= {"k"}
+
+
+def test_grammar_state_survives_preemption(tiny_llm_factory):
+    llm = tiny_llm_factory(num_blocks=10, max_num_batched_tokens=64)
+    spec = GrammarSpec("regex", r"(ab|cd){20}[0-9]{10}")
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=60, structured=spec)
+    outs = llm.generate([f"prompt {i}" for i in range(6)], params)
+    assert llm.engine.total_preemptions > 0
+    for out in outs:
+        assert re.fullmatch(r"(ab|cd){20}[0-9]{10}", out.outputs[0].text), out.outputs[0].text

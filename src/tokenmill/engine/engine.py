@@ -210,11 +210,16 @@ class LLMEngine:
             mask = self.structured.wait(masks) if masks is not None else None
         self.scheduler.after_step(batch)
         token_mask = None
-        if mask is not None:
+        rows = [row for row, r in enumerate(sampled) if r.grammar is not None]
+        if rows:
             where = {id(r): i for i, r in enumerate(constrained)}
-            rows = [row for row, r in enumerate(sampled) if id(r) in where]
-            order = torch.tensor([where[id(sampled[row])] for row in rows], dtype=torch.long)
-            token_mask = (rows, mask.index_select(0, order))
+            if mask is None or any(id(sampled[row]) not in where for row in rows):
+                # the runner sampled a row the prediction missed: fill its masks now
+                mask = self.structured.fill([sampled[row].grammar for row in rows])
+                token_mask = (rows, mask)
+            else:
+                order = torch.tensor([where[id(sampled[row])] for row in rows], dtype=torch.long)
+                token_mask = (rows, mask.index_select(0, order))
         result = sample(logits, sampled, self.generator, token_mask) if sampled else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
