@@ -350,3 +350,12 @@ def test_model_by_id_and_request_id_header(app):
     assert r.headers["x-request-id"] == "my-trace-42"
     r = call(app, "GET", "/v1/nothing", headers={"x-request-id": "abc"})
     assert r.status_code == 404 and r.headers["x-request-id"] == "abc"
+
+
+def test_router_routes_responses_on_their_text():
+    from tokenmill.router.tokenize import prompt_of
+
+    text, ids = prompt_of("/v1/responses", {"input": "hello there", "instructions": "be brief"})
+    assert ids is None and "be brief" in text and "hello there" in text
+    assert prompt_of("/v1/responses", {"input": [{"role": "user", "content": "a"}]})[0] == "<|user|>\na\n"
+    assert prompt_of("/v1/responses", {"input": 5}) == ("", None)
