@@ -359,3 +359,15 @@ def test_router_routes_responses_on_their_text():
     assert ids is None and "be brief" in text and "hello there" in text
     assert prompt_of("/v1/responses", {"input": [{"role": "user", "content": "a"}]})[0] == "<|user|>\na\n"
     assert prompt_of("/v1/responses", {"input": 5}) == ("", None)
+
+
+def test_serve_flags_choose_the_tool_parser():
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.server import _settings_from_args
+
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    settings = _settings_from_args(args)
+    assert settings.enable_auto_tool_choice and settings.tool_call_parser == "llama3_json"
+    assert not _settings_from_args(build_parser().parse_args(["serve"])).enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nonsense"])
