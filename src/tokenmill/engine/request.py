@@ -69,6 +69,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.structured is not None and not hasattr(self.structured, "to_llguidance"):
+            raise ValueError("structured must be a GrammarSpec (tokenmill.GrammarSpec)")
 
     @property
     def greedy(self) -> bool:

@@ -157,13 +157,6 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 # ---- output --------------------------------------------------------------------
 
 @dataclass
-class _Outcome:
-    text: str = ""
-    finish: str | None = None
-    tally: _Tally | None = None
-
-
-@dataclass
 class _Spec:
     response_id: str
     model: str
@@ -322,7 +315,6 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
     tally = _Tally([job])
     ts = ToolStream(spec.plan) if spec.plan is not None else None
     finish: str | None = None
-    called = False
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
@@ -332,7 +324,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
             if d.finished:
                 finish = d.finish_reason
                 if ts is not None:
-                    rest, called = ts.finish()
+                    rest, _ = ts.finish()
                     for chunk in pieces(rest):
                         yield chunk
         if not output and open_msg is None and open_call is None:
