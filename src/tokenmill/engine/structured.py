@@ -172,7 +172,10 @@ class StructuredOutputs:
             if template is not None:
                 self._templates.move_to_end(key)
                 return template.deep_copy()
-        tok = self._tok()
+        try:
+            tok = self._tok()
+        except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read
+            raise GrammarError(f"structured outputs are not available with this model's tokenizer: {exc}") from None
         try:
             grammar = spec.to_llguidance()
             is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
