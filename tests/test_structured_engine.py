@@ -116,3 +116,22 @@ def test_grammar_state_survives_preemption(tiny_llm_factory):
     assert llm.engine.total_preemptions > 0
     for out in outs:
         assert re.fullmatch(r"(ab|cd){20}[0-9]{10}", out.outputs[0].text), out.outputs[0].text
+
+
+def test_apply_bitmask_masks_exactly_the_cleared_bits():
+    import torch
+
+    from tokenmill.model.sampler import apply_bitmask
+
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=g)
+    allowed = torch.rand(2, 96, generator=g) < 0.3
+    allowed[1] = False  # a row allowing nothing is left as it was
+    words = (allowed.view(2, 3, 32).long() << torch.arange(32)).sum(-1)
+    mask = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    out = logits.clone()
+    apply_bitmask(out, [2, 0], mask)
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[0], logits[0])
+    expect = logits[2].masked_fill(~allowed[0, :vocab], float("-inf"))
+    assert torch.equal(out[2], expect)

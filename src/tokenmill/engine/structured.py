@@ -229,23 +229,3 @@ def _first_line(message: str) -> str:
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     text = " ".join(lines[:4]) if lines else "the grammar is invalid"
     return text if len(text) <= 400 else text[:400] + "..."
-
-
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> None:
-    """Set logits of tokens outside each row's grammar to -inf, in place.
-
-    A row whose mask allows nothing (an exhausted or broken grammar) keeps its
-    EOS-free logits untouched rather than becoming all -inf: the engine finishes
-    such sequences itself."""
-    vocab = logits.shape[-1]
-    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(mask.shape[0], -1)[:, :vocab]
-    allowed = allowed.to(logits.device)
-    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, index)
-    empty = ~allowed.any(dim=-1)
-    if bool(empty.any()):
-        allowed[empty] = True
-    logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))
