@@ -231,6 +231,14 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(app, choice):
     assert all(c["id"] for c in calls.values())
 
 
+def test_tool_choice_none_streams_plain_content_once(app):
+    body = dict(tools=[WEATHER], tool_choice="none", max_tokens=12, temperature=0.0)
+    whole = chat(app, **body).json()["choices"][0]
+    calls, finish, content = _reassemble(sse(chat(app, stream=True, **body).text))
+    assert not calls and finish == whole["finish_reason"] and content == whole["message"]["content"]
+    assert "tool_calls" not in whole["message"]
+
+
 def test_auto_tool_choice_parses_hermes_output(app):
     from tokenmill.entrypoints.tool_calls import ToolPlan, ToolStream
     from tokenmill.entrypoints.tool_parsers import get_parser

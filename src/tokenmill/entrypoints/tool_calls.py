@@ -196,7 +196,7 @@ class ToolStream:
         if self.plan.mode == "required":
             return []
         if self.plan.mode != "auto" or self.plan.parser is None:
-            return [{"content": delta}] if delta else []
+            return self._content_upto(len(self.text))
         if self.held:
             return []
         parser = self.plan.parser
