@@ -15,7 +15,7 @@ from typing import Any
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "GrammarSpec"]
 __version__ = "0.1.0"
 
 
@@ -28,4 +28,8 @@ def __getattr__(name: str) -> Any:
         from .engine import request
 
         return getattr(request, name)
+    if name == "GrammarSpec":
+        from .engine.structured import GrammarSpec
+
+        return GrammarSpec
     raise AttributeError(name)

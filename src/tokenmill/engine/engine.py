@@ -28,6 +28,7 @@ from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
 from .stats import EngineStats, SpecSnapshot
+from .structured import StructuredOutputs
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -122,6 +123,7 @@ class LLMEngine:
         # then gives the same draws on CPU and GPU.
         self.generator = torch.Generator()
         self.generator.manual_seed(config.seed)
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
         self._groups: dict[str, list[_Sequence]] = {}
         self._by_request: dict[int, _Sequence] = {}
         self.last_step = StepStats()
@@ -173,6 +175,8 @@ class LLMEngine:
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+            if params.structured is not None:
+                req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
             if params.seed is not None:
                 req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
@@ -221,7 +225,15 @@ class LLMEngine:
             self.last_step = StepStats(num_preempted=len(batch.preempted))
             self._publish()
             return []
-        logits, sampled = self.runner.execute(batch.items)
+        # Grammar masks depend only on tokens already accepted: compute them while the
+        # forward pass runs.
+        constrained = [r for r, n in batch.items
+                       if r.grammar is not None and r.num_computed_tokens + n == r.num_tokens]
+        masks = self.structured.fill_async([r.grammar for r in constrained]) if constrained else None
+        try:
+            logits, sampled = self.runner.execute(batch.items)
+        finally:
+            mask = self.structured.wait(masks) if masks is not None else None
         self.scheduler.after_step(batch)
         # Rows of requests that ran speculative proposals are checked, the others sampled.
         plain_rows: list[int] = []
@@ -240,7 +252,18 @@ class LLMEngine:
             logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
         else:
             logits_plain = logits
-        result = sample(logits_plain, plain, self.generator) if plain else None
+        token_mask = None
+        rows = [row for row, r in enumerate(plain) if r.grammar is not None]
+        if rows:
+            where = {id(r): i for i, r in enumerate(constrained)}
+            if mask is None or any(id(plain[row]) not in where for row in rows):
+                # the runner sampled a row the prediction missed: fill its masks now
+                mask = self.structured.fill([plain[row].grammar for row in rows])
+                token_mask = (rows, mask)
+            else:
+                order = torch.tensor([where[id(plain[row])] for row in rows], dtype=torch.long)
+                token_mask = (rows, mask.index_select(0, order))
+        result = sample(logits_plain, plain, self.generator, token_mask) if plain else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
         touched: list[_Sequence] = []
@@ -286,9 +309,16 @@ class LLMEngine:
             req.first_token_time = now
         stop_str = seq.detok.add_token(token)
         params = req.params
+        grammar_done = False
+        if req.grammar is not None and token not in req.eos_token_ids:
+            req.grammar.consume_token(token)
+            # stopped: the grammar allows nothing more (not even more whitespace); error: cannot go on
+            grammar_done = req.grammar.is_stopped() or req.grammar.is_error()
         if stop_str is not None:
             self._finish(req, "stop", stop_str)
         elif token in req.eos_token_ids:  # the sampler masks EOS until min_tokens
+            self._finish(req, "stop", None)
+        elif grammar_done:
             self._finish(req, "stop", None)
         elif token in (params.stop_token_ids or []):
             self._finish(req, "stop", token)

@@ -36,6 +36,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never decode this request speculatively
+    # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.structured is not None and not hasattr(self.structured, "to_llguidance"):
+            raise ValueError("structured must be a GrammarSpec (tokenmill.GrammarSpec)")
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +126,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_misses: int = 0
     spec_backoff_until: int = 0
+    # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
+    grammar: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -24,7 +24,9 @@ while it equals the argmax; sampled rows accept proposal d with probability
 p(d) under the row's processed distribution (temperature, top-k, top-p,
 min-p) and otherwise draw from p with d removed, which is rejection sampling
 for a proposal that puts all its mass on d. Requests with penalties, pending
-``min_tokens``, logprobs, or ``speculative=False`` decode one token at a time.
+``min_tokens``, logprobs, a structured-output grammar (its mask would have to
+be advanced through every proposal), or ``speculative=False`` decode one token
+at a time.
 
 Back-off: a request whose proposals were all rejected waits 2, 4, 8, ... steps
 (up to ``max_backoff_steps``) before proposing again, and proposals are made
@@ -144,7 +146,7 @@ def eligible(request: Any) -> bool:
     """Whether this request may decode speculatively (see the module docstring)."""
     p = request.params
     return (getattr(p, "speculative", True) and not p.needs_penalties and p.logprobs is None
-            and len(request.output_token_ids) >= p.min_tokens)
+            and getattr(request, "grammar", None) is None and len(request.output_token_ids) >= p.min_tokens)
 
 
 class Proposer(Protocol):

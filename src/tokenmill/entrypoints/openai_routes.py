@@ -19,6 +19,8 @@ from .errors import APIError
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .serving import Job, ServerState
+from .structured_fields import check_grammar, grammar_spec
+from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
                         completion_stream)
 
@@ -39,7 +41,7 @@ def _seed(seed: int | None) -> int | None:
 
 
 def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, structured: Any = None) -> SamplingParams:
     bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size), None)
     if bad is not None:  # the sampler indexes the vocabulary with these
         raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
@@ -59,7 +61,8 @@ def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
             seed=_seed(body.seed), max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
             stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output, speculative=body.speculative)
+            include_stop_str_in_output=body.include_stop_str_in_output, speculative=body.speculative,
+            structured=structured)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
 
@@ -70,17 +73,20 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def render_chat_async(state: ServerState, messages: list[Any], add_generation_prompt: bool = True) -> str:
+async def render_chat_async(state: ServerState, messages: list[Any], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
     """``render_chat``, in a worker thread when the conversation is long (Jinja over megabytes takes a while)."""
     if sum(len(m.text()) for m in messages) > _LONG_TEXT:
-        return await asyncio.to_thread(render_chat, state, messages, add_generation_prompt)
-    return render_chat(state, messages, add_generation_prompt)
+        return await asyncio.to_thread(render_chat, state, messages, add_generation_prompt, tools)
+    return render_chat(state, messages, add_generation_prompt, tools)
 
 
-def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool = True) -> str:
-    conv = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    conv = [template_message(m) for m in messages]
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
     try:
-        return state.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+        return state.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **extra)
     except Exception as exc:  # noqa: BLE001 - a template's raise_exception or a render error
         raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                        param="messages") from None
@@ -122,6 +128,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     state.check_model(body.model)
     request_id = _new_id("cmpl")
+    grammar, grammar_param = grammar_spec(body)
+    if grammar is not None:
+        await check_grammar(state, grammar, grammar_param or "response_format")
     jobs: list[Job] = []
     echo_texts: list[str] = []
     prompts = body.prompts()
@@ -137,7 +146,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
-        params = sampling_params(state, body, max_tokens, body.logprobs)
+        params = sampling_params(state, body, max_tokens, body.logprobs, grammar)
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
@@ -153,22 +162,42 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             state.release(job)
 
 
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> tuple[Job, ToolPlan | None]:
+    """Tools, grammar, prompt and sampling parameters of a chat request (also the
+    Responses API's, translated to chat): everything checked before the engine sees it."""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings)
+    grammar, grammar_param = grammar_spec(body)
+    if plan is not None:
+        for schema, param in tool_schemas(plan):
+            await check_grammar(state, schema, param)
+        if plan.constrained:
+            if grammar is not None:
+                raise APIError(400, f"{grammar_param}: cannot be combined with tool_choice {plan.mode!r}",
+                               param=grammar_param)
+            grammar, grammar_param = plan.grammar(), "tools"
+    if grammar is not None:
+        await check_grammar(state, grammar, grammar_param or "response_format")
+    state.check_admissible(body.n)
+    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
+    prompt = await render_chat_async(state, body.messages, body.add_generation_prompt, tools)
+    ids = await encode(state, prompt, False)
+    state.check_prompt_ids(ids)
+    max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
+    top = body.top_logprobs or 0
+    params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar)
+    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
     request_id = _new_id("chatcmpl")
-    state.check_admissible(body.n)
-    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
-    prompt = await render_chat_async(state, body.messages, body.add_generation_prompt)
-    ids = await encode(state, prompt, False)
-    state.check_prompt_ids(ids)
-    max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
-    top = body.top_logprobs or 0
-    params = sampling_params(state, body, max_tokens, top if body.logprobs else None)
-    job = Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt)
+    job, plan = await prepare_chat(state, body, request_id)
     state.reserve([job])
-    spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, top, _include_usage(body))
+    spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
+                    _include_usage(body), tools=plan)
     if body.stream:
         return SSEResponse(chat_stream(state, spec, job), state, [job])
     try:

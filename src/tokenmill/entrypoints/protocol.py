@@ -80,6 +80,13 @@ class _SamplingFields(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: this request never decodes speculatively
+    # structured outputs (entrypoints/structured_fields.py reads and checks these)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=4096)
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":
@@ -108,7 +115,8 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_prompt(self) -> "CompletionRequest":
         if self.suffix:
-            raise ValueError("suffix: not supported")
+            raise ValueError("suffix: not supported by this server (no fill-in-the-middle); "
+                             "send the text before the insertion point as the prompt")
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("prompt: must not be empty")
@@ -133,10 +141,23 @@ class TextPart(_Model):
     text: str
 
 
+class ToolCallFunction(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class AssistantToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=256)
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -146,6 +167,18 @@ class ChatMessage(_Model):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Model):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -153,14 +186,21 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=512)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
+        called = False
+        for m in self.messages:
+            if m.role == "assistant" and m.tool_calls:
+                called = True
+            if m.role == "tool" and not called:
+                raise ValueError("messages: a 'tool' message must answer a preceding assistant message "
+                                 "with tool_calls")
         return self
 
     @property
@@ -252,6 +292,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -233,6 +233,15 @@ def add_device_arguments(p: Any) -> None:
                    help="accepted for vLLM launch lines; tokenmill logs no periodic stats")
 
 
+def add_tool_arguments(p: Any) -> None:
+    """Tool calling: how the model's calls are read (as vLLM takes them)."""
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "qwen", "qwen2_5", "llama3_json", "llama4_json", "mistral"],
+                   help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
                               description="Serve a model over an OpenAI-compatible HTTP API. "
@@ -241,6 +250,7 @@ def register(subparsers: Any) -> None:
     add_engine_arguments(p.add_argument_group("engine"))
     add_device_arguments(p.add_argument_group("device (vLLM's GPU flags, with their CPU meaning)"))
     add_chat_template_argument(p.add_argument_group("chat template"))
+    add_tool_arguments(p.add_argument_group("tool calling"))
     add_server_arguments(p.add_argument_group("HTTP server"))
     add_capture_arguments(p.add_argument_group("traffic capture"))
     p.set_defaults(func=_run)

@@ -99,6 +99,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.state.tokenmill = state
     install_error_handlers(app)
     app.include_router(router)
+    from .responses_api import router as responses_router
+
+    app.include_router(responses_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
@@ -107,6 +110,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
         draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
     app.add_middleware(GateMiddleware, state=state, sessions=sessions)
+    from .request_id import RequestIdMiddleware
+
+    app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
     return app
 
 
@@ -119,6 +125,15 @@ def _misc_routes(app: FastAPI) -> None:
         root = state.settings.model_path
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
                                for name in state.settings.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
+    async def get_model(model_id: str, request: Request) -> ModelCard:
+        state = get_state(request)
+        if model_id not in state.settings.served_model_names:
+            raise APIError(404, f"the model {model_id!r} does not exist (served: "
+                           f"{', '.join(state.settings.served_model_names)})", param="model",
+                           code="model_not_found")
+        return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
@@ -187,7 +202,9 @@ def _settings_from_args(args: Any) -> ServerSettings:
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
         grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
-        sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path))
+        sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def _default_model_name(path: str | None) -> str:

@@ -46,6 +46,9 @@ class ServerSettings:
     retry_after_s: int = 1
     # sampling defaults for what a request leaves unset (--generation-config), SamplingParams' names
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
+    tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
+    chat_template: str | None = None  # Jinja source replacing the model's chat template
 
 
 @dataclass
@@ -67,6 +70,9 @@ class ServerState:
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
         self.settings = settings
+        if settings.chat_template:
+            self.tokenizer.chat_template = settings.chat_template
+            self.tokenizer.has_chat_template = True
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)

@@ -26,6 +26,7 @@ from ..engine.engine import SequenceDelta
 from ..model.sampler import Logprob
 from .errors import APIError, error_body
 from .serving import Job, ServerState, merge_streams
+from .tool_calls import ToolPlan, ToolStream, extract, openai_call
 
 log = logging.getLogger("tokenmill.server")
 
@@ -213,6 +214,11 @@ class ChatSpec:
     top_logprobs: int
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolPlan | None = None
+
+
+def _tool_finish(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIterator[bytes]:
@@ -231,6 +237,7 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
 
     for i in range(spec.n):
         yield chunk(i, {"role": "assistant", "content": ""})
+    tool_streams = {i: ToolStream(spec.tools) for i in range(spec.n)} if spec.tools is not None else {}
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
@@ -238,6 +245,19 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
             lp = None
             if spec.logprobs and d.logprobs:
                 lp = {"content": chat_logprobs(state, d.logprobs, spec.top_logprobs)}
+            if tool_streams:
+                ts = tool_streams[d.index]
+                pieces = ts.feed(d.text)
+                for k, piece in enumerate(pieces):
+                    yield chunk(d.index, piece, lp if k == 0 else None)
+                if lp and not pieces:
+                    yield chunk(d.index, {"content": ""}, lp)
+                if d.finished:
+                    rest, called = ts.finish()
+                    for piece in rest:
+                        yield chunk(d.index, piece)
+                    yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called), d.stop_reason)
+                continue
             if d.text or lp:
                 yield chunk(d.index, {"content": d.text}, lp)
             if d.finished:
@@ -270,7 +290,15 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
     choices = []
     for i in range(spec.n):
         lp = {"content": chat_logprobs(state, lps[i], spec.top_logprobs)} if spec.logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lp,
-                        "finish_reason": finish[i], "stop_reason": stops[i]})
+        message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        reason = finish[i]
+        if spec.tools is not None:
+            content, calls = extract(spec.tools, texts[i])
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [openai_call(c) for c in calls]}
+                reason = _tool_finish(reason, True)
+        choices.append({"index": i, "message": message, "logprobs": lp,
+                        "finish_reason": reason, "stop_reason": stops[i]})
     return {"id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": spec.model,
             "choices": choices, "usage": tally.usage()}

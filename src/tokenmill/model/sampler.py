@@ -1,7 +1,8 @@
 """Logits -> next tokens, each row with its own parameters, in one batch.
 
 Order of operations (as the common engines do): penalties on the raw logits,
-min_tokens masking, then greedy rows take the argmax; random rows are divided
+min_tokens masking, grammar masks of structured-output rows (-inf outside the
+grammar, engine/structured.py), then greedy rows take the argmax; random rows are divided
 by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
 A seeded row draws its uniform from its own generator, so the same seed and
@@ -66,6 +67,9 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> N
 
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
     for row, req in enumerate(requests):
+        # a grammar decides when EOS may come; banning it too could leave nothing allowed
+        if getattr(req, "grammar", None) is not None:
+            continue
         if len(req.output_token_ids) < req.params.min_tokens:
             banned = set(req.params.stop_token_ids or [])
             if not req.params.ignore_eos:
@@ -129,20 +133,46 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return fast if fast is not None else logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None) -> SampleResult:
-    """Pick one token per row of ``logits`` ([B, V] float32)."""
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor) -> None:
+    """Set logits of tokens outside each row's grammar to -inf, in place.
+
+    A row whose mask allows nothing (an exhausted or broken grammar) keeps its
+    EOS-free logits untouched rather than becoming all -inf: the engine finishes
+    such sequences itself."""
+    vocab = logits.shape[-1]
+    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).bool().reshape(mask.shape[0], -1)[:, :vocab]
+    allowed = allowed.to(logits.device)
+    index = torch.tensor(list(rows), dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index)
+    empty = ~allowed.any(dim=-1)
+    if bool(empty.any()):
+        allowed[empty] = True
+    logits.index_copy_(0, index, sub.masked_fill(~allowed, float("-inf")))
+
+
+def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None,
+           token_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+    """Pick one token per row of ``logits`` ([B, V] float32). ``token_mask``: rows and
+    their grammar bitmasks (engine/structured.py), applied after penalties."""
     batch, vocab = logits.shape
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     penalties = any(r.params.needs_penalties for r in requests)
     min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
-    if penalties or min_tokens:
+    masked = token_mask is not None and bool(token_mask[0])
+    if penalties or min_tokens or masked:
         logits = logits.clone()
         if penalties:
             _apply_penalties(logits, requests)
         if min_tokens:
             _mask_min_tokens(logits, requests)
+        if masked:
+            assert token_mask is not None
+            apply_bitmask(logits, token_mask[0], token_mask[1])
 
     chosen = _argmax(logits)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]

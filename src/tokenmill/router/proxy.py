@@ -226,6 +226,7 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
     routes = [
         Route("/v1/completions", proxy.generate, methods=["POST"]),
         Route("/v1/chat/completions", proxy.generate, methods=["POST"]),
+        Route("/v1/responses", proxy.generate, methods=["POST"]),
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
         Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),

@@ -135,6 +135,14 @@ def prompt_of(path: str, body: Any) -> tuple[str | None, list[int] | None]:
         return None, None
     if path.endswith("/chat/completions"):
         return chat_to_text(body.get("messages")), None
+    if path.endswith("/responses"):  # the Responses API: instructions, then input text or items
+        items = body.get("input")
+        messages = [{"role": "user", "content": items}] if isinstance(items, str) else items
+        if not isinstance(messages, list):
+            messages = []
+        if isinstance(body.get("instructions"), str):
+            messages = [{"role": "system", "content": body["instructions"]}, *messages]
+        return chat_to_text(messages), None
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt, None

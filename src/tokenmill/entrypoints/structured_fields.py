@@ -1,0 +1,98 @@
+"""Request fields that ask for structured output -> one ``GrammarSpec``.
+
+OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+extra fields (``guided_json``/``guided_regex``/``guided_choice``/
+``guided_grammar`` and the newer ``structured_outputs`` object) all land
+here; at most one may be given. ``check_grammar`` compiles the grammar
+before the request reaches the engine, so a schema the engine cannot
+enforce is a 400 naming the unsupported part, not free text later.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..engine.structured import GrammarError, GrammarSpec
+from .errors import APIError
+
+
+def _response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
+    kind = fmt.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object")
+    if kind == "json_schema":
+        block = fmt.get("json_schema")
+        if block is None and "schema" in fmt:  # the Responses API's flat text.format
+            block = fmt
+        if not isinstance(block, dict):
+            raise APIError(400, "response_format: json_schema must be an object with a 'schema'",
+                           param="response_format")
+        schema = block.get("schema", block.get("schema_"))
+        if schema is None:
+            return GrammarSpec("json_object")
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "response_format: json_schema.schema must be a JSON object",
+                           param="response_format")
+        return GrammarSpec("json", schema)
+    raise APIError(400, f"response_format: unsupported type {kind!r} (supported: text, json_object, json_schema)",
+                   param="response_format")
+
+
+def _structured_outputs(block: dict[str, Any]) -> GrammarSpec | None:
+    given = [k for k in ("json", "regex", "choice", "grammar") if block.get(k) is not None]
+    if block.get("json_object"):
+        given.append("json_object")
+    if len(given) > 1:
+        raise APIError(400, f"structured_outputs: give only one of {', '.join(given)}", param="structured_outputs")
+    if not given:
+        return None
+    key = given[0]
+    if key == "json_object":
+        return GrammarSpec("json_object")
+    value = block[key]
+    if key == "choice":
+        if not isinstance(value, list):
+            raise APIError(400, "structured_outputs: choice must be a list of strings", param="structured_outputs")
+        value = tuple(value)
+    return GrammarSpec(key, value)  # type: ignore[arg-type]
+
+
+def grammar_spec(body: Any) -> tuple[GrammarSpec | None, str | None]:
+    """The request's grammar (or None) and the parameter it came from."""
+    found: list[tuple[GrammarSpec, str]] = []
+    if body.response_format is not None:
+        spec = _response_format(body.response_format)
+        if spec is not None:
+            found.append((spec, "response_format"))
+    if body.guided_json is not None:
+        found.append((GrammarSpec("json", body.guided_json), "guided_json"))
+    if body.guided_regex is not None:
+        found.append((GrammarSpec("regex", body.guided_regex), "guided_regex"))
+    if body.guided_choice is not None:
+        found.append((GrammarSpec("choice", tuple(body.guided_choice)), "guided_choice"))
+    if body.guided_grammar is not None:
+        found.append((GrammarSpec("grammar", body.guided_grammar), "guided_grammar"))
+    if body.structured_outputs is not None:
+        spec = _structured_outputs(body.structured_outputs)
+        if spec is not None:
+            found.append((spec, "structured_outputs"))
+    if len(found) > 1:
+        names = ", ".join(param for _, param in found)
+        raise APIError(400, f"{found[1][1]}: only one structured output constraint per request (got {names})",
+                       param=found[1][1])
+    return found[0] if found else (None, None)
+
+
+_WHAT = {"json": "the JSON schema", "json_object": "JSON output", "regex": "the regex", "choice": "the choice list",
+         "grammar": "the grammar"}
+
+
+async def check_grammar(state: Any, spec: GrammarSpec, param: str) -> None:
+    """Compile ``spec`` off the event loop; a 400 naming what cannot be enforced."""
+    try:
+        await asyncio.to_thread(state.engine.structured.validate, spec)
+    except GrammarError as exc:
+        raise APIError(400, f"{param}: {_WHAT.get(spec.kind, 'the constraint')} cannot be enforced: {exc}",
+                       param=param, code="invalid_structured_output") from None
