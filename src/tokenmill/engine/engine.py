@@ -44,6 +44,9 @@ class SequenceDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # Once per sequence, in the first delta after the whole prompt is scored
+    # (requests with SamplingParams.prompt_logprobs): one entry per prompt token, None first.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -52,6 +55,7 @@ class _Sequence:
     index: int
     detok: IncrementalDetokenizer
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -139,7 +143,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(token_ids)
-        if room < 1:
+        if room < (0 if params.max_tokens == 0 else 1):
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}")
         if params.max_tokens is not None and params.max_tokens > room:
@@ -153,6 +157,8 @@ class LLMEngine:
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
                 req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
@@ -195,8 +201,11 @@ class LLMEngine:
         if not batch:
             self.last_step = StepStats(num_preempted=len(batch.preempted))
             return []
-        logits, sampled = self.runner.execute(batch.items)
+        out = self.runner.execute_step(batch.items)
+        logits, sampled = out.logits, out.sampled
         self.scheduler.after_step(batch)
+        for req, entries in out.prompt_logprobs:
+            req.prompt_logprobs.extend(entries)
         result = sample(logits, sampled, self.generator) if sampled else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
@@ -206,6 +215,10 @@ class LLMEngine:
                 seq = self._by_request[id(req)]
                 self._append_token(seq, token, lp, now)
                 touched.append(seq)
+        for req, _ in batch.items:  # max_tokens=0: done once the prompt is computed
+            if not req.samples and not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._finish(req, "length", None)
+                touched.append(self._by_request[id(req)])
         for seq in touched:
             deltas.append(self._delta(seq, now))
         for seq in touched:
@@ -252,6 +265,10 @@ class LLMEngine:
         new_tokens = req.output_token_ids[seq.sent_tokens :]
         new_logprobs = req.output_logprobs[seq.sent_tokens :] if req.params.logprobs is not None else []
         seq.sent_tokens = len(req.output_token_ids)
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not req.wants_prompt_logprobs:
+            prompt_lps = list(req.prompt_logprobs)
+            seq.sent_prompt_logprobs = True
         metrics: dict[str, float] = {}
         if finished:
             metrics = {
@@ -269,7 +286,7 @@ class LLMEngine:
             finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            metrics=metrics,
+            metrics=metrics, prompt_logprobs=prompt_lps,
         )
 
     def _forget(self, seq: _Sequence) -> None:

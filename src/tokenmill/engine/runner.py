@@ -12,7 +12,7 @@ that padded graph rows write into.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,8 @@ from ..model import cpu_kernels, fused_decode
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
-from . import cuda_graphs
+from ..model.sampler import Logprob
+from . import cuda_graphs, prompt_logprobs
 from .host_memory import kv_pool_tensors
 from .request import Request, one_token_step
 
@@ -38,6 +39,17 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
     sampled: list[Request]  # the requests those rows belong to, in order
+    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What one forward pass yields: float32 logits of the rows to sample, their
+    requests, and the prompt logprobs computed this step (requests that asked)."""
+
+    logits: torch.Tensor
+    sampled: list[Request]
+    prompt_logprobs: list[tuple[Request, list[Logprob]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -94,10 +106,14 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[prompt_logprobs.PromptRows] = []
         bs = self.block_size
         for request, num_new in items:
             start = request.num_computed_tokens
             end = start + num_new
+            plan = prompt_logprobs.plan_rows(request, start, end, len(ids))
+            if plan is not None:
+                prompt_rows.append(plan)
             tokens = request.all_token_ids
             ids.extend(tokens[start:end])
             positions.extend(range(start, end))
@@ -105,7 +121,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_lens.append(num_new)
-            if end == request.num_tokens:  # the chunk reaches the end: sample
+            if end == request.num_tokens and request.samples:  # the chunk reaches the end: sample
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         num_decodes = sum(1 for q in query_lens if q == 1)
@@ -144,24 +160,38 @@ class ModelRunner:
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sampled=sampled,
+            prompt_rows=prompt_rows,
         )
 
-    @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """Run one forward pass; return float32 logits of the sampled rows and their requests."""
+        out = self.execute_step(items)
+        return out.logits, out.sampled
+
+    @torch.inference_mode()
+    def execute_step(self, items: list[tuple[Request, int]]) -> StepOutput:
+        """Run one forward pass: logits to sample from, and any prompt logprobs."""
+        if any(r.wants_prompt_logprobs or not r.samples for r, _ in items):
+            # Hidden states of prompt rows (or no sampled row) are needed: the
+            # general path, never a graph replay or the fused decode.
+            return self._execute_eager(items)
         if self.graphs is not None:
             replayed = self.graphs.try_execute(items)
             if replayed is not None:
-                return replayed
+                return StepOutput(*replayed)
         if (self.fused is not None and len(items) <= self.fused.batch_limit()
                 and all(num_new == 1 for _, num_new in items) and fused_decode.enabled()):
-            return self._execute_fused(items)
+            return StepOutput(*self._execute_fused(items))
+        return self._execute_eager(items)
+
+    def _execute_eager(self, items: list[tuple[Request, int]]) -> StepOutput:
         inputs = self.prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        scored = prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows) if inputs.prompt_rows else []
         if not inputs.sampled:
-            return torch.empty((0, self.model.config.vocab_size)), []
+            return StepOutput(torch.empty((0, self.model.config.vocab_size)), [], scored)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-        return logits, inputs.sampled
+        return StepOutput(logits, inputs.sampled, scored)
 
     def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """One new token per sequence, through the fused native decode step."""

@@ -114,8 +114,10 @@ class Scheduler:
 
     def _match_prefix(self, request: Request) -> None:
         """Take references on the longest cached prefix (never the whole prompt:
-        at least the last token is recomputed so the step yields logits)."""
-        if self.prefix_cache is None or request.block_table:
+        at least the last token is recomputed so the step yields logits). A request
+        still owed prompt logprobs computes its whole prompt: cached positions
+        have no logits."""
+        if self.prefix_cache is None or request.block_table or request.wants_prompt_logprobs:
             return
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
