@@ -78,6 +78,14 @@ def test_max_tokens_zero_scores_without_generating(app, offline):
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:j]) for j in range(len(ids))]
 
 
+def test_echo_without_logprobs_and_max_tokens_zero_returns_the_prompt(app):
+    r = post(app, "/v1/completions", {"prompt": ["one", "two"], "echo": True, "max_tokens": 0})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == ["one", "two"]
+    assert all(c["logprobs"] is None and "prompt_logprobs" not in c for c in choices)
+
+
 def test_a_batch_of_prompts_each_gets_its_own(app, offline):
     prompts = [_ids(n, 10 + n) for n in (5, 17, 33)]
     r = post(app, "/v1/completions", {"prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,

@@ -125,7 +125,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
-        params = sampling_params(state, body, max_tokens, body.logprobs, body.prompt_logprobs_needed)
+        scored = body.prompt_logprobs_needed
+        if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
+            scored = 0
+        params = sampling_params(state, body, max_tokens, body.logprobs, scored)
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
