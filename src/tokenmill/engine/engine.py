@@ -201,11 +201,8 @@ class LLMEngine:
         if not batch:
             self.last_step = StepStats(num_preempted=len(batch.preempted))
             return []
-        out = self.runner.execute_step(batch.items)
-        logits, sampled = out.logits, out.sampled
+        logits, sampled = self.runner.execute(batch.items)  # and prompt logprobs, for requests that ask
         self.scheduler.after_step(batch)
-        for req, entries in out.prompt_logprobs:
-            req.prompt_logprobs.extend(entries)
         result = sample(logits, sampled, self.generator) if sampled else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []

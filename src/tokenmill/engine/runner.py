@@ -21,7 +21,6 @@ from ..model import cpu_kernels, fused_decode
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
-from ..model.sampler import Logprob
 from . import cuda_graphs, prompt_logprobs
 from .host_memory import kv_pool_tensors
 from .request import Request, one_token_step
@@ -39,17 +38,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
     sampled: list[Request]  # the requests those rows belong to, in order
-    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)
-
-
-@dataclass
-class StepOutput:
-    """What one forward pass yields: float32 logits of the rows to sample, their
-    requests, and the prompt logprobs computed this step (requests that asked)."""
-
-    logits: torch.Tensor
-    sampled: list[Request]
-    prompt_logprobs: list[tuple[Request, list[Logprob]]] = field(default_factory=list)
+    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # requests scoring their prompt
 
 
 class ModelRunner:
@@ -163,14 +152,11 @@ class ModelRunner:
             prompt_rows=prompt_rows,
         )
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """Run one forward pass; return float32 logits of the sampled rows and their requests."""
-        out = self.execute_step(items)
-        return out.logits, out.sampled
-
     @torch.inference_mode()
-    def execute_step(self, items: list[tuple[Request, int]]) -> StepOutput:
-        """Run one forward pass: logits to sample from, and any prompt logprobs."""
+    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """Run one forward pass; return float32 logits of the sampled rows and their requests.
+        Requests that asked for prompt logprobs get this step's appended to
+        ``Request.prompt_logprobs``."""
         if any(r.wants_prompt_logprobs or not r.samples for r, _ in items):
             # Hidden states of prompt rows (or no sampled row) are needed: the
             # general path, never a graph replay or the fused decode.
@@ -178,20 +164,21 @@ class ModelRunner:
         if self.graphs is not None:
             replayed = self.graphs.try_execute(items)
             if replayed is not None:
-                return StepOutput(*replayed)
+                return replayed
         if (self.fused is not None and len(items) <= self.fused.batch_limit()
                 and all(num_new == 1 for _, num_new in items) and fused_decode.enabled()):
-            return StepOutput(*self._execute_fused(items))
+            return self._execute_fused(items)
         return self._execute_eager(items)
 
-    def _execute_eager(self, items: list[tuple[Request, int]]) -> StepOutput:
+    def _execute_eager(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         inputs = self.prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        scored = prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows) if inputs.prompt_rows else []
+        for request, entries in prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows):
+            request.prompt_logprobs.extend(entries)
         if not inputs.sampled:
-            return StepOutput(torch.empty((0, self.model.config.vocab_size)), [], scored)
+            return torch.empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-        return StepOutput(logits, inputs.sampled, scored)
+        return logits, inputs.sampled
 
     def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """One new token per sequence, through the fused native decode step."""
