@@ -21,7 +21,9 @@ def test_prompt_shapes_normalise_to_a_list():
     {"prompt": []},
     {"prompt": ["x"] * (MAX_PROMPTS + 1)},
     {"prompt": "x", "n": MAX_N + 1},
-    {"prompt": "x", "echo": True, "logprobs": 1},
+    {"prompt": "x", "max_tokens": 0},
+    {"prompt": "x", "prompt_logprobs": 21},
+    {"prompt": "x", "prompt_logprobs": 1, "stream": True},
     {"prompt": "x", "suffix": "tail"},
     {"prompt": "x", "stop": ["a" * 300]},
     {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -79,8 +81,11 @@ def _errors(model, **body):
 def test_validation_messages_name_the_parameter():
     msg, param = _describe_validation(_errors(CompletionRequest, prompt="x", temperature=7))
     assert param == "temperature" and "temperature" in msg and "2" in msg
-    msg, param = _describe_validation(_errors(CompletionRequest, prompt="x", echo=True, logprobs=2))
-    assert param == "echo" and "not supported" in msg
+    msg, param = _describe_validation(_errors(CompletionRequest, prompt="x", max_tokens=0))
+    assert param == "max_tokens" and "echo" in msg
+    assert CompletionRequest(prompt="x", echo=True, logprobs=2, max_tokens=0).prompt_logprobs_needed == 2
+    assert CompletionRequest(prompt="x", logprobs=2, prompt_logprobs=4).prompt_logprobs_needed == 4
+    assert CompletionRequest(prompt="x", logprobs=2).prompt_logprobs_needed is None
     msg, param = _describe_validation(_errors(CompletionRequest))
     assert param == "prompt" and "required" in msg
     msg, param = _describe_validation([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",

@@ -175,3 +175,34 @@ def test_bfloat16_agrees_with_float32(real_tokenizer, bundled_model_path, ours, 
     print(f"bf16 vs fp32 greedy token agreement (teacher-forced): {rate:.3f} over {total} tokens")
     assert rate >= 0.9
     bf16.engine.check_idle_invariants()
+
+
+def test_prompt_logprobs_equal_transformers_cold_warm_and_off(real_loaded, real_tokenizer, prompt_ids, reference):
+    """Every prompt token's logprob (and the top-2) within 1e-4 of transformers' float32
+    log_softmax, with the prefix cache cold, warm (the prompts cached by plain requests),
+    and off with a 64-token budget (the long prompts in chunks, batched together)."""
+    prompts = [prompt_ids[0], prompt_ids[3]]
+    refs = []
+    with torch.no_grad():
+        for ids in prompts:
+            refs.append(torch.log_softmax(reference(torch.tensor([ids])).logits[0, :-1].float(), dim=-1))
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    cached = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, kv_cache_memory="256MiB")
+    cold = cached.generate(prompts, params)
+    plain = cached.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1))
+    assert plain[1].num_cached_tokens >= 400  # the cache holds the long prompt now
+    warm = cached.generate(prompts, params)
+    off = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, kv_cache_memory="256MiB",
+              enable_prefix_caching=False, max_num_batched_tokens=64).generate(prompts, params)
+    for name, outs in (("cold", cold), ("warm", warm), ("off", off)):
+        for ids, ref, out in zip(prompts, refs, outs):
+            entries = out.prompt_logprobs
+            assert len(entries) == len(ids) and entries[0] is None
+            worst = 0.0
+            for j in range(1, len(ids)):
+                row = ref[j - 1]
+                assert set(entries[j].top) == set(row.topk(2).indices.tolist()) | {ids[j]}
+                for token, value in entries[j].top.items():
+                    worst = max(worst, abs(value - row[token].item()))
+            assert worst < 1e-4, (name, len(ids), worst)
+    cached.engine.check_idle_invariants()

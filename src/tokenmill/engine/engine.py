@@ -48,6 +48,9 @@ class SequenceDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    # Once per sequence, in the first delta after the whole prompt is scored
+    # (requests with SamplingParams.prompt_logprobs): one entry per prompt token, None first.
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 @dataclass(eq=False)
@@ -56,6 +59,7 @@ class _Sequence:
     index: int
     detok: IncrementalDetokenizer
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 @dataclass
@@ -161,7 +165,7 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         room = self.max_model_len - len(token_ids)
-        if room < 1:
+        if room < (0 if params.max_tokens == 0 else 1):
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}")
         if params.max_tokens is not None and params.max_tokens > room:
@@ -177,6 +181,8 @@ class LLMEngine:
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
+            if params.prompt_logprobs is not None:
+                req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
                 req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
@@ -231,7 +237,7 @@ class LLMEngine:
                        if r.grammar is not None and r.num_computed_tokens + n == r.num_tokens]
         masks = self.structured.fill_async([r.grammar for r in constrained]) if constrained else None
         try:
-            logits, sampled = self.runner.execute(batch.items)
+            logits, sampled = self.runner.execute(batch.items)  # and prompt logprobs, for requests that ask
         finally:
             mask = self.structured.wait(masks) if masks is not None else None
         self.scheduler.after_step(batch)
@@ -284,6 +290,10 @@ class LLMEngine:
                     break
             self.scheduler.accept_proposals(req, appended - 1)
             touched.append(seq)
+        for req, _ in batch.items:  # max_tokens=0: done once the prompt is computed
+            if not req.samples and not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._finish(req, "length", None)
+                touched.append(self._by_request[id(req)])
         for seq in touched:
             deltas.append(self._delta(seq, now))
         for seq in touched:
@@ -338,6 +348,10 @@ class LLMEngine:
         new_tokens = req.output_token_ids[seq.sent_tokens :]
         new_logprobs = req.output_logprobs[seq.sent_tokens :] if req.params.logprobs is not None else []
         seq.sent_tokens = len(req.output_token_ids)
+        prompt_lps = None
+        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not req.wants_prompt_logprobs:
+            prompt_lps = list(req.prompt_logprobs)
+            seq.sent_prompt_logprobs = True
         metrics: dict[str, float] = {}
         if finished:
             metrics = {
@@ -355,7 +369,7 @@ class LLMEngine:
             finish_reason=req.finish_reason if finished else None,
             stop_reason=req.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
-            metrics=metrics,
+            metrics=metrics, prompt_logprobs=prompt_lps,
         )
 
     def _forget(self, seq: _Sequence) -> None:

@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives; 0 = only the chosen token
+    # Log-probabilities of the prompt's own tokens, with this many top alternatives
+    # (0 = only the actual token). With ``max_tokens=0`` the prompt is scored and
+    # nothing is generated.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -64,14 +67,16 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.structured is not None and not hasattr(self.structured, "to_llguidance"):
             raise ValueError("structured must be a GrammarSpec (tokenmill.GrammarSpec)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +133,9 @@ class Request:
     spec_backoff_until: int = 0
     # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
     grammar: Any = None
+    # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
+    # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -144,6 +152,18 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and not all of them are computed yet. Such a
+        request skips the prefix cache: cached positions have no logits."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """Whether reaching the end of its tokens yields a token (not for a
+        ``max_tokens=0`` request, which only scores its prompt)."""
+        return self.max_tokens > 0
 
     def token_at(self, index: int) -> int:
         """Token ``index`` of prompt + output, then of this step's speculative proposals."""
@@ -175,7 +195,7 @@ def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], lis
         position = request.num_computed_tokens
         ids.append(request.token_at(position))
         positions.append(position)
-        if position + 1 == request.num_tokens:
+        if position + 1 == request.num_tokens and request.samples:
             rows.append(row)
             sampled.append(request)
     return ids, positions, rows, sampled
@@ -224,3 +244,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None first.
+    prompt_logprobs: list[Logprob | None] | None = None

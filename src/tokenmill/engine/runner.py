@@ -12,7 +12,7 @@ that padded graph rows write into.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,7 +21,7 @@ from ..model import cpu_kernels, fused_decode
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
-from . import cuda_graphs
+from . import cuda_graphs, prompt_logprobs
 from .host_memory import kv_pool_tensors
 from .request import Request, decode_rows
 
@@ -38,6 +38,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
     sampled: list[Request]  # the requests those rows belong to, in order
+    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # requests scoring their prompt
 
 
 class ModelRunner:
@@ -94,10 +95,14 @@ class ModelRunner:
         query_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
+        prompt_rows: list[prompt_logprobs.PromptRows] = []
         bs = self.block_size
         for request, num_new in items:
             start = request.num_computed_tokens
             end = start + num_new
+            plan = prompt_logprobs.plan_rows(request, start, end, len(ids))
+            if plan is not None:
+                prompt_rows.append(plan)
             ids.extend(request.step_token_ids(start, num_new))
             positions.extend(range(start, end))
             table = request.block_table
@@ -107,7 +112,7 @@ class ModelRunner:
             if request.spec_token_ids:  # a speculative verify: every row's logits are checked
                 logits_rows.extend(range(len(ids) - num_new, len(ids)))
                 sampled.extend([request] * num_new)
-            elif end == request.num_tokens:  # the chunk reaches the end: sample
+            elif end == request.num_tokens and request.samples:  # the chunk reaches the end: sample
                 logits_rows.append(len(ids) - 1)
                 sampled.append(request)
         num_decodes = sum(1 for q in query_lens if q == 1)
@@ -146,11 +151,18 @@ class ModelRunner:
             meta=meta,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sampled=sampled,
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """Run one forward pass; return float32 logits of the sampled rows and their requests."""
+        """Run one forward pass; return float32 logits of the sampled rows and their requests.
+        Requests that asked for prompt logprobs get this step's appended to
+        ``Request.prompt_logprobs``."""
+        if any(r.wants_prompt_logprobs or not r.samples for r, _ in items):
+            # Hidden states of prompt rows (or no sampled row) are needed: the
+            # general path, never a graph replay or the fused decode.
+            return self._execute_eager(items)
         if self.graphs is not None:
             replayed = self.graphs.try_execute(items)
             if replayed is not None:
@@ -158,8 +170,13 @@ class ModelRunner:
         if (self.fused is not None and sum(n for _, n in items) <= self.fused.batch_limit()
                 and all(n == 1 + len(r.spec_token_ids) for r, n in items) and fused_decode.enabled()):
             return self._execute_fused(items)
+        return self._execute_eager(items)
+
+    def _execute_eager(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         inputs = self.prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        for request, entries in prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows):
+            request.prompt_logprobs.extend(entries)
         if not inputs.sampled:
             return torch.empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))

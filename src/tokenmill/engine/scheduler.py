@@ -130,8 +130,10 @@ class Scheduler:
 
     def _match_prefix(self, request: Request) -> None:
         """Take references on the longest cached prefix (never the whole prompt:
-        at least the last token is recomputed so the step yields logits)."""
-        if self.prefix_cache is None or request.block_table:
+        at least the last token is recomputed so the step yields logits). A request
+        still owed prompt logprobs computes its whole prompt: cached positions
+        have no logits."""
+        if self.prefix_cache is None or request.block_table or request.wants_prompt_logprobs:
             return
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
@@ -146,8 +148,9 @@ class Scheduler:
     def _extend_prefix(self, request: Request) -> None:
         """Pick up prompt blocks that other requests finished since ``request`` last
         walked the prefix cache. Progress inside the first uncached block (less than a
-        block of tokens) is dropped when a cached copy of that block is found."""
-        if self.prefix_cache is None or not request.block_table:
+        block of tokens) is dropped when a cached copy of that block is found. Not for
+        a request still owed prompt logprobs (cached positions have no logits)."""
+        if self.prefix_cache is None or not request.block_table or request.wants_prompt_logprobs:
             return
         done = request.num_cached_blocks
         if request.num_computed_tokens >= request.num_prompt_tokens or \
@@ -196,7 +199,8 @@ class Scheduler:
         for request in requests:
             hashes = self._block_hashes(request)
             nxt = request.num_computed_tokens // self.block_size
-            if nxt < len(hashes) and (nxt + 1) * self.block_size < request.num_tokens:
+            if (nxt < len(hashes) and (nxt + 1) * self.block_size < request.num_tokens
+                    and not request.wants_prompt_logprobs):
                 producer = claimed.get(hashes[nxt])
                 if producer is not None:
                     waits[request] = producer

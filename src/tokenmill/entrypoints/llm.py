@@ -4,6 +4,11 @@
     llm = LLM(dtype="float32")
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     print(outs[0].outputs[0].text)
+
+Prompt logprobs go through the same engine step as generation:
+``SamplingParams(prompt_logprobs=N)`` fills ``RequestOutput.prompt_logprobs``
+(one entry per prompt token, None first); with ``max_tokens=0`` nothing is
+generated, which is what ``score`` does.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, Sequence
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine, SequenceDelta
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
+from ..model.sampler import Logprob
 
 
 def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +99,12 @@ class LLM:
                 _apply_delta(outputs[delta.request_id], delta)
         return [outputs[rid] for rid in order]
 
+    def score(self, prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+              top: int = 0) -> list[list[Logprob | None]]:
+        """Log-probabilities of each prompt's own tokens (None for the first), without generating."""
+        params = SamplingParams(max_tokens=0, prompt_logprobs=top, temperature=0.0)
+        return [out.prompt_logprobs or [] for out in self.generate(prompts, params)]
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
@@ -112,6 +124,8 @@ def _apply_delta(out: RequestOutput, delta: SequenceDelta) -> None:
     completion.token_ids.extend(delta.token_ids)
     if completion.logprobs is not None:
         completion.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None and out.prompt_logprobs is None:
+        out.prompt_logprobs = delta.prompt_logprobs
     out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
     if delta.finished:
         completion.finish_reason = delta.finish_reason

@@ -41,7 +41,7 @@ def _seed(seed: int | None) -> int | None:
 
 
 def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
-                    logprobs: int | None, structured: Any = None) -> SamplingParams:
+                    logprobs: int | None, structured: Any = None, prompt_logprobs: int | None = None) -> SamplingParams:
     bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size), None)
     if bad is not None:  # the sampler indexes the vocabulary with these
         raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
@@ -60,7 +60,7 @@ def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
             presence_penalty=pick(body.presence_penalty, 0.0), frequency_penalty=pick(body.frequency_penalty, 0.0),
             seed=_seed(body.seed), max_tokens=max_tokens, min_tokens=min(body.min_tokens, max_tokens),
             stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, speculative=body.speculative,
             structured=structured)
     except (ValueError, TypeError) as exc:
@@ -146,13 +146,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         state.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
-        params = sampling_params(state, body, max_tokens, body.logprobs, grammar)
+        scored = body.prompt_logprobs_needed
+        if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
+            scored = 0
+        params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     state.reserve(jobs)
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
-                          echo_texts if body.echo else None, _include_usage(body))
+                          echo_texts if body.echo else None, _include_usage(body),
+                          prompt_logprobs=body.prompt_logprobs)
     if body.stream:
         return SSEResponse(completion_stream(state, spec, jobs), state, jobs)
     try:
@@ -185,7 +189,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     state.check_prompt_ids(ids)
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
-    params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar)
+    params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
     return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
 
 
@@ -197,7 +201,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     job, plan = await prepare_chat(state, body, request_id)
     state.reserve([job])
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
-                    _include_usage(body), tools=plan)
+                    _include_usage(body), tools=plan,
+                    prompt_logprobs=body.prompt_logprobs)
     if body.stream:
         return SSEResponse(chat_stream(state, spec, job), state, [job])
     try:

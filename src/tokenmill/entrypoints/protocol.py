@@ -87,6 +87,8 @@ class _SamplingFields(_Model):
     guided_choice: list[str] | None = Field(None, max_length=4096)
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extra field: logprobs of the prompt's own tokens, this many alternatives each.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":
@@ -97,6 +99,9 @@ class _SamplingFields(_Model):
             raise ValueError(f"stop: each stop string must be at most {MAX_STOP_LEN} characters")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not available when streaming (use echo with logprobs on "
+                             "/v1/completions, or stream false)")
         return self
 
     @property
@@ -107,7 +112,7 @@ class _SamplingFields(_Model):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
         ..., description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_TOKENS_LIMIT)  # 0: score the prompt (echo)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -122,9 +127,17 @@ class CompletionRequest(_SamplingFields):
                 raise ValueError("prompt: must not be empty")
             if len(self.prompt) > MAX_PROMPTS and not isinstance(self.prompt[0], int):
                 raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts per request")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo together with logprobs is not supported (no prompt logprobs)")
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo or prompt_logprobs, "
+                             "to score the prompt without generating)")
         return self
+
+    @property
+    def prompt_logprobs_needed(self) -> int | None:
+        """Alternatives the engine must keep per prompt token: for the legacy echo
+        shape (``echo`` with ``logprobs``) and for vLLM's ``prompt_logprobs``."""
+        wanted = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(wanted) if wanted else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of single prompts (text or token ids)."""
@@ -258,12 +271,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of vLLM's ``prompt_logprobs`` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -310,6 +335,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ModelCard(BaseModel):

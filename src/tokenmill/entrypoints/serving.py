@@ -197,6 +197,12 @@ class ServerState:
         the endpoint's default when not sent (None: the rest of the context).
         ``--max-output-tokens`` caps both and is the default when it is set."""
         limit = min(self.max_model_len, self.pool_tokens)
+        if requested == 0:  # scoring the prompt: no room for output needed
+            if prompt_len > limit:
+                raise APIError(400, f"the prompt has {prompt_len} tokens, more than the {limit} this server "
+                               f"can score at once; shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
+            return 0
         room = limit - prompt_len
         if room < 1:
             where = (f"this model's context length is {self.max_model_len} tokens"

@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from ..engine.engine import SequenceDelta
 from ..model.sampler import Logprob
 from .errors import APIError, error_body
+from .prompt_logprobs import echo_logprobs, join, vllm_prompt_logprobs
 from .serving import Job, ServerState, merge_streams
 from .tool_calls import ToolPlan, ToolStream, extract, openai_call
 
@@ -134,6 +135,12 @@ class CompletionSpec:
     echo_texts: list[str] | None  # per job, when echo is on
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """Legacy echo with logprobs: the prompt's logprobs lead the choice's ``logprobs``."""
+        return self.echo_texts is not None and self.logprobs is not None
 
 
 async def completion_stream(state: ServerState, spec: CompletionSpec, jobs: list[Job]) -> AsyncIterator[bytes]:
@@ -161,6 +168,8 @@ async def completion_stream(state: ServerState, spec: CompletionSpec, jobs: list
             lp = None
             if spec.logprobs is not None and d.logprobs:
                 lp = completion_logprobs(state, d.logprobs, offsets[idx])
+            if spec.echo_logprobs and d.prompt_logprobs is not None:
+                lp = join(echo_logprobs(state, jobs[job_i].prompt_ids, d.prompt_logprobs, spec.logprobs or 0), lp)
             offsets[idx] += len(d.text)
             if text or lp:
                 yield chunk(idx, text, lp, None)
@@ -180,6 +189,7 @@ async def completion_body(state: ServerState, spec: CompletionSpec, jobs: list[J
     total = len(jobs) * spec.n
     texts = [""] * total
     lps: list[list[Logprob]] = [[] for _ in range(total)]
+    prompt_lps: list[list[Logprob | None] | None] = [None] * total
     finish: list[str | None] = [None] * total
     stops: list[Any] = [None] * total
     merged = _streams(state, jobs)
@@ -189,6 +199,8 @@ async def completion_body(state: ServerState, spec: CompletionSpec, jobs: list[J
             tally.add(job_i, d)
             texts[idx] += d.text
             lps[idx].extend(d.logprobs)
+            if d.prompt_logprobs is not None:
+                prompt_lps[idx] = d.prompt_logprobs
             if d.finished:
                 finish[idx], stops[idx] = d.finish_reason, d.stop_reason
     finally:
@@ -197,8 +209,14 @@ async def completion_body(state: ServerState, spec: CompletionSpec, jobs: list[J
     for idx in range(total):
         prefix = spec.echo_texts[idx // spec.n] if spec.echo_texts else ""
         lp = completion_logprobs(state, lps[idx], len(prefix)) if spec.logprobs is not None else None
-        choices.append({"index": idx, "text": prefix + texts[idx], "logprobs": lp,
-                        "finish_reason": finish[idx], "stop_reason": stops[idx]})
+        prompt_ids = jobs[idx // spec.n].prompt_ids
+        if spec.echo_logprobs:
+            lp = join(echo_logprobs(state, prompt_ids, prompt_lps[idx], spec.logprobs or 0), lp)
+        choice = {"index": idx, "text": prefix + texts[idx], "logprobs": lp,
+                  "finish_reason": finish[idx], "stop_reason": stops[idx]}
+        if spec.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_lps[idx], spec.prompt_logprobs)
+        choices.append(choice)
     return {"id": spec.request_id, "object": "text_completion", "created": spec.created, "model": spec.model,
             "choices": choices, "usage": tally.usage()}
 
@@ -214,6 +232,7 @@ class ChatSpec:
     top_logprobs: int
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
     tools: ToolPlan | None = None
 
 
@@ -275,6 +294,7 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
     tally = _Tally([job])
     texts = [""] * spec.n
     lps: list[list[Logprob]] = [[] for _ in range(spec.n)]
+    prompt_lps: list[Logprob | None] | None = None
     finish: list[str | None] = [None] * spec.n
     stops: list[Any] = [None] * spec.n
     merged = _streams(state, [job])
@@ -283,6 +303,8 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
             tally.add(0, d)
             texts[d.index] += d.text
             lps[d.index].extend(d.logprobs)
+            if d.prompt_logprobs is not None and prompt_lps is None:
+                prompt_lps = d.prompt_logprobs
             if d.finished:
                 finish[d.index], stops[d.index] = d.finish_reason, d.stop_reason
     finally:
@@ -300,5 +322,8 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
                 reason = _tool_finish(reason, True)
         choices.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": reason, "stop_reason": stops[i]})
-    return {"id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": spec.model,
+    body = {"id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": spec.model,
             "choices": choices, "usage": tally.usage()}
+    if spec.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_lps, spec.prompt_logprobs)
+    return body

@@ -1,21 +1,24 @@
 """Log-probabilities of given text, and perplexity over a long one.
 
-Scoring goes straight through the engine's model and its paged KV cache (the
-same attention, the same quantized layers as serving): a few sequences are
-packed into one forward pass, blocks are borrowed from the engine's pool and
-given back at once. The engine must be idle while this runs.
+Scoring is an ordinary engine request: the sequence is the prompt,
+``prompt_logprobs`` asks for the log-probability of each of its tokens and
+``max_tokens=0`` generates nothing. So it takes the one forward path serving
+takes (the same scheduler, chunked prefill, attention and quantized layers);
+there is no second forward pass to keep in step with it. The scorer drives
+the engine itself, so the engine must have no other requests meanwhile.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..engine.engine import LLMEngine
-from ..engine.request import Request, SamplingParams
+from ..engine.request import SamplingParams
 
-_LOGIT_ROWS = 256  # rows turned into vocabulary-sized logits at a time (bounds memory)
+_SCORE = SamplingParams(max_tokens=0, prompt_logprobs=1, temperature=0.0)  # top-1 gives the argmax
 
 
 class Scorer:
@@ -23,8 +26,9 @@ class Scorer:
 
     def __init__(self, engine: LLMEngine, max_batch_tokens: int = 1024) -> None:
         self.engine = engine
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens  # prompt tokens queued at a time
         self.forward_tokens = 0  # how many tokens went through the model (for the report)
+        self._ids = itertools.count()
 
     def logprobs(self, sequences: list[list[int]], starts: list[int] | None = None) -> list[torch.Tensor]:
         """For each sequence, float64 ``log p(tokens[j] | tokens[:j])`` for j in ``[start, len)``.
@@ -42,70 +46,47 @@ class Scorer:
                 raise ValueError(f"start {start} outside [1, {len(seq)}]")
             if len(seq) > self.engine.max_model_len:
                 raise ValueError(f"a {len(seq)}-token sequence exceeds the context length {self.engine.max_model_len}")
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sequences)
-        order = list(range(len(sequences)))
-        batch: list[int] = []
-        used = 0
-        for i in order:
-            n = len(sequences[i])
-            if batch and (used + n > self.max_batch_tokens or not self._fits(batch + [i], sequences)):
-                self._run(batch, sequences, starts, out)
-                batch, used = [], 0
-            batch.append(i)
-            used += n
-        if batch:
-            self._run(batch, sequences, starts, out)
-        empty = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
-        return [t if t is not None else empty for t in out]
-
-    def _fits(self, batch: list[int], sequences: list[list[int]]) -> bool:
-        bs = self.engine.block_size
-        need = sum(-(-len(sequences[i]) // bs) for i in batch)
-        return need <= self.engine.pool.num_available
-
-    @torch.inference_mode()
-    def _run(self, batch: list[int], sequences: list[list[int]], starts: list[int],
-             out: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        engine = self.engine
-        if engine.has_unfinished():
+        if self.engine.has_unfinished():
             raise RuntimeError("the engine has requests running; score while it is idle")
-        bs = engine.block_size
-        items: list[tuple[Request, int]] = []
+        empty = (torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+        out: list[tuple[torch.Tensor, torch.Tensor]] = [empty] * len(sequences)
+        # Sequences of one token have nothing to score.
+        todo = [i for i, seq in enumerate(sequences) if len(seq) > 1]
+        wave: list[int] = []
+        used = 0
+        for i in todo:
+            if wave and used + len(sequences[i]) > self.max_batch_tokens:
+                self._run(wave, sequences, starts, out)
+                wave, used = [], 0
+            wave.append(i)
+            used += len(sequences[i])
+        if wave:
+            self._run(wave, sequences, starts, out)
+        return out
+
+    def _run(self, wave: list[int], sequences: list[list[int]], starts: list[int],
+             out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        engine = self.engine
+        owners: dict[str, int] = {}
         try:
-            for i in batch:
-                ids = sequences[i]
-                req = Request(f"score-{i}", list(ids), SamplingParams(max_tokens=1))
-                need = -(-len(ids) // bs)
-                if need > engine.pool.num_available:
-                    raise RuntimeError(f"the KV pool ({engine.pool.num_blocks} blocks of {bs}) cannot hold "
-                                       f"a {len(ids)}-token sequence; give the engine more blocks")
-                req.block_table = engine.pool.allocate(need)
-                items.append((req, len(ids)))
-            # One-token sequences would be taken for decodes and reordered; they have nothing to score.
-            runnable = [(r, n) for r, n in items if n > 1]
-            if not runnable:
-                return
-            inputs = engine.runner.prepare(runnable)
-            hidden = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
-            self.forward_tokens += int(inputs.input_ids.numel())
-            offset = 0
-            by_id = {id(r): i for (r, _), i in zip(items, batch)}
-            for req, n in runnable:  # prepare keeps this order for multi-token sequences
-                i = by_id[id(req)]
-                start = starts[i]
-                rows = hidden[offset + start - 1 : offset + n - 1]
-                targets = torch.tensor(sequences[i][start:], dtype=torch.long, device=rows.device)
-                parts, tops = [], []
-                for r0 in range(0, rows.shape[0], _LOGIT_ROWS):
-                    logits = engine.model.compute_logits(rows[r0 : r0 + _LOGIT_ROWS]).float()
-                    lp = torch.log_softmax(logits, dim=-1)
-                    parts.append(lp.gather(1, targets[r0 : r0 + _LOGIT_ROWS, None]).squeeze(1))
-                    tops.append(logits.argmax(dim=-1))
-                out[i] = (torch.cat(parts).double().cpu(), torch.cat(tops).cpu())
-                offset += n
+            for i in wave:
+                rid = f"score-{next(self._ids)}"
+                engine.add_request(rid, sequences[i], _SCORE)
+                owners[rid] = i
+            while engine.has_unfinished():
+                for delta in engine.step():
+                    i = owners[delta.request_id]
+                    if delta.prompt_logprobs is None:
+                        continue
+                    entries = delta.prompt_logprobs[starts[i]:]
+                    lps = torch.tensor([e.logprob for e in entries], dtype=torch.float64)
+                    tops = torch.tensor([max(e.top.items(), key=lambda kv: kv[1])[0] for e in entries],
+                                        dtype=torch.long)
+                    out[i] = (lps, tops)
+                    self.forward_tokens += len(sequences[i])
         finally:
-            for req, _ in items:
-                engine.pool.release(req.block_table)
+            for rid in owners:
+                engine.abort_request(rid)
 
 
 @dataclass

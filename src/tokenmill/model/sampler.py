@@ -28,6 +28,7 @@ class Logprob:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)
+    rank: int | None = None  # 1 + how many tokens are likelier (set for prompt logprobs)
 
 
 class SamplingRow(Protocol):
