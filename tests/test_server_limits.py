@@ -225,3 +225,19 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
         del state.engine.step
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2},
                       timeout=30).status_code == 200
+
+
+def test_heap_housekeeping(monkeypatch):
+    from tokenmill.entrypoints.heap import ONEDNN_CACHE_ENTRIES, HeapTrimmer, bound_onednn_caches, trim_heap
+
+    assert isinstance(trim_heap(), bool)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")  # an operator's choice stays
+    bound_onednn_caches()
+    import os
+
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(ONEDNN_CACHE_ENTRIES)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+    trimmer = HeapTrimmer(interval_s=0.01).start()
+    time.sleep(0.05)
+    trimmer.stop()

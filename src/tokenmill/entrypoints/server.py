@@ -28,7 +28,7 @@ from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
-from .heap import HeapTrimmer, trim_heap
+from .heap import HeapTrimmer, bound_onednn_caches, trim_heap
 from .openai_routes import encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
@@ -321,6 +321,7 @@ def run_server(args: Any) -> int:
     from ..engine.engine import LLMEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    bound_onednn_caches()  # before the model makes its first primitive (entrypoints/heap.py)
     settings = _settings_from_args(args)
     config = engine_config_from_args(args)
     if getattr(args, "enforce_eager", False):
