@@ -20,6 +20,7 @@ from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
 from ..tokenizer import Tokenizer
 from .block_pool import BlockPool
+from .distributed import TensorParallelGroup
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
@@ -76,6 +77,11 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens = (
                 CPU_TOKEN_BUDGET if self.device.type == "cpu" else CUDA_TOKEN_BUDGET)
         self.dtype = parse_dtype(config.dtype)
+        # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
+        self.parallel: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallelGroup.start(config, loaded)
+            loaded = self.parallel.loaded
         loaded = loaded or load_model(config.model, dtype=self.dtype)
         self.model_config = loaded.config
         self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
@@ -86,6 +92,8 @@ class LLMEngine:
         # then materialise and load; the rotary tables are computed for real.
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, max_positions=max_len)
+        if self.parallel is not None:
+            self.parallel.shard_model(model)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.rope = RotaryEmbedding(cfg, max_len).to(self.device)
         model.load_weights(loaded.weights)
@@ -93,6 +101,8 @@ class LLMEngine:
             from ..model.quant import quantize_model
 
             quantize_model(model, loaded, config)
+            if self.parallel is not None:
+                self.parallel.after_quantize(model)
         model.eval()
         self.model = model
         self.weight_bytes = _weight_bytes(model)
@@ -111,7 +121,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device) if self.parallel is None
+                       else self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device))
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
         # any device: a CUDA generator would be refused by torch.rand there, and a seed
         # then gives the same draws on CPU and GPU.
@@ -312,6 +323,11 @@ class LLMEngine:
         group = self._groups.get(group_id)
         if group is not None and all(s.request.is_finished for s in group):
             del self._groups[group_id]
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:

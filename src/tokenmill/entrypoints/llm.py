@@ -60,6 +60,16 @@ class LLM:
                 _apply_delta(outputs[delta.request_id], delta)
         return [outputs[rid] for rid in order]
 
+    def close(self) -> None:
+        """Stop tensor-parallel worker processes (a no-op on one device)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""

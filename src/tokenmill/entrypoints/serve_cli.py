@@ -40,6 +40,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=None,
+                   help="split every layer over N processes (gloo on CPU, NCCL on CUDA: one GPU each); "
+                        "the heads and MLP must divide by N (default 1)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (default off)')

@@ -196,7 +196,7 @@ def engine_config_from_args(args: Any) -> Any:
                                    batching=args.batching, quantization=args.quantization,
                                    max_waiting=args.max_waiting)
     for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
-                "quantize_lm_head", "num_threads", "speculative_config"):
+                "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size"):
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
@@ -269,11 +269,19 @@ def run_server(args: Any) -> int:
              engine.max_model_len, engine.prefix_cache is not None, url)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                timeout_graceful_shutdown=1, access_log=False)
+    uv_server = _DrainingServer(uv_config, state).server
+    if engine.parallel is not None:  # a dead tensor-parallel rank stops the server, non-zero
+        from ..engine.distributed import supervise_server
+        supervise_server(engine.parallel, aengine, uv_server)
     try:
-        _DrainingServer(uv_config, state).server.run()
+        uv_server.run()
     finally:
         state.close()
         aengine.shutdown()
+        engine.close()
     log.info("tokenmill stopped")
+    if engine.parallel is not None and engine.parallel.failure is not None:
+        log.error("exiting with status 1: %s", engine.parallel.failure)
+        return 1
     return 0
 
