@@ -179,9 +179,16 @@ class ParallelRunner(ModelRunner):
                     return torch.empty((0, self.model.config.vocab_size)), []
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
             except RuntimeError as exc:
-                reason = self.group.failure if self.group is not None else None
-                raise TensorParallelError(reason or f"tensor-parallel step failed: {exc}") from exc
+                raise TensorParallelError(self._failure_reason() or f"tensor-parallel step failed: {exc}") from exc
         return logits, inputs.sampled
+
+    def _failure_reason(self, wait_s: float = 1.0) -> str | None:
+        """Which rank died, once the watchdog has seen it (a peer's collective usually
+        fails a moment before the process sentinel fires)."""
+        deadline = time.monotonic() + wait_s
+        while self.group is not None and self.group.failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.group.failure if self.group is not None else None
 
     def serve(self) -> None:
         """Worker loop: run every broadcast layout; return on the stop message (None)."""

@@ -59,28 +59,39 @@ class TPInfo:
     group: object = field(default=None, compare=False)  # torch process group (None: the default one)
 
 
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Refuse, with the numbers, a model whose heads or MLP do not split over ``size`` ranks."""
+def _split_problems(cfg: ModelConfig, size: int) -> list[str]:
     problems = []
     if cfg.num_attention_heads % size:
         problems.append(f"{cfg.num_attention_heads} attention heads")
-    if cfg.num_key_value_heads % size:
-        problems.append(f"{cfg.num_key_value_heads} KV heads")
+    kv = cfg.num_key_value_heads
+    if kv % size and size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
     if cfg.intermediate_size % size:
         problems.append(f"an MLP of {cfg.intermediate_size} units")
+    return problems
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Refuse, with the numbers, a model whose heads or MLP do not split over ``size`` ranks.
+
+    More ranks than KV heads is allowed when they divide evenly: each KV head is then
+    replicated on ``size / kv_heads`` ranks (the ones whose query heads read it)."""
+    problems = _split_problems(cfg, size)
     if problems:
-        divisors = [n for n in range(1, cfg.num_attention_heads + 1)
-                    if cfg.num_attention_heads % n == 0 and cfg.num_key_value_heads % n == 0
-                    and cfg.intermediate_size % n == 0]
+        sizes = [n for n in range(1, cfg.num_attention_heads + 1) if not _split_problems(cfg, n)]
         raise ValueError(f"tensor_parallel_size {size} does not divide this model's "
-                         f"{' and '.join(problems)}; sizes that do: {', '.join(map(str, divisors))}")
+                         f"{' and '.join(problems)}; sizes that do: {', '.join(map(str, sizes))}")
+
+
+def local_kv_heads(cfg: ModelConfig, size: int) -> int:
+    return max(1, cfg.num_key_value_heads // size)
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
     """The shape of one rank's decoder: 1/size of the heads, KV heads and MLP units."""
     check_divisible(cfg, size)
     return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // size,
-                               num_key_value_heads=cfg.num_key_value_heads // size,
+                               num_key_value_heads=local_kv_heads(cfg, size),
                                intermediate_size=cfg.intermediate_size // size, head_dim=cfg.head_dim)
 
 
@@ -109,7 +120,11 @@ def shard_range(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple[int,
     if proj == "q_proj":
         return (0, *part(cfg.num_attention_heads * d))
     if proj in ("k_proj", "v_proj"):
-        return (0, *part(cfg.num_key_value_heads * d))
+        kv = cfg.num_key_value_heads
+        if kv >= size:
+            return (0, *part(kv * d))
+        head = rank * kv // size  # replicated: the KV head this rank's query heads share
+        return 0, head * d, (head + 1) * d
     if proj in ("gate_proj", "up_proj"):
         return (0, *part(cfg.intermediate_size))
     if proj == "o_proj" and leaf[1] == "weight":
@@ -238,8 +253,8 @@ def _load_gguf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> Loa
             values = dequantize(data, t.type_name, shape)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             # llama.cpp's row order is per head, so a slice of whole heads unpermutes on its own
-            heads = cfg.num_attention_heads if ".q_proj." in hf else cfg.num_key_value_heads
-            values = values[unpermute_rows(values.shape[0], heads // size)]
+            heads = cfg.num_attention_heads // size if ".q_proj." in hf else local_kv_heads(cfg, size)
+            values = values[unpermute_rows(values.shape[0], heads)]
         values = np.array(values, copy=True, order="C")
         weights[hf] = _pad_vocab(hf, torch.from_numpy(values).to(dtype), cfg, size)
     return LoadedModel(cfg, weights, {}, {}, source=path, format="gguf")
