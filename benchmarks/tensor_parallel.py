@@ -198,7 +198,7 @@ def measure(args: argparse.Namespace, folder: str) -> list[EngineResult]:
     # (label, ranks, threads per rank, fused CPU decode step allowed)
     plan = [("TP=1", 1, threads, True), ("TP=1 eager", 1, threads, False),
             (f"TP={args.tp}", args.tp, max(1, threads // args.tp), True)]
-    if args.device != "cpu":
+    if args.device != "cpu" or not getattr(args, "eager", True):
         plan = [plan[0], plan[2]]
     best: dict[str, tuple[float, EngineResult]] = {}
     for rnd in range(args.rounds):

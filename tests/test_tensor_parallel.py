@@ -201,6 +201,30 @@ def test_replicated_kv_heads_match_one_rank():
     assert got == want
 
 
+def _agreement(got: list[list[int]], want: list[list[int]]) -> float:
+    """Share of tokens generated before each sequence's first difference."""
+    same = sum(next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want))
+    return same / sum(len(w) for w in want)
+
+
+@pytest.mark.slow
+def test_bf16_agrees_with_float32_as_one_rank_does():
+    """bf16 rounds differently on two ranks (partial sums, reduced in float32), but stays
+    as close to the float32 answer as one rank's bf16 does."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(5, 60, 16)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def tokens(**options) -> list[list[int]]:
+        with make_tiny_llm(num_threads=1, **options) as llm:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    reference = tokens()
+    one = _agreement(tokens(dtype="bfloat16"), reference)
+    two = _agreement(tokens(dtype="bfloat16", tensor_parallel_size=2), reference)
+    assert two >= one - 0.1, (one, two)
+
+
 @pytest.mark.slow
 def test_killed_worker_fails_the_server_fast_and_non_zero(tmp_path):
     from test_server_support import real_server
@@ -256,3 +280,14 @@ def _ppid(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def test_kubernetes_multi_gpu_replica_asks_for_one_gpu_per_rank():
+    from test_router_k8s import _objects, _server
+
+    from tokenmill.entrypoints.cli import build_parser
+
+    _, container = _server(_objects("multi-gpu"))
+    args = build_parser().parse_args(container["args"])
+    assert args.tensor_parallel_size == 2 and args.device == "cuda"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(args.tensor_parallel_size)

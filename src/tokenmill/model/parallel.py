@@ -271,6 +271,17 @@ def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return x
 
 
+def reduce_partial(partial: torch.Tensor, tp: TPInfo, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum the ranks' partial outputs (plus the residual, once). Half-precision partials
+    are summed in float32 and rounded once, as one device's matmul rounds its float32
+    accumulator once; summing them in bf16 would round at every rank's addition."""
+    dtype = partial.dtype
+    total = all_reduce(partial.float().contiguous() if dtype != torch.float32 else partial.contiguous(), tp)
+    if residual is not None:
+        total = total + residual.float() if dtype != torch.float32 else residual + total
+    return total.to(dtype)
+
+
 class RowParallelLinear(Linear):
     """A projection split by input columns: each rank's product is a partial sum;
     one all-reduce gives every rank the whole output. The residual is added after
@@ -281,10 +292,10 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(super().forward(x).contiguous(), self.tp)
+        return reduce_partial(super().forward(x), self.tp)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return residual + self.forward(x)
+        return reduce_partial(super().forward(x), self.tp, residual)
 
 
 class AllReduceOutput(nn.Module):
@@ -296,7 +307,7 @@ class AllReduceOutput(nn.Module):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(self.inner(x).contiguous(), self.tp)
+        return reduce_partial(self.inner(x), self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):
