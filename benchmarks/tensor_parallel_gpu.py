@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return result
 
     def speed() -> dict[str, Any]:
-        results = tpb.measure(workload(args, args.speed_dtype, 2), folder)
+        results = tpb.measure(workload(args, args.speed_dtype, 1 if args.quick else 2), folder)
         print(tpb.report(results, tpb.compare(results[0], results[-1])))
         return {"ratio_tok_s": results[-1].tok_s / results[0].tok_s,
                 "results": [{k: v for k, v in tpb.asdict(r).items() if k not in ("tokens", "first_logits")}

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,6 +23,8 @@ from gguf_files import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import parallel
 from tokenmill.model.loader import load_gguf, load_hf_folder
+
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def write_tiny_folder(folder, **overrides) -> str:
@@ -291,3 +294,31 @@ def test_kubernetes_multi_gpu_replica_asks_for_one_gpu_per_rank():
     args = build_parser().parse_args(container["args"])
     assert args.tensor_parallel_size == 2 and args.device == "cuda"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(args.tensor_parallel_size)
+
+
+def test_gpu_check_without_gpus_says_so_and_exits_2(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import tensor_parallel_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "tp.json"
+    assert tensor_parallel_gpu.main(["--out", str(out)]) == 2
+    assert "at least 2 GPUs" in json.loads(out.read_text())["env"]["skipped"]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch):
+    """The prepared multi-GPU check, on gloo: both sections run and parity holds."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import tensor_parallel_gpu
+
+    out = tmp_path / "tp.json"
+    assert tensor_parallel_gpu.main(["--device", "cpu", "--tp", "2", "--quick", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["ok"] and summary["gates"] == {"parity": True}
+    assert summary["parity"]["identical_sequences"] == summary["parity"]["sequences"] > 0
+    one, two = summary["speed"]["results"]
+    assert (one["tp"], two["tp"]) == (1, 2) and two["output_tokens"] == one["output_tokens"] > 0
+    assert [m["rank"] for m in two["rank_memory"]] == [0, 1]
+    assert two["rank_memory"][0]["weight_bytes"] < 0.6 * one["rank_memory"][0]["weight_bytes"]
+    assert two["split"]["all_reduce"] > 0 and two["split"]["broadcast"] > 0

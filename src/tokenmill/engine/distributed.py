@@ -28,6 +28,7 @@ local heads.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -325,7 +326,9 @@ class TensorParallelGroup:
             raise
         log.info("tensor parallel: %d ranks on %s (%s), %d threads each; worker pids %s", size, config.device,
                  backend_for(config.device), threads_per_rank(config), [p.pid for p in procs])
-        return cls(config, shard, tp, control, procs)
+        group = cls(config, shard, tp, control, procs)
+        atexit.register(group.close)  # before multiprocessing's own handler kills daemonic workers
+        return group
 
     # -- engine hooks ------------------------------------------------------
     def shard_model(self, model: LlamaForCausalLM) -> None:
@@ -386,16 +389,22 @@ class TensorParallelGroup:
             if proc.is_alive():
                 proc.kill()
 
+    def _send_stop(self) -> None:
+        try:
+            dist.broadcast_object_list([None], src=0, group=self.control)
+        except RuntimeError:
+            log.warning("tensor parallel: workers did not take the stop message")
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the workers and leave the group; idempotent."""
         if self._closing:
             return
         self._closing = True
         if self.failure is None and dist.is_initialized():
-            try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
-            except RuntimeError:
-                log.warning("tensor parallel: workers did not take the stop message")
+            # In a thread: at interpreter exit a step may still hold the group; never wait on it.
+            stop = threading.Thread(target=self._send_stop, daemon=True)
+            stop.start()
+            stop.join(timeout / 2)
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
                                    quantization=args.quantization, block_size=args.block_size,
                                    enable_prefix_caching=not args.no_prefix_caching)
     for key in ("kv_cache_memory", "max_model_len", "memory_budget", "quant_group_size", "quantize_lm_head",
-                "num_threads"):
+                "num_threads", "tensor_parallel_size"):
         if getattr(args, key, None) is not None:
             options[key] = getattr(args, key)
     generate(args.prompt, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
