@@ -322,3 +322,38 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch):
     assert [m["rank"] for m in two["rank_memory"]] == [0, 1]
     assert two["rank_memory"][0]["weight_bytes"] < 0.6 * one["rank_memory"][0]["weight_bytes"]
     assert two["split"]["all_reduce"] > 0 and two["split"]["broadcast"] > 0
+
+
+def test_failing_the_async_engine_ends_open_streams_with_engine_dead():
+    """What the server does when a rank dies: open streams end with EngineDeadError
+    (a 503), /health's is_alive turns false, new requests are refused."""
+    import asyncio
+
+    from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+
+    llm = make_tiny_llm()
+    aengine = AsyncEngine(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+    async def scenario() -> tuple[int, BaseException | None]:
+        seen = 0
+        try:
+            async for _ in aengine.generate("r", [1, 2, 3], params):
+                seen += 1
+                if seen == 2:
+                    aengine.fail("tensor-parallel worker rank 1 (pid 1) exited with code -9")
+        except EngineDeadError as exc:
+            return seen, exc
+        return seen, None
+
+    seen, exc = asyncio.run(scenario())
+    assert exc is not None and "rank 1" in str(exc) and seen < 500
+    assert not aengine.is_alive
+
+    async def late() -> None:
+        async for _ in aengine.generate("late", [1], params):
+            pass
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(late())
+    aengine.shutdown()
