@@ -357,3 +357,13 @@ def test_failing_the_async_engine_ends_open_streams_with_engine_dead():
     with pytest.raises(EngineDeadError):
         asyncio.run(late())
     aengine.shutdown()
+
+
+def test_serve_refuses_a_split_that_cannot_work_in_one_line(capsys):
+    from tokenmill.entrypoints.cli import main
+
+    assert main(["serve", "-tp", "2"]) == 2  # the bundled SmolLM2: 9 heads
+    err = capsys.readouterr().err
+    assert err.startswith("tokenmill serve: error: tensor_parallel_size 2 does not divide") and "1, 3" in err
+    assert main(["serve", "-tp", "3", "--quantization", "gguf"]) == 2
+    assert "'gguf' is not supported with tensor parallelism" in capsys.readouterr().err

@@ -418,6 +418,23 @@ class TensorParallelGroup:
                 pass
 
 
+def startup_problem(config: EngineConfig) -> str | None:
+    """Why ``config`` cannot start a tensor-parallel group (the model's heads do not split,
+    a quantization mode it does not take, too few GPUs), or None: for a one-line error
+    from the command line before anything is loaded."""
+    if config.tensor_parallel_size <= 1:
+        return None
+    try:
+        parallel.check_quantization(config.quantization, config.quantize_lm_head)
+        parallel.check_divisible(parallel.read_config(_model_path(config)), config.tensor_parallel_size)
+    except (ValueError, OSError) as exc:
+        return str(exc)
+    if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+        return (f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
+                f"{torch.cuda.device_count()} are visible")
+    return None
+
+
 def _model_path(config: EngineConfig) -> str:
     if config.model is not None:
         return os.fspath(config.model)

@@ -77,4 +77,14 @@ def register(subparsers: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     from .server import run_server
 
+    if (args.tensor_parallel_size or 1) > 1:  # refuse a split that cannot work in one line, before loading
+        import sys
+
+        from ..engine.distributed import startup_problem
+        from .server import engine_config_from_args
+
+        problem = startup_problem(engine_config_from_args(args))
+        if problem:
+            print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+            return 2
     return run_server(args)
