@@ -367,3 +367,18 @@ def test_serve_refuses_a_split_that_cannot_work_in_one_line(capsys):
     assert err.startswith("tokenmill serve: error: tensor_parallel_size 2 does not divide") and "1, 3" in err
     assert main(["serve", "-tp", "3", "--quantization", "gguf"]) == 2
     assert "'gguf' is not supported with tensor parallelism" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_on_three_ranks_reads_its_gguf_shards_and_matches(real_loaded, real_tokenizer):
+    """9 heads / 3 KV heads split over 3 ranks, each reading a third of the Q4_1 GGUF
+    (whole quantization blocks of the o and down columns); greedy text as on one rank."""
+    prompts = ["The capital of France is", "Write a haiku about the sea:"]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    one = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, num_threads=1, num_blocks=64)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params)]
+    with LLM(num_threads=1, num_blocks=64, tensor_parallel_size=3) as three:
+        got = [o.outputs[0].token_ids for o in three.generate(prompts, params)]
+        memory = three.engine.parallel.memory
+    assert got == want
+    assert all(abs(m.weight_bytes * 3 - one.engine.weight_bytes) < 0.01 * one.engine.weight_bytes for m in memory)
