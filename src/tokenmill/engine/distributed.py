@@ -90,6 +90,31 @@ def _join_group(rank: int, size: int, port: int, device: str) -> tuple[parallel.
     return parallel.TPInfo(rank, size, None), control
 
 
+def _join_watching(procs: list[Any], size: int, port: int, device: str) -> tuple[parallel.TPInfo, Any]:
+    """Rank 0 joins the group while watching the workers: one that dies before joining
+    (an import error, no memory) fails startup at once instead of after the timeout."""
+    joined: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            joined["group"] = _join_group(0, size, port, device)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            joined["error"] = exc
+
+    thread = threading.Thread(target=join, name="tokenmill-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = [(rank, p) for rank, p in enumerate(procs, start=1) if p.exitcode is not None]
+        if dead and thread.is_alive():
+            rank, proc = dead[0]
+            raise TensorParallelError(f"tensor-parallel worker rank {rank} exited with code {proc.exitcode} "
+                                      "while starting (see its log above)")
+    if "error" in joined:
+        raise joined["error"]
+    return joined["group"]
+
+
 def threads_per_rank(config: EngineConfig) -> int:
     """Intra-op threads of each rank: the configured count, else the cores split evenly."""
     if config.num_threads:
@@ -315,7 +340,7 @@ class TensorParallelGroup:
             proc.start()
             procs.append(proc)
         try:
-            tp, control = _join_group(0, size, port, config.device)
+            tp, control = _join_watching(procs, size, port, config.device)
             shard = (parallel.shard_loaded(loaded, 0, size) if loaded is not None
                      else parallel.load_shard(config.model, parse_dtype(config.dtype), 0, size))
         except BaseException:
