@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,13 +21,15 @@ from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
 from ..tokenizer import Tokenizer
 from .block_pool import BlockPool
-from .distributed import TensorParallelGroup
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
+
+if TYPE_CHECKING:
+    from .distributed import TensorParallelGroup
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -80,6 +83,8 @@ class LLMEngine:
         # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
         self.parallel: TensorParallelGroup | None = None
         if config.tensor_parallel_size > 1:
+            from .distributed import TensorParallelGroup
+
             self.parallel = TensorParallelGroup.start(config, loaded)
             loaded = self.parallel.loaded
         loaded = loaded or load_model(config.model, dtype=self.dtype)
