@@ -207,7 +207,9 @@ def measure(args: argparse.Namespace, folder: str) -> list[EngineResult]:
             os.environ["TOKENMILL_FUSED_DECODE"] = "1" if fused else "0"
             llm = make_llm(folder, tp, per_rank, args.device, args.dtype, blocks)
             try:
-                llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm up
+                # warm up; on GPUs the whole batch, so TP=1's lazily captured CUDA graphs exist before timing
+                warm = prompts if args.device != "cpu" else prompts[:1]
+                llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
                 timed = Timed(llm)
                 tokens, decode_step = timed.run(prompts, params)
                 result = EngineResult(label=label, tp=tp, threads_per_rank=per_rank)
