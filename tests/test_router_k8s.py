@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
-VARIANTS = ["device-plugin", "dra", "cpu"]
+VARIANTS = ["device-plugin", "dra", "cpu", "multi-gpu"]
 K8S_VERSION = "1.34.0"  # first release with resource.k8s.io/v1 (DRA GA)
 CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),

@@ -81,8 +81,8 @@ def test_hub_name_of_the_bundled_model_serves_the_bundled_copy():
     (["--foo", "1"], "unknown flag --foo"),
     (["--max-model", "4k"], "unknown flag --max-model"),  # no prefix matching
     (["-pp", "2"], "-pp is a vLLM flag"),
-    (["-tp", "2"], "tensor parallelism is not implemented"),
-    (["--tensor-parallel-size", "4"], "tensor parallelism is not implemented"),
+    (["-tp", "2"], "attention heads"),  # the bundled model's 9 heads do not split in two
+    (["--tensor-parallel-size", "4"], "attention heads"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
     (["--kv-cache-dtype", "bfloat16"], "differs from the compute dtype float32"),
     (["no/such-model"], "is not a local file or folder"),
@@ -261,8 +261,7 @@ def test_offline_llm_takes_vllm_keywords():
     assert opts["memory_budget"] > 0 and "trust_remote_code" not in opts
     assert vllm_options({"dtype": "half", "kv_cache_memory_bytes": "1G",
                          "gpu_memory_utilization": 0.9})["kv_cache_memory"] == "1G"
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        vllm_options({"tensor_parallel_size": 2})
+    assert vllm_options({"tensor_parallel_size": 2})["tensor_parallel_size"] == 2
 
 
 def test_offline_llm_with_auto_dtype_runs(tiny_llm_factory):

@@ -126,6 +126,8 @@ class EngineConfig:
     # no request can reach).
     cap_kv_pool: bool = False
     num_threads: int | None = None  # torch intra-op threads; None: every core
+    # Ranks (processes, one device each) that split every layer (engine/distributed.py); 1: no split
+    tensor_parallel_size: int = 1
     # vLLM's --speculative-config (JSON text or dict), e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -105,6 +105,15 @@ class AsyncEngine:
         self._send("call", (fn, loop, future))
         return future
 
+    def fail(self, reason: str) -> None:
+        """A fault outside the loop that the engine cannot survive (a tensor-parallel rank
+        died): the loop stops, ``is_alive`` turns false (/health 503) and every open stream
+        gets an ``EngineDeadError`` (a 503) now, whatever the engine thread is doing."""
+        self._stopping = True
+        self._wakeup.set()
+        for _request_id, stream in list(self._streams.items()):
+            stream.put(EngineDeadError(f"the engine failed: {reason}"))
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopping = True
         self._wakeup.set()

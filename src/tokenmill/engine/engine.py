@@ -11,6 +11,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,6 +31,9 @@ from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
 from .stats import EngineStats, SpecSnapshot
 from .structured import StructuredOutputs
+
+if TYPE_CHECKING:
+    from .distributed import TensorParallelGroup
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -85,6 +90,13 @@ class LLMEngine:
         dtype_choice = auto.resolve_dtype(config.dtype, self.device)
         config.dtype = dtype_choice[0]
         self.dtype = parse_dtype(config.dtype)
+        # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
+        self.parallel: TensorParallelGroup | None = None
+        if config.tensor_parallel_size > 1:
+            from .distributed import TensorParallelGroup
+
+            self.parallel = TensorParallelGroup.start(config, loaded)
+            loaded = self.parallel.loaded
         loaded = loaded or load_model(config.model, dtype=self.dtype)
         quant_choice = auto.resolve_quantization(config.quantization, loaded)
         config.quantization = quant_choice[0]
@@ -96,11 +108,11 @@ class LLMEngine:
         max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_len
         calibration = None
-        if str(config.quantization).lower() == "w8a8":  # int8 activations: smooth them first
+        if str(config.quantization).lower() == "w8a8" and self.parallel is None:  # int8 activations: smooth first
             from ..model.smoothquant import calibration_text
 
             calibration = self.tokenizer.encode(calibration_text())
-        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration)
+        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration, self.parallel)
         self.model = model
         self.weight_bytes = _weight_bytes(model)
 
@@ -121,7 +133,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, self.device)
+        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device) if self.parallel is None
+                       else self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device))
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
         # any device: a CUDA generator would be refused by torch.rand there, and a seed
         # then gives the same draws on CPU and GPU.
@@ -396,6 +409,11 @@ class LLMEngine:
                 spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
                 tuple(spec.stats.accepted_per_position)))
 
+    def close(self) -> None:
+        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
+
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
         """Drop every idle cached block; returns how many were freed."""
@@ -415,13 +433,16 @@ class LLMEngine:
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_len: int, calibration: list[int] | None = None) -> LlamaForCausalLM:
+                max_len: int, calibration: list[int] | None = None, parallel: Any = None) -> LlamaForCausalLM:
     """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``;
-    for int8 activations (w8a8), smoothed first on the ``calibration`` tokens."""
+    for int8 activations (w8a8), smoothed first on the ``calibration`` tokens; with
+    ``parallel`` (tensor parallelism), this rank's shard of every layer."""
     # Build on the meta device (no random init of weights about to be overwritten),
     # then materialise and load; the rotary tables are computed for real.
     with torch.device("meta"):
         model = LlamaForCausalLM(loaded.config, max_positions=max_len)
+    if parallel is not None:
+        parallel.shard_model(model)
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(loaded.config, max_len).to(device)
     model.load_weights(loaded.weights)
@@ -434,6 +455,8 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
         from ..model.quant import quantize_model
 
         quantize_model(model, loaded, config)
+        if parallel is not None:
+            parallel.after_quantize(model)
     model.eval()
     return model
 

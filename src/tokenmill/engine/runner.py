@@ -44,16 +44,17 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
-                 graph_backend: cuda_graphs.GraphBackend | None = None) -> None:
+                 graph_backend: cuda_graphs.GraphBackend | None = None, eager_only: bool = False) -> None:
         """``num_blocks``: the blocks the block pool hands out. ``graph_backend``: record
-        decode steps with it (tests inject a CPU stand-in); by default CUDA graphs on CUDA."""
+        decode steps with it (tests inject a CPU stand-in); by default CUDA graphs on CUDA.
+        ``eager_only``: neither the fused CPU decode step nor CUDA graphs (tensor parallelism)."""
         cfg = model.config
         assert cfg.head_dim is not None
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        backend = cuda_graphs.select_backend(device, dtype, graph_backend)
+        backend = None if eager_only else cuda_graphs.select_backend(device, dtype, graph_backend)
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if backend is not None else None
         self.pool_blocks = num_blocks + (1 if backend is not None else 0)  # blocks in the KV tensors
@@ -67,7 +68,7 @@ class ModelRunner:
         # Compile (first run on this machine) or load the CPU decode kernel now, not in the first step.
         cpu_kernels.decode_kernel_usable(device, dtype)
         # Small pure-decode batches on CPU: every layer in one native call (model/fused_decode.py).
-        self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" else None
+        self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" and not eager_only else None
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
                                                      backend) if backend is not None else None)
 

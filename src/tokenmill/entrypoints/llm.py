@@ -37,9 +37,7 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
         out["kv_cache_memory"] = out.pop("kv_cache_memory_bytes")
     if isinstance(out.get("max_model_len"), str):
         out["max_model_len"] = human_int(out["max_model_len"])
-    tp = int(out.pop("tensor_parallel_size", 1) or 1)
-    if tp > 1:
-        raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented")
+    out["tensor_parallel_size"] = int(out.get("tensor_parallel_size", 1) or 1)
     fraction = out.pop("gpu_memory_utilization", None)
     if fraction is not None and out.get("kv_cache_memory") is None and out.get("memory_budget") is None:
         out["memory_budget"] = int(float(fraction) * device_memory_bytes(device))
@@ -104,6 +102,16 @@ class LLM:
         """Log-probabilities of each prompt's own tokens (None for the first), without generating."""
         params = SamplingParams(max_tokens=0, prompt_logprobs=top, temperature=0.0)
         return [out.prompt_logprobs or [] for out in self.generate(prompts, params)]
+
+    def close(self) -> None:
+        """Stop tensor-parallel worker processes (a no-op on one device)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None) -> list[RequestOutput]:

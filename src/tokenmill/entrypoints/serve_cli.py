@@ -116,7 +116,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
                                    device=args.device, quantization=args.quantization,
                                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
     for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
-                "quantize_lm_head", "num_threads", "speculative_config"):
+                "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size"):
         value = getattr(args, key, None)
         if value is not None:
             options[key] = value
@@ -228,7 +228,8 @@ def add_device_arguments(p: Any) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs (no effect on CPU, which has none)")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive, default=1,
-                   help="devices per replica; only 1 (run replicas behind `tokenmill route` to use more)")
+                   help="split every layer over N processes (gloo on CPU, NCCL on CUDA: one GPU each); "
+                        "the heads and MLP must divide by N (default 1)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="accepted for vLLM launch lines; tokenmill logs no periodic stats")
 
@@ -279,9 +280,6 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         else:
             return (f"model {args.model!r} is not a local file or folder (tokenmill does not download "
                     "models: pass a GGUF file or a Hugging Face folder)")
-    if args.tensor_parallel_size > 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not implemented; "
-                "run one replica per device behind `tokenmill route`")
     compute = resolve_dtype(args.dtype, args.device)
     kv = resolve_dtype(_KV_ALIASES.get(args.kv_cache_dtype.lower(), args.kv_cache_dtype.lower()), args.device)
     if compute == "auto" and kv != "auto":  # what auto will be on this machine
@@ -391,4 +389,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     from .server import run_server
 
+    if (args.tensor_parallel_size or 1) > 1:  # refuse a split that cannot work in one line, before loading
+        from ..engine.distributed import startup_problem
+        from .server import engine_config_from_args
+
+        problem = startup_problem(engine_config_from_args(args))
+        if problem:
+            print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+            return 2
     return run_server(args)

@@ -348,16 +348,24 @@ def run_server(args: Any) -> int:
                                root_path=getattr(args, "root_path", "") or "",
                                ssl_keyfile=getattr(args, "ssl_keyfile", None),
                                ssl_certfile=getattr(args, "ssl_certfile", None))
+    uv_server = _DrainingServer(uv_config, state).server
+    if engine.parallel is not None:  # a dead tensor-parallel rank stops the server, non-zero
+        from ..engine.distributed import supervise_server
+        supervise_server(engine.parallel, aengine, uv_server)
     # what loading freed (file buffers, dequantization scratch) goes back now, the rest of
     # what requests free every half minute (entrypoints/heap.py)
     trim_heap()
     trimmer = HeapTrimmer().start()
     try:
-        _DrainingServer(uv_config, state).server.run()
+        uv_server.run()
     finally:
         trimmer.stop()
         state.close()
         aengine.shutdown()
+        engine.close()
     log.info("tokenmill stopped")
+    if engine.parallel is not None and engine.parallel.failure is not None:
+        log.error("exiting with status 1: %s", engine.parallel.failure)
+        return 1
     return 0
 

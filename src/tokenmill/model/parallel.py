@@ -1,0 +1,415 @@
+"""Tensor-parallel (Megatron-style) pieces of the model: which slice of each
+weight a rank holds, the layers that exchange data, and reading a shard
+straight from the checkpoint.
+
+A rank holds whole attention heads and whole KV heads (q/k/v split by output
+rows), a contiguous share of the MLP's intermediate units (gate/up by output
+rows, down by input columns), the o projection's matching input columns, and
+a contiguous range of the vocabulary (embedding rows and LM head rows). The
+two row-parallel projections (o and down) produce partial sums that one
+all-reduce each turns into the full output; the vocab-parallel embedding
+all-reduces too (every token's row lives on exactly one rank); the LM head's
+logit columns are gathered on rank 0, the only rank that samples. Norms and
+the rotary tables are replicated.
+
+The decoder's own modules do the rest: built with ``local_config`` (the head
+and intermediate counts of one rank) they have exactly a shard's shapes, so
+the attention kernels run per rank on the local heads without knowing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .llama import Linear, LlamaForCausalLM
+from .loader import LoadedModel, dequantize, gguf_to_hf_name, hf_config, read_gguf, unpermute_rows
+
+
+@dataclass
+class CommStats:
+    """Seconds this process spent inside the model's collectives (for benchmarks)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
+COMM = CommStats()
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int
+    size: int
+    group: object = field(default=None, compare=False)  # torch process group (None: the default one)
+
+
+def _split_problems(cfg: ModelConfig, size: int) -> list[str]:
+    problems = []
+    if cfg.num_attention_heads % size:
+        problems.append(f"{cfg.num_attention_heads} attention heads")
+    kv = cfg.num_key_value_heads
+    if kv % size and size % kv:
+        problems.append(f"{kv} KV heads (neither a multiple nor a divisor of {size})")
+    if cfg.intermediate_size % size:
+        problems.append(f"an MLP of {cfg.intermediate_size} units")
+    return problems
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Refuse, with the numbers, a model whose heads or MLP do not split over ``size`` ranks.
+
+    More ranks than KV heads is allowed when they divide evenly: each KV head is then
+    replicated on ``size / kv_heads`` ranks (the ones whose query heads read it)."""
+    problems = _split_problems(cfg, size)
+    if problems:
+        sizes = [n for n in range(1, cfg.num_attention_heads + 1) if not _split_problems(cfg, n)]
+        raise ValueError(f"tensor_parallel_size {size} does not divide this model's "
+                         f"{' and '.join(problems)}; sizes that do: {', '.join(map(str, sizes))}")
+
+
+def local_kv_heads(cfg: ModelConfig, size: int) -> int:
+    return max(1, cfg.num_key_value_heads // size)
+
+
+def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The shape of one rank's decoder: 1/size of the heads, KV heads and MLP units."""
+    check_divisible(cfg, size)
+    return dataclasses.replace(cfg, num_attention_heads=cfg.num_attention_heads // size,
+                               num_key_value_heads=local_kv_heads(cfg, size),
+                               intermediate_size=cfg.intermediate_size // size, head_dim=cfg.head_dim)
+
+
+def vocab_shard(vocab: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(first id, last id + 1, padded rows per rank) of a rank's vocabulary range."""
+    per = -(-vocab // size)
+    start = min(rank * per, vocab)
+    return start, min(start + per, vocab), per
+
+
+def shard_range(name: str, cfg: ModelConfig, rank: int, size: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the slice of HF-named tensor ``name`` that ``rank`` holds;
+    None for a replicated tensor (norms)."""
+    d = cfg.head_dim
+    assert d is not None
+
+    def part(total: int) -> tuple[int, int]:
+        per = total // size
+        return rank * per, (rank + 1) * per
+
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        start, stop, _ = vocab_shard(cfg.vocab_size, rank, size)
+        return 0, start, stop
+    leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
+    proj = leaf[0]
+    if proj == "q_proj":
+        return (0, *part(cfg.num_attention_heads * d))
+    if proj in ("k_proj", "v_proj"):
+        kv = cfg.num_key_value_heads
+        if kv >= size:
+            return (0, *part(kv * d))
+        head = rank * kv // size  # replicated: the KV head this rank's query heads share
+        return 0, head * d, (head + 1) * d
+    if proj in ("gate_proj", "up_proj"):
+        return (0, *part(cfg.intermediate_size))
+    if proj == "o_proj" and leaf[1] == "weight":
+        return (1, *part(cfg.num_attention_heads * d))
+    if proj == "down_proj" and leaf[1] == "weight":
+        return (1, *part(cfg.intermediate_size))
+    return None
+
+
+def _pad_vocab(name: str, tensor: torch.Tensor, cfg: ModelConfig, size: int) -> torch.Tensor:
+    """Vocab shards all have the padded row count (zero rows past the vocabulary)."""
+    if name not in ("model.embed_tokens.weight", "lm_head.weight"):
+        return tensor
+    rows = vocab_shard(cfg.vocab_size, 0, size)[2]
+    if tensor.shape[0] == rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+
+
+def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
+                  size: int) -> dict[str, torch.Tensor]:
+    """One rank's slices of full in-memory weights (copies, so the full ones can go)."""
+    out = {}
+    for name, tensor in weights.items():
+        spec = shard_range(name, cfg, rank, size)
+        if spec is not None:
+            dim, start, stop = spec
+            tensor = tensor.narrow(dim, start, stop - start)
+        out[name] = _pad_vocab(name, tensor.contiguous().clone(), cfg, size)
+    return out
+
+
+def shard_loaded(loaded: LoadedModel, rank: int, size: int) -> LoadedModel:
+    check_divisible(loaded.config, size)
+    return LoadedModel(loaded.config, shard_weights(loaded.weights, loaded.config, rank, size),
+                       dict(loaded.quant_types), {}, source=loaded.source, format=loaded.format)
+
+
+# --------------------------------------------------------------------------- reading a shard from the file
+
+
+def read_config(path: str) -> ModelConfig:
+    """The model's config without reading any weights."""
+    if os.path.isdir(path):
+        return hf_config(json.loads((Path(path) / "config.json").read_text()))
+    from .loader import _gguf_config
+
+    gguf_file = read_gguf(path)  # tensors are views of the memory map: nothing is read yet
+    shapes = {hf: t.shape for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name)) is not None}
+    cfg = _gguf_config(gguf_file.metadata, shapes)
+    freqs = next((t for t in gguf_file.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None and cfg.rope_scaling is None:  # as load_gguf reads Llama 3.1+ files
+        factors = dequantize(freqs.data, freqs.type_name, freqs.shape)
+        cfg.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    return cfg
+
+
+def load_shard(path: str | None, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
+    """Read only ``rank``'s slices from a GGUF file or an HF safetensors folder: each
+    tensor is sliced before it is dequantized or copied, so no rank ever holds the
+    whole model."""
+    if path is None:
+        from .bundled import default_model_path
+
+        path = default_model_path()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return _load_hf_shard(path, dtype, rank, size)
+    return _load_gguf_shard(path, dtype, rank, size)
+
+
+def _load_hf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
+    from safetensors import safe_open
+
+    folder = Path(path)
+    cfg = hf_config(json.loads((folder / "config.json").read_text()))
+    check_divisible(cfg, size)
+    index = folder / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+             else sorted(p.name for p in folder.glob("*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(folder / file), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and key == "lm_head.weight"):
+                    continue
+                spec = shard_range(key, cfg, rank, size)
+                if spec is None:
+                    tensor = f.get_tensor(key)
+                else:
+                    dim, start, stop = spec
+                    part = f.get_slice(key)
+                    tensor = part[start:stop] if dim == 0 else part[:, start:stop]
+                weights[key] = _pad_vocab(key, tensor.to(dtype).contiguous(), cfg, size)
+    return LoadedModel(cfg, weights, {}, {}, source=path, format="hf")
+
+
+def _load_gguf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    gguf_file = read_gguf(path)
+    entries = [(hf, t) for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name)) is not None]
+    cfg = read_config(path)
+    check_divisible(cfg, size)
+    permuted = cfg.architecture in ("llama", "mistral")
+    weights: dict[str, torch.Tensor] = {}
+    for hf, t in entries:
+        data, shape = t.data, t.shape
+        spec = shard_range(hf, cfg, rank, size)
+        values: np.ndarray | None = None
+        if spec is not None:
+            dim, start, stop = spec
+            if dim == 0:  # whole rows: a view of the mapped file
+                data = data[start:stop]
+                shape = (stop - start, *shape[1:])
+            else:  # columns: whole quantization blocks when they align, else dequantize this tensor
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
+                if start % block == 0 and stop % block == 0:
+                    data = data[:, start // block * type_size : stop // block * type_size]
+                    shape = (shape[0], stop - start)
+                else:
+                    values = dequantize(t.data, t.type_name, t.shape)[:, start:stop]
+        if values is None:
+            values = dequantize(data, t.type_name, shape)
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
+            # llama.cpp's row order is per head, so a slice of whole heads unpermutes on its own
+            heads = cfg.num_attention_heads // size if ".q_proj." in hf else local_kv_heads(cfg, size)
+            values = values[unpermute_rows(values.shape[0], heads)]
+        values = np.array(values, copy=True, order="C")
+        weights[hf] = _pad_vocab(hf, torch.from_numpy(values).to(dtype), cfg, size)
+    return LoadedModel(cfg, weights, {}, {}, source=path, format="gguf")
+
+
+# --------------------------------------------------------------------------- layers that communicate
+
+
+def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    started = time.perf_counter()
+    dist.all_reduce(x, group=tp.group)
+    COMM.seconds += time.perf_counter() - started
+    COMM.calls += 1
+    return x
+
+
+def reduce_partial(partial: torch.Tensor, tp: TPInfo, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum the ranks' partial outputs (plus the residual, once). On CPU, half-precision
+    partials are summed in float32 and rounded once, as one device's matmul rounds its
+    float32 accumulator once (summing in bf16 rounds at every addition; measured on the
+    tiny model, greedy agreement with float32 fell well below one rank's bf16). On GPUs
+    they are reduced in their own dtype, as vLLM does: half the bytes over the links."""
+    dtype = partial.dtype
+    widen = dtype != torch.float32 and partial.device.type == "cpu"
+    total = all_reduce(partial.float().contiguous() if widen else partial.contiguous(), tp)
+    if residual is None:
+        return total.to(dtype)
+    return (total + residual.float()).to(dtype) if widen else residual + total
+
+
+class RowParallelLinear(Linear):
+    """A projection split by input columns: each rank's product is a partial sum;
+    one all-reduce gives every rank the whole output. The residual is added after
+    the reduction (once, not once per rank)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPInfo) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_partial(super().forward(x), self.tp)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return reduce_partial(super().forward(x), self.tp, residual)
+
+
+class AllReduceOutput(nn.Module):
+    """All-reduces the output of a row-parallel projection that quantization replaced."""
+
+    def __init__(self, inner: nn.Module, tp: TPInfo) -> None:
+        super().__init__()
+        self.inner = inner
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_partial(self.inner(x), self.tp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows for this rank's token ids; zeros for the others; summed over ranks."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.start, self.stop, rows = vocab_shard(vocab, tp.rank, tp.size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.stop - self.start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits of this rank's vocabulary range, gathered on rank 0 (the sampler's rank).
+    Other ranks return their local columns, which nobody reads."""
+
+    def __init__(self, vocab: int, hidden: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.weight = nn.Parameter(torch.empty(vocab_shard(vocab, tp.rank, tp.size)[2], hidden))
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).contiguous()
+        started = time.perf_counter()
+        if self.tp.rank == 0:
+            parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+            dist.gather(local, parts, dst=0, group=self.tp.group)
+            out = torch.cat(parts, dim=-1)[:, : self.vocab]
+        else:
+            dist.gather(local, None, dst=0, group=self.tp.group)
+            out = local
+        COMM.seconds += time.perf_counter() - started
+        COMM.calls += 1
+        return out
+
+
+def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
+    """Turn a (meta-device) full-size decoder into one rank's shard, in place: local
+    head/MLP counts, row-parallel o/down, vocab-parallel embedding and head.
+    ``model.config`` becomes the local config (the runner sizes the KV pool from it)."""
+    from .llama import MLP, Attention
+
+    full = model.config
+    cfg = local_config(full, tp.size)
+    device = model.embed_tokens.weight.device
+    with torch.device(device):
+        model.embed_tokens = VocabParallelEmbedding(full.vocab_size, full.hidden_size, tp)
+        model.lm_head = ParallelLMHead(full.vocab_size, full.hidden_size, tp)
+        for layer in model.layers:
+            layer.self_attn = Attention(cfg)
+            assert cfg.head_dim is not None
+            layer.self_attn.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, full.hidden_size, tp)
+            layer.mlp = MLP(cfg)
+            layer.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, full.hidden_size, tp)
+    model.config = cfg
+
+
+def rewrap_quantized(model: LlamaForCausalLM, tp: TPInfo) -> None:
+    """After quantization replaced o/down with quantized layers, put the all-reduce back."""
+    for layer in model.layers:
+        for parent, attr in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            mod = getattr(parent, attr)
+            if not isinstance(mod, (RowParallelLinear, AllReduceOutput)):
+                setattr(parent, attr, AllReduceOutput(mod, tp))
+
+
+def check_quantization(mode: str | None, quantize_lm_head: bool) -> None:
+    """Weight-only int8/int4 and w8a8 quantize each shard on its own (int4 groups then
+    lie within a rank's input columns; a size that splits a group is refused by the
+    group check). Keeping a GGUF file's own blocks and a quantized LM head are not
+    supported under tensor parallelism yet."""
+    mode = str(mode or "none").lower()
+    if mode == "gguf":
+        raise ValueError("quantization 'gguf' is not supported with tensor parallelism yet; "
+                         "use int8 or int4 (each rank quantizes its own shard)")
+    if quantize_lm_head and mode != "none":
+        raise ValueError("a quantized LM head is not supported with tensor parallelism yet")
+
+
+def tensor_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers, shared tensors once, rotary tables left out."""
+    seen: set[int] = set()
+    total = 0
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if name.endswith(("rope.cos", "rope.sin")) or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["COMM", "TPInfo", "check_divisible", "local_config", "shard_range", "shard_weights", "shard_loaded",
+           "load_shard", "read_config", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
+           "shard_model", "rewrap_quantized", "check_quantization", "tensor_bytes"]
