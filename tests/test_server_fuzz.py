@@ -23,7 +23,7 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", APP).include(method="PO
 
 
 @schema.parametrize()
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_fuzz_no_server_errors(case):
     response = case.call()
     STATUSES[(case.path, response.status_code)] += 1

@@ -150,7 +150,7 @@ class Scheduler:
         walked the prefix cache. Progress inside the first uncached block (less than a
         block of tokens) is dropped when a cached copy of that block is found. Not for
         a request still owed prompt logprobs (cached positions have no logits)."""
-        if self.prefix_cache is None or not request.block_table or request.wants_prompt_logprobs:
+        if self.prefix_cache is None or request.wants_prompt_logprobs:
             return
         done = request.num_cached_blocks
         if request.num_computed_tokens >= request.num_prompt_tokens or \
