@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
     p.add_argument("--grpc-port", type=int, default=9002, help="ext_proc gRPC port (default 9002)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from .canary_cli import add_arguments as add_canary_arguments
+
+    add_canary_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -82,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
+        from .canary_cli import config_from_args as canary_from_args
+
+        config.canary = canary_from_args(args)
         config.validate()
     except ValueError as exc:
         logging.getLogger("tokenmill.router").error("%s", exc)

@@ -7,6 +7,7 @@ on one host or one Kubernetes namespace.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("prefix", "least-load", "round-robin")
 
@@ -67,7 +68,13 @@ class RouterConfig:
     grpc_port: int = 9002
     grpc_host: str | None = None  # default: same as host
 
+    # Canary rollout (router/canary.py): variants, split, SLO guard. None: one group.
+    canary: Any = None
+
     def validate(self) -> None:
+        if self.canary is not None:
+            self.canary.validate()
+            self.backends.extend(u for u in self.canary.backends() if u not in self.backends)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.backends and not self.backend_dns:
