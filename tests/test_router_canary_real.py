@@ -1,0 +1,125 @@
+"""Canary split over two real `tokenmill serve` replicas of the bundled model.
+
+The base serves float32 weights, the canary int4 (`--quantization int4`); the
+router splits 50/50. Per-variant request and token counters must add up to the
+router's totals and to what the clients received, and a session key must keep
+every request of a session on one variant. ``N_REQUESTS`` bounds the CPU time.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fake_backend import free_port
+from tokenmill.router.canary import CanaryConfig
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.server import RouterServer
+from tokenmill.router.variants import parse_variant
+
+pytestmark = pytest.mark.slow
+
+N_REQUESTS = int(os.environ.get("TOKENMILL_CANARY_REQUESTS", "40"))
+
+
+@pytest.fixture(scope="module")
+def servers():
+    ports = {"base": free_port(), "int4": free_port()}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--max-num-seqs", "8"]
+    procs = [subprocess.Popen(cmd + ["--port", str(ports["base"])], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
+             subprocess.Popen(cmd + ["--port", str(ports["int4"]), "--quantization", "int4"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)]
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    try:
+        deadline = time.monotonic() + 300
+        pending = set(urls.values())
+        while pending:
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+            for u in list(pending):
+                try:
+                    if httpx.get(u + "/health", timeout=2).status_code == 200:
+                        pending.discard(u)
+                except httpx.HTTPError:
+                    pass
+            assert time.monotonic() < deadline, "servers did not become ready"
+            time.sleep(0.5)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+async def _drive(url: str, n: int) -> list[tuple[int, str | None, str, int]]:
+    """n streamed chat requests, half with a session header (4 sessions); (status, variant, session, tokens)."""
+    sem = asyncio.Semaphore(4)
+    out = []
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        session = f"s{i % 4}" if i % 2 else ""
+        headers = {"x-session-id": session} if session else {}
+        body = {"model": "m", "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
+                "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        async with sem:
+            tokens = 0
+            async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"usage"' in line:
+                        import json
+
+                        usage = json.loads(line[6:]).get("usage") or {}
+                        tokens = usage.get("completion_tokens") or tokens
+            out.append((r.status_code, r.headers.get("x-tokenmill-variant"), session, tokens))
+
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as client:
+        await asyncio.gather(*(one(i, client) for i in range(n)))
+    return out
+
+
+def test_float32_and_int4_replicas_at_50_50(servers):
+    canary = CanaryConfig([parse_variant(f"base={servers['base']}"), parse_variant(f"int4={servers['int4']}")],
+                          {"int4": 50})
+    router = RouterServer(RouterConfig(port=0, canary=canary, health_interval=1.0)).start_in_thread()
+    try:
+        res = asyncio.run(_drive(router.url, N_REQUESTS))
+        text = httpx.get(router.url + "/metrics").text
+    finally:
+        router.stop()
+    assert [r for r in res if r[0] != 200] == []
+    counts = Counter(v for _, v, _, _ in res)
+    print(f"{N_REQUESTS} requests: {dict(counts)}")
+    assert set(counts) == {"base", "int4"}
+    sessions: dict[str, set] = {}
+    for _, v, s, _ in res:
+        if s:
+            sessions.setdefault(s, set()).add(v)
+    assert all(len(v) == 1 for v in sessions.values()), sessions
+    # Requests without a session key split exactly by weight.
+    unkeyed = Counter(v for _, v, s, _ in res if not s)
+    assert abs(unkeyed["base"] - unkeyed["int4"]) <= 1
+    per_variant = {v: _metric(text, "tokenmill_router_variant_requests_total", variant=v) for v in ("base", "int4")}
+    assert per_variant == {v: float(counts[v]) for v in ("base", "int4")}
+    assert sum(per_variant.values()) == _metric(text, "tokenmill_router_requests_total") == N_REQUESTS
+    assert sum(per_variant.values()) == _metric(text, "tokenmill_router_responses_total", code="200")
+    assert _metric(text, "tokenmill_router_variant_output_tokens_total") == sum(t for *_, t in res) > 0
+    assert _metric(text, "tokenmill_router_variant_ttft_seconds_count") == N_REQUESTS
