@@ -70,7 +70,7 @@ def _metric(text: str, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-async def _drive(url: str, n: int) -> list[tuple[int, str | None, str, int]]:
+async def _drive(url: str, n: int, model: str) -> list[tuple[int, str | None, str, int]]:
     """n streamed chat requests, half with a session header (4 sessions); (status, variant, session, tokens)."""
     sem = asyncio.Semaphore(4)
     out = []
@@ -78,7 +78,7 @@ async def _drive(url: str, n: int) -> list[tuple[int, str | None, str, int]]:
     async def one(i: int, client: httpx.AsyncClient) -> None:
         session = f"s{i % 4}" if i % 2 else ""
         headers = {"x-session-id": session} if session else {}
-        body = {"model": "m", "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
+        body = {"model": model, "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
                 "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
         async with sem:
             tokens = 0
@@ -101,7 +101,8 @@ def test_float32_and_int4_replicas_at_50_50(servers):
                           {"int4": 50})
     router = RouterServer(RouterConfig(port=0, canary=canary, health_interval=1.0)).start_in_thread()
     try:
-        res = asyncio.run(_drive(router.url, N_REQUESTS))
+        model = httpx.get(servers["base"] + "/v1/models").json()["data"][0]["id"]
+        res = asyncio.run(_drive(router.url, N_REQUESTS, model))
         text = httpx.get(router.url + "/metrics").text
     finally:
         router.stop()
