@@ -71,12 +71,12 @@ def _metric(text: str, name: str, **labels) -> float:
 
 
 async def _drive(url: str, n: int, model: str) -> list[tuple[int, str | None, str, int]]:
-    """n streamed chat requests, half with a session header (4 sessions); (status, variant, session, tokens)."""
+    """n streamed chat requests, half with a session header (8 sessions); (status, variant, session, tokens)."""
     sem = asyncio.Semaphore(4)
     out = []
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
-        session = f"s{i % 4}" if i % 2 else ""
+        session = f"s{i % 8}" if i % 2 else ""
         headers = {"x-session-id": session} if session else {}
         body = {"model": model, "messages": [{"role": "user", "content": f"Say a word about the number {i}."}],
                 "max_tokens": 3, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}

@@ -128,8 +128,18 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
 ]
 
 
-def compare(paths: Sequence[str]) -> str:
-    """Metric rows x run columns; a sweep contributes one column per point."""
+def compare(paths: Sequence[str], eval_path: str | None = None,
+            variant_cost: dict[str, float] | None = None) -> str:
+    """Metric rows x run columns; a sweep contributes one column per point, a run through a
+    router with variants one per variant; cost per successful request closes the table."""
+    from tokenmill.bench import success
+
+    cols = success.columns(paths, variant_cost)
+    if eval_path:
+        success.apply_eval(cols, eval_path)
+    if any("[" in c.label for c in cols):
+        rows = [[name] + [fn(c.summary) for c in cols] for name, fn in COMPARE_ROWS]
+        return table(["metric"] + [c.label for c in cols], rows + success.rows(cols))
     columns: list[tuple[str, Summary]] = []
     for path in paths:
         data = load(path)
@@ -138,4 +148,4 @@ def compare(paths: Sequence[str]) -> str:
             label = name if len(data["points"]) == 1 else f"{name}:{p['label']}"
             columns.append((label, Summary.from_dict(p["summary"])))
     rows = [[name] + [fn(s) for _, s in columns] for name, fn in COMPARE_ROWS]
-    return table(["metric"] + [c for c, _ in columns], rows)
+    return table(["metric"] + [c for c, _ in columns], rows + success.rows(cols))
