@@ -309,3 +309,34 @@ def test_slow_canary_is_rolled_back_without_failing_requests(caplog, n_requests=
             finally:
                 router.stop()
     assert "canary int4 rolled back to 0%" in caplog.text and "TTFT p99" in caplog.text
+
+
+def test_route_cli_flags():
+    import argparse
+
+    from tokenmill.router.canary_cli import config_from_args as canary_from_args
+    from tokenmill.router.cli import config_from_args, register
+
+    def parse(*argv):
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        ns = parser.parse_args(["route", *argv])
+        cfg = config_from_args(ns)
+        cfg.canary = canary_from_args(ns)
+        cfg.validate()
+        return cfg
+
+    cfg = parse("--variant", "base=127.0.0.1:1,127.0.0.1:2", "--variant", "int4=127.0.0.1:3", "--split", "int4=10",
+                "--slo", "ttft_p99=1", "--k8s-backend-ref", "int4=pool-int4")
+    assert cfg.backends == ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"]
+    assert cfg.canary.split == {"int4": 10.0} and cfg.canary.k8s_backend_refs == {"int4": "pool-int4"}
+    for argv, why in ((["--backend", "127.0.0.1:1", "--split", "int4=10"], "need --variant"),
+                      (["--variant", "base=127.0.0.1:1"], "at least two"),
+                      (["--variant", "base=127.0.0.1:1", "--variant", "b=127.0.0.1:1"], "one variant only"),
+                      (["--variant", "base=127.0.0.1:1", "--variant", "b=127.0.0.1:2", "--backend", "127.0.0.1:9"],
+                       "belongs in a --variant"),
+                      (["--variant", "base=127.0.0.1:1", "--variant", "b=127.0.0.1:2", "--split", "c=5"], "unknown"),
+                      (["--variant", "base=127.0.0.1:1", "--variant", "b=127.0.0.1:2", "--k8s-backend-ref", "b"],
+                       "VARIANT=NAME")):
+        with pytest.raises(ValueError, match=why):
+            parse(*argv)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 from tokenmill.bench.stats import Summary, meets_slo, summarize
 from tokenmill.bench.types import RequestRecord

@@ -74,6 +74,11 @@ class RouterConfig:
     def validate(self) -> None:
         if self.canary is not None:
             self.canary.validate()
+            from .backend import normalize_url
+
+            grouped = set(self.canary.backends())
+            if self.backend_dns or any(normalize_url(b) not in grouped for b in self.backends):
+                raise ValueError("with --variant groups, every backend belongs in a --variant")
             self.backends.extend(u for u in self.canary.backends() if u not in self.backends)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
