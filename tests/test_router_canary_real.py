@@ -124,3 +124,47 @@ def test_float32_and_int4_replicas_at_50_50(servers):
     assert sum(per_variant.values()) == _metric(text, "tokenmill_router_responses_total", code="200")
     assert _metric(text, "tokenmill_router_variant_output_tokens_total") == sum(t for *_, t in res) > 0
     assert _metric(text, "tokenmill_router_variant_ttft_seconds_count") == N_REQUESTS
+
+
+EVAL_ITEMS = [
+    {"id": "capital-france", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+     "answer": "Paris", "match": "contains", "max_tokens": 12},
+    {"id": "sky", "messages": [{"role": "user", "content": "What color is the sky on a clear day?"}],
+     "answer": "blue", "match": "contains", "max_tokens": 12},
+    {"id": "count", "prompt": "1, 2, 3, 4,", "answer": r"\b5\b", "match": "regex", "max_tokens": 4},
+    {"id": "mc-spain", "prompt": "The capital of Spain is", "choices": [" Madrid", " Paris", " Lisbon"],
+     "answer": " Madrid", "match": "choice"},
+]
+
+
+def test_http_eval_on_the_two_servers_matches_offline(servers, tmp_path, capsys):
+    """`tokenmill eval --url --candidate-url` on the float32 and int4 servers against the offline eval
+    of the same configurations. Items that need prompt logprobs run only where the server has them."""
+    import json
+
+    from tokenmill.entrypoints.cli import main
+
+    data = tmp_path / "set.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in EVAL_ITEMS))
+    off, on = tmp_path / "off.json", tmp_path / "on.json"
+    assert main(["eval", "--eval-set", str(data), "--no-text", "--no-speed", "--candidate", "int4",
+                 "--threads", "1", "--output", str(off)]) in (0, 1)
+    capsys.readouterr()
+    assert main(["eval", "--url", servers["base"], "--candidate-url", servers["int4"], "--eval-set", str(data),
+                 "--no-text", "--output", str(on)]) in (0, 1)
+    notes = capsys.readouterr().err
+    a, b = json.loads(off.read_text()), json.loads(on.read_text())
+    served = {i["id"] for i in b["base"]["items"]}
+    if "mc-spain" not in served:
+        assert "choice items and perplexity skipped" in notes
+    print(f"offline {a['base']['accuracy']}/{a['candidates'][0]['accuracy']} "
+          f"agreement {a['comparisons'][0]['agreement']}; over HTTP {b['base']['accuracy']}/"
+          f"{b['candidates'][0]['accuracy']} agreement {b['comparisons'][0]['agreement']} ({sorted(served)})")
+    for x, y in ((a["base"], b["base"]), (a["candidates"][0], b["candidates"][0])):
+        got = {i["id"]: i for i in y["items"]}
+        for item in x["items"]:
+            if item["id"] in got:
+                assert got[item["id"]]["correct"] == item["correct"], (x["label"], item["id"])
+    # The float32 base answers exactly as offline.
+    got = {i["id"]: i["output"] for i in b["base"]["items"]}
+    assert all(got[i["id"]] == i["output"] for i in a["base"]["items"] if i["id"] in got)
