@@ -89,12 +89,16 @@ def test_guard_waits_for_min_samples_and_forgets_old_samples():
         g.observe("c", 0.1, 0.01, i < 3)
     why = g.breach("c")
     assert why.startswith("error rate 30.0% > 20%") and "TTFT" not in why
+    g2 = Guard(SLO(e2e_p99=1.0, min_samples=2), clock=lambda: now[0])
+    g2.observe("c", None, None, False, e2e=3.0)
+    g2.observe("c", None, None, False, e2e=0.5)
+    assert g2.breach("c").startswith("request latency p99 3.000s > 1s")
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([5], 99) == 5
 
 
 def test_slo_parse():
-    s = SLO.parse("ttft_p99=1.5s,tpot=0.2,error_rate=5%,window=30,min_samples=8")
-    assert (s.ttft_p99, s.tpot_p99, s.error_rate, s.window_s, s.min_samples) == (1.5, 0.2, 0.05, 30.0, 8)
+    s = SLO.parse("ttft_p99=1.5s,tpot=0.2,e2e=20,error_rate=5%,window=30,min_samples=8")
+    assert (s.ttft_p99, s.tpot_p99, s.e2e_p99, s.error_rate, s.window_s, s.min_samples) == (1.5, 0.2, 20.0, 0.05, 30.0, 8)
     for bad in ("ttft", "foo=1", "ttft=x", "window=0", "ttft=-1"):
         with pytest.raises(ValueError):
             SLO.parse(bad)
@@ -340,3 +344,17 @@ def test_route_cli_flags():
                        "VARIANT=NAME")):
         with pytest.raises(ValueError, match=why):
             parse(*argv)
+
+
+def test_slow_canary_on_non_streamed_traffic_is_rolled_back_by_request_latency():
+    slo = SLO(e2e_p99=0.2, window_s=20.0, min_samples=3)
+    with FakeServer(FakeConfig(ttft=0.01, itl=0.002)) as base, FakeServer(FakeConfig(ttft=0.4, itl=0.002)) as slow:
+        router = _router([f"base={base.url}", f"int4={slow.url}"], "int4=50", slo=slo)
+        try:
+            res = asyncio.run(_requests(router.url, 16, 2, stream=False))
+            assert [s for s, *_ in res if s != 200] == []
+            snap = httpx.get(router.url + "/admin/split").json()
+            assert snap["split"]["int4"] == 0.0 and "request latency p99" in snap["rolled_back"]["int4"]
+            assert snap["window"]["base"]["e2e_p99"] < 0.2
+        finally:
+            router.stop()

@@ -74,6 +74,9 @@ class CanaryMetrics:
         self.ttft = Histogram("tokenmill_router_variant_ttft_seconds",
                               "Time to first token of streamed responses, per variant, as the router sees it.",
                               ["variant"], buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill_router_variant_request_seconds",
+                             "Whole-request latency per variant (successful answers), as the router sees it.",
+                             ["variant"], buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("tokenmill_router_variant_tpot_seconds",
                               "Time per output token after the first, of streamed responses, per variant.",
                               ["variant"], buckets=_TPOT_BUCKETS, registry=r)
@@ -194,7 +197,7 @@ class Canary:
 
     # -- measurements -----------------------------------------------------
     def record(self, variant: str | None, error: bool, ttft: float | None = None, tpot: float | None = None,
-               output_tokens: int = 0) -> None:
+               output_tokens: int = 0, e2e: float | None = None) -> None:
         if variant is None:
             return
         m = self.metrics
@@ -207,13 +210,15 @@ class Canary:
             m.ttft.labels(variant).observe(ttft)
         if tpot is not None:
             m.tpot.labels(variant).observe(tpot)
-        self.guard.observe(variant, ttft, tpot, error)
+        if e2e is not None and not error:
+            m.e2e.labels(variant).observe(e2e)
+        self.guard.observe(variant, ttft, tpot, error, None if error else e2e)
         if variant != self.splitter.base and self.state.weights.get(variant, 0.0) > 0:
             why = self.guard.breach(variant)
             if why:
                 self.rollback(variant, why)
 
-    def observe_response(self, endpoint: str, status: int, content: bytes) -> None:
+    def observe_response(self, endpoint: str, status: int, content: bytes, started: float | None = None) -> None:
         """A whole (non-streamed) answer; its usage gives the output tokens."""
         tokens = 0
         if status == 200:
@@ -222,7 +227,8 @@ class Canary:
                 tokens = int(usage.get("completion_tokens") or 0)
             except (ValueError, AttributeError, TypeError):
                 pass
-        self.record(self.variant_of(endpoint), error=status >= 500, output_tokens=tokens)
+        e2e = time.monotonic() - started if started is not None and status == 200 else None
+        self.record(self.variant_of(endpoint), error=status >= 500, output_tokens=tokens, e2e=e2e)
 
     def observe_failure(self, endpoint: str) -> None:
         self.record(self.variant_of(endpoint), error=True)
@@ -238,7 +244,7 @@ class Canary:
         for n in self.splitter.names:
             st = self.guard.stats(n)
             doc["window"][n] = {"samples": st.samples, "errors": st.errors, "ttft_p99": st.ttft_p99,
-                                "tpot_p99": st.tpot_p99}
+                                "tpot_p99": st.tpot_p99, "e2e_p99": st.e2e_p99}
         return doc
 
 
@@ -294,7 +300,8 @@ class StreamMeter:
         tpot = None
         if self.first is not None and self.last is not None and tokens > 1:
             tpot = (self.last - self.first) / (tokens - 1)
-        self.canary.record(self.variant, error=error, ttft=ttft, tpot=tpot, output_tokens=tokens)
+        self.canary.record(self.variant, error=error, ttft=ttft, tpot=tpot, output_tokens=tokens,
+                           e2e=time.monotonic() - self.started)
 
 
 def _has_output(obj: Any) -> bool:

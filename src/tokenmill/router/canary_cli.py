@@ -17,7 +17,7 @@ def add_arguments(p: Any) -> None:
                    help="traffic share of a canary variant, e.g. int4=10; the base takes the rest")
     g.add_argument("--slo", default=None, metavar="KEY=VALUE,...",
                    help="guard: roll a canary back to 0%% when it breaks any of ttft_p99=S, tpot_p99=S, "
-                        "error_rate=F over window=S seconds with at least min_samples=N requests")
+                        "e2e_p99=S (whole request; non-streamed answers have only this), error_rate=F over window=S seconds with at least min_samples=N requests")
     g.add_argument("--split-state", default=None, metavar="PATH",
                    help="JSON file that keeps the split across restarts")
     g.add_argument("--admin-key", default=None,

@@ -24,15 +24,16 @@ class SLO:
     ttft_p99: float | None = None  # seconds
     tpot_p99: float | None = None  # seconds per output token
     error_rate: float | None = None  # 0..1
+    e2e_p99: float | None = None  # seconds, whole request (the only latency of non-streamed answers)
     window_s: float = 60.0
     min_samples: int = 20
 
     def active(self) -> bool:
-        return any(v is not None for v in (self.ttft_p99, self.tpot_p99, self.error_rate))
+        return any(v is not None for v in (self.ttft_p99, self.tpot_p99, self.error_rate, self.e2e_p99))
 
     @classmethod
     def parse(cls, text: str) -> "SLO":
-        """``ttft_p99=2,tpot_p99=0.2,error_rate=0.05,window=60,min_samples=20``."""
+        """``ttft_p99=2,tpot_p99=0.2,e2e_p99=30,error_rate=0.05,window=60,min_samples=20``."""
         slo = cls()
         for part in text.split(","):
             if not part.strip():
@@ -51,6 +52,8 @@ class SLO:
                 slo.ttft_p99 = value
             elif k in ("tpot", "tpot_p99"):
                 slo.tpot_p99 = value
+            elif k in ("e2e", "e2e_p99"):
+                slo.e2e_p99 = value
             elif k in ("error_rate", "errors"):
                 slo.error_rate = value
             elif k in ("window", "window_s"):
@@ -60,7 +63,8 @@ class SLO:
             elif k == "min_samples":
                 slo.min_samples = max(1, int(value))
             else:
-                raise ValueError(f"--slo: unknown key {k!r} (ttft_p99, tpot_p99, error_rate, window, min_samples)")
+                raise ValueError(f"--slo: unknown key {k!r} (ttft_p99, tpot_p99, e2e_p99, error_rate, "
+                                 "window, min_samples)")
         return slo
 
 
@@ -70,6 +74,7 @@ class Sample:
     ttft: float | None
     tpot: float | None
     error: bool
+    e2e: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,6 +90,7 @@ class WindowStats:
     errors: int
     ttft_p99: float | None
     tpot_p99: float | None
+    e2e_p99: float | None = None
 
     @property
     def error_rate(self) -> float:
@@ -97,9 +103,10 @@ class Guard:
     clock: Callable[[], float] = time.monotonic
     _windows: dict[str, deque[Sample]] = field(default_factory=dict)
 
-    def observe(self, variant: str, ttft: float | None, tpot: float | None, error: bool) -> None:
+    def observe(self, variant: str, ttft: float | None, tpot: float | None, error: bool,
+                e2e: float | None = None) -> None:
         w = self._windows.setdefault(variant, deque())
-        w.append(Sample(self.clock(), ttft, tpot, error))
+        w.append(Sample(self.clock(), ttft, tpot, error, e2e))
         self._trim(w)
 
     def _trim(self, w: deque[Sample]) -> None:
@@ -116,9 +123,11 @@ class Guard:
         self._trim(w)
         ttfts = [s.ttft for s in w if s.ttft is not None]
         tpots = [s.tpot for s in w if s.tpot is not None]
+        e2es = [s.e2e for s in w if s.e2e is not None]
         return WindowStats(samples=len(w), errors=sum(s.error for s in w),
                            ttft_p99=percentile(ttfts, 99) if ttfts else None,
-                           tpot_p99=percentile(tpots, 99) if tpots else None)
+                           tpot_p99=percentile(tpots, 99) if tpots else None,
+                           e2e_p99=percentile(e2es, 99) if e2es else None)
 
     def breach(self, variant: str) -> str | None:
         """Why this variant breaks its SLO now, or None (also None below ``min_samples``)."""
@@ -131,6 +140,8 @@ class Guard:
             reasons.append(f"TTFT p99 {st.ttft_p99:.3f}s > {slo.ttft_p99:g}s")
         if slo.tpot_p99 is not None and st.tpot_p99 is not None and st.tpot_p99 > slo.tpot_p99:
             reasons.append(f"TPOT p99 {st.tpot_p99 * 1000:.1f}ms > {slo.tpot_p99 * 1000:g}ms")
+        if slo.e2e_p99 is not None and st.e2e_p99 is not None and st.e2e_p99 > slo.e2e_p99:
+            reasons.append(f"request latency p99 {st.e2e_p99:.3f}s > {slo.e2e_p99:g}s")
         if slo.error_rate is not None and st.error_rate > slo.error_rate:
             reasons.append(f"error rate {100 * st.error_rate:.1f}% > {100 * slo.error_rate:g}%")
         if not reasons:

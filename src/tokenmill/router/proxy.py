@@ -193,7 +193,7 @@ class Proxy:
                 await resp.aclose()
                 self.router.release(b)
             if self.canary is not None:
-                self.canary.observe_response(b.endpoint, resp.status_code, content)
+                self.canary.observe_response(b.endpoint, resp.status_code, content, started)
             return Response(content, resp.status_code, self._response_headers(resp, b))
         chunks = resp.aiter_raw()
         try:
