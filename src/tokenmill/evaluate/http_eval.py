@@ -226,7 +226,8 @@ def run(args: Any, items: list[EvalItem], text: str | None) -> tuple[CandidateRe
     base_ep = Endpoint(args.url, args.api_key, args.served_model)
     eps = [Endpoint(u, args.candidate_api_key or args.api_key, args.served_model) for u in args.candidate_url]
     try:
-        for ep in [base_ep, *eps]:
+        needs_logprobs = text is not None or any(it.match == "choice" for it in items)
+        for ep in [base_ep, *eps] if needs_logprobs else []:
             try:
                 ep.prompt_logprobs(ep.tokenize("Prompt logprobs probe.", add_special_tokens=True))
             except ServerError as exc:
