@@ -358,3 +358,20 @@ def test_slow_canary_on_non_streamed_traffic_is_rolled_back_by_request_latency()
             assert snap["window"]["base"]["e2e_p99"] < 0.2
         finally:
             router.stop()
+
+
+def test_large_windows_are_judged_a_few_times_a_second(monkeypatch):
+    from tokenmill.router import canary as canary_mod
+
+    monkeypatch.setattr(canary_mod, "_CHECK_EVERY_REQUEST", 4)
+    c = _canary(ttft_p99=0.1, window_s=60, min_samples=2)
+    calls = []
+    real = c.guard.breach
+    monkeypatch.setattr(c.guard, "breach", lambda v: calls.append(v) or real(v))
+    for _ in range(50):
+        c.record("int4", False, ttft=0.01)  # within the SLO
+    assert len(calls) == 3  # the first three (window below 4), then none within 0.25 s
+    time.sleep(0.3)
+    c.record("int4", False, ttft=5.0)
+    c.record("int4", False, ttft=5.0)
+    assert c.state.weights["int4"] == 0.0  # judged again after the pause: p99 now breaks the SLO

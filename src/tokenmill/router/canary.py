@@ -30,6 +30,7 @@ from .variants import SplitState, Splitter, Variant, full_split, load_state, sav
 log = logging.getLogger("tokenmill.router")
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
+_CHECK_EVERY_REQUEST = 256  # window size up to which every finished request gets a verdict
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
 
 
@@ -108,6 +109,7 @@ class Canary:
         self.metrics = CanaryMetrics(metrics)
         self.patcher = patcher  # async fn(weights) that updates the HTTPRoute, or None
         self._tasks: set[asyncio.Task] = set()
+        self._checked: dict[str, float] = {}  # last guard verdict per variant
         for n in names:  # export every label from the start, so sums are over all variants
             self.metrics.requests.labels(n)
             self.metrics.errors.labels(n)
@@ -214,9 +216,14 @@ class Canary:
             m.e2e.labels(variant).observe(e2e)
         self.guard.observe(variant, ttft, tpot, error, None if error else e2e)
         if variant != self.splitter.base and self.state.weights.get(variant, 0.0) > 0:
-            why = self.guard.breach(variant)
-            if why:
-                self.rollback(variant, why)
+            # A verdict sorts the window: every request while it is small, a few times a
+            # second once it is large (busy routers), so the guard stays cheap.
+            now = time.monotonic()
+            if self.guard.size(variant) < _CHECK_EVERY_REQUEST or now - self._checked.get(variant, 0.0) >= 0.25:
+                self._checked[variant] = now
+                why = self.guard.breach(variant)
+                if why:
+                    self.rollback(variant, why)
 
     def observe_response(self, endpoint: str, status: int, content: bytes, started: float | None = None) -> None:
         """A whole (non-streamed) answer; its usage gives the output tokens."""

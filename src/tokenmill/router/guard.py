@@ -114,6 +114,9 @@ class Guard:
         while w and w[0].at < horizon:
             w.popleft()
 
+    def size(self, variant: str) -> int:
+        return len(self._windows.get(variant, ()))
+
     def reset(self, variant: str) -> None:
         """Forget a variant's samples (after a rollback or a new split, start afresh)."""
         self._windows.pop(variant, None)
