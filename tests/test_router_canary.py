@@ -368,9 +368,12 @@ def test_large_windows_are_judged_a_few_times_a_second(monkeypatch):
     calls = []
     real = c.guard.breach
     monkeypatch.setattr(c.guard, "breach", lambda v: calls.append(v) or real(v))
+    started = time.monotonic()
     for _ in range(50):
         c.record("int4", False, ttft=0.01)  # within the SLO
-    assert len(calls) == 3  # the first three (window below 4), then none within 0.25 s
+    elapsed = time.monotonic() - started
+    # The first three (window below 4), then one per 0.25 s (a loaded machine may take a while).
+    assert 3 <= len(calls) <= 3 + int(elapsed / 0.25) + 1 < 50
     time.sleep(0.3)
     c.record("int4", False, ttft=5.0)
     c.record("int4", False, ttft=5.0)
