@@ -119,6 +119,8 @@ class FakeServer:
 
     async def _handle(self, method: str, path: str, body: bytes,
                       writer: asyncio.StreamWriter) -> bool:
+        if path == "/health":
+            return await self._send(writer, 200, b"{}")
         if path == "/v1/models":
             return await self._send(writer, 200, json.dumps(
                 {"object": "list", "data": [{"id": self.cfg.model, "object": "model"}]}).encode())

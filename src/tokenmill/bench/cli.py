@@ -149,6 +149,11 @@ def _output_arguments(o: Any) -> None:
     o.add_argument("--plot", help="write a figure: .png, or .html for a self-contained report")
     o.add_argument("--compare", nargs="+", metavar="RESULT.json",
                    help="print saved runs side by side, tokenmill's or vLLM's (no load is sent)")
+    o.add_argument("--eval-result", metavar="EVAL.json",
+                   help="with --compare: `tokenmill eval` JSON whose base and candidates (in order) give the "
+                        "compared runs' task accuracy, for cost per successful task")
+    o.add_argument("--variant-cost", action="append", metavar="NAME=DOLLARS",
+                   help="with --compare: dollars per hour of a router variant's replicas")
     o.add_argument("--no-progress", "--disable-tqdm", dest="no_progress", action="store_true")
 
 
@@ -312,7 +317,9 @@ def bench_main(args: argparse.Namespace) -> int:
 
     if args.compare:
         try:
-            print(report.compare(args.compare))
+            from tokenmill.bench.success import parse_variant_costs
+
+            print(report.compare(args.compare, args.eval_result, parse_variant_costs(args.variant_cost)))
         except (OSError, ValueError, KeyError) as exc:
             return _fail(f"cannot compare: {exc}")
         return 0

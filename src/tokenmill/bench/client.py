@@ -125,6 +125,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
         async with client.stream("POST", target.base_url + target.path, json=body,
                                  headers=target.headers()) as resp:
             rec.status = resp.status_code
+            rec.variant = resp.headers.get("x-tokenmill-variant") or None
             if resp.status_code != 200:
                 rec.error = _error_message(resp.status_code, await resp.aread())
                 rec.e2e = _clock() - start

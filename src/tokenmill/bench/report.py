@@ -128,17 +128,27 @@ COMPARE_ROWS: list[tuple[str, Any]] = [
 ]
 
 
-def compare(paths: Sequence[str]) -> str:
-    """Metric rows x run columns; a sweep contributes one column per point.
-    Reads tokenmill's result files and `vllm bench serve` ones alike."""
+def compare(paths: Sequence[str], eval_path: str | None = None,
+            variant_cost: dict[str, float] | None = None) -> str:
+    """Metric rows x run columns; a sweep contributes one column per point, a run through a
+    router with variants one per variant; cost per successful request closes the table.
+    Reads tokenmill's result files and `vllm bench serve` ones alike (the latter without
+    the success rows, which need per-request records)."""
+    from tokenmill.bench import success
     from tokenmill.bench.vllm_format import is_vllm_result, summary_from_vllm
 
+    raws = {path: json.loads(Path(path).read_text(encoding="utf-8")) for path in paths}
+    if not any(is_vllm_result(raw) for raw in raws.values()):
+        cols = success.columns(paths, variant_cost)
+        if eval_path:
+            success.apply_eval(cols, eval_path)
+        rows = [[name] + [fn(c.summary) for c in cols] for name, fn in COMPARE_ROWS]
+        return table(["metric"] + [c.label for c in cols], rows + success.rows(cols))
     columns: list[tuple[str, Summary]] = []
     for path in paths:
         name = Path(path).stem
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-        if is_vllm_result(raw):
-            columns.append((name, summary_from_vllm(raw)))
+        if is_vllm_result(raws[path]):
+            columns.append((name, summary_from_vllm(raws[path])))
             continue
         data = load(path)
         for p in data["points"]:

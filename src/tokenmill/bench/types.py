@@ -48,6 +48,7 @@ class RequestRecord:
     output_len_target: int | None = None
     lateness: float = 0.0  # how late the client sent it vs its schedule (open loop)
     finish_reason: str | None = None
+    variant: str | None = None  # the router's x-tokenmill-variant answer header, when routed to variants
 
     @property
     def tpot(self) -> float | None:

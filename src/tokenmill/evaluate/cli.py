@@ -54,6 +54,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores; on a busy shared machine 1 is steadier)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: what the run needs)")
+    h = p.add_argument_group("running servers (instead of in-process engines)")
+    h.add_argument("--url", default=None, help="base URL of the server to compare against (e.g. http://127.0.0.1:8000)")
+    h.add_argument("--candidate-url", action="append", default=[], help="a served candidate; repeat for more")
+    h.add_argument("--api-key", default=None, help="key for the servers (Authorization: Bearer)")
+    h.add_argument("--candidate-api-key", default=None, help="key for the candidates (default: --api-key)")
+    h.add_argument("--served-model", default=None, help="model name to request (default: the server's first)")
     p.set_defaults(func=run)
 
 
@@ -62,11 +68,13 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .evalset import load_eval_set
+    from .evalset import SERVER_ONLY, load_eval_set
     from .harness import CandidateSpec, EvalOptions, compare, parse_percent, parse_points, run_config
     from .report import table, to_json
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.url or args.candidate_url:
+        return run_http(args)
     try:
         base_spec = CandidateSpec.parse(args.base)
         cand_specs = [CandidateSpec.parse(c) for c in (args.candidate or ["int8", "int4"])]
@@ -78,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
         items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
         if args.limit is not None:
             items = items[: max(0, args.limit)]
+        server_only = [it.id for it in items if it.match in SERVER_ONLY]
+        if server_only:
+            print(f"tokenmill eval: {len(server_only)} tool-call/JSON items need a server (--url); skipped",
+                  file=sys.stderr)
+            items = [it for it in items if it.match not in SERVER_ONLY]
         text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
         opts = EvalOptions(
             model=args.model, dtype=args.dtype, device=args.device, quant_group_size=args.quant_group_size,
@@ -113,6 +126,49 @@ def run(args: argparse.Namespace) -> int:
     if args.show_items:
         for res in results:
             print(f"\n[{res.label}]")
+            for it in res.items:
+                shown = it.output.strip().replace("\n", " ")[:70]
+                print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")
+    print(f"\n({time.monotonic() - started:.1f}s)", file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(to_json(base, cands, comps, _settings(args)) + "\n", encoding="utf-8")
+    return 0 if all(k.passed for k in comps) else 1
+
+
+def run_http(args: argparse.Namespace) -> int:
+    """``--url BASE --candidate-url URL``: the same comparison against running servers."""
+    import httpx
+
+    from .evalset import load_eval_set
+    from .harness import compare, parse_percent, parse_points
+    from .http_eval import ServerError, run as run_servers
+    from .report import table, to_json
+
+    if not (args.url and args.candidate_url):
+        print("tokenmill eval: error: --url and --candidate-url go together", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    try:
+        max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
+        max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
+        items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
+        if args.limit is not None:
+            items = items[: max(0, args.limit)]
+        text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
+        base, cands, notes = run_servers(args, items, text)
+    except (ValueError, OSError) as exc:
+        print(f"tokenmill eval: error: {exc}", file=sys.stderr)
+        return 2
+    except (ServerError, httpx.HTTPError, KeyError, IndexError) as exc:
+        print(f"tokenmill eval: error talking to the servers: {exc}", file=sys.stderr)
+        return 2
+    comps = [compare(base, c, max_ppl, max_drop) for c in cands]
+    print(table(base, cands, comps))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.show_items:
+        for res in [base, *cands]:
+            print(f"\n[{res.label}: {res.quant_summary}]")
             for it in res.items:
                 shown = it.output.strip().replace("\n", " ")[:70]
                 print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")

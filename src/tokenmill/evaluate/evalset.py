@@ -14,7 +14,14 @@ One JSON object per line::
   after the prompt must be the answer; nothing is generated);
 * ``answer``: a string or a list of acceptable strings (``choice``: the right
   choice's text, or ``answer_index``);
-* optional ``max_tokens`` (default 32) and ``stop`` for generated answers.
+* optional ``max_tokens`` (default 32) and ``stop`` for generated answers;
+* ``tool_call`` (needs a server: ``tokenmill eval --url``): ``tools`` (OpenAI
+  function tools), optional ``tool_choice``, and ``answer`` = ``{"name": ...,
+  "arguments": {...}}``; right when the first tool call names that function
+  and carries every expected argument with the expected value;
+* ``json_schema`` (needs a server): ``schema`` (a JSON Schema); the answer is
+  requested with ``response_format`` json_schema and is right when it parses
+  and validates (an optional ``answer`` object must also be contained in it).
 """
 from __future__ import annotations
 
@@ -29,7 +36,8 @@ from ..engine.engine import LLMEngine
 from ..engine.request import SamplingParams
 from .scoring import Scorer
 
-MATCHES = ("exact", "contains", "regex", "choice")
+MATCHES = ("exact", "contains", "regex", "choice", "tool_call", "json_schema")
+SERVER_ONLY = ("tool_call", "json_schema")  # scored through a server's tools / structured outputs
 
 
 @dataclass
@@ -43,6 +51,10 @@ class EvalItem:
     answer_index: int | None = None
     max_tokens: int = 32
     stop: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    expected: dict[str, Any] | None = None  # tool_call: {name, arguments}; json_schema: must be contained
+    schema: dict[str, Any] | None = None
 
 
 @dataclass
@@ -94,6 +106,8 @@ def _item(obj: Any, where: str, index: int) -> EvalItem:
     if match not in MATCHES:
         raise ValueError(f"{where}: match must be one of {', '.join(MATCHES)}, got {match!r}")
     answer = obj.get("answer")
+    if match in SERVER_ONLY:
+        return _server_item(obj, where, index, match, prompt, messages)
     answers = [answer] if isinstance(answer, str) else list(answer) if isinstance(answer, list) else []
     if any(not isinstance(a, str) for a in answers):
         raise ValueError(f"{where}: 'answer' must be a string or a list of strings")
@@ -124,6 +138,82 @@ def _item(obj: Any, where: str, index: int) -> EvalItem:
     return EvalItem(id=str(obj.get("id", f"item-{index + 1}")), match=match, answers=answers, prompt=prompt,
                     messages=messages, choices=list(choices), answer_index=index_field, max_tokens=max_tokens,
                     stop=stop)
+
+
+def _server_item(obj: dict[str, Any], where: str, index: int, match: str, prompt: str | None,
+                 messages: list[dict[str, str]] | None) -> EvalItem:
+    answer = obj.get("answer")
+    item = EvalItem(id=str(obj.get("id", f"item-{index + 1}")), match=match, answers=[], prompt=prompt,
+                    messages=messages, max_tokens=obj.get("max_tokens", 128))
+    if not isinstance(item.max_tokens, int) or item.max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be a positive integer")
+    if messages is None:
+        raise ValueError(f"{where}: a {match} item needs 'messages'")
+    if match == "tool_call":
+        tools = obj.get("tools")
+        if not (isinstance(tools, list) and tools and all(isinstance(t, dict) for t in tools)):
+            raise ValueError(f"{where}: a tool_call item needs a non-empty 'tools' list")
+        if not (isinstance(answer, dict) and isinstance(answer.get("name"), str)
+                and isinstance(answer.get("arguments", {}), dict)):
+            raise ValueError(f"{where}: 'answer' must be {{\"name\": ..., \"arguments\": {{...}}}}")
+        item.tools, item.tool_choice, item.expected = tools, obj.get("tool_choice"), answer
+    else:
+        schema = obj.get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where}: a json_schema item needs a 'schema' object")
+        from jsonschema import Draft202012Validator
+        from jsonschema.exceptions import SchemaError
+
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as exc:
+            raise ValueError(f"{where}: bad schema: {exc.message}") from None
+        if answer is not None and not isinstance(answer, dict):
+            raise ValueError(f"{where}: 'answer' of a json_schema item must be an object")
+        item.schema, item.expected = schema, answer
+    return item
+
+
+def _same(expected: Any, got: Any) -> bool:
+    """Expected value found: strings compared normalized, objects by their expected keys."""
+    if isinstance(expected, dict):
+        return isinstance(got, dict) and all(k in got and _same(v, got[k]) for k, v in expected.items())
+    if isinstance(expected, str):
+        return isinstance(got, str) and normalize(expected) == normalize(got)
+    if isinstance(expected, list):
+        return isinstance(got, list) and len(got) == len(expected) and all(map(_same, expected, got))
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        return isinstance(got, (int, float)) and not isinstance(got, bool) and float(got) == float(expected)
+    return expected == got
+
+
+def check_tool_call(item: EvalItem, calls: list[dict[str, Any]]) -> bool:
+    """The first tool call names the expected function with the expected arguments."""
+    if not calls or item.expected is None:
+        return False
+    fn = calls[0].get("function") or {}
+    if fn.get("name") != item.expected["name"]:
+        return False
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return False
+    return _same(item.expected.get("arguments", {}), args)
+
+
+def check_json(item: EvalItem, output: str) -> bool:
+    """The output is JSON, valid against the item's schema (and holds the expected values)."""
+    from jsonschema import Draft202012Validator
+
+    try:
+        doc = json.loads(output)
+    except ValueError:
+        return False
+    if not Draft202012Validator(item.schema or {}).is_valid(doc):
+        return False
+    return item.expected is None or _same(item.expected, doc)
 
 
 _PUNCT = string.punctuation + "“”‘’«»"
@@ -161,6 +251,7 @@ def prompt_ids(engine: LLMEngine, item: EvalItem) -> list[int]:
 
 def run_eval_set(engine: LLMEngine, scorer: Scorer, items: list[EvalItem]) -> list[ItemResult]:
     """Greedy answers for generated items (one continuous batch), log-likelihood picks for choices."""
+    items = [it for it in items if it.match not in SERVER_ONLY]  # offline there is no server to ask
     results: dict[str, ItemResult] = {}
     gen = [it for it in items if it.match != "choice"]
     outputs = generate_greedy(engine, [(it.id, prompt_ids(engine, it), it.max_tokens, it.stop) for it in gen])

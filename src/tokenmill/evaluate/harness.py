@@ -97,6 +97,9 @@ class CandidateResult:
     items: list[ItemResult] = field(default_factory=list)
     speed: SpeedResult | None = None
     eval_s: float = 0.0
+    # Over HTTP only (``tokenmill eval --url``): items scored by the server's tools / structured outputs.
+    tool_call_accuracy: float | None = None  # percent of tool_call items right
+    json_validity: float | None = None  # percent of json_schema items valid
 
 
 @dataclass
@@ -113,6 +116,8 @@ class Comparison:
     decode_speedup: dict[int, float]
     prefill_speedup: float | None
     failures: list[str] = field(default_factory=list)
+    tool_call_accuracy_drop: float | None = None  # percentage points
+    json_validity_drop: float | None = None  # percentage points
 
     @property
     def passed(self) -> bool:
@@ -209,12 +214,22 @@ def compare(base: CandidateResult, cand: CandidateResult, max_ppl_increase: floa
         agreement=same / len(pairs) if pairs else None,
         token_agreement=tokens_same / tokens_base if tokens_base else None,
         mean_first_divergence=sum(divergences) / len(divergences) if divergences else None,
-        num_diverged=len(divergences), weight_ratio=cand.weight_bytes / base.weight_bytes,
+        num_diverged=len(divergences),
+        weight_ratio=cand.weight_bytes / base.weight_bytes if base.weight_bytes else 1.0,
         decode_speedup=decode_speedup, prefill_speedup=prefill_speedup)
     if max_ppl_increase is not None and ppl_inc is not None and ppl_inc > max_ppl_increase:
         comp.failures.append(f"perplexity +{100 * ppl_inc:.2f}% > allowed +{100 * max_ppl_increase:g}%")
     if max_accuracy_drop is not None and acc_drop is not None and acc_drop > max_accuracy_drop:
         comp.failures.append(f"accuracy -{acc_drop:.1f}pt > allowed -{max_accuracy_drop:g}pt")
+    if base.tool_call_accuracy is not None and cand.tool_call_accuracy is not None:
+        comp.tool_call_accuracy_drop = base.tool_call_accuracy - cand.tool_call_accuracy
+        if max_accuracy_drop is not None and comp.tool_call_accuracy_drop > max_accuracy_drop:
+            comp.failures.append(f"tool-call accuracy -{comp.tool_call_accuracy_drop:.1f}pt > "
+                                 f"allowed -{max_accuracy_drop:g}pt")
+    if base.json_validity is not None and cand.json_validity is not None:
+        comp.json_validity_drop = base.json_validity - cand.json_validity
+        if max_accuracy_drop is not None and comp.json_validity_drop > max_accuracy_drop:
+            comp.failures.append(f"JSON validity -{comp.json_validity_drop:.1f}pt > allowed -{max_accuracy_drop:g}pt")
     return comp
 
 

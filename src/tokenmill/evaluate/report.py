@@ -22,8 +22,9 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
     cols = [base, *cands]
     rows: list[tuple[str, list[str]]] = []
     rows.append(("config", [f"{c.label} ({c.dtype})" + (" [base]" if i == 0 else "") for i, c in enumerate(cols)]))
-    rows.append(("weights", [_mb(base.weight_bytes)] + [
-        _mb(c.weight_bytes) + f" (x{k.weight_ratio:.2f})" for c, k in zip(cands, comps)]))
+    if base.weight_bytes:  # unknown for a server evaluated over HTTP
+        rows.append(("weights", [_mb(base.weight_bytes)] + [
+            _mb(c.weight_bytes) + f" (x{k.weight_ratio:.2f})" for c, k in zip(cands, comps)]))
     if base.perplexity:
         p0 = base.perplexity
         rows.append((f"perplexity ({p0.num_tokens} tok)", [f"{p0.perplexity:.3f}"] + [
@@ -42,6 +43,13 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
         rows.append(("mean first divergence", ["-"] + [
             "none" if k.mean_first_divergence is None else f"{k.mean_first_divergence:.1f} tok ({k.num_diverged})"
             for k in comps]))
+    for title, attr, drop in (("tool-call accuracy", "tool_call_accuracy", "tool_call_accuracy_drop"),
+                              ("JSON validity", "json_validity", "json_validity_drop")):
+        if getattr(base, attr) is not None:
+            rows.append((title, [f"{getattr(base, attr):.1f}%"] + [
+                ("-" if getattr(c, attr) is None else f"{getattr(c, attr):.1f}%") + _delta(
+                    None if getattr(k, drop) is None else -getattr(k, drop), "{:+.1f}pt")
+                for c, k in zip(cands, comps)]))
     if base.speed:
         for b, tps in base.speed.decode_tps.items():
             rows.append((f"decode tok/s (batch {b})", [f"{tps:.1f}"] + [

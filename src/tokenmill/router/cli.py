@@ -64,6 +64,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="endpoint picker: other ready endpoints listed after the pick, which the gateway tries "
                         "in turn if it fails (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from .canary_cli import add_arguments as add_canary_arguments
+
+    add_canary_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -93,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
+        from .canary_cli import config_from_args as canary_from_args
+
+        config.canary = canary_from_args(args)
         config.validate()
     except ValueError as exc:
         logging.getLogger("tokenmill.router").error("%s", exc)

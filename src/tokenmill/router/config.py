@@ -7,6 +7,7 @@ on one host or one Kubernetes namespace.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 POLICIES = ("prefix", "least-load", "round-robin")
 
@@ -71,7 +72,18 @@ class RouterConfig:
     grpc_host: str | None = None  # default: same as host
     fallback_endpoints: int = 2  # other endpoints after the pick in x-gateway-destination-endpoint
 
+    # Canary rollout (router/canary.py): variants, split, SLO guard. None: one group.
+    canary: Any = None
+
     def validate(self) -> None:
+        if self.canary is not None:
+            self.canary.validate()
+            from .backend import normalize_url
+
+            grouped = set(self.canary.backends())
+            if self.backend_dns or any(normalize_url(b) not in grouped for b in self.backends):
+                raise ValueError("with --variant groups, every backend belongs in a --variant")
+            self.backends.extend(u for u in self.canary.backends() if u not in self.backends)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.backends and not self.backend_dns and not self.pool_name:

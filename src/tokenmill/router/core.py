@@ -44,6 +44,11 @@ class Router:
         self.config = config
         self.client = client or make_client(config)
         self.metrics = RouterMetrics()
+        self.canary = None
+        if config.canary is not None:  # variants' backends join the pool
+            from .canary import make_canary
+
+            self.canary = make_canary(config, self.metrics)
         self._listeners: list[Callable[[], None]] = []
         self.pool = BackendPool(config, self.client, on_health_change=self._health_changed)
         self.policy = make_policy(config)

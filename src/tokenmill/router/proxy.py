@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 from typing import AsyncIterator
 
 import httpx
@@ -56,6 +57,7 @@ class Proxy:
     def __init__(self, router: Router) -> None:
         self.router = router
         self.metrics = router.metrics
+        self.canary = router.canary  # None unless --variant groups are configured
 
     # -- helpers ----------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -136,8 +138,12 @@ class Proxy:
         tried: set[str] = set()
         last_error = ""
         for attempt in range(2):
+            subset = None
+            if self.canary is not None:
+                ready = {b.endpoint for b in self.router.candidates(exclude=tried)}
+                _, subset = self.canary.subset_for(request.headers, body, ready)
             try:
-                decision = await self.router.route(path, body, exclude=tried)
+                decision = await self.router.route(path, body, exclude=tried, subset=subset)
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
@@ -152,6 +158,8 @@ class Proxy:
                 self.metrics.retries.inc()
             result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1)
             if isinstance(result, Response):
+                if self.canary is not None:
+                    result.headers["x-tokenmill-variant"] = self.canary.variant_of(b.endpoint) or ""
                 return self._answer(result)
             last_error = result
         return self._answer(error(502, f"backend failed before responding: {last_error}",
@@ -161,15 +169,19 @@ class Proxy:
                        stream: bool, last_try: bool) -> Response | str:
         """One try on one backend: a Response to return, or an error text to retry on."""
         client = self.router.client
+        started = time.monotonic()
         req = client.build_request("POST", b.url + path, content=raw, headers=headers)
         try:
             resp = await client.send(req, stream=True)
         except httpx.TransportError as exc:
+            self._observe_failure(b)
             self.router.release(b)
             self.router.pool.report_failure(b, f"{type(exc).__name__}: {exc}")
             return f"{b.endpoint}: {type(exc).__name__}"
         if resp.status_code in _RETRY_STATUS and not last_try and len(self.router.candidates({b.url})) > 0:
             await resp.aclose()
+            if resp.status_code >= 500:
+                self._observe_failure(b)
             self.router.release(b)
             return f"{b.endpoint}: HTTP {resp.status_code}"
         is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
@@ -177,11 +189,14 @@ class Proxy:
             try:
                 content = await resp.aread()
             except httpx.TransportError as exc:
+                self._observe_failure(b)
                 self.router.pool.report_failure(b, f"{type(exc).__name__} reading body")
                 return f"{b.endpoint}: {type(exc).__name__}"
             finally:
                 await resp.aclose()
                 self.router.release(b)
+            if self.canary is not None:
+                self.canary.observe_response(b.endpoint, resp.status_code, content, started)
             return Response(content, resp.status_code, self._response_headers(resp, b))
         chunks = resp.aiter_raw()
         try:
@@ -190,6 +205,7 @@ class Proxy:
             first = b""
         except httpx.TransportError as exc:
             await resp.aclose()
+            self._observe_failure(b)
             self.router.release(b)
             self.router.pool.report_failure(b, f"{type(exc).__name__} before first byte")
             return f"{b.endpoint}: {type(exc).__name__}"
@@ -197,25 +213,38 @@ class Proxy:
             await resp.aclose()
             self.router.release(b)
             raise
-        return StreamingResponse(self._relay(b, resp, first, chunks), resp.status_code,
+        meter = self.canary.meter(b.endpoint, started) if self.canary is not None else None
+        return StreamingResponse(self._relay(b, resp, first, chunks, meter), resp.status_code,
                                  self._response_headers(resp, b))
 
+    def _observe_failure(self, b: Backend) -> None:
+        if self.canary is not None:
+            self.canary.observe_failure(b.endpoint)
+
     async def _relay(self, b: Backend, resp: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+                     chunks: AsyncIterator[bytes], meter=None) -> AsyncIterator[bytes]:
         last = first
+        broken = False
         try:
             if first:
+                if meter is not None:
+                    meter.feed(first)
                 yield first
             async for chunk in chunks:
                 last = chunk
+                if meter is not None:
+                    meter.feed(chunk)
                 yield chunk
         except httpx.HTTPError as exc:
+            broken = True
             log.warning("stream from %s broke after first byte: %s", b.url, exc)
             self.metrics.stream_errors.labels(b.url).inc()
             self.router.pool.report_failure(b, f"stream broke: {type(exc).__name__}")
             sep = b"" if last.endswith(b"\n\n") else b"\n\n"
             yield sep + sse_error(f"backend {b.endpoint} failed mid-stream: {type(exc).__name__}")
         finally:
+            if meter is not None:
+                meter.finish(error=broken or resp.status_code >= 500)
             await resp.aclose()
             self.router.release(b)
 
@@ -232,6 +261,10 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
         Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
         Route("/router/backends", proxy.backends, methods=["GET"]),
     ]
+    if router.canary is not None:
+        from .admin import split_routes
+
+        routes += split_routes(router)
 
     from contextlib import asynccontextmanager
 
