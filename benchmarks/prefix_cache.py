@@ -58,24 +58,29 @@ def start_server(caching: bool, extra: list[str]) -> tuple[subprocess.Popen, str
     return launch_server(flags, timeout=180)
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+async def one(client: httpx.AsyncClient, url: str, prompt: str | list[int], max_tokens: int) -> dict:
+    """One streamed completion: time to the first text, end to end, usage and the text."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     start = time.perf_counter()
     ttft = None
     usage: dict = {}
+    text: list[str] = []
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text") and ttft is None:
-                ttft = time.perf_counter() - start
+            if chunk.get("choices"):
+                piece = chunk["choices"][0].get("text") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - start
+                text.append(piece)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     return {"ttft": ttft if ttft is not None else time.perf_counter() - start,
-            "e2e": time.perf_counter() - start, "usage": usage}
+            "e2e": time.perf_counter() - start, "usage": usage, "text": "".join(text)}
 
 
 async def run_load(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
@@ -113,25 +118,8 @@ def computed_prompt_tokens(url: str) -> float:
 async def burst(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[str]]:
     """Every prompt at once; (TTFTs, output texts) in prompt order."""
     async with httpx.AsyncClient(timeout=1200) as client:
-        async def go(p: list[int]) -> tuple[float, str]:
-            body = {"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                    "ignore_eos": True}
-            start = time.perf_counter()
-            ttft, text = None, []
-            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-                resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices"):
-                        if ttft is None:
-                            ttft = time.perf_counter() - start
-                        text.append(chunk["choices"][0].get("text", ""))
-            return ttft or time.perf_counter() - start, "".join(text)
-
-        done = await asyncio.gather(*(go(p) for p in prompts))
-    return [t for t, _ in done], [x for _, x in done]
+        done = await asyncio.gather(*(one(client, url, p, max_tokens) for p in prompts))
+    return [r["ttft"] for r in done], [r["text"] for r in done]
 
 
 def run_burst(args: argparse.Namespace) -> None:

@@ -72,14 +72,15 @@ def tiny_loaded(seed: int = 0, **overrides) -> LoadedModel:
     return LoadedModel(config=cfg, weights=tiny_weights(cfg, seed), quant_types={}, source="tiny", format="hf")
 
 
-def save_tiny_hf_folder(folder, seed: int = 0) -> str:
-    """The tiny random Llama (weights of ``seed``) saved as a Hugging Face folder, so
-    anything that loads a model by path can load it."""
+def save_tiny_hf_folder(folder, seed: int = 0, **overrides) -> str:
+    """The tiny random Llama (weights of ``seed``, config ``overrides``) saved as a Hugging
+    Face folder, so anything that loads a model by path can load it."""
     import json
 
     from safetensors.torch import save_file
 
-    cfg = tiny_config()
+    cfg = tiny_config(**overrides)
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({
         "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,

@@ -107,19 +107,28 @@ request_st = st.tuples(
 )
 def test_random_workloads_keep_invariants(shared, requests, num_blocks, caching, budget, max_seqs):
     sim = Sim(num_blocks, caching, budget, max_seqs)
-    pending = sorted(enumerate(requests), key=lambda x: x[1][3])
+    _arrive(sim, shared, sorted(enumerate(requests), key=lambda x: x[1][3]), steps=8)
+    sim.drain(limit=2000)
+
+
+def _arrive(sim: Sim, shared: list[list[int]], arrivals: list, steps: int) -> list[list[int]]:
+    """Add (index, (prefix, suffix, max tokens, arrival step, abort step)) requests at their
+    steps, abort them at theirs, step the simulation; returns the prompts accepted."""
     aborts: dict[int, list[str]] = {}
-    for step in range(8):
-        for idx, (which, suffix, max_tokens, arrival, abort_at) in pending:
-            if arrival == step and sim.add(f"r{idx}", shared[which] + suffix, max_tokens) and abort_at is not None:
-                aborts.setdefault(abort_at, []).append(f"r{idx}")
+    added: list[list[int]] = []
+    for step in range(steps):
+        for idx, (which, suffix, max_tokens, arrival, abort_at) in arrivals:
+            if arrival == step and sim.add(f"r{idx}", shared[which] + suffix, max_tokens):
+                added.append(shared[which] + suffix)
+                if abort_at is not None:
+                    aborts.setdefault(abort_at, []).append(f"r{idx}")
         for rid in aborts.pop(step, []):
             for req in sim.active:
                 if req.request_id == rid:
                     sim.sched.abort(req)
         if sim.sched.has_work():
             sim.step(step % 4)
-    sim.drain(limit=2000)
+    return added
 
 
 @settings(max_examples=60, deadline=None)
@@ -292,20 +301,7 @@ def test_bursts_with_shared_prefixes_never_deadlock_or_leak(shared, requests, nu
     sim = Sim(num_blocks, True, budget, max_seqs)
     arrivals = list(enumerate(requests))
     order.shuffle(arrivals)
-    aborts: dict[int, list[str]] = {}
-    added: list[list[int]] = []
-    for step in range(4):
-        for idx, (which, suffix, max_tokens, arrival, abort_at) in arrivals:
-            if arrival == step and sim.add(f"r{idx}", shared[which] + suffix, max_tokens):
-                added.append(shared[which] + suffix)
-                if abort_at is not None:
-                    aborts.setdefault(abort_at, []).append(f"r{idx}")
-        for rid in aborts.pop(step, []):
-            for req in sim.active:
-                if req.request_id == rid:
-                    sim.sched.abort(req)
-        if sim.sched.has_work():
-            sim.step(step % 4)
+    added = _arrive(sim, shared, arrivals, steps=4)
     sim.drain(limit=3000)
     roomy = num_blocks >= sum(-(-(len(p) + 6) // BLOCK) for p in added) and not any(r[4] is not None for r in requests)
     if roomy and sim.sched.num_preemptions == 0:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_EOS, make_tiny_llm, tiny_config, tiny_loaded, tiny_tokenizer, tiny_weights
+from conftest import TINY_EOS, make_tiny_llm, save_tiny_hf_folder, tiny_config, tiny_loaded, tiny_weights
 from gguf_files import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import parallel
@@ -29,20 +29,7 @@ BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 def write_tiny_folder(folder, **overrides) -> str:
     """The tiny random Llama as a Hugging Face folder (weights, config, tokenizer)."""
-    from safetensors.torch import save_file
-
-    cfg = tiny_config(**overrides)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "tie_word_embeddings": False, "eos_token_id": TINY_EOS}))
-    save_file({k: v.contiguous() for k, v in tiny_weights(cfg).items()}, str(folder / "model.safetensors"))
-    tiny_tokenizer().backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "add_bos_token": False}))
-    return str(folder)
+    return save_tiny_hf_folder(folder, **overrides)
 
 
 def reassemble(shards: list[dict[str, torch.Tensor]], cfg, name: str) -> torch.Tensor:
