@@ -66,9 +66,12 @@ def test_two_pools_behind_one_weighted_route_and_the_guard():
         assert not sel.items() <= other["spec"]["template"]["metadata"]["labels"].items()
         epp = objs[("Deployment", pool["spec"]["endpointPickerRef"]["name"])]
         args = _container(epp)["args"]
-        headless = args[args.index("--backend-dns") + 1].split(".")[0]
-        svc = objs[("Service", headless)]
-        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"].items() <= sel.items()
+        if "--pool-name" in args:  # members from the Kubernetes API: this pool's own selector
+            assert args[args.index("--pool-name") + 1] == name
+        else:  # members from a headless Service's DNS
+            headless = args[args.index("--backend-dns") + 1].split(".")[0]
+            svc = objs[("Service", headless)]
+            assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"].items() <= sel.items()
         assert _router_args(args).endpoint_picker
     int4_args = _container(servers["tokenmill-pool-int4"])["args"]
     assert int4_args[int4_args.index("--quantization") + 1] == "int4"

@@ -40,7 +40,9 @@ def test_engine_alive_and_clean_after_fuzz():
     state = APP.state.tokenmill
     print(sorted(STATUSES.items()))
     # the fuzzer got past validation too, not only into 400s
-    assert STATUSES[("/v1/completions", 200)] >= 5 and STATUSES[("/v1/chat/completions", 200)] >= 5
+    # (chat's schema now holds tools, response formats and guided fields: most random chat
+    # bodies are rightly refused, and only a few get through to the engine)
+    assert STATUSES[("/v1/completions", 200)] >= 5 and STATUSES[("/v1/chat/completions", 200)] >= 2
     client = TestClient(APP)
     assert client.get("/health").status_code == 200
     r = client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
