@@ -135,3 +135,21 @@ def real_tokenizer(bundled_model_path):
 def _threads():
     if torch is not None:
         torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny():
+    """The tiny random Llama in transformers (the reference the engine is compared with)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config()
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    missing, unexpected = model.load_state_dict(tiny_weights(cfg), strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import TINY_EOS, make_tiny_llm, tiny_config, tiny_weights
+from conftest import TINY_EOS, make_tiny_llm
 from tokenmill import SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -21,23 +21,6 @@ def _random_prompts(count: int, lo: int, hi: int, seed: int = 0) -> list[list[in
 @pytest.fixture(scope="module")
 def llm():
     return make_tiny_llm()
-
-
-@pytest.fixture(scope="module")
-def hf_tiny():
-    transformers = pytest.importorskip("transformers")
-    cfg = tiny_config()
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(hf_cfg).eval()
-    missing, unexpected = model.load_state_dict(tiny_weights(cfg), strict=False)
-    assert not unexpected and all("rotary" in m for m in missing)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def test_tiny_matches_transformers_tokens_and_logits(llm, hf_tiny):

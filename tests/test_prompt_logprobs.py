@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import make_tiny_llm, tiny_config, tiny_weights
+from conftest import make_tiny_llm
 from tokenmill import SamplingParams
 
 TOL = 1e-4
@@ -24,20 +24,6 @@ TOL = 1e-4
 def _prompts(count: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(0, 256) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def hf_tiny():
-    transformers = pytest.importorskip("transformers")
-    cfg = tiny_config()
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(hf_cfg).eval()
-    model.load_state_dict(tiny_weights(cfg), strict=False)
-    return model
 
 
 def reference(model, prompt: list[int]) -> torch.Tensor:
