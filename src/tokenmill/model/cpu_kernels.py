@@ -65,8 +65,11 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # AVX-512 out, so a wide machine runs (and tests) what an AVX2-only one runs;
 # "portable" targets baseline x86-64 (SSE2) and runs anywhere.
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
+# Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
+KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+_QUANT_KV = (torch.int8, torch.float8_e4m3fn)
 PREFILL_MAX_GROUP = 192  # query heads per kv head the prefill kernel takes (PF_ROWS in prefill_attention.c)
 _PREFILL_ENTRY = {torch.float32: "tm_paged_prefill_f32", torch.bfloat16: "tm_paged_prefill_bf16"}
 
@@ -203,7 +206,14 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, cint, cint]
     cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, cint]
     cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, cint]
-    for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows):
+    cdll.tm_store_kv_quant_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,
+                                            cint, cint, cint]
+    cdll.tm_paged_decode_quant.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, ptr, i64, i64,
+                                           i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+    cdll.tm_paged_prefill_quant.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, i64, i64, i64,
+                                            i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+    for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows,
+               cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_quant, cdll.tm_paged_prefill_quant):
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
@@ -245,7 +255,7 @@ def decode_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool
     """Whether decodes of a pool on ``device`` in ``dtype`` go through the kernel
     (the runner asks once per step, to skip building what only the torch path reads)."""
     global _logged_disabled
-    if torch.device(device).type != "cpu" or dtype not in _ENTRY:
+    if torch.device(device).type != "cpu" or dtype not in KV_FORMAT:
         return False
     if not enabled():
         if not _logged_disabled:
@@ -255,22 +265,36 @@ def decode_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool
     return load() is not None
 
 
+def _scales_ok(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
+    """A quantized pool comes with contiguous float32 CPU scales [kv_heads, num_blocks] for
+    K and V; a float pool with none."""
+    if k_cache.dtype not in _QUANT_KV:
+        return not kv_scales
+    return (kv_scales is not None and len(kv_scales) == 2
+            and all(s.dtype == torch.float32 and s.device.type == "cpu" and s.is_contiguous()
+                    and tuple(s.shape) == tuple(k_cache.shape[:2]) for s in kv_scales))
+
+
 def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    index_tensors: tuple[torch.Tensor, ...], library: KernelLibrary | None) -> KernelLibrary | None:
+                    index_tensors: tuple[torch.Tensor, ...], library: KernelLibrary | None,
+                    kv_scales: tuple[torch.Tensor, ...] | None = None) -> KernelLibrary | None:
     """The library to run an attention kernel on these tensors with, or None when it
     cannot take them. Both kernels want: q and out [tokens, heads, head_dim] in the
-    pool's dtype (float32 or bf16), each head's row contiguous (token rows may be
-    strided); contiguous K and V pools [kv_heads, num_blocks, block_size, head_dim];
-    everything, the int32 tables included, on the CPU; a head size that is a multiple
-    of the vector width. ``library``: a specific build (tests); by default the cached
-    one, when the kernels are enabled."""
-    if k_cache.dtype not in _ENTRY or (library is None and not enabled()):
+    pool's dtype (float32 or bf16; over a quantized pool, float32 or bf16), each head's
+    row contiguous (token rows may be strided); contiguous K and V pools [kv_heads,
+    num_blocks, block_size, head_dim] (with their scales when quantized); everything,
+    the int32 tables included, on the CPU; a head size that is a multiple of the vector
+    width. ``library``: a specific build (tests); by default the cached one, when the
+    kernels are enabled."""
+    if k_cache.dtype not in KV_FORMAT or (library is None and not enabled()):
         return None
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, cache_dim = k_cache.shape[0], k_cache.shape[3]
     if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, out, *index_tensors)):
         return None
-    if not (q.dtype == v_cache.dtype == out.dtype == k_cache.dtype and v_cache.shape == k_cache.shape
+    io_dtype = k_cache.dtype if k_cache.dtype in _ENTRY else q.dtype
+    if not (q.dtype == out.dtype == io_dtype and io_dtype in _ENTRY and v_cache.dtype == k_cache.dtype
+            and _scales_ok(k_cache, kv_scales) and (k_cache.dtype in _ENTRY or head_dim <= 512) and v_cache.shape == k_cache.shape
             and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim):
@@ -291,7 +315,8 @@ def _raise_for(rc: int, name: str, bad_arguments: str) -> None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor, library: KernelLibrary | None = None) -> bool:
+                           out: torch.Tensor, library: KernelLibrary | None = None,
+                           kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
     """Decode attention straight from the pool; returns False (nothing written)
     when the kernel cannot take these tensors, so the caller falls back.
 
@@ -301,9 +326,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     head_dim], contiguous. block_tables: [>= num_decodes, >= blocks used] int32
     with unit inner stride. seq_lens: [>= num_decodes] int32, contiguous:
     context length including the new token. ``library``: a specific build
-    (tests); by default the cached one.
+    (tests); by default the cached one. A quantized pool (int8 / fp8 codes) needs
+    ``kv_scales``: its (K, V) float32 scales [kv_heads, num_blocks]; q and out are
+    then float32 or bf16.
     """
-    lib = _usable_library(q, k_cache, v_cache, out, (block_tables, seq_lens), library)
+    lib = _usable_library(q, k_cache, v_cache, out, (block_tables, seq_lens), library, kv_scales)
     nd, heads, head_dim = q.shape
     if lib is None or not (
             block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
@@ -313,18 +340,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if nd == 0:
         return True
     kv_heads, num_blocks, block_size, _ = k_cache.shape
-    rc = getattr(lib.cdll, _ENTRY[k_cache.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
-        nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if k_cache.dtype in _QUANT_KV:
+        assert kv_scales is not None
+        rc = lib.cdll.tm_paged_decode_quant(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_scales[0].data_ptr(),
+            kv_scales[1].data_ptr(), KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16),
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+            nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+            out.data_ptr(), out.stride(0), torch.get_num_threads())
+    else:
+        rc = getattr(lib.cdll, _ENTRY[k_cache.dtype])(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+            nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+            out.data_ptr(), out.stride(0), torch.get_num_threads())
     _raise_for(rc, "paged_decode_attention", "a sequence length or block id lies outside the table or pool")
     return True
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                             seq_len: int, scale: float, out: torch.Tensor,
-                            library: KernelLibrary | None = None) -> bool:
+                            library: KernelLibrary | None = None,
+                            kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
     """Causal attention of one prefill chunk straight from the pool (its own K/V
     already written there); returns False (nothing written) when the kernel cannot
     take these tensors, so the caller falls back.
@@ -332,10 +369,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     q, out: [q_len, heads, head_dim] in the pool's dtype, each head's row
     contiguous (token rows may be strided); query j sits at absolute position
     seq_len - q_len + j and sees keys 0 .. that position. table: 1-D int32 block
-    ids of the sequence, contiguous. k_cache, v_cache as for
+    ids of the sequence, contiguous. k_cache, v_cache (and kv_scales) as for
     :func:`paged_decode_attention`.
     """
-    lib = _usable_library(q, k_cache, v_cache, out, (table,), library)
+    lib = _usable_library(q, k_cache, v_cache, out, (table,), library, kv_scales)
     q_len, heads, head_dim = q.shape
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     if lib is None or not (table.dtype == torch.int32 and table.dim() == 1 and table.is_contiguous()
@@ -343,10 +380,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return False
     if q_len == 0:
         return True
-    rc = getattr(lib.cdll, _PREFILL_ENTRY[k_cache.dtype])(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.numel(),
-        int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-        out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if k_cache.dtype in _QUANT_KV:
+        assert kv_scales is not None
+        rc = lib.cdll.tm_paged_prefill_quant(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_scales[0].data_ptr(),
+            kv_scales[1].data_ptr(), KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16), table.data_ptr(),
+            table.numel(), int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+            out.data_ptr(), out.stride(0), torch.get_num_threads())
+    else:
+        rc = getattr(lib.cdll, _PREFILL_ENTRY[k_cache.dtype])(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.numel(),
+            int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
+            out.data_ptr(), out.stride(0), torch.get_num_threads())
     _raise_for(rc, "paged_prefill_attention", "the chunk, its length or a block id lies outside the table or pool")
     return True
 
@@ -469,6 +514,40 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                                        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
                                        k.element_size(), torch.get_num_threads())
         _raise_for(rc, "store_kv", "a slot lies outside the pool")
+    return True
+
+
+def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                   library: KernelLibrary | None = None) -> bool:
+    """``kv_quant.store`` for K and V in one C pass (the same codes and scales): k, v
+    [tokens, kv_heads, head_dim] float32 or bf16 on CPU, each token's heads contiguous;
+    codes int8 / float8_e4m3fn [kv_heads, num_blocks, block_size, head_dim] and float32
+    scales [kv_heads, num_blocks], contiguous; slot_mapping int64 [tokens]. False
+    (nothing written) when the kernel is off or cannot take them; ValueError for a slot
+    outside the pool."""
+    if not (k_codes.dtype in _QUANT_KV and v_codes.dtype == k_codes.dtype and k.dtype in _ENTRY
+            and v.dtype == k.dtype and k.dim() == 3 and v.shape == k.shape
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_codes, v_codes, k_scale, v_scale))
+            and k.device.type == "cpu" and v.device.type == "cpu" and k_codes.shape == v_codes.shape
+            and _scales_ok(k_codes, (k_scale, v_scale))
+            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
+            and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]):
+        return False
+    tokens, kv_heads, d = k.shape
+    if not (k_codes.shape[0] == kv_heads and k_codes.shape[3] == d
+            and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v))):
+        return False
+    lib = _enabled_library(library)
+    if lib is None:
+        return False
+    if tokens:
+        rc = lib.cdll.tm_store_kv_quant_rows(
+            k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads, d, slot_mapping.data_ptr(),
+            k_codes.data_ptr(), v_codes.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), k_codes.shape[1],
+            k_codes.shape[2], int(k_codes.dtype == torch.float8_e4m3fn), int(k.dtype == torch.bfloat16),
+            torch.get_num_threads())
+        _raise_for(rc, "store_kv_quant", "a slot lies outside the pool")
     return True
 
 

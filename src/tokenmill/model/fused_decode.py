@@ -68,14 +68,15 @@ _Linear = cpu_kernels.TmLinear
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("inter", ctypes.c_int64), ("num_layers", ctypes.c_int64),
                 ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64), ("max_positions", ctypes.c_int64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_bf16", ctypes.c_int32),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_fmt", ctypes.c_int32),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("head", _Linear)]
 
@@ -170,9 +171,11 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
     raise Unsupported(f"{name}: {type(mod).__name__} has no fused kernel")
 
 
-def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> FusedDecoder | None:
+def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]]) -> FusedDecoder | None:
     """The fused decoder for this model and pool, or None (with the reason logged)
-    when the kernel is off, missing, or cannot take the model."""
+    when the kernel is off, missing, or cannot take the model. Each layer's cache is
+    (k, v), or (k_codes, v_codes, k_scales, v_scales) for a quantized pool
+    (model/kv_quant.py)."""
     if not enabled():
         return None
     lib = cpu_kernels.load()
@@ -185,12 +188,13 @@ def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Ten
         return None
 
 
-def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
            lib: cpu_kernels.KernelLibrary) -> FusedDecoder:
     cfg = model.config
     k0 = kv_caches[0][0]
-    if k0.device.type != "cpu" or k0.dtype not in (torch.float32, torch.bfloat16):
+    if k0.device.type != "cpu" or k0.dtype not in cpu_kernels.KV_FORMAT:
         raise Unsupported(f"KV pool on {k0.device} in {k0.dtype}")
+    quantized = k0.dtype not in (torch.float32, torch.bfloat16)
     head_dim = int(cfg.head_dim or 0)
     if head_dim % lib.vector_width or head_dim > 512:
         raise Unsupported(f"head_dim {head_dim}")
@@ -199,7 +203,8 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
         raise Unsupported("the kernel library's struct layout differs from this module's")
     keep: list[torch.Tensor] = []
     layers = (_Layer * cfg.num_hidden_layers)()
-    for i, (layer, (kc, vc)) in enumerate(zip(model.layers, kv_caches)):
+    for i, (layer, cache) in enumerate(zip(model.layers, kv_caches)):
+        kc, vc = cache[0], cache[1]
         attn, mlp = layer.self_attn, layer.mlp
         dst = layers[i]
         dst.input_norm = _f32(layer.input_layernorm.weight, keep)
@@ -217,12 +222,19 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Te
             raise Unsupported("KV pool not contiguous")
         dst.k_cache, dst.v_cache = kc.data_ptr(), vc.data_ptr()
         keep += [kc, vc]
+        if quantized:
+            ks, vs = cache[2], cache[3]
+            if not (ks.dtype == vs.dtype == torch.float32 and ks.is_contiguous() and vs.is_contiguous()
+                    and tuple(ks.shape) == tuple(vs.shape) == tuple(kc.shape[:2])):
+                raise Unsupported("KV scales not contiguous float32 [kv_heads, num_blocks]")
+            dst.k_scale, dst.v_scale = ks.data_ptr(), vs.data_ptr()
+            keep += [ks, vs]
     m = _Model()
     m.hidden, m.heads, m.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     m.head_dim, m.inter, m.num_layers = head_dim, cfg.intermediate_size, cfg.num_hidden_layers
     m.num_blocks, m.block_size, m.max_positions = k0.shape[1], k0.shape[2], model.rope.cos.shape[0]
     m.eps, m.scale = float(cfg.rms_norm_eps), head_dim**-0.5
-    m.cache_bf16 = int(k0.dtype == torch.bfloat16)
+    m.cache_fmt = cpu_kernels.KV_FORMAT[k0.dtype]
     m.layers = ctypes.cast(layers, ctypes.POINTER(_Layer))
     m.final_norm = _f32(model.norm.weight, keep)
     m.cos, m.sin = _f32(model.rope.cos, keep), _f32(model.rope.sin, keep)

@@ -15,7 +15,8 @@
  * rotate-half rotary from the model's cos/sin tables, the new K/V written into
  * the paged pool, attention over the pool in place (paged_attention.c's item
  * routine; all rows store their K/V before any attends, so several rows of one
- * sequence at consecutive positions, a speculative verify, run as one step),
+ * sequence at consecutive positions, a speculative verify, run as one step;
+ * a quantized pool's rows go through elementwise.c's requantizing store),
  * o projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down
  * projection + residual, the final norm and (optionally) the LM head.
  *
@@ -65,13 +66,14 @@ typedef struct {
     const float *q_norm, *k_norm;        /* [head_dim] or NULL */
     TmLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;             /* [kv_heads, num_blocks, block_size, head_dim] */
+    float *k_scale, *v_scale;            /* quantized pools: [kv_heads, num_blocks], else NULL */
 } TmLayer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, num_layers;
     int64_t num_blocks, block_size, max_positions;
     float eps, scale;
-    int32_t cache_bf16;
+    int32_t cache_fmt; /* KV_F32, KV_BF16, KV_I8 or KV_FP8 */
     const TmLayer *layers;
     const float *final_norm;
     const float *cos, *sin; /* [max_positions, head_dim] */
@@ -652,7 +654,13 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NKV = m->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = m->inter, BS = m->block_size;
     const int64_t G = m->heads / m->kv_heads;
-    if (B <= 0 || D % VW || D > 512 || D % 2 || m->heads % m->kv_heads) return 1;
+    if (B <= 0 || D % VW || D > 512 || D % 2 || m->heads % m->kv_heads || m->cache_fmt < KV_F32 ||
+        m->cache_fmt > KV_FP8)
+        return 1;
+    const int quant = m->cache_fmt >= KV_I8;
+    if (quant)
+        for (int64_t li = 0; li < m->num_layers; li++)
+            if (!m->layers[li].k_scale || !m->layers[li].v_scale) return 1;
     Args check = {0};
     check.block_tables = block_tables, check.seq_lens = seq_lens, check.bt_stride = bt_stride;
     check.heads = m->heads, check.kv_heads = m->kv_heads, check.head_dim = D;
@@ -707,9 +715,14 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
             if (ok) {
                 a.k_cache = L->k_cache, a.v_cache = L->v_cache;
-                for (int64_t it = t; it < B * m->kv_heads; it += T) {
+                a.k_scale = L->k_scale, a.v_scale = L->v_scale;
+                /* A quantized store may rewrite its block's earlier rows and scale: rows
+                 * that share a block (a speculative verify's) go to one thread, in order,
+                 * picked by block and head; otherwise items go round robin. */
+                for (int64_t it = quant ? 0 : t; it < B * m->kv_heads; it += quant ? 1 : T) {
                     const int64_t b = it / m->kv_heads, kvh = it % m->kv_heads;
                     const int64_t pos = seq_lens[b] - 1;
+                    if (quant && (block_tables[b * bt_stride + pos / BS] * m->kv_heads + kvh) % T != t) continue;
                     const float *cs = m->cos + pos * D, *sn = m->sin + pos * D;
                     float *row = qkv + b * NQKV;
                     for (int64_t gq = 0; gq < G; gq++) {
@@ -722,9 +735,18 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                     rope_head(k, cs, sn, D);
                     const int32_t *table = block_tables + b * bt_stride;
                     const size_t slot = (size_t)table[pos / BS] * BS + pos % BS;
+                    if (quant) {
+                        const size_t head = (size_t)kvh * m->num_blocks;
+                        const int64_t blk = table[pos / BS], fp8 = m->cache_fmt == KV_FP8;
+                        store_quant_run((uint8_t *)L->k_cache + head * BS * D, L->k_scale + head, blk, BS, D,
+                                        pos % BS, 1, k, D, 0, fp8);
+                        store_quant_run((uint8_t *)L->v_cache + head * BS * D, L->v_scale + head, blk, BS, D,
+                                        pos % BS, 1, v, D, 0, fp8);
+                        continue;
+                    }
                     const size_t off = ((size_t)kvh * m->num_blocks * BS + slot) * D;
-                    store_row(L->k_cache, m->cache_bf16, off, k, D);
-                    store_row(L->v_cache, m->cache_bf16, off, v, D);
+                    store_row(L->k_cache, m->cache_fmt == KV_BF16, off, k, D);
+                    store_row(L->v_cache, m->cache_fmt == KV_BF16, off, v, D);
                 }
             }
             /* Every row's K/V is in the pool before anyone attends: rows of one sequence
@@ -732,7 +754,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             barrier_wait(&bar, &sense);
             if (ok)
                 for (int64_t it = t; it < B * m->kv_heads; it += T)
-                    attend_any(&a, it / m->kv_heads, it % m->kv_heads, m->cache_bf16, 0, &sc);
+                    attend_dispatch(&a, it / m->kv_heads, it % m->kv_heads, m->cache_fmt, 0, &sc);
             barrier_wait(&bar, &sense);
             /* 3. o projection, added into the residual stream. */
             if (ok) thread_linear(&L->o, attn, NQ, B, &is, t, T, x, H, 1);

@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* Below this many floats a call runs on one thread: waking the second costs more. */
@@ -195,5 +196,133 @@ int tm_store_kv_rows(const void *k, int64_t ldk, const void *v, int64_t ldv, int
             memcpy((char *)k_cache + dst, (const char *)k + src, row_bytes);
             memcpy((char *)v_cache + dst, (const char *)v + src_v, row_bytes);
         }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ quantized K/V stores */
+
+/* A quantized pool (int8 or fp8 e4m3 codes, see paged_attention.c) keeps one
+ * scale per block and kv head: value = code * scale, scale = the block's
+ * largest |value| / QMAX. Writing rows into a block: if they fit its scale they
+ * are quantized with it; otherwise the scale is raised to fit them and only
+ * that block's earlier rows (offsets below the first new row) are requantized,
+ * each to the code nearest its dequantized value. A block's first row (offset
+ * 0) starts it afresh: whatever the block held before is not read again. Full
+ * blocks, which the prefix cache shares, are never written, so a shared
+ * block's codes and scale never change under a reader. The requantized value
+ * is rounded again; a row's error stays within its final scale / 2 per
+ * requantization it went through, plus its own rounding (tests state it). */
+
+/* float32 -> e4m3 (finite, saturating at 448), rounding to nearest even: as
+ * torch's conversion to float8_e4m3fn rounds a value in range. */
+TM_INLINE uint8_t f32_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80);
+    const float a = fabsf(x);
+    if (a != a) return sign | 0x7f;      /* NaN */
+    if (a >= 448.0f) return sign | 0x7e; /* saturate (the stores clamp first) */
+    if (a < 0.015625f)                   /* below 2^-6: subnormal steps of 2^-9, code 8 is 2^-6 */
+        return sign | (uint8_t)rintf(a * 512.0f);
+    uint32_t ua;
+    memcpy(&ua, &a, sizeof ua);
+    int32_t e = (int32_t)(ua >> 23) - 127;
+    uint32_t m = ua & 0x7fffffu;
+    m = (m + 0x7ffffu + ((m >> 20) & 1u)) >> 20; /* 3 bits, nearest even */
+    if (m == 8) m = 0, e++;
+    uint32_t code = (uint32_t)(e + 7) << 3 | m;
+    if (code > 0x7e) code = 0x7e;
+    return sign | (uint8_t)code;
+}
+
+TM_INLINE float quant_max(int fp8) { return fp8 ? 448.0f : 127.0f; }
+
+/* The code of x with 1 / scale = inv; out-of-range values clamp (NaN to -QMAX). */
+TM_INLINE uint8_t quant_code(float x, float inv, int fp8) {
+    const float q = quant_max(fp8);
+    const float y = fminf(fmaxf(x * inv, -q), q);
+    return fp8 ? f32_to_e4m3(y) : (uint8_t)(int8_t)rintf(y);
+}
+
+TM_INLINE float code_value(uint8_t c, int fp8) { return fp8 ? fp8_values[c] : (float)(int8_t)c; }
+
+TM_INLINE float src_value(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* n rows (row i at src + i * ld elements, float32 or bf16) into offsets o0 .. o0 + n - 1 of
+ * block blk of one kv head: codes is that head's [num_blocks, BS, D] pool, scales its
+ * [num_blocks] scales. The caller keeps o0 + n <= BS and gives a block to one thread. */
+TM_INLINE void store_quant_run(uint8_t *codes, float *scales, int64_t blk, int64_t BS, int64_t D, int64_t o0,
+                               int64_t n, const void *src, int64_t ld, int src_bf16, int fp8) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(src_value(src, src_bf16, i * ld + d)));
+    uint8_t *block = codes + (size_t)blk * BS * D;
+    const float old = o0 == 0 ? 0.0f : scales[blk];
+    const float need = amax / quant_max(fp8);
+    float s = old;
+    if (need > old) {
+        s = need;
+        if (old > 0.0f) { /* the block's earlier rows, onto the raised scale */
+            const float inv = 1.0f / s;
+            for (int64_t j = 0; j < o0 * D; j++) block[j] = quant_code(code_value(block[j], fp8) * old, inv, fp8);
+        }
+    }
+    scales[blk] = s;
+    const float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *dst = block + (o0 + i) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = quant_code(src_value(src, src_bf16, i * ld + d), inv, fp8);
+    }
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The new keys and values of `rows` tokens into one layer's quantized pools (codes
+ * [kv_heads, num_blocks, block_size, D], one byte each; scales [kv_heads, num_blocks]):
+ * row r's kv head h comes from k + r * ldk + h * D (likewise v), float32 or bf16
+ * (src_bf16). Consecutive rows whose slots are consecutive in one block go in as one
+ * run (one scale decision for all of them: a prefill chunk fills each block with
+ * no requantization). Runs of different blocks go to the threads in parallel
+ * (serially when a block appears in two runs). 1 when a slot is out of range
+ * (checked before anything is written), 2 when scratch memory could not be had. */
+int tm_store_kv_quant_rows(const void *k, int64_t ldk, const void *v, int64_t ldv, int64_t rows, int64_t kv_heads,
+                           int64_t D, const int64_t *slots, void *k_codes, void *v_codes, float *k_scale,
+                           float *v_scale, int64_t num_blocks, int64_t block_size, int fp8, int src_bf16,
+                           int num_threads) {
+    if (rows < 0 || kv_heads < 1 || D < 1 || block_size < 1 || ldk < kv_heads * D || ldv < kv_heads * D) return 1;
+    const int64_t num_slots = num_blocks * block_size;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 1;
+    if (rows == 0) return 0;
+    int64_t *start = (int64_t *)malloc(2 * (size_t)(rows + 1) * sizeof(int64_t));
+    if (!start) return 2;
+    int64_t *sorted = start + rows + 1;
+    int64_t runs = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (r == 0 || slots[r] != slots[r - 1] + 1 || slots[r] % block_size == 0) start[runs++] = r;
+    start[runs] = rows;
+    for (int64_t i = 0; i < runs; i++) sorted[i] = slots[start[i]] / block_size;
+    qsort(sorted, (size_t)runs, sizeof(int64_t), cmp_i64);
+    int repeated = 0;
+    for (int64_t i = 1; i < runs; i++) repeated |= sorted[i] == sorted[i - 1];
+    const int64_t items = runs * kv_heads;
+    const size_t esize = src_bf16 ? 2 : 4;
+    const int threads = repeated ? 1 : ew_threads(num_threads, items, rows * 2 * kv_heads * D / items + 1);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t run = it / kv_heads, h = it % kv_heads, r0 = start[run], n = start[run + 1] - r0;
+        const int64_t blk = slots[r0] / block_size, o0 = slots[r0] % block_size;
+        const size_t head = (size_t)h * num_blocks;
+        store_quant_run((uint8_t *)k_codes + head * block_size * D, k_scale + head, blk, block_size, D, o0, n,
+                        (const char *)k + ((size_t)r0 * ldk + h * D) * esize, ldk, src_bf16, fp8);
+        store_quant_run((uint8_t *)v_codes + head * block_size * D, v_scale + head, blk, block_size, D, o0, n,
+                        (const char *)v + ((size_t)r0 * ldv + h * D) * esize, ldv, src_bf16, fp8);
+    }
+    free(start);
     return 0;
 }

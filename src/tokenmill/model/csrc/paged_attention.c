@@ -9,7 +9,12 @@
  * where row p of K[n] is k_cache[kv, table[n][p / bs], p % bs, :].
  *
  * Pool layout per layer: [kv_heads, num_blocks, block_size, head_dim],
- * contiguous, float32 or bfloat16 (bf16 passed as raw uint16 bits).
+ * contiguous, float32 or bfloat16 (bf16 passed as raw uint16 bits), or
+ * quantized: int8 or fp8 (e4m3) codes with one float32 scale per block and kv
+ * head ([kv_heads, num_blocks]); a row's value is code * its block's scale.
+ * Quantized rows are widened to float32 (scale applied) as bf16 rows are, so
+ * the arithmetic after the load is the same for every format; fp8 codes go
+ * through a 256-entry table (these CPUs have no fp8 instructions).
  *
  * One work item is a (sequence, kv head) pair and it handles the head's whole
  * query group, so every K and V row comes from memory once and is used
@@ -86,6 +91,41 @@ TM_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* KV pool formats: element type of the pool's rows. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_FP8 = 3 };
+
+TM_INLINE size_t kv_esize(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1; }
+
+/* Every e4m3 code's value (finite codes; 0x7f / 0xff are NaN), filled when the
+ * library loads. */
+static float fp8_values[256];
+
+static void __attribute__((constructor)) init_fp8_values(void) {
+    for (int i = 0; i < 256; i++) {
+        const int e = (i >> 3) & 15, m = i & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_values[i] = i & 0x80 ? -v : v;
+    }
+}
+
+/* D elements of a pool row in format fmt (not float32) -> float32, times the
+ * block's scale (quantized formats). */
+TM_INLINE void widen_row(const char *row, int fmt, float scale, int64_t D, float *restrict dst) {
+    if (fmt == KV_BF16) {
+        const uint16_t *restrict src = (const uint16_t *)row;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
+    } else if (fmt == KV_I8) {
+        const int8_t *restrict src = (const int8_t *)row;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = (float)src[d] * scale;
+    } else {
+        const uint8_t *restrict src = (const uint8_t *)row;
+        for (int64_t d = 0; d < D; d++) dst[d] = fp8_values[src[d]] * scale;
+    }
+}
+
 /* exp(x) for x <= 0 (scores minus their max), written so that loops calling
  * it vectorize: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor
  * polynomial (truncation error below 1e-8 relative), 2^n put in the exponent
@@ -153,6 +193,7 @@ typedef struct {
     int64_t q_stride, out_stride, bt_stride;
     int64_t heads, kv_heads, head_dim, num_blocks, block_size;
     float scale;
+    const float *k_scale, *v_scale; /* quantized pools: [kv_heads, num_blocks] */
 } Args;
 
 /* Per-thread scratch, in floats. */
@@ -166,25 +207,23 @@ typedef struct {
 } Scratch;
 
 /* Addresses of the chunk's rows (positions pos0 .. pos0 + n - 1) in one kv
- * head's part of the pool, as float32 rows (bf16 rows converted into conv);
- * rows past n point at a zero row. Also prefetches the next chunk's rows. */
-TM_INLINE void chunk_rows(const char *base, const int32_t *table, int64_t pos0, int64_t n, int64_t L,
-                          int64_t BS, int64_t D, int bf16, float *conv, const float *zero,
+ * head's part of the pool, as float32 rows (rows of other formats converted
+ * into conv; scales: this head's per-block scales); rows past n point at a
+ * zero row. Also prefetches the next chunk's rows. */
+TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *table, int64_t pos0, int64_t n,
+                          int64_t L, int64_t BS, int64_t D, int fmt, float *conv, const float *zero,
                           const float *rows[VW]) {
-    const size_t esize = bf16 ? 2 : 4;
+    const size_t esize = kv_esize(fmt);
     int64_t b = pos0 / BS, o = pos0 % BS;
     for (int64_t t = 0; t < n; t++) {
         const char *row = base + ((size_t)table[b] * BS + o) * D * esize;
-        if (++o == BS) o = 0, b++;
-        if (bf16) {
-            const uint16_t *restrict src = (const uint16_t *)row;
-            float *restrict dst = conv + t * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) dst[d] = bf16_to_f32(src[d]);
-            rows[t] = dst;
-        } else {
+        if (fmt == KV_F32) {
             rows[t] = (const float *)row;
+        } else {
+            widen_row(row, fmt, fmt >= KV_I8 ? scales[table[b]] : 1.0f, D, conv + t * D);
+            rows[t] = conv + t * D;
         }
+        if (++o == BS) o = 0, b++;
     }
     for (int64_t t = n; t < VW; t++) rows[t] = zero;
     /* Prefetch the rows PF_DIST chunks ahead, into L2. */
@@ -206,19 +245,21 @@ TM_INLINE void prefetch_rows(const char *base, const int32_t *table, int64_t n, 
     }
 }
 
-/* One (sequence, kv head) item; D % VW == 0. ``bf16``: the pool's rows are bf16;
- * ``io_bf16``: q and out are bf16 too (the fused decode step passes float32 q/out
- * over a bf16 pool). */
-TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, int io_bf16, const int64_t D,
+/* One (sequence, kv head) item; D % VW == 0. ``fmt``: the pool's format (KV_*);
+ * ``io_bf16``: q and out are bf16 (the fused decode step passes float32 q/out
+ * over a pool of any format). */
+TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, const int64_t D,
                            Scratch *sc) {
     const int64_t BS = a->block_size;
     const int64_t G = a->heads / a->kv_heads;
     const int64_t L = a->seq_lens[n];
     const int32_t *table = a->block_tables + n * a->bt_stride;
-    const size_t esize = bf16 ? 2 : 4;
+    const size_t esize = kv_esize(fmt);
     const size_t head_bytes = (size_t)a->num_blocks * BS * D * esize;
     const char *kbase = (const char *)a->k_cache + kvh * head_bytes;
     const char *vbase = (const char *)a->v_cache + kvh * head_bytes;
+    const float *kscales = fmt >= KV_I8 ? a->k_scale + kvh * a->num_blocks : NULL;
+    const float *vscales = fmt >= KV_I8 ? a->v_scale + kvh * a->num_blocks : NULL;
     float *restrict s = sc->s;
     const float *rows[VW];
 
@@ -241,7 +282,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, int 
     /* Pass 1: scores, VW positions at a time. */
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(kbase, table, pos0, cnt, L, BS, D, bf16, sc->rows, sc->zero, rows);
+        chunk_rows(kbase, kscales, table, pos0, cnt, L, BS, D, fmt, sc->rows, sc->zero, rows);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = sc->q + g * D;
             vf part[VW];
@@ -281,7 +322,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, int 
     memset(sc->acc, 0, G * D * sizeof(float));
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(vbase, table, pos0, cnt, L, BS, D, bf16, sc->rows, sc->zero, rows);
+        chunk_rows(vbase, vscales, table, pos0, cnt, L, BS, D, fmt, sc->rows, sc->zero, rows);
         for (int64_t g = 0; g < G; g++) {
             const float *p = s + g * L + pos0;
             float pw[VW] = {0};
@@ -318,11 +359,26 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int bf16, int 
 }
 
 /* Head sizes with a compiled-in trip count (accumulators stay in registers). */
-TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int bf16, int io_bf16, Scratch *sc) {
+TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
     switch (a->head_dim) {
-    case 64: attend_item(a, n, kvh, bf16, io_bf16, 64, sc); break;
-    case 128: attend_item(a, n, kvh, bf16, io_bf16, 128, sc); break;
-    default: attend_item(a, n, kvh, bf16, io_bf16, a->head_dim, sc); break;
+    case 64: attend_item(a, n, kvh, fmt, io_bf16, 64, sc); break;
+    case 128: attend_item(a, n, kvh, fmt, io_bf16, 128, sc); break;
+    default: attend_item(a, n, kvh, fmt, io_bf16, a->head_dim, sc); break;
+    }
+}
+
+/* attend_any with the format and q/out dtype as compile-time constants (each
+ * pair its own specialised copy). */
+TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
+    switch (fmt * 2 + io_bf16) {
+    case KV_F32 * 2: attend_any(a, n, kvh, KV_F32, 0, sc); break;
+    case KV_BF16 * 2: attend_any(a, n, kvh, KV_BF16, 0, sc); break;
+    case KV_BF16 * 2 + 1: attend_any(a, n, kvh, KV_BF16, 1, sc); break;
+    case KV_I8 * 2: attend_any(a, n, kvh, KV_I8, 0, sc); break;
+    case KV_I8 * 2 + 1: attend_any(a, n, kvh, KV_I8, 1, sc); break;
+    case KV_FP8 * 2: attend_any(a, n, kvh, KV_FP8, 0, sc); break;
+    case KV_FP8 * 2 + 1: attend_any(a, n, kvh, KV_FP8, 1, sc); break;
+    default: break; /* float32 pool with bf16 q: refused by the entry points */
     }
 }
 
@@ -356,7 +412,7 @@ TM_INLINE float *scratch_floats(size_t floats) {
     return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
 }
 
-static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_threads, int bf16) {
+static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_threads, int fmt, int io_bf16) {
     const int64_t max_len = check_args(a, num_seqs, bt_width);
     if (max_len < 0) return 1;
     if (num_seqs == 0) return 0;
@@ -374,12 +430,8 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
             memset(zero, 0, D * sizeof(float));
             Scratch sc = {buf, buf + G * D, buf + 2 * G * D, rows, zero, zero + D};
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++) {
-                if (bf16)
-                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 1, 1, &sc);
-                else
-                    attend_any(a, it / a->kv_heads, it % a->kv_heads, 0, 0, &sc);
-            }
+            for (int64_t it = 0; it < items; it++)
+                attend_dispatch(a, it / a->kv_heads, it % a->kv_heads, fmt, io_bf16, &sc);
             free(buf);
         }
     }
@@ -393,7 +445,7 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
              int64_t out_stride, int num_threads) {                                                      \
         Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,      \
                   heads, kv_heads, head_dim, num_blocks, block_size, scale};                             \
-        return run(&a, num_seqs, bt_width, num_threads, is_bf16);                                        \
+        return run(&a, num_seqs, bt_width, num_threads, is_bf16, is_bf16);                               \
     }
 
 /* Returns 0 on success, 1 on arguments the kernel does not take or that would
@@ -402,8 +454,21 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
 TM_ENTRY(tm_paged_decode_f32, float, 0)
 TM_ENTRY(tm_paged_decode_bf16, uint16_t, 1)
 
+/* A quantized pool (kv_fmt KV_I8 or KV_FP8: one byte a code) with its per-block
+ * scales [kv_heads, num_blocks]; q and out float32, or bf16 when io_bf16. */
+int tm_paged_decode_quant(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                          const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
+                          const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
+                          int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                          int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads) {
+    if ((kv_fmt != KV_I8 && kv_fmt != KV_FP8) || !k_scale || !v_scale) return 1;
+    Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,
+              heads, kv_heads, head_dim, num_blocks, block_size, scale, k_scale, v_scale};
+    return run(&a, num_seqs, bt_width, num_threads, kv_fmt, io_bf16 ? 1 : 0);
+}
+
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 2; }
+int tm_kernels_abi_version(void) { return 3; }
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }

@@ -7,6 +7,8 @@
  * and query p sees keys 0 ... p. For every query head h (kv head h / group):
  *     out[p, h, :] = softmax(scale * q[p, h] . K[:p + 1]) @ V[:p + 1]
  * where row j of K is k_cache[kv, table[j / bs], j % bs, :].
+ * The pool may be quantized (int8 / fp8 codes with per-block scales, see
+ * paged_attention.c): key blocks are widened to float32 as they are loaded.
  *
  * Why not torch's SDPA: its CPU flash kernel ran SmolLM2's shapes (9 query
  * heads, 3 kv heads, head_dim 64) at 40-60 GFLOPS, and a chunk after a cached
@@ -47,6 +49,7 @@ typedef struct {
     int64_t q_stride, out_stride; /* elements between consecutive positions' rows */
     int64_t heads, kv_heads, head_dim, num_blocks, block_size, seq_len, q_len;
     float scale;
+    const float *k_scale, *v_scale; /* quantized pools: [kv_heads, num_blocks] */
 } PrefillArgs;
 
 typedef struct {
@@ -132,11 +135,11 @@ TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *rest
 }
 
 /* Key block kb0 .. kb0 + nk - 1 of one kv head: K transposed into kt, V into vs
- * (float32), zeros past nk. */
-TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0, int64_t nk, int bf16,
+ * (float32), zeros past nk. fmt: the pool's format (KV_*). */
+TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0, int64_t nk, int fmt,
                                   PrefillScratch *sc) {
     const int64_t D = a->head_dim, BS = a->block_size;
-    const size_t esize = bf16 ? 2 : 4;
+    const size_t esize = kv_esize(fmt);
     const size_t head_bytes = (size_t)a->num_blocks * BS * D * esize;
     const char *kbase = (const char *)a->k_cache + kvh * head_bytes;
     const char *vbase = (const char *)a->v_cache + kvh * head_bytes;
@@ -148,12 +151,19 @@ TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0
             continue;
         }
         const int64_t key = kb0 + j;
-        const size_t off = ((size_t)a->table[key / BS] * BS + key % BS) * D * esize;
-        if (bf16) {
+        const int64_t blk = a->table[key / BS];
+        const size_t off = ((size_t)blk * BS + key % BS) * D * esize;
+        if (fmt == KV_BF16) {
             const uint16_t *krow = (const uint16_t *)(kbase + off), *vsrc = (const uint16_t *)(vbase + off);
             for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = bf16_to_f32(krow[d]);
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) vrow[d] = bf16_to_f32(vsrc[d]);
+        } else if (fmt != KV_F32) {
+            const int64_t si = kvh * a->num_blocks + blk;
+            float krow[512]; /* head_dim <= 512 (checked by the entry point) */
+            widen_row(kbase + off, fmt, a->k_scale[si], D, krow);
+            for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = krow[d];
+            widen_row(vbase + off, fmt, a->v_scale[si], D, vrow);
         } else {
             const float *krow = (const float *)(kbase + off);
             for (int64_t d = 0; d < D; d++) sc->kt[d * PF_KB + j] = krow[d];
@@ -163,8 +173,8 @@ TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0
 }
 
 /* One item: kv head kvh, query positions p0 .. p0 + np - 1 of the chunk. */
-TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int bf16, int64_t D,
-                            PrefillScratch *sc) {
+TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
+                            int64_t D, PrefillScratch *sc) {
     const int64_t G = a->heads / a->kv_heads;
     const int64_t R = np * G;
     const int64_t first_abs = a->seq_len - a->q_len; /* absolute position of the chunk's query 0 */
@@ -189,7 +199,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     const int64_t keys = pos[R - 1] + 1; /* the last row sees the most */
     for (int64_t kb0 = 0; kb0 < keys; kb0 += PF_KB) {
         const int64_t nk = keys - kb0 < PF_KB ? keys - kb0 : PF_KB;
-        prefill_load_block(a, kvh, kb0, nk, bf16, sc);
+        prefill_load_block(a, kvh, kb0, nk, fmt, sc);
         for (int64_t r0 = 0; r0 < R; r0 += PF_TR) {
             const int nr = R - r0 < PF_TR ? (int)(R - r0) : PF_TR;
             if (pos[r0 + nr - 1] < kb0) continue; /* every row of the tile is before this block */
@@ -221,9 +231,33 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     }
 }
 
-static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads, int bf16) {
+/* prefill_item with the pool format and q/out dtype as compile-time constants. */
+TM_INLINE void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
+                                PrefillScratch *sc) {
+#define TM_PF_CASE(F, B)                                                                                    \
+    case F * 2 + B:                                                                                         \
+        if (a->head_dim == 64)                                                                              \
+            prefill_item(a, kvh, p0, np, F, B, 64, sc);                                                     \
+        else                                                                                                \
+            prefill_item(a, kvh, p0, np, F, B, a->head_dim, sc);                                            \
+        break;
+    switch (fmt * 2 + bf16) {
+        TM_PF_CASE(KV_F32, 0)
+        TM_PF_CASE(KV_BF16, 1)
+        TM_PF_CASE(KV_I8, 0)
+        TM_PF_CASE(KV_I8, 1)
+        TM_PF_CASE(KV_FP8, 0)
+        TM_PF_CASE(KV_FP8, 1)
+    default: break;
+    }
+#undef TM_PF_CASE
+}
+
+/* fmt: the pool's format (KV_*); bf16: q and out are bf16. */
+static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads, int fmt, int bf16) {
     const int64_t D = a->head_dim;
     if (a->kv_heads <= 0 || a->heads <= 0 || a->heads % a->kv_heads || D <= 0 || D % VW || a->block_size <= 0 ||
+        (fmt >= KV_I8 && (D > 512 || !a->k_scale || !a->v_scale)) ||
         a->q_len <= 0 || a->seq_len < a->q_len || a->heads / a->kv_heads > PF_ROWS)
         return 1;
     const int64_t used = (a->seq_len + a->block_size - 1) / a->block_size;
@@ -257,10 +291,7 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
                 const int64_t blk = blocks - 1 - it / a->kv_heads, kvh = it % a->kv_heads;
                 const int64_t p0 = blk * per_item;
                 const int64_t np = a->q_len - p0 < per_item ? a->q_len - p0 : per_item;
-                if (D == 64)
-                    prefill_item(a, kvh, p0, np, bf16, 64, &sc);
-                else
-                    prefill_item(a, kvh, p0, np, bf16, D, &sc);
+                prefill_dispatch(a, kvh, p0, np, fmt, bf16, &sc);
             }
             free(buf);
         }
@@ -275,7 +306,7 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
              int64_t out_stride, int num_threads) {                                                         \
         PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,  \
                          num_blocks, block_size, seq_len, q_len, scale};                                   \
-        return prefill_run(&a, table_len, num_threads, is_bf16);                                            \
+        return prefill_run(&a, table_len, num_threads, is_bf16, is_bf16);                                   \
     }
 
 /* Returns 0 on success, 1 on arguments the kernel does not take or that would
@@ -283,3 +314,16 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
  * allocated. */
 TM_PREFILL_ENTRY(tm_paged_prefill_f32, float, 0)
 TM_PREFILL_ENTRY(tm_paged_prefill_bf16, uint16_t, 1)
+
+/* A quantized pool (kv_fmt KV_I8 or KV_FP8) with its per-block scales
+ * [kv_heads, num_blocks]; q and out float32, or bf16 when io_bf16. */
+int tm_paged_prefill_quant(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                           const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16, const int32_t *table,
+                           int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, void *out,
+                           int64_t out_stride, int num_threads) {
+    if (kv_fmt != KV_I8 && kv_fmt != KV_FP8) return 1;
+    PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,
+                     num_blocks, block_size, seq_len, q_len, scale, k_scale, v_scale};
+    return prefill_run(&a, table_len, num_threads, kv_fmt, io_bf16 ? 1 : 0);
+}
