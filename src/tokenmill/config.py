@@ -82,6 +82,9 @@ class CacheConfig:
     kv_cache_fraction: float = 0.2  # of available memory when kv_cache_memory is None
     num_blocks: int | None = None  # explicit override (tests)
     enable_prefix_caching: bool = True
+    # KV pool dtype: auto (the compute dtype), that dtype by name, or int8 / fp8 (e4m3) codes
+    # with a scale per block and kv head (model/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
 
 def env_switch_on(name: str) -> bool:

@@ -26,6 +26,7 @@ from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
+from ..model.kv_quant import is_quantized, resolve_kv_dtype
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
@@ -124,8 +125,12 @@ class LLMEngine:
             if kv_budget <= 0:
                 raise ValueError(f"memory budget {config.memory_budget} bytes does not hold the weights "
                                  f"({self.weight_bytes} bytes)")
+        self.kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
+        if is_quantized(self.kv_dtype) and self.parallel is not None:
+            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype} is not supported with tensor parallelism "
+                             "yet; use auto")
         num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
-            cfg, block_size, self.dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction, self.device))
+            cfg, block_size, self.kv_dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction, self.device))
         if config.cap_kv_pool and not cache_cfg.num_blocks and not cache_cfg.kv_cache_memory:
             reachable = -(-config.scheduler.max_num_seqs * max_len // block_size) + 1
             num_blocks = min(num_blocks, reachable)
@@ -133,7 +138,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
-        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device) if self.parallel is None
+        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device, kv_dtype=self.kv_dtype)
+                       if self.parallel is None
                        else self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device))
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
         # any device: a CUDA generator would be refused by torch.rand there, and a seed

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..model import cpu_kernels, fused_decode
+from ..model import cpu_kernels, fused_decode, kv_quant
 from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
                                kv_cache_shape)
 from ..model.llama import LlamaForCausalLM
@@ -27,7 +27,10 @@ from .request import Request, decode_rows
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    per_block = cfg.kv_elements_per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    """Blocks of a pool in ``dtype`` (a quantized one's scales counted) that fit the budget."""
+    assert cfg.head_dim is not None
+    per_block = kv_quant.bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, block_size,
+                                         dtype)
     return max(1, budget_bytes // per_block)
 
 
@@ -44,29 +47,38 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device,
-                 graph_backend: cuda_graphs.GraphBackend | None = None, eager_only: bool = False) -> None:
+                 graph_backend: cuda_graphs.GraphBackend | None = None, eager_only: bool = False,
+                 kv_dtype: torch.dtype | None = None) -> None:
         """``num_blocks``: the blocks the block pool hands out. ``graph_backend``: record
         decode steps with it (tests inject a CPU stand-in); by default CUDA graphs on CUDA.
-        ``eager_only``: neither the fused CPU decode step nor CUDA graphs (tensor parallelism)."""
+        ``eager_only``: neither the fused CPU decode step nor CUDA graphs (tensor parallelism).
+        ``kv_dtype``: the pool's dtype, by default ``dtype``; int8 / float8_e4m3fn store
+        codes with per-block scales (model/kv_quant.py; no CUDA graphs: the store's
+        requantization has data-dependent shapes)."""
+        kv_dtype = kv_dtype or dtype
+        quantized = kv_quant.is_quantized(kv_dtype)
         cfg = model.config
         assert cfg.head_dim is not None
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        backend = None if eager_only else cuda_graphs.select_backend(device, dtype, graph_backend)
+        backend = None if eager_only or quantized else cuda_graphs.select_backend(device, dtype, graph_backend)
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if backend is not None else None
         self.pool_blocks = num_blocks + (1 if backend is not None else 0)  # blocks in the KV tensors
         shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_heads = cfg.num_key_value_heads
         self.kv_elements_per_block = block_size * cfg.num_key_value_heads * cfg.head_dim
-        self.kv_caches = kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device)
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = (
+            kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device) if quantized
+            else kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device))  # type: ignore[assignment]
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         # Flat decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         # Compile (first run on this machine) or load the CPU decode kernel now, not in the first step.
-        cpu_kernels.decode_kernel_usable(device, dtype)
+        cpu_kernels.decode_kernel_usable(device, kv_dtype)
         # Small pure-decode batches on CPU: every layer in one native call (model/fused_decode.py).
         self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" and not eager_only else None
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
@@ -84,7 +96,7 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
     def prepare(self, items: list[tuple[Request, int]]) -> StepInputs:
         # Decodes (one new token) first: the attention kernel batches them.
@@ -125,7 +137,7 @@ class ModelRunner:
         decode_lens = seq_lens[:num_decodes]
         decode_blocks = -(-max(decode_lens, default=0) // bs)
         workspace = None
-        kernel = bool(num_decodes) and cpu_kernels.decode_kernel_usable(dev, self.dtype)
+        kernel = bool(num_decodes) and cpu_kernels.decode_kernel_usable(dev, self.kv_dtype)
         if num_decodes and not kernel:
             workspace = self._decode_workspace(num_decodes * decode_blocks)
         meta = AttentionMetadata(

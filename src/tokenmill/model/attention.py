@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from . import cpu_kernels, kv_quant
 
 
 @dataclass
@@ -92,8 +92,14 @@ def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: in
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values ([T, kv_heads, head_dim]) into the pool at their slots."""
+             slot_mapping: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+    """Store new keys/values ([T, kv_heads, head_dim]) into the pool at their slots
+    (a quantized pool, with its scales: coded as model/kv_quant.py says)."""
+    if kv_scales:
+        if not cpu_kernels.store_kv_quant(k_cache, v_cache, kv_scales[0], kv_scales[1], k, v, slot_mapping):
+            kv_quant.store(k_cache, kv_scales[0], k, slot_mapping)
+            kv_quant.store(v_cache, kv_scales[1], v, slot_mapping)
+        return
     if cpu_kernels.store_kv(k_cache, v_cache, k, v, slot_mapping):  # CPU float32 / bf16: one C pass
         return
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[3]
@@ -183,8 +189,19 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of every query token over its sequence's cached context."""
+    """Causal attention of every query token over its sequence's cached context.
+    A quantized pool comes with its (K, V) scales: the CPU kernels read its codes in
+    place; elsewhere it is dequantized first."""
+    if kv_scales:
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if (not _USE_REFERENCE and (not nd or _kernel_decodes(q, k_cache, v_cache, meta, scale, out, kv_scales))
+                and (meta.num_seqs == nd or _kernel_prefills(q, k_cache, v_cache, meta, scale, out, kv_scales))):
+            return out
+        k_cache = kv_quant.dequantize(k_cache, kv_scales[0]).to(q.dtype)
+        v_cache = kv_quant.dequantize(v_cache, kv_scales[1]).to(q.dtype)
     if _USE_REFERENCE:
         decode_mask(meta, k_cache.dtype, q.device)
         return paged_attention_reference(q, k_cache, v_cache, meta, scale)
@@ -201,7 +218,7 @@ def paged_attention(
 
 
 def _kernel_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, out: torch.Tensor) -> bool:
+                     scale: float, out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
     """Prefill chunks through the C kernel, reading their context (cached prefix and
     the chunk's own K/V, already written) in place; False when it does not apply here."""
     if not cpu_kernels.decode_kernel_usable(q.device, k_cache.dtype):  # same library, same conditions
@@ -213,21 +230,22 @@ def _kernel_prefills(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for i in range(meta.num_decodes, meta.num_seqs):
         qlen = meta.query_lens[i]
         if not cpu_kernels.paged_prefill_attention(q[start:start + qlen], k_cache, v_cache, tables[i],
-                                                   meta.seq_lens[i], scale, out[start:start + qlen]):
+                                                   meta.seq_lens[i], scale, out[start:start + qlen],
+                                                   kv_scales=kv_scales):
             return False  # the same conditions hold for every chunk: the first answers for all
         start += qlen
     return True
 
 
 def _kernel_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, out: torch.Tensor) -> bool:
+                    scale: float, out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
     """The C kernel, reading the pool in place; False when it does not apply here."""
-    if q.device.type != "cpu" or k_cache.dtype not in (torch.float32, torch.bfloat16):
+    if q.device.type != "cpu" or k_cache.dtype not in cpu_kernels.KV_FORMAT:
         return False
     nd = meta.num_decodes
     kernel_decode_tables(meta)
     return cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_seq_lens, scale, out[:nd])
+                                              meta.decode_seq_lens, scale, out[:nd], kv_scales=kv_scales)
 
 
 def kernel_decode_tables(meta: AttentionMetadata) -> None:

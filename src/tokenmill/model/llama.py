@@ -185,8 +185,9 @@ class Attention(nn.Module):
             if not cpu_kernels.rope_(qk, *rope):
                 qk = _rotate(qk, *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+        kv_scales = tuple(kv_cache[2:4]) or None  # a quantized pool's scales (model/kv_quant.py)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, kv_scales)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, kv_scales).reshape(-1, self.q_size)
         return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
 
 
