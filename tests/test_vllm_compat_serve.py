@@ -83,8 +83,8 @@ def test_hub_name_of_the_bundled_model_serves_the_bundled_copy():
     (["-pp", "2"], "-pp is a vLLM flag"),
     (["-tp", "2"], "attention heads"),  # the bundled model's 9 heads do not split in two
     (["--tensor-parallel-size", "4"], "attention heads"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: not supported"),
-    (["--kv-cache-dtype", "bfloat16"], "differs from the compute dtype float32"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: kv_cache_dtype 'int4': choose one of"),
+    (["--kv-cache-dtype", "bfloat16"], "a float pool is stored in the compute dtype (float32)"),
     (["no/such-model"], "is not a local file or folder"),
     (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/nonexistent.crt"], "no such file"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: no such file"),
@@ -100,6 +100,8 @@ def test_pool_dtype_flags_that_match_are_accepted():
     parse_serve(["-tp", "1", "--kv-cache-dtype", "auto"])
     parse_serve(["--dtype", "bfloat16", "--kv-cache-dtype", "bf16", "--enforce-eager"])
     parse_serve(["--dtype", "half", "--kv-cache-dtype", "float16"])
+    for quantized in ("int8", "fp8", "FP8"):
+        assert parse_serve(["--kv-cache-dtype", quantized]).kv_cache_dtype == quantized
 
 
 def test_config_file_holds_the_same_keys_and_the_command_line_wins(tmp_path, monkeypatch):

@@ -54,6 +54,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (default: all cores; on a busy shared machine 1 is steadier)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: what the run needs)")
+    p.add_argument("--kv-cache-dtype", default=None, metavar="DTYPE",
+                   help="KV pool of the candidates (not the base): int8, fp8 or auto; a candidate's own "
+                        "':kv=DTYPE' wins (default auto)")
     h = p.add_argument_group("running servers (instead of in-process engines)")
     h.add_argument("--url", default=None, help="base URL of the server to compare against (e.g. http://127.0.0.1:8000)")
     h.add_argument("--candidate-url", action="append", default=[], help="a served candidate; repeat for more")
@@ -78,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         base_spec = CandidateSpec.parse(args.base)
         cand_specs = [CandidateSpec.parse(c) for c in (args.candidate or ["int8", "int4"])]
+        if args.kv_cache_dtype and args.kv_cache_dtype.lower() != "auto":
+            for spec in cand_specs:
+                if spec.kv_cache_dtype is None:
+                    spec.kv_cache_dtype = args.kv_cache_dtype.lower()
+                    spec.label += f":kv={spec.kv_cache_dtype}"
         max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
         max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
         batches = tuple(int(b) for b in str(args.decode_batch).replace(" ", "").split(",") if b)

@@ -28,13 +28,14 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 
 @dataclass
 class CandidateSpec:
-    """``int4``, ``int4:g64``, ``int8:lm_head``, ``none:bf16``, ``gguf:lm_head`` ..."""
+    """``int4``, ``int4:g64``, ``int8:lm_head``, ``none:bf16``, ``gguf:lm_head``, ``none:kv=int8`` ..."""
 
     label: str
     quantization: str = "none"
     group_size: int | None = None
     quantize_lm_head: bool | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None  # the KV pool's (kv=int8, kv=fp8); None: auto
 
     @classmethod
     def parse(cls, text: str) -> "CandidateSpec":
@@ -52,8 +53,11 @@ class CandidateSpec:
                 spec.dtype = _DTYPES[low]
             elif low.startswith("g") and low[1:].isdigit():
                 spec.group_size = int(low[1:])
+            elif low.startswith("kv="):
+                spec.kv_cache_dtype = low[3:]
             else:
-                raise ValueError(f"candidate {text!r}: unknown option {opt!r} (use gNN, lm_head, bf16 or fp32)")
+                raise ValueError(f"candidate {text!r}: unknown option {opt!r} "
+                                 "(use gNN, lm_head, bf16, fp32 or kv=int8|fp8)")
         from ..model.quant import MODES
 
         if spec.quantization not in MODES:
@@ -135,6 +139,7 @@ def engine_config(spec: CandidateSpec, opts: EvalOptions) -> EngineConfig:
     return EngineConfig.from_options(
         model=opts.model, dtype=dtype, device=opts.device, quantization=spec.quantization, quant_group_size=group,
         quantize_lm_head=head, num_blocks=num_blocks, enable_prefix_caching=False,
+        kv_cache_dtype=spec.kv_cache_dtype or "auto",
         max_num_seqs=max(64, max(opts.decode_batches)))
 
 
