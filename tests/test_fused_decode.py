@@ -186,7 +186,7 @@ def test_bf16_model_fused_step_stays_close_to_float32(batch: int, monkeypatch) -
     loaded = tiny_loaded(seed=5)
     engine = _engine(loaded, dtype="bfloat16")
     ref = _engine(loaded, dtype="float32")
-    assert engine.runner.fused is not None and engine.runner.fused.struct.cache_bf16 == 1
+    assert engine.runner.fused is not None and engine.runner.fused.struct.cache_fmt == 1  # KV_BF16
     prompts = _prompts(batch, seed=5)
     reqs, ref_reqs = _requests(engine, prompts), _requests(ref, prompts)
     _prefill_all_but_last(engine, reqs)
