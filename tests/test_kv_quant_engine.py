@@ -104,3 +104,26 @@ def test_kv_cache_dtype_names() -> None:
         kv_quant.resolve_kv_dtype("bfloat16", torch.float32)
     with pytest.raises(ValueError, match="choose one of"):
         kv_quant.resolve_kv_dtype("int4", torch.float32)
+
+
+# Quality bounds for int8 KV on the bundled model (docs/quantization.md has the full eval):
+# perplexity of the bundled sample text at most this much higher than a float32 pool's,
+# and the same top-1 next token at least this often.
+INT8_MAX_PPL_INCREASE = 0.01
+INT8_MIN_NEXT_TOKEN_AGREEMENT = 0.95
+
+
+@pytest.mark.slow
+def test_int8_kv_holds_the_bundled_models_quality(real_loaded, real_tokenizer) -> None:
+    from tokenmill.evaluate.cli import sample_path
+    from tokenmill.evaluate.harness import CandidateSpec, EvalOptions, compare, run_config
+
+    text_ids = real_tokenizer.encode(sample_path("sample_text.txt").read_text(encoding="utf-8"),
+                                     add_special_tokens=True)[:2048]
+    opts = EvalOptions(speed=False)
+    base = run_config(CandidateSpec.parse("none"), opts, real_loaded, real_tokenizer, text_ids, [])
+    cand = run_config(CandidateSpec.parse("none:kv=int8"), opts, real_loaded, real_tokenizer, text_ids, [])
+    comp = compare(base, cand, INT8_MAX_PPL_INCREASE, None)
+    assert comp.ppl_increase is not None and comp.next_token_agreement is not None
+    assert comp.ppl_increase <= INT8_MAX_PPL_INCREASE, comp
+    assert comp.next_token_agreement >= INT8_MIN_NEXT_TOKEN_AGREEMENT, comp
