@@ -43,7 +43,9 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
         out["memory_budget"] = int(float(fraction) * device_memory_bytes(device))
         out["cap_kv_pool"] = True
     if out.pop("enforce_eager", False):
-        os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
+        from ..options import KernelOptions
+
+        out["kernel_options"] = KernelOptions.from_env().replace(cuda_graphs=False)
     out.pop("trust_remote_code", None)  # no code from model folders is ever run
     return out
 

@@ -325,7 +325,7 @@ def run_server(args: Any) -> int:
     settings = _settings_from_args(args)
     config = engine_config_from_args(args)
     if getattr(args, "enforce_eager", False):
-        os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
+        config.kernel_options = config.kernel_options.replace(cuda_graphs=False)
     tokenizer = tokenizer_from_args(args)  # None: the model's own
     engine = LLMEngine(config) if tokenizer is None else LLMEngine(config, tokenizer=tokenizer)
     aengine = AsyncEngine(engine)

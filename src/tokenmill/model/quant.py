@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .ops import TORCH_OPS, ModelOps
+
 log = logging.getLogger("tokenmill.quant")
 
 MODES = ("none", "int8", "int4", "gguf", "w8a8")
@@ -243,6 +245,8 @@ def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) ->
 class _QuantLinear(nn.Module):
     """Common shape handling: activations go in as bf16, come back in the caller's dtype."""
 
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops: the C kernels, when the engine has them
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -421,10 +425,10 @@ class Int4Linear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "tinygemm":
             return self._kernel_matmul(x)
-        if x.device.type == "cpu" and x.shape[0] <= POLICY.int4_kernel_max_rows:
+        if self.ops.library is not None and x.shape[0] <= POLICY.int4_kernel_max_rows:
             from .cpu_kernels import linear
 
-            y = linear(self.kernel_description(), x.float().contiguous())
+            y = linear(self.kernel_description(), x.float().contiguous(), self.ops.library)
             if y is not None:
                 return y
         # Unpack into shared scratch buffers: fresh multi-MB tensors on every call cost more in
