@@ -47,8 +47,8 @@ W_F32, W_BF16, W_INT8, W_INT4 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kern
                                   cpu_kernels.W_INT4)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
-# SmolLM2-135M, context 256 (fused / eager step time, session 4's 4-row x
-# 6-activation matmul tiles with weight prefetch): float32 0.26-0.37 at 1,
+# SmolLM2-135M, context 256 (fused / eager step time, with the 4-row x
+# 6-activation matmul tiles and weight prefetch): float32 0.26-0.37 at 1,
 # 0.48-0.55 at 16, 0.71-0.81 at 64 (against oneDNN eager linears); bf16
 # (vdpbf16ps above batch 1) 0.35 at 1, 0.58 at 16, 0.84 at 64; int8 0.34 at 1,
 # 0.56 at 16, 0.99-1.0 at 64; int4 (tiles dequantized to float32 from 8 rows)
