@@ -1,4 +1,4 @@
-"""The one prepared GPU check (issue 9): parity and speed of the engine on a lent GPU.
+"""The prepared GPU check: parity and speed of the engine on a GPU machine.
 
 On the GPU machine (one H200; python3 with torch 2.11+cu130 and transformers,
 no network, no ``gguf``, tokenmill not installed, the working tree copied in),

@@ -51,8 +51,8 @@ def test_overload_gets_429_with_retry_after(server):
 def test_sigterm_drains_then_exits_zero(server):
     # Long enough to still be draining when the probe below arrives 0.5 s after SIGTERM: a
     # single stream decodes 40-60 tokens/s on the development CPU, so 400 tokens take 7-10 s.
-    # (The fixture's output cap was 32 until session 5: once decoding passed ~60 tokens/s
-    # the capped stream could end, and the server exit, before the probe.)
+    # (With a much smaller output cap, a fast enough decoder could end the stream, and the
+    # server exit, before the probe.)
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     lines: list[str] = []
     with httpx.Client(timeout=120) as c:

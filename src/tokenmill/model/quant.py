@@ -11,7 +11,7 @@ dispatch, so weights packed for it could not be read back (for a tied
 embedding, or by the fused decode step) on every machine. int8 uses torch's
 weight-only kernel with bf16 activations. Dynamic int8 activations are the
 fastest at large batch but cost accuracy, so they are a separate mode,
-``w8a8``. benchmarks/PROFILE.md has the measurements behind these choices.
+``w8a8``. docs/performance.md has the measurements behind these choices.
 
 On CUDA the tinygemm int4 kernel and the int8 weight-only kernel are tried
 once per layer shape against the dequantized weight; where a kernel is

@@ -7,8 +7,9 @@ by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
 A seeded row draws its uniform from its own generator, so the same seed and
 prompt give the same text whatever else shares the batch. (One uniform per
-row instead of one exponential per vocabulary entry: drawing 49,152
-exponentials cost ~1 ms per row, 60 ms per step at batch 64.) Reported logprobs are the model's
+row instead of one exponential per vocabulary entry: drawing one exponential
+per vocabulary entry made sampling a visible share of a large batch's step;
+see docs/performance.md.) Reported logprobs are the model's
 raw log-softmax (before penalties and temperature).
 """
 from __future__ import annotations

@@ -20,12 +20,12 @@
  * Two passes over the context, in chunks of VW positions (VW = floats per
  * vector register): scores into a per-thread buffer; then max, exp and sum;
  * then the exp-weighted sum of V rows, divided by the sum at the end. All
- * arithmetic is float32. (A one-pass online softmax measured 5-15% slower.)
+ * arithmetic is float32. (A one-pass online softmax measured slower.)
  *
  * Why vector types and not only auto-vectorized loops: a dot product per key
  * row ends in a horizontal sum, which gcc 12 emits (even under `omp simd
- * reduction`) as 16 dependent scalar adds through the stack; the scores pass
- * then ran ~3x slower. Here a chunk's VW dot products stay as VW vectors of
+ * reduction`) as 16 dependent scalar adds through the stack, and the scores
+ * pass then ran several times slower. Here a chunk's VW dot products stay as VW vectors of
  * partial sums, and one shuffle tree turns them into a vector of VW scores
  * (about 3 operations per row). The simple loops (softmax, conversions,
  * output) are plain loops under `#pragma omp simd`; gcc vectorizes them
@@ -33,16 +33,16 @@
  *
  * Rows of a block are contiguous, but blocks are scattered over the pool, so
  * the hardware prefetcher loses the stream at every block boundary: each
- * chunk prefetches the rows PF_DIST chunks ahead into L2 (measured best of
- * distances 1-8 and hints L1/L2/L3: 25-45% faster than no prefetch on
- * scattered tables).
+ * chunk prefetches the rows PF_DIST chunks ahead into L2 (the best of
+ * distances 1-8 and hints L1/L2/L3 when measured, and clearly faster than no
+ * prefetch on scattered tables; docs/performance.md).
  *
  * That rolling prefetch keeps only a few blocks in flight, and one core reads
- * scattered 4 KB blocks at ~12 GB/s that way against ~21 GB/s streaming. So
+ * scattered 4 KB blocks that way at about half its streaming rate. So
  * each item also asks for its first PF_ITEM_BYTES of K and of V at once when
  * it starts: the misses overlap, and V arrives in L2 while pass 1 computes
- * scores (64 sequences at context 320 from memory, 2 threads: 1.7-2.0 ->
- * 1.45-1.5 ms a layer). Longer contexts rely on the rolling prefetch past that.
+ * scores (a measurable gain at 64 sequences from memory; docs/performance.md).
+ * Longer contexts rely on the rolling prefetch past that.
  */
 #include <math.h>
 #include <stdint.h>

@@ -9,7 +9,8 @@
  * where row j of K is k_cache[kv, table[j / bs], j % bs, :].
  *
  * Why not torch's SDPA: its CPU flash kernel ran SmolLM2's shapes (9 query
- * heads, 3 kv heads, head_dim 64) at 40-60 GFLOPS, and a chunk after a cached
+ * heads, 3 kv heads, head_dim 64) well below the dense matmuls' rate (see
+ * docs/performance.md), and a chunk after a cached
  * prefix first had to gather K/V out of the pool into contiguous copies. Here
  * both matmuls are register tiles like the dense ones in decode_step.c:
  *
@@ -37,8 +38,8 @@
 #define PF_NV 4            /* vectors of keys per score tile, of head_dim per output tile */
 #define PF_KB (PF_NV * VW) /* keys per block */
 #define PF_ROWS 192        /* query rows (positions x group heads) per item, at most: 64 positions of
-                              * SmolLM2's 3-head groups (48-96 rows: 5-10% slower; 288-384: a little
-                              * faster on long prompts, ~20% slower on a short chunk after a prefix) */
+                              * SmolLM2's 3-head groups: smaller items measured slower, larger ones
+                              * slower on a short chunk after a prefix (docs/performance.md) */
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
