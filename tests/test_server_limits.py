@@ -194,7 +194,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
     """What shutdown does when the grace period is over: running streams end in-band."""
     import asyncio
 
-    from tokenmill.entrypoints.server import _cut_all
+    from tokenmill.entrypoints.lifecycle import cut_all
 
     server, state = served
     body = {"prompt": "cut me", "max_tokens": 100, "ignore_eos": True, "stream": True}
@@ -214,7 +214,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
-                        assert asyncio.run_coroutine_threadsafe(_cut_all(state), state.loop).result(10) >= 1
+                        assert asyncio.run_coroutine_threadsafe(cut_all(state), state.loop).result(10) >= 1
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["code"] == "shutting_down" and err["type"] == "service_unavailable"

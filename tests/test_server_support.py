@@ -28,7 +28,7 @@ def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any)
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.server import build_app
+    from tokenmill.entrypoints.app import build_app
     from tokenmill.entrypoints.serving import ServerSettings
 
     opts = {"num_blocks": 128, "max_num_batched_tokens": 256}

@@ -76,7 +76,7 @@ def generate(prompt: str, *, system: str | None = None, max_tokens: int = 128, t
 
 
 def run(args: argparse.Namespace) -> int:
-    from .serve_cli import engine_options
+    from .serve_config import engine_options
 
     generate(args.prompt, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
              seed=args.seed, raw=args.raw, stats=args.stats, **engine_options(args))
