@@ -3,24 +3,18 @@ thread, a real `tokenmill serve` subprocess, and a Prometheus text reader."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_loaded, tiny_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fake_backend import free_port
 
 
 def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any) -> Any:
@@ -97,32 +91,48 @@ class RealServer:
 
 
 @contextmanager
+def real_servers(*arg_lists: Sequence[str], startup_timeout: float = 180.0, env: dict[str, str] | None = None
+                 ) -> Iterator[list[RealServer]]:
+    """Several `tokenmill serve` processes with the bundled model, one per argument list, started
+    together so they load side by side; yielded once all answer /health, killed on exit."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    servers: list[RealServer] = []
+    try:
+        for extra in arg_lists:
+            port = free_port()
+            proc = subprocess.Popen(serve_command("--port", str(port), *extra), env=full_env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            server = RealServer(f"http://127.0.0.1:{port}", proc)
+            threading.Thread(target=server._drain, daemon=True).start()  # never let a full pipe block it
+            servers.append(server)
+        deadline = time.monotonic() + startup_timeout
+        pending = list(servers)
+        while pending:
+            for server in list(pending):
+                if server.proc.poll() is not None:
+                    time.sleep(0.2)
+                    raise RuntimeError(f"tokenmill serve exited with {server.proc.returncode}: "
+                                       + "\n".join(server.lines[-30:]))
+                try:
+                    if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                        pending.remove(server)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"tokenmill serve did not become healthy in {startup_timeout:.0f}s: "
+                                   + "\n".join(pending[0].lines[-30:]))
+            time.sleep(0.25)
+        yield servers
+    finally:
+        for server in servers:
+            if server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait(10)
+
+
+@contextmanager
 def real_server(*extra: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
                 ) -> Iterator[RealServer]:
     """`tokenmill serve` with the bundled model in a subprocess (killed on exit if still running)."""
-    port = free_port()
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(serve_command("--port", str(port), *extra), env=full_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    server = RealServer(f"http://127.0.0.1:{port}", proc)
-    threading.Thread(target=server._drain, daemon=True).start()  # never let a full pipe block it
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                time.sleep(0.2)
-                raise RuntimeError(f"tokenmill serve exited with {proc.returncode}: "
-                                   + "\n".join(server.lines[-30:]))
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tokenmill serve did not become healthy")
-            time.sleep(0.25)
+    with real_servers(extra, startup_timeout=startup_timeout, env=env) as (server,):
         yield server
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
