@@ -136,3 +136,46 @@ def real_server(*extra: str, startup_timeout: float = 180.0, env: dict[str, str]
     """`tokenmill serve` with the bundled model in a subprocess (killed on exit if still running)."""
     with real_servers(extra, startup_timeout=startup_timeout, env=env) as (server,):
         yield server
+
+
+@contextmanager
+def health_probe(url: str, interval_s: float = 0.01, timeout: float = 10.0) -> Iterator[list[float]]:
+    """GET ``url``/health in a background thread while the block runs; yields the list the
+    answers' latencies go into. On leaving, any answer other than 200 (or none at all) fails."""
+    latencies: list[float] = []
+    problems: list[str] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=timeout) as client:
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    status = client.get(url + "/health").status_code
+                except httpx.HTTPError as exc:
+                    problems.append(repr(exc))
+                    return
+                if status != 200:
+                    problems.append(f"/health answered {status}")
+                latencies.append(time.perf_counter() - t)
+                time.sleep(interval_s)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        yield latencies
+    finally:
+        stop.set()
+        prober.join(30)
+    assert not problems, problems[:3]
+
+
+@contextmanager
+def started_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> Iterator[tuple[str, Iterator[str]]]:
+    """POST a streaming request and wait for its first SSE event; yields that event's data
+    and an iterator over the data of the events still to come (``[DONE]`` included)."""
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = (line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+        first = next(events)
+        yield first, events
