@@ -1,5 +1,6 @@
 """Helpers for the server tests (no tests here): tiny in-process apps, a uvicorn
-thread, a real `tokenmill serve` subprocess, and a Prometheus text reader."""
+thread, real `tokenmill serve` subprocesses (one or several side by side), a
+Prometheus text reader, a /health prober and a started SSE stream."""
 from __future__ import annotations
 
 import os

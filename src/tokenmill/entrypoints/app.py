@@ -174,7 +174,7 @@ def _misc_routes(app: FastAPI) -> None:
         state = get_state(request)
         freed = await state.aengine.call(lambda engine: engine.reset_prefix_cache())
         return JSONResponse({"freed_blocks": int(freed),
-                             "enabled": state.engine.prefix_cache is not None})
+                             "enabled": state.engine.stats.prefix_cache_enabled})
 
 
 def add_cors(app: FastAPI, origins: list[str] | None, allow_credentials: bool = False) -> None:
