@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from test_server_support import real_server
 from tokenmill.bench.client import Target
 from tokenmill.bench.lengths import parse_length
 from tokenmill.bench.loadgen import LoadShape
@@ -22,8 +23,6 @@ from tokenmill.bench.tokens import make_counter
 from tokenmill.bench.trace_analysis import analyze
 from tokenmill.bench.workloads import SyntheticConfig
 from tokenmill.capture import read_capture
-
-from test_server_support import real_server
 
 pytestmark = pytest.mark.slow
 
