@@ -39,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -455,8 +455,20 @@ def _model_path(config: EngineConfig) -> str:
     return default_model_path()
 
 
-def supervise_server(group: TensorParallelGroup, aengine: Any, server: Any, grace_s: float = 1.0,
-                     hard_exit_s: float = 20.0) -> None:
+class FailableEngine(Protocol):
+    """The async engine as the supervisor sees it: something a fault can be reported to."""
+
+    def fail(self, reason: str) -> None: ...
+
+
+class StoppableServer(Protocol):
+    """The HTTP server as the supervisor sees it (uvicorn.Server): a flag that stops it."""
+
+    should_exit: bool
+
+
+def supervise_server(group: TensorParallelGroup, aengine: FailableEngine, server: StoppableServer,
+                     grace_s: float = 1.0, hard_exit_s: float = 20.0) -> None:
     """A dead rank ends the server: /health answers 503 and open requests get a 503 at once
     (``aengine.fail``), uvicorn stops ``grace_s`` later so those answers go out, and the
     caller exits non-zero (``group.failure`` is set). Should shutting down itself hang,
