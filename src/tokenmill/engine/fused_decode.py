@@ -1,8 +1,8 @@
 """A whole decode step in one native call, for small batches on CPU.
 
 At batch 1 the eager model dispatches thousands of ATen ops per step and, on a
-small CPU, their fixed costs outweigh the arithmetic: an int4 step of
-SmolLM2-135M took 12 ms, of which the weights are read in ~4. ``csrc/
+small CPU, their fixed costs outweigh the arithmetic (an int4 step of
+SmolLM2-135M took about three times as long as reading its weights). ``csrc/
 decode_step.c`` runs every layer, the final norm and the LM head in one OpenMP
 region (see its header); this module hands it the model: pointers to the
 weights in their stored precision (float32, bf16, int8, int4 in the

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
