@@ -1,4 +1,4 @@
-"""The one prepared GPU check (issue 9): parity and speed of the engine on a lent GPU.
+"""The prepared GPU check: parity and speed of the engine on a GPU machine.
 
 On the GPU machine (one H200; python3 with torch 2.11+cu130 and transformers,
 no network, no ``gguf``, tokenmill not installed, the working tree copied in),
@@ -200,8 +200,8 @@ class Context:
             return LLM(**options)
         from tokenmill.engine import cuda_graphs
 
-        saved = os.environ.get(cuda_graphs.ENV_SWITCH), cuda_graphs.default_backend
-        os.environ[cuda_graphs.ENV_SWITCH] = "1" if graphs else "0"
+        saved = os.environ.get("TOKENMILL_CUDA_GRAPHS"), cuda_graphs.default_backend
+        os.environ["TOKENMILL_CUDA_GRAPHS"] = "1" if graphs else "0"
         if self.args.device == "cpu":
             cuda_graphs.default_backend = lambda device: cuda_graphs.EmulatedGraphBackend(strict=False)
         try:
@@ -209,9 +209,9 @@ class Context:
         finally:
             cuda_graphs.default_backend = saved[1]
             if saved[0] is None:
-                os.environ.pop(cuda_graphs.ENV_SWITCH, None)
+                os.environ.pop("TOKENMILL_CUDA_GRAPHS", None)
             else:
-                os.environ[cuda_graphs.ENV_SWITCH] = saved[0]
+                os.environ["TOKENMILL_CUDA_GRAPHS"] = saved[0]
 
     def sync(self) -> None:
         if self.args.device.startswith("cuda"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The OpenAI server on a lent GPU (issue 9): serving_throughput.py against the
+# The OpenAI server on a GPU machine: serving_throughput.py against the
 # synthetic SmolLM2-135M-shaped model (cuda_check_support.py writes it as a
 # Hugging Face folder; the bundled GGUF cannot travel to the GPU machine).
 #

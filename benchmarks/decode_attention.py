@@ -1,6 +1,6 @@
-"""Decode attention per layer call: the C kernel reading the paged cache in place
-against the torch gather path (the same ``paged_attention`` with the kernel
-disabled), in one run.
+"""Decode attention per layer call: the C kernel backend reading the paged cache in place
+against the torch backend's gather path (the same step layout, prepared by each
+backend), in one run.
 
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block 16), block
 tables scattered over the pool the way a busy server leaves them, queries
@@ -23,7 +23,7 @@ import time
 import torch
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import AttentionMetadata, decode_gather_index, kv_cache_shape, paged_attention
+from tokenmill.model.attention import CpuKernelAttention, StepAttention, StepLayout, TorchPagedAttention, kv_cache_shape
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -43,26 +43,18 @@ def make_inputs(batch: int, context: int, dtype: torch.dtype, kernel: bool, seed
     tables = torch.tensor([blocks[i * per_seq:(i + 1) * per_seq] for i in range(batch)], dtype=torch.long)
     qk = torch.randn(batch, HEADS + KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
     q = qk[:, :HEADS]  # strided rows, like the model's fused rotation output
-    decode_blocks = -(-max(lens) // BLOCK)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long), block_tables=tables,
-                             seq_lens=lens, query_lens=[1] * batch, num_decodes=batch, block_size=BLOCK,
-                             decode_blocks=decode_blocks)
-    if kernel:
-        meta.decode_seq_lens = torch.tensor(lens, dtype=torch.int32)
-        meta.decode_block_tables = tables[:, :decode_blocks].to(torch.int32).contiguous()
-    else:
-        span = torch.arange(decode_blocks * BLOCK)
-        mask = torch.zeros(batch, 1, decode_blocks * BLOCK, dtype=dtype)
-        mask.masked_fill_(span[None, None] >= torch.tensor(lens)[:, None, None], float("-inf"))
-        size = (batch * decode_blocks) * BLOCK * KV_HEADS * HEAD_DIM
-        meta.decode_mask = mask
-        meta.decode_index = decode_gather_index(tables[:, :decode_blocks], KV_HEADS, num_blocks)
-        meta.decode_workspace = (torch.empty(size, dtype=dtype), torch.empty(size, dtype=dtype))
-    return q, k_cache, v_cache, meta
+    layout = StepLayout(slot_mapping=torch.zeros(batch, dtype=torch.long), block_tables=tables,
+                        seq_lens=lens, query_lens=[1] * batch, num_decodes=batch, block_size=BLOCK)
+    lib = cpu_kernels.load()
+    assert lib is not None
+    backend = (CpuKernelAttention(lib) if kernel
+               else TorchPagedAttention(dtype, torch.device("cpu"), KV_HEADS, HEADS, num_blocks, HEAD_DIM))
+    return q, k_cache, v_cache, backend.prepare(layout)  # what the runner prepares once per step
 
 
-def set_kernel(on: bool) -> None:
-    os.environ["TOKENMILL_CPU_KERNELS"] = "1" if on else "0"
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: StepAttention,
+           scale: float) -> torch.Tensor:
+    return step.attend(q, k_cache, v_cache, scale)
 
 
 def bench(batch: int, context: int, dtype: torch.dtype, reps: int) -> tuple[float, float, float]:
@@ -71,17 +63,14 @@ def bench(batch: int, context: int, dtype: torch.dtype, reps: int) -> tuple[floa
     cases = {flag: make_inputs(batch, context, dtype, kernel=flag) for flag in (False, True)}
     outs = {}
     for flag, args in cases.items():
-        set_kernel(flag)
-        outs[flag] = paged_attention(*args, scale)
+        outs[flag] = attend(*args, scale)
     best = {False: float("inf"), True: float("inf")}
     with torch.inference_mode():
         for _ in range(reps):
             for flag, args in cases.items():
-                set_kernel(flag)
                 t = time.perf_counter()
-                paged_attention(*args, scale)
+                attend(*args, scale)
                 best[flag] = min(best[flag], time.perf_counter() - t)
-    set_kernel(True)
     diff = (outs[True].float() - outs[False].float()).abs().max().item()
     return best[False] * 1e3, best[True] * 1e3, diff
 

@@ -7,7 +7,7 @@ scheduling or sampling. Two measurements per case:
 
 * wall time per step: best of repeated steps, no profiler attached, through
   the eager torch model and through the fused native decode step
-  (model/fused_decode.py; measured here at every batch size, whatever the
+  (engine/fused_decode.py; measured here at every batch size, whatever the
   engine's ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` cut-off);
 * a torch.profiler breakdown of the eager step by part (labels inserted
   around the model's pieces), as shares of the profiled step, and the number
@@ -36,8 +36,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-import tokenmill.model.llama as llama_mod
-import tokenmill.model.attention as attention_mod
+from tokenmill.engine.executors import FusedDecodeExecutor
+from tokenmill.model import attention as attention_mod
+from tokenmill.model.ops import ModelOps
 
 PARTS = ["prepare", "linear", "lm_head", "attention", "kv_write", "rope", "norm"]
 
@@ -49,8 +50,12 @@ def _label(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def instrument(engine: LLMEngine) -> None:
-    """Wrap the model's pieces in profiler labels (adds a few us per call)."""
+_STEP_CLASSES = (attention_mod.CpuKernelStep, attention_mod.TorchPagedStep, attention_mod.reference.ReferenceStep)
+
+
+def instrument(engine: LLMEngine) -> list[tuple[Any, str, Any]]:
+    """Wrap the model's pieces in profiler labels (adds a few us per call); returns what
+    to restore (class-level wrappers) once the profile is taken."""
     model = engine.model
     for layer in model.modules():
         if isinstance(layer, nn.Linear) or type(layer).__name__.endswith("Linear"):
@@ -58,18 +63,15 @@ def instrument(engine: LLMEngine) -> None:
             layer.forward = _label(name, layer.forward)  # type: ignore[method-assign]
             if hasattr(layer, "forward_add"):  # o and down projections with the residual add fused
                 layer.forward_add = _label(name, layer.forward_add)  # type: ignore[method-assign]
-        elif isinstance(layer, llama_mod.RMSNorm):
-            layer.forward = _label("norm", layer.forward)  # type: ignore[method-assign]
-    if hasattr(model.rope, "tables"):  # tables once per step, _rotate per layer
-        model.rope.tables = _label("rope", model.rope.tables)  # type: ignore[method-assign]
-        llama_mod._rotate = _label("rope", llama_mod._rotate)
-        if hasattr(llama_mod, "cpu_kernels"):  # the C rotation, in place (CPU float32)
-            llama_mod.cpu_kernels.rope_ = _label("rope", llama_mod.cpu_kernels.rope_)
-    else:  # older layout: rope(positions, q, k) per layer
-        model.rope.forward = _label("rope", model.rope.forward)  # type: ignore[method-assign]
-    llama_mod.paged_attention = _label("attention", llama_mod.paged_attention)
-    llama_mod.write_kv = _label("kv_write", llama_mod.write_kv)
+    model.rope.tables = _label("rope", model.rope.tables)  # type: ignore[method-assign]
+    saved: list[tuple[Any, str, Any]] = []
+    for owner, attr, part in [(ModelOps, "rotate", "rope"), (ModelOps, "rms_norm", "norm"),
+                              *[(cls, "attend", "attention") for cls in _STEP_CLASSES],
+                              *[(cls, "write_kv", "kv_write") for cls in _STEP_CLASSES]]:
+        saved.append((owner, attr, getattr(owner, attr)))
+        setattr(owner, attr, _label(part, getattr(owner, attr)))
     engine.runner.prepare = _label("prepare", engine.runner.prepare)  # type: ignore[method-assign]
+    return saved
 
 
 def make_batch(engine: LLMEngine, batch: int, context: int, rng: random.Random) -> list[tuple[Request, int]]:
@@ -88,16 +90,23 @@ def make_batch(engine: LLMEngine, batch: int, context: int, rng: random.Random) 
     return items
 
 
+def _step_fn(engine: LLMEngine, fused: bool) -> Callable[[list[tuple[Request, int]]], Any]:
+    """The fused decode step (whatever its batch cut-off) or the eager one."""
+    if not fused:
+        return engine.runner.run_eager
+    executor = next(e for e in engine.runner.executors if isinstance(e, FusedDecodeExecutor))
+    return executor.run
+
+
 def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int, fused: bool = False) -> float:
     """Best of ``steps``: on a shared machine other processes only ever add time."""
-    os.environ["TOKENMILL_FUSED_DECODE"] = "1" if fused else "0"
-    os.environ["TOKENMILL_FUSED_DECODE_MAX_BATCH"] = str(len(items))
+    run = _step_fn(engine, fused)
     for _ in range(2):
-        engine.runner.execute(items)
+        run(items)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        engine.runner.execute(items)
+        run(items)
         times.append(time.perf_counter() - t)
     return min(times)
 
@@ -105,18 +114,19 @@ def time_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int, 
 def ab_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: int) -> tuple[float, float]:
     """Best step time with the reference attention and with the default path, interleaved
     step by step so that both see the same machine load (eager model, fused step off)."""
-    os.environ["TOKENMILL_FUSED_DECODE"] = "0"
+    runner = engine.runner
+    backends = {True: attention_mod.ReferenceAttention(), False: runner.attention}
     best = {True: float("inf"), False: float("inf")}
     for flag in (True, False):
-        attention_mod._USE_REFERENCE = flag
-        engine.runner.execute(items)
+        runner.attention = backends[flag]
+        runner.run_eager(items)
     for _ in range(steps):
         for flag in (True, False):
-            attention_mod._USE_REFERENCE = flag
+            runner.attention = backends[flag]
             t = time.perf_counter()
-            engine.runner.execute(items)
+            runner.run_eager(items)
             best[flag] = min(best[flag], time.perf_counter() - t)
-    attention_mod._USE_REFERENCE = False
+    runner.attention = backends[False]
     return best[True], best[False]
 
 
@@ -124,7 +134,7 @@ def profile_steps(engine: LLMEngine, items: list[tuple[Request, int]], steps: in
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             with record_function("tm::step"):
-                engine.runner.execute(items)
+                engine.runner.run_eager(items)
     totals: dict[str, float] = defaultdict(float)
     ops = 0
     for ev in prof.events():
@@ -166,7 +176,6 @@ def main(argv: list[str] | None = None) -> int:
         quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4") else {}
         cfg = EngineConfig.from_options(dtype="bfloat16" if quant else name, num_blocks=need,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
-        os.environ["TOKENMILL_FUSED_DECODE"] = "1"  # built at start-up; switched per measurement below
         engine = LLMEngine(cfg)
         if args.threads:
             torch.set_num_threads(args.threads)
@@ -180,12 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             wall = time_steps(engine, items, steps)
             fused = time_steps(engine, items, steps, fused=True) if engine.runner.fused is not None else float("nan")
-            os.environ["TOKENMILL_FUSED_DECODE"] = "0"  # the profile below is of the eager step
-            # Profile on an instrumented copy of the call path (labels are per-instance wrappers).
-            saved = (llama_mod.paged_attention, llama_mod.write_kv, getattr(llama_mod, "_rotate", None))
-            instrument(engine)
+            # Profile the eager step, instrumented (labels are wrappers, removed again after).
+            saved = instrument(engine)
             shares, ops, _ = profile_steps(engine, items, 3)
-            llama_mod.paged_attention, llama_mod.write_kv, llama_mod._rotate = saved
+            for owner, attr, fn in saved:
+                setattr(owner, attr, fn)
             engine = _strip(engine)
             row = [dtype, str(batch), f"{wall * 1000:.1f}", f"{fused * 1000:.1f}", f"{wall / fused:.2f}x", str(ops)]
             row += [f"{shares[p] * 100:.0f}%" for p in [*PARTS, "other"]]

@@ -190,8 +190,8 @@ def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     llm.generate([prompts[0]], params)  # warm-up, not counted
     # The server steps its engine in a worker thread (AsyncEngine); do the same
     # here so both sides run the same compute path. On a busy CPU, torch ops
-    # issued from the main thread ran 2-3x slower than from a worker thread in
-    # our measurements, which would otherwise be misread as an HTTP effect.
+    # issued from the main thread measured several times slower than from a
+    # worker thread, which would otherwise be misread as an HTTP effect.
     box: dict[str, object] = {}
 
     def work() -> None:

@@ -13,14 +13,14 @@ prefix, exactly ``--output-len`` output tokens, ``ignore_eos``, greedy):
    also gives each level's ratio against the mean of both single-stream rates.
 
 Each level starts with one uncounted warm-up request with a prompt of its own,
-so no counted request finds its prompt in the prefix cache (before session 5
-the warm-up repeated the level's first prompt, which made one of the two
-single-stream requests skip its prefill).
+so no counted request finds its prompt in the prefix cache (a warm-up that
+repeated the level's first prompt would let one of the two single-stream
+requests skip its prefill).
 
 Printed per row: output tok/s, the ratio to the single-stream rate, TPOT p50
-and p99 (per request: (end - first token) / (tokens - 1)), TTFT p50. Issue 9
-aims at >= 5x the single stream at 64 streams with TPOT p99 < 3x its p50.
-Absolute figures drift on this shared machine: compare the ratios.
+and p99 (per request: (end - first token) / (tokens - 1)), TTFT p50. The aim
+is >= 5x the single stream at 64 streams with TPOT p99 < 3x its p50.
+Absolute figures drift on a shared machine: compare the ratios.
 
     .venv/bin/python benchmarks/serving_throughput.py [--concurrency 16,64] [--input-len 256] [--output-len 128]
         [--dtype float32] [--waves 1] [--single-requests 2] [--kv-cache-memory 2GiB]

@@ -132,7 +132,7 @@ def main() -> int:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.server import build_app
+    from tokenmill.entrypoints.app import build_app
     from tokenmill.entrypoints.serving import ServerSettings
 
     engine = LLMEngine(EngineConfig.from_options(model=args.model, kv_cache_memory="512MiB", max_model_len=2048))

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model import attention
-from tokenmill.model.attention import (AttentionMetadata, batched_prefill_attention, kv_cache_shape,
-                                       paged_attention, paged_attention_reference, write_kv)
+from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention, kv_cache_shape,
+                                       paged_attention_reference, torch_paged)
+from tokenmill.model.attention.torch_paged import (batched_prefill_attention, batched_prefill_fits, padded_prefill,
+                                                   prefill_attention, write_kv)
 from tokenmill.model.llama import RotaryEmbedding, _rotate
 from tokenmill.config import ModelConfig
+from tokenmill.options import KernelOptions
 
 BS = 4  # small blocks: many block boundaries inside short contexts
 
@@ -26,12 +28,33 @@ needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="C decode 
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def decode_path(request, monkeypatch) -> str:
-    """Run a test with decodes through the C kernel, then through the torch gather path."""
+def decode_path(request) -> str:
+    """Run a test with the C kernel backend, then with the torch backend."""
     if request.param == "kernel" and not cpu_kernels.available():
         pytest.skip("C decode kernel unavailable (no gcc?)")
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1" if request.param == "kernel" else "0")
     return request.param
+
+
+def attend(path: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout,
+           scale: float, workspace: bool = False) -> torch.Tensor:
+    """One step's attention through the backend ``path`` names (as an engine would choose
+    it), prepared from ``layout``; ``workspace``: the torch backend's reused gather buffers
+    start full of NaN, so a read of anything not gathered this step shows."""
+    if path == "kernel":
+        lib = cpu_kernels.load()
+        assert lib is not None
+        backend = CpuKernelAttention(lib)
+        return backend.prepare(layout).attend(q, k_cache, v_cache, scale)
+    kv_heads, num_blocks, _, d = k_cache.shape
+    torch_backend = TorchPagedAttention(k_cache.dtype, q.device, kv_heads, q.shape[1], num_blocks, d)
+    if workspace:
+        size = (layout.num_decodes * layout.decode_blocks + 3) * layout.block_size * kv_heads * d
+        torch_backend._workspace = (torch.full((size,), float("nan"), dtype=k_cache.dtype),
+                                    torch.full((size,), float("nan"), dtype=k_cache.dtype))
+    step = torch_backend.prepare(layout)
+    if workspace and layout.num_decodes:
+        assert step.workspace is torch_backend._workspace  # reused, not reallocated
+    return step.attend(q, k_cache, v_cache, scale)
 
 
 def simple_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -54,8 +77,7 @@ def simple_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch.dtype, seed: int,
-              workspace: bool) -> tuple:
+def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: torch.dtype, seed: int) -> tuple:
     """seqs: (context length after the step, new tokens), decodes (new == 1) first."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -84,19 +106,9 @@ def make_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, dtype: tor
     bt = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, t in enumerate(tables):
         bt[i, : len(t)] = torch.tensor(t)
-    decode_blocks = -(-max(seq_lens[:nd], default=0) // BS)
-    mask = ws = None
-    if nd:
-        span = torch.arange(decode_blocks * BS)
-        mask = torch.zeros(nd, 1, decode_blocks * BS, dtype=dtype)
-        mask.masked_fill_(span[None, None] >= torch.tensor(seq_lens[:nd])[:, None, None], float("-inf"))
-        if workspace:
-            size = (nd * decode_blocks + 3) * BS * kv_heads * d
-            ws = (torch.full((size,), float("nan"), dtype=dtype), torch.full((size,), float("nan"), dtype=dtype))
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=bt, seq_lens=seq_lens,
-                             query_lens=query_lens, num_decodes=nd, block_size=BS, decode_blocks=decode_blocks,
-                             decode_mask=mask, decode_workspace=ws)
-    return q, k_cache, v_cache, meta, tables
+    layout = StepLayout(slot_mapping=torch.tensor(slots), block_tables=bt, seq_lens=seq_lens,
+                        query_lens=query_lens, num_decodes=nd, block_size=BS)
+    return q, k_cache, v_cache, layout, tables
 
 
 CASES = {
@@ -113,12 +125,10 @@ CASES = {
 @pytest.mark.parametrize("workspace", [False, True])
 def test_paged_attention_matches_plain_softmax(case: str, heads: int, kv_heads: int, workspace: bool,
                                               decode_path: str) -> None:
-    q, kc, vc, meta, tables = make_case(CASES[case], heads, kv_heads, torch.float32, seed=len(case) + heads,
-                                        workspace=workspace)
+    q, kc, vc, meta, tables = make_case(CASES[case], heads, kv_heads, torch.float32, seed=len(case) + heads)
     scale = 16**-0.5
     want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, scale)
-    for fn in (paged_attention, paged_attention_reference):
-        got = fn(q, kc, vc, meta, scale)
+    for got in (attend(decode_path, q, kc, vc, meta, scale, workspace), paged_attention_reference(q, kc, vc, meta, scale)):
         assert got.shape == q.shape and got.dtype == q.dtype
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)
 
@@ -136,61 +146,68 @@ BATCHED_CASES = {
 def test_batched_prefill_matches_one_chunk_at_a_time(case: str, heads: int, kv_heads: int, dtype) -> None:
     """The GPU's padded one-call prefill path (run here on CPU) against the plain softmax
     and against the per-chunk SDPA path it replaces; decode rows are left alone."""
-    q, kc, vc, meta, tables = make_case(BATCHED_CASES[case], heads, kv_heads, dtype, seed=len(case) + heads,
-                                        workspace=False)
+    q, kc, vc, meta, tables = make_case(BATCHED_CASES[case], heads, kv_heads, dtype, seed=len(case) + heads)
     scale = 16**-0.5
     nd = meta.num_decodes
     got = torch.full_like(q, float("nan"))
-    batched_prefill_attention(q, kc, vc, meta, scale, got)
+    pp = padded_prefill(meta, q.device)
+    assert pp.max_k % 16 == 0
+    batched_prefill_attention(q, kc, vc, pp, nd, scale, got)
     assert got[:nd].isnan().all() and not got[nd:].isnan().any()
     one_by_one = torch.empty_like(q)
-    attention._prefill_attention(q, kc, vc, meta, scale, one_by_one)
+    prefill_attention(q, kc, vc, meta, scale, one_by_one)
     want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, scale)[nd:]
     tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[nd:].double(), want, **tol)
     torch.testing.assert_close(got[nd:].double(), one_by_one[nd:].double(), **tol)
-    assert meta.padded_prefill is not None and meta.padded_prefill.max_k % 16 == 0  # built once, kept
 
 
-def test_batched_prefill_applies_off_the_cpu_to_two_or_more_chunks(monkeypatch) -> None:
-    cuda = torch.device("cuda")
-    assert attention.use_batched_prefill(cuda, 2) and attention.use_batched_prefill(cuda, 40)
-    assert not attention.use_batched_prefill(cuda, 1)  # a lone chunk: causal SDPA, no mask
-    assert not attention.use_batched_prefill(torch.device("cpu"), 8)  # the C kernel reads chunks in place
-    monkeypatch.setenv("TOKENMILL_BATCHED_PREFILL", "0")
-    assert not attention.use_batched_prefill(cuda, 8)
+def test_batched_prefill_applies_off_the_cpu_to_two_or_more_chunks() -> None:
+    def backend(device: str, on: bool = True) -> TorchPagedAttention:
+        return TorchPagedAttention(torch.float32, torch.device(device), 3, 9, 64, 16, batched_prefill=on)
+
+    assert backend("cuda").batched_prefill
+    assert not backend("cpu").batched_prefill  # the C kernel reads chunks in place; CPU torch goes one by one
+    assert not backend("cuda", KernelOptions.from_env({"TOKENMILL_BATCHED_PREFILL": "0"}).batched_prefill).batched_prefill
+    # A lone chunk keeps the per-chunk path (causal SDPA, no mask); two or more are padded.
+    forced = backend("cpu")
+    forced.batched_prefill = True
+    _, _, _, one, _ = make_case([(5, 1), (23, 23)], 9, 3, torch.float32, seed=1)
+    _, _, _, two, _ = make_case([(5, 1), (23, 23), (30, 9)], 9, 3, torch.float32, seed=1)
+    forced.num_blocks = two.block_tables.max().item() + 6
+    assert forced.prepare(one).padded is None and forced.prepare(two).padded is not None
 
 
 def test_batched_prefill_is_refused_when_padding_would_be_too_large(monkeypatch) -> None:
     """Short chunks after long prefixes are each padded to the longest context: past the
     byte cap the step goes chunk by chunk (same result)."""
     seqs = [(7, 1), (300, 4), (290, 2), (12, 12)]
-    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=4, workspace=False)
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=4)
     # 3 chunks x 9 heads x 304 keys x 16 dims x 4 bytes x (K and V), plus a 3 x 12 x 304 mask
     need = 2 * 3 * 9 * 304 * 16 * 4 + 3 * 12 * 304
-    assert attention.batched_prefill_fits(meta, q)
-    monkeypatch.setattr(attention, "BATCHED_PREFILL_MAX_BYTES", need - 1)
-    assert not attention.batched_prefill_fits(meta, q)
-    monkeypatch.setattr(attention, "BATCHED_PREFILL_MAX_BYTES", need)
-    assert attention.batched_prefill_fits(meta, q)
+    assert batched_prefill_fits(meta, 9, 16, 4)
+    monkeypatch.setattr(torch_paged, "BATCHED_PREFILL_MAX_BYTES", need - 1)
+    assert not batched_prefill_fits(meta, 9, 16, 4)
+    monkeypatch.setattr(torch_paged, "BATCHED_PREFILL_MAX_BYTES", need)
+    assert batched_prefill_fits(meta, 9, 16, 4)
 
 
 @pytest.mark.parametrize("nd", [2, 40])  # below and above the bf16 SDPA/matmul switch (40 * 128 rows)
 def test_bf16_decode_paths_match_reference(nd: int, decode_path: str) -> None:
     seqs = [(100 + 3 * i, 1) for i in range(nd)]
-    q, kc, vc, meta, tables = make_case(seqs, 9, 3, torch.bfloat16, seed=nd, workspace=True)
+    q, kc, vc, meta, tables = make_case(seqs, 9, 3, torch.bfloat16, seed=nd)
     want = simple_attention(q, kc, vc, tables, meta.seq_lens, meta.query_lens, 0.25)
-    got = paged_attention(q, kc, vc, meta, 0.25)
+    got = attend(decode_path, q, kc, vc, meta, 0.25, workspace=True)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=3e-2)
 
 
-def test_float32_torch_path_is_bit_identical_to_reference(monkeypatch) -> None:
+def test_float32_torch_path_is_bit_identical_to_reference() -> None:
     """Without the kernel, speed never changes fp32 output: same bits as the reference path."""
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
     seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
-    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
-    assert torch.equal(paged_attention(q, kc, vc, meta, 0.125), paged_attention_reference(q, kc, vc, meta, 0.125))
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3)
+    assert torch.equal(attend("torch", q, kc, vc, meta, 0.125, workspace=True),
+                       paged_attention_reference(q, kc, vc, meta, 0.125))
 
 
 @needs_kernel
@@ -198,29 +215,27 @@ def test_float32_kernel_matches_reference_closely() -> None:
     """The kernels' own exp and summation order move fp32 results by rounding only,
     for the decode rows and the prefill chunk's rows alike."""
     seqs = [(40 + 7 * i, 1) for i in range(12)] + [(30, 9)]
-    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3, workspace=True)
-    got = paged_attention(q, kc, vc, meta, 0.125)
+    q, kc, vc, meta, _ = make_case(seqs, 9, 3, torch.float32, seed=3)
+    got = attend("kernel", q, kc, vc, meta, 0.125)
     want = paged_attention_reference(q, kc, vc, meta, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.equal(got[:12], want[:12])  # the decodes really took the kernel
     assert not torch.equal(got[12:], want[12:])  # and the chunk took the prefill kernel
 
 
-def _alone(meta: AttentionMetadata, row: int, length: int) -> AttentionMetadata:
-    """Metadata of decode ``row`` as the only sequence of its step."""
+def _alone(layout: StepLayout, row: int, length: int) -> StepLayout:
+    """Layout of decode ``row`` as the only sequence of its step."""
     blocks = -(-length // BS)
-    mask = torch.zeros(1, 1, blocks * BS, dtype=meta.decode_mask.dtype)
-    mask[..., length:] = float("-inf")
-    return AttentionMetadata(slot_mapping=meta.slot_mapping[row : row + 1],
-                             block_tables=meta.block_tables[row : row + 1, :blocks].clone(), seq_lens=[length],
-                             query_lens=[1], num_decodes=1, block_size=BS, decode_blocks=blocks, decode_mask=mask)
+    return StepLayout(slot_mapping=layout.slot_mapping[row : row + 1],
+                      block_tables=layout.block_tables[row : row + 1, :blocks].clone(), seq_lens=[length],
+                      query_lens=[1], num_decodes=1, block_size=BS)
 
 
 def test_decode_result_does_not_depend_on_batch_padding(decode_path: str) -> None:
     """A sequence alone and next to a much longer one (more padded, masked keys) gives the same output."""
-    q, kc, vc, meta, _ = make_case([(21, 1), (150, 1)], 9, 3, torch.float32, seed=7, workspace=True)
-    both = paged_attention(q, kc, vc, meta, 0.125)
-    alone = paged_attention(q[:1], kc, vc, _alone(meta, 0, 21), 0.125)
+    q, kc, vc, meta, _ = make_case([(21, 1), (150, 1)], 9, 3, torch.float32, seed=7)
+    both = attend(decode_path, q, kc, vc, meta, 0.125, workspace=True)
+    alone = attend(decode_path, q[:1], kc, vc, _alone(meta, 0, 21), 0.125)
     if decode_path == "kernel":
         assert torch.equal(alone, both[:1])
     else:
@@ -233,14 +248,14 @@ def test_kernel_decode_is_batch_invariant_bit_for_bit(dtype: torch.dtype) -> Non
     """Each decode's bits are the same alone, next to much longer sequences, next to a
     prefill, and with one or two threads: batch composition never changes a token."""
     seqs = [(3, 1), (300, 1), (57, 1), (611, 1), (1, 1), (40, 12)]
-    q, kc, vc, meta, _ = make_case(seqs, 6, 2, dtype, seed=11, workspace=False)
-    batch = paged_attention(q, kc, vc, meta, 0.3)
+    q, kc, vc, meta, _ = make_case(seqs, 6, 2, dtype, seed=11)
+    batch = attend("kernel", q, kc, vc, meta, 0.3)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             for row, (length, _) in enumerate(seqs[:5]):
-                alone = paged_attention(q[row : row + 1], kc, vc, _alone(meta, row, length), 0.3)
+                alone = attend("kernel", q[row : row + 1], kc, vc, _alone(meta, row, length), 0.3)
                 assert torch.equal(alone, batch[row : row + 1]), (row, n)
     finally:
         torch.set_num_threads(threads)
@@ -278,13 +293,18 @@ def test_engine_output_is_the_same_with_batched_prefill(monkeypatch) -> None:
 
     plain = run()
     used: list[int] = []
-    real = attention.batched_prefill_attention
+    real = torch_paged.batched_prefill_attention
+    real_init = TorchPagedAttention.__init__
 
-    def spy(q, k_cache, v_cache, meta, scale, out):  # type: ignore[no-untyped-def]
-        used.append(meta.num_seqs - meta.num_decodes)
-        real(q, k_cache, v_cache, meta, scale, out)
+    def spy(q, k_cache, v_cache, pp, num_decodes, scale, out):  # type: ignore[no-untyped-def]
+        used.append(pp.n)
+        real(q, k_cache, v_cache, pp, num_decodes, scale, out)
 
-    monkeypatch.setattr(attention, "batched_prefill_attention", spy)
-    monkeypatch.setattr(attention, "use_batched_prefill", lambda device, chunks: chunks > 1)
+    def batched_on_cpu(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        real_init(self, *args, **kwargs)
+        self.batched_prefill = True
+
+    monkeypatch.setattr(torch_paged, "batched_prefill_attention", spy)
+    monkeypatch.setattr(TorchPagedAttention, "__init__", batched_on_cpu)
     assert run() == plain
     assert used and max(used) > 1

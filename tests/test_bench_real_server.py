@@ -8,16 +8,13 @@ by the trace analyser while a system-prompt-first capture is not.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from test_server_support import real_server
 from tokenmill.bench.client import Target
 from tokenmill.bench.lengths import parse_length
 from tokenmill.bench.loadgen import LoadShape
@@ -37,46 +34,12 @@ SYSTEM = ("You are the help desk assistant of the harbor town library. Answer qu
           "and at one on Saturdays. Books are lent for three weeks and can be renewed twice.")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if importlib.util.find_spec("tokenmill.entrypoints.server") is None:
-        pytest.skip("tokenmill server not available")
     capture = tmp_path_factory.mktemp("cap") / "traffic.jsonl"
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
-         "--port", str(port), "--capture-traffic", str(capture)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.skip(f"tokenmill serve exited: {proc.stdout.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail("tokenmill serve did not become healthy in 240 s")
-            time.sleep(1)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        yield url, model, capture
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        proc.stdout.close()
+    with real_server("--capture-traffic", str(capture), startup_timeout=240) as srv:
+        model = httpx.get(srv.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield srv.url, model, capture
 
 
 def _bench(url: str, model: str, cfg: BenchConfig, endpoint: str = "completions") -> BenchResult:
@@ -147,8 +110,6 @@ def test_capture_flags_timestamp_first_prompts_only(server, tmp_path):
         assert all(r.ok for r in point.run.records)
         groups[name] = (t0, time.time())
     time.sleep(0.5)
-    if not capture.exists() or capture.stat().st_size == 0:
-        pytest.skip("the server does not write --capture-traffic records yet")
     recs = read_capture([capture])
     part = {name: [r for r in recs if t0 <= r["arrival_time"] <= t1]
             for name, (t0, t1) in groups.items()}
@@ -168,8 +129,6 @@ def test_replaying_a_capture_keeps_lengths_and_sharing(server, tmp_path):
     assert all(r.ok for r in _bench(url, model, cfg).points[0].run.records)
     t1 = time.time()
     time.sleep(0.5)
-    if not capture.exists():
-        pytest.skip("the server does not write --capture-traffic records yet")
     recs = [r for r in read_capture([capture]) if t0 <= r["arrival_time"] <= t1]
     assert len(recs) == 6
     part = tmp_path / "part.jsonl"

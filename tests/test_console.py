@@ -264,7 +264,7 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
     import argparse
 
     import tokenmill.engine.engine as engine_mod
-    from tokenmill.entrypoints import serve_cli, server
+    from tokenmill.entrypoints import lifecycle, serve_cli
 
     real_engine = engine_mod.LLMEngine
     monkeypatch.setattr(engine_mod, "LLMEngine",
@@ -282,7 +282,7 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
                 seen["asset"] = client.get("/console/app.css").status_code
                 seen["stats"] = client.get("/v1/engine/stats").status_code
 
-    monkeypatch.setattr(server, "_DrainingServer", FakeServer)
+    monkeypatch.setattr(lifecycle, "DrainingServer", FakeServer)
     parser = argparse.ArgumentParser()
     serve_cli.register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--num-blocks", "32"] + (["--no-ui"] if no_ui else []))

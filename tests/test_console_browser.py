@@ -35,7 +35,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # Written under a temporary folder (tests write nowhere else); set TOKENMILL_CONSOLE_SCREENSHOT
-# to a path to refresh the README's docs/console.png from a run.
+# to a path to refresh docs/console.png (shown in docs/serving.md) from a run.
 SCREENSHOT = Path(os.environ.get("TOKENMILL_CONSOLE_SCREENSHOT")
                   or Path(tempfile.gettempdir()) / f"tokenmill-console-{os.getpid()}.png")
 API_KEY = "console-test-key"

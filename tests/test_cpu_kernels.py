@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import AttentionMetadata, kv_cache_shape, paged_attention, paged_attention_reference
+from tokenmill.model.attention import (StepLayout, TorchPagedAttention, kernel_attention_fits, kv_cache_shape,
+                                      paged_attention_reference, select_attention_backend)
+from tokenmill.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 
@@ -140,28 +142,23 @@ def test_kernel_is_batch_invariant_bit_for_bit(lib, dtype) -> None:
 
 def _attention_case(lens: list[int], dtype: torch.dtype, head_dim: int = 64):
     q, k, v, tables, seq_lens = make_pool(lens, 6, 2, head_dim, 16, dtype, seed=3)
-    blocks = -(-max(lens) // 16)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables.long(),
-                             seq_lens=lens, query_lens=[1] * len(lens), num_decodes=len(lens), block_size=16,
-                             decode_blocks=blocks)
-    return q, k, v, meta
+    layout = StepLayout(slot_mapping=torch.zeros(len(lens), dtype=torch.long), block_tables=tables.long(),
+                        seq_lens=lens, query_lens=[1] * len(lens), num_decodes=len(lens), block_size=16)
+    return q, k, v, layout
 
 
-def test_disabled_by_env_falls_back_to_torch_path(lib, monkeypatch) -> None:
-    q, k, v, tables, lens = make_pool([20, 50], 6, 2, 64, 16, torch.float32, seed=4)
-    out = torch.zeros_like(q)
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    assert not cpu_kernels.enabled() and not cpu_kernels.available()
-    assert not cpu_kernels.decode_kernel_usable("cpu", torch.float32)
-    assert not cpu_kernels.paged_decode_attention(q, k, v, tables, lens, 0.125, out)
-    assert not out.any()  # nothing written
-    # paged_attention still answers, through the torch gather path: the reference's exact bits.
-    q, k, v, meta = _attention_case([20, 50], torch.float32)
-    got = paged_attention(q, k, v, meta, 0.125)
-    assert meta.decode_mask is not None  # built on demand, since no runner made one
-    assert torch.equal(got, paged_attention_reference(q, k, v, meta, 0.125))
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1")
-    assert cpu_kernels.decode_kernel_usable("cpu", torch.float32)
+def test_disabled_by_options_chooses_the_torch_path(lib) -> None:
+    """TOKENMILL_CPU_KERNELS=0 in the options: no library, so the engine's backend is the
+    torch path, whose float32 decodes give the reference's exact bits."""
+    off = KernelOptions.from_env({"TOKENMILL_CPU_KERNELS": "0"})
+    assert cpu_kernels.load(off) is None and not cpu_kernels.available(off)
+    cpu = torch.device("cpu")
+    q, k, v, layout = _attention_case([20, 50], torch.float32)
+    backend = select_attention_backend(cpu, torch.float32, 6, 2, k.shape[1], off, None, 64)
+    assert isinstance(backend, TorchPagedAttention)
+    assert torch.equal(backend.prepare(layout).attend(q, k, v, 0.125), paged_attention_reference(q, k, v, layout, 0.125))
+    on = KernelOptions.from_env({})
+    assert cpu_kernels.load(on) is not None and kernel_attention_fits(cpu, torch.float32, 64, cpu_kernels.load(on))
 
 
 def test_declines_what_it_cannot_take(lib) -> None:
@@ -176,10 +173,15 @@ def test_declines_what_it_cannot_take(lib) -> None:
     meta_k = torch.empty(k.shape, device="meta")
     assert not call(q, meta_k, meta_k, tables, lens, 0.1, out, library=lib)  # not on CPU
     assert not out.any()
-    # A head size that is not a multiple of the vector width: declined, and
-    # paged_attention's torch path answers instead.
-    q, k, v, meta = _attention_case([9, 30], torch.float32, head_dim=12)
-    torch.testing.assert_close(paged_attention(q, k, v, meta, 0.3), paged_attention_reference(q, k, v, meta, 0.3))
+    # A head size that is not a multiple of the vector width: declined, and the engine
+    # chooses the torch path for such a model.
+    q, k, v, layout = _attention_case([9, 30], torch.float32, head_dim=12)
+    out = torch.zeros_like(q)
+    assert not call(q, k, v, layout.block_tables.int(), torch.tensor(layout.seq_lens, dtype=torch.int32), 0.3, out,
+                    library=lib)
+    assert not kernel_attention_fits(torch.device("cpu"), torch.float32, 12, lib)
+    backend = select_attention_backend(torch.device("cpu"), torch.float32, 6, 2, 64, KernelOptions(), lib, 12)
+    assert isinstance(backend, TorchPagedAttention)
 
 
 def test_rejects_tables_outside_the_pool(lib) -> None:
@@ -217,25 +219,28 @@ def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
 
 
 def test_runner_builds_kernel_metadata_once_per_step(monkeypatch) -> None:
-    """With the kernel: int32 tables and lengths, no mask/gather index/workspace.
-    Disabled: the torch path's metadata, as before."""
+    """The C kernel backend prepares int32 tables and lengths once per step; an engine
+    built with the kernels off prepares the torch path's mask, gather index and workspace."""
     from conftest import make_tiny_llm
     from tokenmill.engine.request import Request, SamplingParams
+    from tokenmill.model.attention import CpuKernelStep, TorchPagedStep
 
-    llm = make_tiny_llm()
-    runner = llm.engine.runner
-    items = []
-    for i, length in enumerate([5, 23, 40]):
-        req = Request(request_id=str(i), prompt_token_ids=list(range(1, length + 1)), params=SamplingParams())
-        req.num_computed_tokens = length - 1
-        req.block_table = list(range(10 * i, 10 * i + -(-length // runner.block_size)))
-        items.append((req, 1))
-    meta = runner.prepare(items).meta
-    assert meta.decode_seq_lens is not None and meta.decode_seq_lens.dtype == torch.int32
-    assert meta.decode_seq_lens.tolist() == [5, 23, 40]
-    assert meta.decode_block_tables.dtype == torch.int32 and meta.decode_block_tables.is_contiguous()
-    assert meta.decode_block_tables[2, :3].tolist() == [20, 21, 22]
-    assert meta.decode_mask is None and meta.decode_workspace is None and meta.decode_index is None
+    def steps(llm):  # type: ignore[no-untyped-def]
+        runner = llm.engine.runner
+        items = []
+        for i, length in enumerate([5, 23, 40]):
+            req = Request(request_id=str(i), prompt_token_ids=list(range(1, length + 1)), params=SamplingParams())
+            req.num_computed_tokens = length - 1
+            req.block_table = list(range(10 * i, 10 * i + -(-length // runner.block_size)))
+            items.append((req, 1))
+        return runner.prepare(items).attn
+
+    attn = steps(make_tiny_llm())
+    assert isinstance(attn, CpuKernelStep)
+    assert attn.decode_seq_lens.dtype == torch.int32 and attn.decode_seq_lens.tolist() == [5, 23, 40]
+    assert attn.decode_block_tables.dtype == torch.int32 and attn.decode_block_tables.is_contiguous()
+    assert attn.decode_block_tables[2, :3].tolist() == [20, 21, 22]
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    meta = runner.prepare(items).meta
-    assert meta.decode_seq_lens is None and meta.decode_mask is not None and meta.decode_workspace is not None
+    attn = steps(make_tiny_llm())
+    assert isinstance(attn, TorchPagedStep)
+    assert attn.decode_mask is not None and attn.workspace is not None and attn.decode_index is not None

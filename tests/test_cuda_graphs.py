@@ -29,8 +29,8 @@ BS = 4  # small blocks: block tables of many different lengths in short contexts
 def torch_decode_path(monkeypatch) -> None:
     """The torch decode path (what CUDA runs), graphs on unless a test says otherwise."""
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    monkeypatch.delenv(cuda_graphs.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(cuda_graphs.ENV_MAX_BATCH, raising=False)
+    monkeypatch.delenv("TOKENMILL_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("TOKENMILL_CUDA_GRAPH_MAX_BATCH", raising=False)
 
 
 def _with_backend(monkeypatch) -> EmulatedGraphBackend:
@@ -76,11 +76,7 @@ def _advance(engine: LLMEngine, reqs: list[Request], logits: torch.Tensor) -> No
 
 
 def _eager(engine: LLMEngine, items: list) -> tuple[torch.Tensor, list]:
-    graphs, engine.runner.graphs = engine.runner.graphs, None
-    try:
-        return engine.runner.execute(items)
-    finally:
-        engine.runner.graphs = graphs
+    return engine.runner.run_eager(items)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -242,7 +238,7 @@ def test_engine_greedy_tokens_identical_with_graphs_on_and_off(monkeypatch) -> N
     graphs = llm_on.engine.runner.graphs
     assert graphs is not None and graphs.stats.replays > 20 and backend.captured
     assert graphs.stats.eager.get("not_pure_decode", 0) > 0  # prefill steps did run eager
-    monkeypatch.setenv(cuda_graphs.ENV_SWITCH, "0")
+    monkeypatch.setenv("TOKENMILL_CUDA_GRAPHS", "0")
     off, llm_off = _generate(prompts)
     assert llm_off.engine.runner.graphs is None
     assert on == off and all(len(t) == 20 for t in on)
@@ -252,7 +248,7 @@ def test_engine_greedy_tokens_identical_with_graphs_on_and_off(monkeypatch) -> N
 @pytest.mark.parametrize("value", ["0", "off", "false"])
 def test_switch_turns_graphs_off(monkeypatch, value) -> None:
     _with_backend(monkeypatch)
-    monkeypatch.setenv(cuda_graphs.ENV_SWITCH, value)
+    monkeypatch.setenv("TOKENMILL_CUDA_GRAPHS", value)
     engine = LLMEngine(EngineConfig.from_options(num_blocks=32), loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
     assert engine.runner.graphs is None and engine.runner.scratch_block is None
     assert engine.runner.kv_caches[0][0].shape[1] == 32  # no scratch block either
@@ -264,8 +260,10 @@ def test_no_graphs_on_cpu_by_default_nor_with_the_c_decode_kernel(monkeypatch) -
     assert engine.runner.graphs is None
     from tokenmill.model import cpu_kernels
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1")
-    if cpu_kernels.available():  # its tables come from Python lists: not recordable
-        assert cuda_graphs.select_backend(torch.device("cpu"), torch.float32, EmulatedGraphBackend()) is None
+    if cpu_kernels.available():  # the C kernel backend is a ctypes call: not recordable
+        _with_backend(monkeypatch)
+        engine = LLMEngine(EngineConfig.from_options(num_blocks=32), loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
+        assert engine.runner.graphs is None and engine.runner.attention.name.startswith("C kernels")
 
 
 def test_buckets() -> None:

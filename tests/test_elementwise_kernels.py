@@ -19,7 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import kv_cache_shape, write_kv
+from tokenmill.model.attention import kv_cache_shape
+from tokenmill.model.attention.torch_paged import write_kv
+from tokenmill.model.ops import TORCH_OPS, ModelOps
 from tokenmill.model.llama import MLP, Linear, RMSNorm, _rotate, linear_add
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
@@ -135,35 +137,37 @@ def test_ops_decline_what_they_cannot_take(lib) -> None:
     assert torch.equal(q, before)
 
 
-def test_kernels_switched_off_fall_back_to_torch(monkeypatch) -> None:
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
+def test_modules_without_an_engine_use_the_torch_ops() -> None:
+    """A model no engine has bound (kernels switched off, CUDA) runs the torch formulas."""
     x = torch.randn(5, 32)
-    assert cpu_kernels.rms_norm(x, torch.ones(32), 1e-5) is None
-    assert cpu_kernels.silu_mul(x, 16) is None
-    assert not cpu_kernels.rope_(x.view(5, 1, 32), torch.ones(5, 1, 32), torch.zeros(5, 1, 32))
     norm = RMSNorm(32, 1e-5)
+    assert norm.ops is TORCH_OPS and TORCH_OPS.library is None
     x64 = x.double()
     want = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)).float()
     assert torch.allclose(norm(x), want, atol=1e-6)
 
 
-def test_modules_take_the_kernels_on_cpu_float32() -> None:
-    """RMSNorm (2-D) and the MLP go through C and agree with the torch formulas;
-    3-D input (Qwen3's per-head norms) keeps the torch path."""
+def test_modules_take_the_kernels_on_cpu_float32(lib) -> None:
+    """With the kernel ops bound, RMSNorm (2-D) and the MLP go through C and agree with the
+    torch formulas; 3-D input (Qwen3's per-head norms) keeps the torch path."""
     torch.manual_seed(0)
+    ops = ModelOps(lib)
     norm = RMSNorm(96, 1e-6)
+    norm.ops = ops
     norm.weight.data = torch.randn(96)
     x = torch.randn(7, 96)
     torch_norm = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     assert torch.allclose(norm(x), torch_norm, rtol=1e-5, atol=1e-6)
     x3 = torch.randn(7, 3, 32)
     norm3 = RMSNorm(32, 1e-6)
+    norm3.ops = ops
     assert torch.equal(norm3(x3), norm3.weight * (x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + 1e-6)))
 
     class Cfg:
         hidden_size, intermediate_size = 64, 80
 
     mlp = MLP(Cfg())  # type: ignore[arg-type]
+    mlp.ops = ops
     with torch.inference_mode():
         h, res = torch.randn(6, 64), torch.randn(6, 64)
         gate, up = mlp.gate_up_proj(h).split(80, dim=-1)

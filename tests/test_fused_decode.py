@@ -1,4 +1,4 @@
-"""The fused native decode step (model/fused_decode.py, csrc/decode_step.c)
+"""The fused native decode step (engine/fused_decode.py, csrc/decode_step.c)
 against the eager torch model, for every weight kind it takes.
 
 Quantized models are checked against a float32 dense model holding the
@@ -16,7 +16,10 @@ from conftest import tiny_loaded, tiny_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.model import cpu_kernels, fused_decode, quant
+from tokenmill.engine import fused_decode
+from tokenmill.engine.executors import FusedDecodeExecutor
+from tokenmill.model import cpu_kernels, quant
+from tokenmill.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")
 
@@ -49,10 +52,27 @@ def _prefill_all_but_last(engine: LLMEngine, reqs: list[Request]) -> None:
         r.num_computed_tokens = len(r.prompt_token_ids) - 1
 
 
-def _decode(engine: LLMEngine, reqs: list[Request], fused: bool, monkeypatch) -> torch.Tensor:
-    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "1" if fused else "0")
-    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "64")
-    logits, sampled = engine.runner.execute([(r, 1) for r in reqs])
+def _fused_executor(engine: LLMEngine) -> FusedDecodeExecutor:
+    found = [e for e in engine.runner.executors if isinstance(e, FusedDecodeExecutor)]
+    assert found, "the engine has no fused decode executor"
+    return found[0]
+
+
+def _use_fused(engine: LLMEngine, decoder: fused_decode.FusedDecoder) -> None:
+    """Give the engine's fused executor another decoder (a model changed after build)."""
+    engine.runner.fused = decoder
+    _fused_executor(engine).decoder = decoder
+
+
+def _decode(engine: LLMEngine, reqs: list[Request], fused: bool, monkeypatch=None) -> torch.Tensor:
+    """One decode step through the fused executor, or through the eager one."""
+    items = [(r, 1) for r in reqs]
+    if fused:
+        executor = _fused_executor(engine)
+        assert executor.accepts(items)
+        logits, sampled = executor.run(items)
+    else:
+        logits, sampled = engine.runner.run_eager(items)
     assert sampled == reqs
     return logits
 
@@ -165,9 +185,9 @@ def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:
                 parent, _, attr = name.rpartition(".")
                 setattr(engine.model.get_submodule(parent), attr, quant.Int4Linear(codes))
                 twin.model.get_submodule(name).weight.copy_(codes.dequantize())
-    fused = fused_decode.build(engine.model, engine.runner.kv_caches)
+    fused = fused_decode.build(engine.model, engine.runner.kv_caches, cpu_kernels.load())
     assert fused is not None and fused.struct.layers[0].qkv.repeat == 2
-    engine.runner.fused = fused
+    _use_fused(engine, fused)
     prompts = _prompts(2, seed=7)
     reqs, twin_reqs = _requests(engine, prompts), _requests(twin, prompts)
     _prefill_all_but_last(twin, twin_reqs)
@@ -205,8 +225,9 @@ def test_engine_greedy_tokens_do_not_change_with_the_fused_step(monkeypatch) -> 
     prompts = _prompts(4, seed=11)
     outs = []
     for flag in ("1", "0"):
-        monkeypatch.setenv("TOKENMILL_FUSED_DECODE", flag)
-        engine = _engine(max_num_batched_tokens=64)
+        engine = _engine(max_num_batched_tokens=64,
+                         kernel_options=KernelOptions.from_env({"TOKENMILL_FUSED_DECODE": flag}))
+        assert (engine.runner.fused is not None) == (flag == "1")
         for i, ids in enumerate(prompts):
             engine.add_request(f"g{i}", ids, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
         got: dict[str, list[int]] = {}
@@ -229,24 +250,25 @@ def test_bad_block_ids_are_refused_before_anything_is_written(monkeypatch) -> No
 
 
 def test_switch_and_batch_limit_send_steps_to_the_eager_model(monkeypatch) -> None:
-    engine = _engine()
+    """The options, read when the engine is built, set the fused executor's batch limit
+    (larger steps go eager) or leave the executor out."""
+    engine = _engine(kernel_options=KernelOptions.from_env({"TOKENMILL_FUSED_DECODE_MAX_BATCH": "2"}))
     calls = []
     real = engine.runner.fused.run
     monkeypatch.setattr(engine.runner.fused, "run", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     reqs = _requests(engine, _prompts(3, seed=2))
     _prefill_all_but_last(engine, reqs)
-    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "2")
     engine.runner.execute([(r, 1) for r in reqs])  # 3 > 2: eager
     engine.runner.execute([(r, 1) for r in reqs[:2]])
-    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
-    engine.runner.execute([(r, 1) for r in reqs[:1]])
     assert calls == [2]
+    off = _engine(kernel_options=KernelOptions.from_env({"TOKENMILL_FUSED_DECODE": "0"}))
+    assert off.runner.fused is None and [e.name for e in off.runner.executors] == ["eager"]
 
 
 def test_unsupported_layers_leave_the_fused_step_off() -> None:
     engine = _engine(tiny_loaded(seed=1))
     engine.model.layers[0].mlp.down_proj = torch.nn.Identity()  # not a linear the kernel knows
-    assert fused_decode.build(engine.model, engine.runner.kv_caches) is None
+    assert fused_decode.build(engine.model, engine.runner.kv_caches, cpu_kernels.load()) is None
 
 
 def test_a_table_shorter_than_its_sequence_is_refused_not_padded_with_block_zero(monkeypatch) -> None:
@@ -261,7 +283,6 @@ def test_a_table_shorter_than_its_sequence_is_refused_not_padded_with_block_zero
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, engine.runner.kv_caches))
 
 
-def test_malformed_batch_limit_falls_back_to_the_measured_one(monkeypatch) -> None:
-    engine = _engine()
-    monkeypatch.setenv("TOKENMILL_FUSED_DECODE_MAX_BATCH", "lots")
-    assert engine.runner.fused.batch_limit() == engine.runner.fused.max_batch
+def test_malformed_batch_limit_is_an_error_at_start() -> None:
+    with pytest.raises(ValueError, match="TOKENMILL_FUSED_DECODE_MAX_BATCH"):
+        KernelOptions.from_env({"TOKENMILL_FUSED_DECODE_MAX_BATCH": "lots"})

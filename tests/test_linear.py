@@ -7,8 +7,11 @@ import torch.nn.functional as F
 
 from tokenmill.model import llama
 from tokenmill.model.llama import Linear
+from tokenmill.model.ops import ModelOps, onednn_linear_available, select_ops
+from tokenmill.options import KernelOptions
 
-pytestmark = pytest.mark.skipif(not llama.onednn_linear_usable(), reason="torch here has no oneDNN linear")
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch here has no oneDNN linear")
+ONEDNN = ModelOps(None, onednn_linear=True)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 65, 300])
@@ -16,6 +19,7 @@ pytestmark = pytest.mark.skipif(not llama.onednn_linear_usable(), reason="torch 
 def test_onednn_linear_matches_f_linear(rows: int, bias: bool, monkeypatch) -> None:
     torch.manual_seed(rows)
     layer = Linear(96, 200, bias=bias)
+    layer.ops = ONEDNN
     x = torch.randn(rows, 96)
     calls: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
@@ -37,6 +41,7 @@ def test_onednn_linear_matches_f_linear(rows: int, bias: bool, monkeypatch) -> N
 
 def test_autograd_and_other_dtypes_keep_f_linear() -> None:
     layer = Linear(32, 16)
+    layer.ops = ONEDNN
     x = torch.randn(4, 32, requires_grad=True)
     y = layer(x)  # grad enabled: the op has no backward, so F.linear runs
     y.sum().backward()
@@ -46,13 +51,11 @@ def test_autograd_and_other_dtypes_keep_f_linear() -> None:
     assert bf.dtype == torch.bfloat16
 
 
-def test_switch_off_reads_the_environment(monkeypatch) -> None:
-    llama.onednn_linear_usable.cache_clear()
-    try:
-        monkeypatch.setenv(llama.ONEDNN_SWITCH, "0")
-        assert not llama.onednn_linear_usable()
-        monkeypatch.setenv(llama.ONEDNN_SWITCH, "1")
-        llama.onednn_linear_usable.cache_clear()
-        assert llama.onednn_linear_usable()
-    finally:
-        llama.onednn_linear_usable.cache_clear()
+def test_options_choose_onednn_once() -> None:
+    """TOKENMILL_ONEDNN_LINEAR=0 turns it off in the options; the ops carry the choice."""
+    assert not KernelOptions.from_env({"TOKENMILL_ONEDNN_LINEAR": "0"}).onednn_linear
+    on = KernelOptions.from_env({})
+    assert on.onednn_linear
+    assert select_ops(torch.device("cpu"), None, on.onednn_linear).onednn_linear
+    assert not select_ops(torch.device("cpu"), None, False).onednn_linear
+    assert not Linear.ops.onednn_linear  # a model no engine bound runs F.linear

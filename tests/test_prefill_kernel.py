@@ -1,5 +1,5 @@
 """The C prefill-attention kernel (model/csrc/prefill_attention.c) on its own and
-inside ``paged_attention``.
+inside the C kernel attention backend.
 
 One chunk of ``q_len`` queries at the end of a ``seq_len`` context, the context
 scattered over a pool: whole prompts, chunks after a prefix, single tokens,
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tokenmill.model import cpu_kernels
-from tokenmill.model.attention import AttentionMetadata, kv_cache_shape, paged_attention, paged_attention_reference
+from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention, kv_cache_shape,
+                                      paged_attention_reference)
 
 from test_cpu_kernels import assert_matches  # float32 to 1e-5, bf16 within half a bf16 ulp
 
@@ -160,30 +161,21 @@ def _mixed_batch(dtype: torch.dtype):
         tables[i, :n] = torch.tensor(ids[:n])
         ids = ids[n:]
     q = torch.randn(sum(query_lens), heads + kv_heads, head_dim, generator=gen).to(dtype)[:, :heads]
-    meta = AttentionMetadata(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long), block_tables=tables,
-                             seq_lens=seq_lens, query_lens=query_lens, num_decodes=2, block_size=bs,
-                             decode_blocks=-(-max(seq_lens[:2]) // bs))
-    return q, k, v, meta
+    layout = StepLayout(slot_mapping=torch.zeros(sum(query_lens), dtype=torch.long), block_tables=tables,
+                        seq_lens=seq_lens, query_lens=query_lens, num_decodes=2, block_size=bs)
+    return q, k, v, layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_mixed_batch_matches_sdpa_path(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, v, meta = _mixed_batch(dtype)
-    got = paged_attention(q, k, v, meta, 0.125)
-    assert meta.prefill_block_tables is not None  # the kernel ran
-    q2, k2, v2, meta2 = _mixed_batch(dtype)
-    want = paged_attention_reference(q2, k2, v2, _with_decode_mask(meta2, dtype), 0.125)  # SDPA for chunks
+def test_mixed_batch_matches_sdpa_path(lib, dtype) -> None:
+    """The kernel backend (decodes and chunks in C) against the reference (SDPA for chunks)
+    and the torch backend, on one mixed batch."""
+    q, k, v, layout = _mixed_batch(dtype)
+    got = CpuKernelAttention(lib).prepare(layout).attend(q, k, v, 0.125)
+    want = paged_attention_reference(q, k, v, layout, 0.125)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    q3, k3, v3, meta3 = _mixed_batch(dtype)
-    off = paged_attention(q3, k3, v3, meta3, 0.125)
-    assert meta3.prefill_block_tables is None  # switched off: the torch path
+    assert not torch.equal(got[2:], want[2:])  # the chunks really took the kernel
+    torch_backend = TorchPagedAttention(dtype, torch.device("cpu"), 3, 9, k.shape[1], 64)
+    off = torch_backend.prepare(layout).attend(q, k, v, 0.125)
     torch.testing.assert_close(got.float(), off.float(), atol=tol, rtol=tol)
-
-
-def _with_decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> AttentionMetadata:
-    from tokenmill.model.attention import decode_mask
-
-    decode_mask(meta, dtype, torch.device("cpu"))
-    return meta

@@ -27,7 +27,7 @@ def _logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     try:
         with torch.inference_mode():
             inp = engine.runner.prepare([(req, len(ids))])
-            hidden = engine.model(inp.input_ids, inp.positions, engine.runner.kv_caches, inp.meta)
+            hidden = engine.model(inp.input_ids, inp.positions, engine.runner.kv_caches, inp.attn)
             return engine.model.compute_logits(hidden)
     finally:
         engine.pool.release(req.block_table)

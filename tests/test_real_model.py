@@ -152,7 +152,7 @@ def _all_position_argmax(llm: LLM, token_ids: list[int]) -> list[int]:
     try:
         inputs = engine.runner.prepare([(req, len(token_ids))])
         with torch.inference_mode():
-            hidden = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.meta)
+            hidden = engine.model(inputs.input_ids, inputs.positions, engine.runner.kv_caches, inputs.attn)
             return engine.model.compute_logits(hidden).argmax(-1).tolist()
     finally:
         engine.pool.release(req.block_table)

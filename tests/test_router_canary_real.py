@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from fake_backend import free_port
+from test_server_support import metric, real_servers
 from tokenmill.router.canary import CanaryConfig
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
@@ -31,43 +27,9 @@ N_REQUESTS = int(os.environ.get("TOKENMILL_CANARY_REQUESTS", "40"))
 
 @pytest.fixture(scope="module")
 def servers():
-    ports = {"base": free_port(), "int4": free_port()}
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--max-num-seqs", "8"]
-    procs = [subprocess.Popen(cmd + ["--port", str(ports["base"])], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE),
-             subprocess.Popen(cmd + ["--port", str(ports["int4"]), "--quantization", "int4"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)]
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    try:
-        deadline = time.monotonic() + 300
-        pending = set(urls.values())
-        while pending:
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            for u in list(pending):
-                try:
-                    if httpx.get(u + "/health", timeout=2).status_code == 200:
-                        pending.discard(u)
-                except httpx.HTTPError:
-                    pass
-            assert time.monotonic() < deadline, "servers did not become ready"
-            time.sleep(0.5)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _metric(text: str, name: str, **labels) -> float:
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    with real_servers(["--max-num-seqs", "8"], ["--max-num-seqs", "8", "--quantization", "int4"],
+                      startup_timeout=300, env={"OMP_NUM_THREADS": "1"}) as (base, int4):
+        yield {"base": base.url, "int4": int4.url}
 
 
 async def _drive(url: str, n: int, model: str) -> list[tuple[int, str | None, str, int]]:
@@ -118,12 +80,12 @@ def test_float32_and_int4_replicas_at_50_50(servers):
     # Requests without a session key split exactly by weight.
     unkeyed = Counter(v for _, v, s, _ in res if not s)
     assert abs(unkeyed["base"] - unkeyed["int4"]) <= 1
-    per_variant = {v: _metric(text, "tokenmill_router_variant_requests_total", variant=v) for v in ("base", "int4")}
+    per_variant = {v: metric(text, "tokenmill_router_variant_requests_total", variant=v) for v in ("base", "int4")}
     assert per_variant == {v: float(counts[v]) for v in ("base", "int4")}
-    assert sum(per_variant.values()) == _metric(text, "tokenmill_router_requests_total") == N_REQUESTS
-    assert sum(per_variant.values()) == _metric(text, "tokenmill_router_responses_total", code="200")
-    assert _metric(text, "tokenmill_router_variant_output_tokens_total") == sum(t for *_, t in res) > 0
-    assert _metric(text, "tokenmill_router_variant_ttft_seconds_count") == N_REQUESTS
+    assert sum(per_variant.values()) == metric(text, "tokenmill_router_requests_total") == N_REQUESTS
+    assert sum(per_variant.values()) == metric(text, "tokenmill_router_responses_total", code="200")
+    assert metric(text, "tokenmill_router_variant_output_tokens_total") == sum(t for *_, t in res) > 0
+    assert metric(text, "tokenmill_router_variant_ttft_seconds_count") == N_REQUESTS
 
 
 EVAL_ITEMS = [

@@ -1,24 +1,20 @@
-"""The issue's acceptance test with real servers: three `tokenmill serve`
+"""The router's acceptance test with real servers: three `tokenmill serve`
 replicas of the bundled model on loopback, each with a KV cache too small to
 hold all eight shared prefixes, and the router in front.
 
 Measured from the replicas' own prefix-cache counters: the prefix policy's
 hit rate is at least twice round-robin's on the same workload, and when one
-prefix is hot no replica takes more than a bounded share. Skipped until the
-server exists; slow (a real model prefills every prompt on the CPU).
+prefix is hot no replica takes more than a bounded share. Slow: a real model
+prefills every prompt on the CPU.
 """
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
-from fake_backend import free_port
+from test_server_support import metric, real_servers
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
 from tokenmill.router.workload import run_workload, shared_prefix_workload
@@ -30,65 +26,21 @@ PREFIX_WORDS = 80  # about 180 tokens (11 blocks) with the bundled model's token
 CACHE_BLOCKS = 40  # room for three prefixes plus the running requests' own blocks, not for eight
 
 
-def _serve_cmd() -> list[str]:
-    try:
-        import tokenmill.entrypoints.serve_cli  # noqa: F401
-    except ModuleNotFoundError:
-        pytest.skip("tokenmill serve is not written yet")
-    return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve"]
-
-
 def _cache_args() -> list[str]:
-    """Flags that cap the KV cache at CACHE_BLOCKS blocks, in whatever form the server offers."""
-    import argparse
+    """--kv-cache-memory-bytes for a pool of exactly CACHE_BLOCKS blocks of 16 tokens.
 
-    from tokenmill.entrypoints import serve_cli
-
-    parser = argparse.ArgumentParser()
-    serve_cli.register(parser.add_subparsers())
-    serve = next(a for a in parser._subparsers._group_actions[0].choices.values())
-    flags = serve._option_string_actions
-    if "--num-blocks" in flags:
-        return ["--num-blocks", str(CACHE_BLOCKS)]
-    if "--kv-cache-memory" in flags:
-        # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes per token.
-        return ["--kv-cache-memory", str(CACHE_BLOCKS * 16 * 46080)]
-    pytest.skip("tokenmill serve offers no way to size the KV cache")
+    SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes per token."""
+    return ["--kv-cache-memory-bytes", str(CACHE_BLOCKS * 16 * 46080), "--block-size", "16"]
 
 
 @pytest.fixture(scope="module")
 def replicas():
-    cmd = _serve_cmd()
-    extra = _cache_args()
-    ports = [free_port() for _ in range(3)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", str(p), *extra], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for p in ports]
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    try:
-        deadline = time.monotonic() + 300
-        pending = set(urls)
-        while pending:
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            for u in list(pending):
-                try:
-                    if httpx.get(u + "/health", timeout=2).status_code == 200:
-                        pending.discard(u)
-                except httpx.HTTPError:
-                    pass
-            assert time.monotonic() < deadline, "servers did not become ready"
-            time.sleep(0.5)
+    with real_servers(*[_cache_args()] * 3, startup_timeout=300, env={"OMP_NUM_THREADS": "1"}) as servers:
+        urls = [s.url for s in servers]
+        for u in urls:  # the flags sized the pool as intended, or the hit rates below mean nothing
+            text = httpx.get(u + "/metrics", timeout=10).text
+            assert metric(text, "vllm:cache_config_info", num_gpu_blocks=str(CACHE_BLOCKS)) == 1, u
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def _run(urls, items, policy, concurrency=3, **kw):

@@ -12,7 +12,7 @@ from conftest import tiny_loaded, tiny_tokenizer
 
 def test_serve_flags_parse():
     from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.server import _settings_from_args, engine_config_from_args
+    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
 
     args = build_parser().parse_args([
         "serve", "--port", "9", "--served-model-name", "a", "b", "--api-key", "k", "--dtype", "bfloat16",
@@ -20,7 +20,7 @@ def test_serve_flags_parse():
         "--max-num-batched-tokens", "128", "--max-waiting", "3", "--max-output-tokens", "7", "--log-requests",
         "--no-prefix-caching", "--capture-traffic", "/tmp/x.jsonl", "--capture-text", "--batching", "dynamic",
         "--quantization", "int8", "--no-ui"])
-    settings = _settings_from_args(args)
+    settings = settings_from_args(args)
     assert settings.served_model_names == ["a", "b"] and settings.api_key == "k"
     assert (settings.max_waiting, settings.max_output_tokens, settings.capture_text) == (3, 7, True)
     cfg = engine_config_from_args(args)
@@ -33,11 +33,11 @@ def test_serve_flags_parse():
 
 def test_api_key_from_environment(monkeypatch):
     from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.server import _settings_from_args
+    from tokenmill.entrypoints.serve_config import settings_from_args
 
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     args = build_parser().parse_args(["serve", "--served-model-name", "m"])
-    assert _settings_from_args(args).api_key == "from-env"
+    assert settings_from_args(args).api_key == "from-env"
 
 
 def test_generate_streams_the_answer():

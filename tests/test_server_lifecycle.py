@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import real_server
+from test_server_support import real_server, started_stream
 
 pytestmark = pytest.mark.slow
 
@@ -50,29 +50,19 @@ def test_overload_gets_429_with_retry_after(server):
 
 def test_sigterm_drains_then_exits_zero(server):
     # Long enough to still be draining when the probe below arrives 0.5 s after SIGTERM: a
-    # single stream decodes 40-60 tokens/s on the development CPU, so 400 tokens take 7-10 s.
-    # (The fixture's output cap was 32 until session 5: once decoding passed ~60 tokens/s
-    # the capped stream could end, and the server exit, before the probe.)
+    # single stream decodes 40-60 tokens/s on the development CPU, so 400 tokens take 7-10 s
+    # (a short output cap lets a fast machine end the stream, and exit, before the probe).
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    lines: list[str] = []
     with httpx.Client(timeout=120) as c:
-        with c.stream("POST", server.url + "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            it = resp.iter_lines()
-            for line in it:
-                if line.startswith("data: "):
-                    lines.append(line)
-                    break
+        with started_stream(c, server.url + "/v1/completions", body) as (first, rest):
             server.proc.send_signal(signal.SIGTERM)
             time.sleep(0.5)
             refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
             assert refused.status_code == 503
             assert refused.json()["error"]["code"] == "shutting_down"
             assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-            for line in it:  # the running stream is allowed to finish
-                if line.startswith("data: "):
-                    lines.append(line)
-    assert lines[-1] == "data: [DONE]"
-    finish = [json.loads(line[6:])["choices"][0]["finish_reason"] for line in lines[:-1]]
+            events = [first, *rest]  # the running stream is allowed to finish
+    assert events[-1] == "[DONE]"
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finish[-1] == "length"
     assert server.proc.wait(60) == 0

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from test_server_support import ThreadServer, make_tiny_app, metric
+from test_server_support import ThreadServer, health_probe, make_tiny_app, metric
 
 LIMIT = 64 << 10
 
@@ -98,20 +98,7 @@ def test_health_answers_while_a_huge_body_arrives(served):
     """A 50 MB body is refused without being read and a 6 MB one (below a raised limit) is read and
     refused as too long without being tokenized; /health answers quickly all along."""
     server, state = served
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        with httpx.Client(timeout=10) as client:
-            while not stop.is_set():
-                t = time.perf_counter()
-                assert client.get(server.url + "/health").status_code == 200
-                latencies.append(time.perf_counter() - t)
-                time.sleep(0.01)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    try:
+    with health_probe(server.url) as latencies:
         time.sleep(0.1)
         huge = b'{"prompt": "' + b"z" * (50 << 20) + b'", "max_tokens": 1}'
         resp = httpx.post(server.url + "/v1/completions", content=huge,
@@ -130,9 +117,6 @@ def test_health_answers_while_a_huge_body_arrives(served):
         assert resp.status_code == 400 and _error(resp)["code"] == "context_length_exceeded", resp.text
         assert took < 5  # refused before tokenizing six megabytes
         time.sleep(0.1)
-    finally:
-        stop.set()
-        prober.join(30)
     assert len(latencies) >= 5
     assert max(latencies) < 1.0, sorted(latencies)[-5:]
 
@@ -194,7 +178,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
     """What shutdown does when the grace period is over: running streams end in-band."""
     import asyncio
 
-    from tokenmill.entrypoints.server import _cut_all
+    from tokenmill.entrypoints.lifecycle import cut_all
 
     server, state = served
     body = {"prompt": "cut me", "max_tokens": 100, "ignore_eos": True, "stream": True}
@@ -214,7 +198,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
                 if line.startswith("data: "):
                     events.append(line[6:])
                     if len(events) == 3:
-                        assert asyncio.run_coroutine_threadsafe(_cut_all(state), state.loop).result(10) >= 1
+                        assert asyncio.run_coroutine_threadsafe(cut_all(state), state.loop).result(10) >= 1
         assert events[-1] == "[DONE]"
         err = json.loads(events[-2])["error"]
         assert err["code"] == "shutting_down" and err["type"] == "service_unavailable"

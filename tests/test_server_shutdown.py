@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from test_server_support import real_server
+from test_server_support import health_probe, real_server
 
 pytestmark = pytest.mark.slow
 
@@ -110,20 +110,7 @@ def test_a_50mb_body_does_not_stall_health_and_its_memory_comes_back():
                     "messages": [{"role": "user", "content": "hello " * 200}], "max_tokens": 2}).status_code == 200
         time.sleep(1)
         before = _rss_mb(server.proc.pid)
-        latencies: list[float] = []
-        stop = threading.Event()
-
-        def probe() -> None:
-            with httpx.Client(timeout=30) as client:
-                while not stop.is_set():
-                    t = time.perf_counter()
-                    assert client.get(server.url + "/health").status_code == 200
-                    latencies.append(time.perf_counter() - t)
-                    time.sleep(0.02)
-
-        prober = threading.Thread(target=probe)
-        prober.start()
-        try:
+        with health_probe(server.url, interval_s=0.02, timeout=30) as latencies:
             body = json.dumps({"messages": [{"role": "user", "content": "lorem ipsum dolor " * 2_900_000}],
                                "max_tokens": 4}).encode()
             assert len(body) > 50_000_000
@@ -135,9 +122,6 @@ def test_a_50mb_body_does_not_stall_health_and_its_memory_comes_back():
             assert too_big.status_code == 413
             del body
             time.sleep(1.5)
-        finally:
-            stop.set()
-            prober.join(30)
         after = _rss_mb(server.proc.pid)
     latencies.sort()
     print(f"/health: {len(latencies)} probes, p99 {latencies[int(0.99 * (len(latencies) - 1))]:.3f} s, "

@@ -1,26 +1,21 @@
 """Helpers for the server tests (no tests here): tiny in-process apps, a uvicorn
-thread, a real `tokenmill serve` subprocess, and a Prometheus text reader."""
+thread, real `tokenmill serve` subprocesses (one or several side by side), a
+Prometheus text reader, a /health prober and a started SSE stream."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import tiny_loaded, tiny_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from fake_backend import free_port
 
 
 def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any) -> Any:
@@ -28,7 +23,7 @@ def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any)
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.server import build_app
+    from tokenmill.entrypoints.app import build_app
     from tokenmill.entrypoints.serving import ServerSettings
 
     opts = {"num_blocks": 128, "max_num_batched_tokens": 256}
@@ -97,32 +92,91 @@ class RealServer:
 
 
 @contextmanager
+def real_servers(*arg_lists: Sequence[str], startup_timeout: float = 180.0, env: dict[str, str] | None = None
+                 ) -> Iterator[list[RealServer]]:
+    """Several `tokenmill serve` processes with the bundled model, one per argument list, started
+    together so they load side by side; yielded once all answer /health, killed on exit."""
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    servers: list[RealServer] = []
+    try:
+        for extra in arg_lists:
+            port = free_port()
+            proc = subprocess.Popen(serve_command("--port", str(port), *extra), env=full_env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            server = RealServer(f"http://127.0.0.1:{port}", proc)
+            threading.Thread(target=server._drain, daemon=True).start()  # never let a full pipe block it
+            servers.append(server)
+        deadline = time.monotonic() + startup_timeout
+        pending = list(servers)
+        while pending:
+            for server in list(pending):
+                if server.proc.poll() is not None:
+                    time.sleep(0.2)
+                    raise RuntimeError(f"tokenmill serve exited with {server.proc.returncode}: "
+                                       + "\n".join(server.lines[-30:]))
+                try:
+                    if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                        pending.remove(server)
+                except httpx.HTTPError:
+                    pass
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(f"tokenmill serve did not become healthy in {startup_timeout:.0f}s: "
+                                   + "\n".join(pending[0].lines[-30:]))
+            time.sleep(0.25)
+        yield servers
+    finally:
+        for server in servers:
+            if server.proc.poll() is None:
+                server.proc.kill()
+                server.proc.wait(10)
+
+
+@contextmanager
 def real_server(*extra: str, startup_timeout: float = 180.0, env: dict[str, str] | None = None
                 ) -> Iterator[RealServer]:
     """`tokenmill serve` with the bundled model in a subprocess (killed on exit if still running)."""
-    port = free_port()
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(serve_command("--port", str(port), *extra), env=full_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    server = RealServer(f"http://127.0.0.1:{port}", proc)
-    threading.Thread(target=server._drain, daemon=True).start()  # never let a full pipe block it
-    try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                time.sleep(0.2)
-                raise RuntimeError(f"tokenmill serve exited with {proc.returncode}: "
-                                   + "\n".join(server.lines[-30:]))
-            try:
-                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tokenmill serve did not become healthy")
-            time.sleep(0.25)
+    with real_servers(extra, startup_timeout=startup_timeout, env=env) as (server,):
         yield server
+
+
+@contextmanager
+def health_probe(url: str, interval_s: float = 0.01, timeout: float = 10.0) -> Iterator[list[float]]:
+    """GET ``url``/health in a background thread while the block runs; yields the list the
+    answers' latencies go into. On leaving, any answer other than 200 (or none at all) fails."""
+    latencies: list[float] = []
+    problems: list[str] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(timeout=timeout) as client:
+            while not stop.is_set():
+                t = time.perf_counter()
+                try:
+                    status = client.get(url + "/health").status_code
+                except httpx.HTTPError as exc:
+                    problems.append(repr(exc))
+                    return
+                if status != 200:
+                    problems.append(f"/health answered {status}")
+                latencies.append(time.perf_counter() - t)
+                time.sleep(interval_s)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        yield latencies
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        stop.set()
+        prober.join(30)
+    assert not problems, problems[:3]
+
+
+@contextmanager
+def started_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> Iterator[tuple[str, Iterator[str]]]:
+    """POST a streaming request and wait for its first SSE event; yields that event's data
+    and an iterator over the data of the events still to come (``[DONE]`` included)."""
+    with client.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = (line[6:] for line in resp.iter_lines() if line.startswith("data: "))
+        first = next(events)
+        yield first, events

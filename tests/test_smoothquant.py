@@ -38,7 +38,8 @@ def test_smoothing_keeps_the_float_model_and_helps_int8_activations():
 
     smoothed = _llm()
     engine = smoothed.engine
-    n = smoothquant.smooth_for_int8(engine.model, calib, engine.block_size, engine.dtype, engine.device)
+    n = smoothquant.smooth_for_int8(engine.model, calib, engine.block_size, engine.dtype, engine.device,
+                                    engine.kernels)
     assert n == 3 * engine.model_config.num_hidden_layers
     assert _texts(smoothed, prompts) == want  # the same float model, rescaled
 

@@ -37,7 +37,7 @@ def server():
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.server import build_app
+    from tokenmill.entrypoints.app import build_app
     from tokenmill.entrypoints.serving import ServerSettings
 
     engine = LLMEngine(EngineConfig.from_options(kv_cache_memory="256MiB", max_model_len=2048))

@@ -371,11 +371,11 @@ def test_router_routes_responses_on_their_text():
 
 def test_serve_flags_choose_the_tool_parser():
     from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.server import _settings_from_args
+    from tokenmill.entrypoints.serve_config import settings_from_args
 
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
-    settings = _settings_from_args(args)
+    settings = settings_from_args(args)
     assert settings.enable_auto_tool_choice and settings.tool_call_parser == "llama3_json"
-    assert not _settings_from_args(build_parser().parse_args(["serve"])).enable_auto_tool_choice
+    assert not settings_from_args(build_parser().parse_args(["serve"])).enable_auto_tool_choice
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--tool-call-parser", "nonsense"])

@@ -217,7 +217,7 @@ def test_bf16_agrees_with_float32_as_one_rank_does():
 
 @pytest.mark.slow
 def test_killed_worker_fails_the_server_fast_and_non_zero(tmp_path):
-    from test_server_support import real_server
+    from test_server_support import real_server, started_stream
 
     folder = write_tiny_folder(tmp_path / "tiny")
     with real_server("--model", folder, "-tp", "2", "--threads", "1", "--num-blocks", "256",
@@ -225,19 +225,11 @@ def test_killed_worker_fails_the_server_fast_and_non_zero(tmp_path):
         workers = [pid for pid in _children(server.proc.pid) if b"spawn_main" in _cmdline(pid)]
         assert len(workers) == 1, workers
         body = {"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": True, "stream": True}
-        events: list[str] = []
         with httpx.Client(timeout=30) as client:
-            with client.stream("POST", server.url + "/v1/completions", json=body) as resp:
-                assert resp.status_code == 200
-                lines = resp.iter_lines()
-                for line in lines:
-                    if line.startswith("data: "):
-                        break
+            with started_stream(client, server.url + "/v1/completions", body) as (_, rest):
                 killed_at = time.monotonic()
                 os.kill(workers[0], signal.SIGKILL)
-                for line in lines:  # the stream must end, with an error, within seconds
-                    if line.startswith("data: "):
-                        events.append(line[6:])
+                events = list(rest)  # the stream must end, with an error, within seconds
             ended = time.monotonic() - killed_at
         assert ended < 10, (ended, events[-3:], server.lines[-10:])
         try:  # until it exits (a second after the failure), the server says it is down

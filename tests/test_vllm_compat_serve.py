@@ -10,7 +10,8 @@ import pytest
 
 from tokenmill.cli_args import human_int
 from tokenmill.entrypoints.cli import build_parser, main
-from tokenmill.entrypoints.serve_cli import finalize_serve_args, generation_defaults, parse_origins
+from tokenmill.entrypoints.serve_cli import finalize_serve_args, parse_origins
+from tokenmill.entrypoints.serve_config import generation_defaults
 
 VLLM_LINE = ["--dtype", "auto", "--max-model-len", "4k", "--enable-prefix-caching",
              "--gpu-memory-utilization", "0.5", "--api-key", "a", "b", "--uvicorn-log-level", "warning",
@@ -43,8 +44,8 @@ def test_human_int_follows_vllm_suffixes():
 
 
 def test_vllm_launch_line_means_what_it_means_in_vllm(bundled_model_path):
-    from tokenmill.entrypoints.server import _settings_from_args, engine_config_from_args
-    from tokenmill.entrypoints.serve_cli import device_memory_bytes
+    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
+    from tokenmill.entrypoints.serve_config import device_memory_bytes
 
     args = parse_serve([bundled_model_path, *VLLM_LINE])
     assert args.model == bundled_model_path
@@ -53,13 +54,13 @@ def test_vllm_launch_line_means_what_it_means_in_vllm(bundled_model_path):
     assert cfg.cache.enable_prefix_caching is True and cfg.cap_kv_pool is True
     # half of the memory available now (other processes move it a little between the two reads)
     assert abs(cfg.memory_budget - device_memory_bytes("cpu") // 2) < 512 << 20
-    settings = _settings_from_args(args)
+    settings = settings_from_args(args)
     assert settings.api_key == ["a", "b"] and settings.log_requests is True
     assert args.uvicorn_log_level == "warning"
 
 
 def test_old_flag_names_stay_as_aliases():
-    from tokenmill.entrypoints.server import engine_config_from_args
+    from tokenmill.entrypoints.serve_config import engine_config_from_args
 
     old = parse_serve(["--no-prefix-caching", "--kv-cache-memory", "64MiB", "--log-requests"])
     new = parse_serve(["--no-enable-prefix-caching", "--kv-cache-memory-bytes", "64M", "--enable-log-requests"])
@@ -199,7 +200,7 @@ def test_several_api_keys_each_open_the_api():
 
 
 def test_chat_template_flag_replaces_the_models(tmp_path, bundled_model_path):
-    from tokenmill.entrypoints.server import tokenizer_from_args
+    from tokenmill.entrypoints.serve_config import tokenizer_from_args
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
@@ -238,7 +239,7 @@ def test_allowed_origins_forms_and_cors():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tokenmill.entrypoints.server import add_cors
+    from tokenmill.entrypoints.app import add_cors
 
     assert parse_origins(['["https://a.example", "https://b.example"]']) == ["https://a.example",
                                                                              "https://b.example"]

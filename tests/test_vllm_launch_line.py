@@ -7,61 +7,32 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from test_server_support import real_server
 
 pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "tokenmill.entrypoints.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def vllm_style_server(bundled_model_path, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # the launch line a vLLM user has (--max-num-seqs keeps the CPU's KV pool small on a shared machine)
-    line = [*CLI, "serve", bundled_model_path, "--dtype", "auto", "--max-model-len", "4k",
+def vllm_style_server(bundled_model_path):
+    # the launch line a vLLM user has (--max-num-seqs keeps the CPU's KV pool small on a shared machine);
+    # the helper adds --host 127.0.0.1 --port N
+    line = [bundled_model_path, "--dtype", "auto", "--max-model-len", "4k",
             "--enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--api-key", "a", "b",
-            "--uvicorn-log-level", "warning", "--enable-log-requests", "--seed", "0", "--max-num-seqs", "4",
-            "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(line, stdout=out, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"tokenmill serve exited: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "tokenmill serve did not become healthy in 240 s"
-            time.sleep(1)
-        yield url, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            "--uvicorn-log-level", "warning", "--enable-log-requests", "--seed", "0", "--max-num-seqs", "4"]
+    with real_server(*line, startup_timeout=240) as server:
+        yield server.url, server
 
 
 def test_launch_line_settings_hold(vllm_style_server, bundled_model_path):
-    url, _log = vllm_style_server
+    url, _ = vllm_style_server
     assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
     for key in ("a", "b"):
         models = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).json()
@@ -71,7 +42,7 @@ def test_launch_line_settings_hold(vllm_style_server, bundled_model_path):
 
 
 def test_vllm_bench_serve_line_and_its_result(vllm_style_server, bundled_model_path, tmp_path):
-    url, log = vllm_style_server
+    url, server = vllm_style_server
     env = dict(os.environ, OPENAI_API_KEY="b")  # where `vllm bench serve` reads the key
     line = [*CLI, "bench", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions", "--dataset-name", "random", "--random-input-len", "32",
             "--random-output-len", "8", "--num-prompts", "6", "--max-concurrency", "2", "--request-rate", "inf",
@@ -106,5 +77,5 @@ def test_vllm_bench_serve_line_and_its_result(vllm_style_server, bundled_model_p
     assert rows["completed"][-2:] == ["6", "6"]
     ttft = rows["TTFT mean ms"]
     assert ttft[-1] == ttft[-2] == f"{result['mean_ttft_ms']:.1f}"
-    logged = [ln for ln in log.read_text().splitlines() if "prompt tokens" in ln and "request " in ln]
+    logged = [ln for ln in server.lines if "prompt tokens" in ln and "request " in ln]
     assert len(logged) >= 6  # --enable-log-requests: one line per request

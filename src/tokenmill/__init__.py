@@ -10,7 +10,7 @@ from typing import Any
 
 # OpenMP threads that spin while waiting steal the CPU from the other thread,
 # the HTTP server and other processes on small machines; passive waiting was
-# measured faster here (+30% single-stream decode on 2 cores) and far better
+# measured faster on a 2-core machine (single-stream decode) and far better
 # under contention. Must be set before torch loads libgomp; the user's own
 # setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -6,11 +6,12 @@
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .options import KernelOptions
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -87,13 +88,9 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
 
 
-def env_switch_on(name: str) -> bool:
-    """An on/off environment switch that defaults to on: False when ``name`` is set to
-    0, false, no or off (any case). Read on every call, so tests and benchmarks can
-    flip it in-process."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
+# Tokens per step by device, when not given. On a small CPU a long prefill step stalls
+# every running stream for its whole duration; a 512-token step bounds that stall at a
+# few percent of offline throughput (see docs/performance.md). A GPU takes larger steps.
 CPU_TOKEN_BUDGET = 512
 CUDA_TOKEN_BUDGET = 2048
 
@@ -101,10 +98,8 @@ CUDA_TOKEN_BUDGET = 2048
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
-    # Tokens per step, prefill chunks and decodes together. None: by device, resolved by
-    # the engine (CPU_TOKEN_BUDGET / CUDA_TOKEN_BUDGET). On this 2-core CPU a 2,048-token
-    # step takes ~3 s of prefill during which every running stream waits; 512 keeps that
-    # stall under ~1 s at ~4% less offline throughput (measured, see README "Performance").
+    # Tokens per step, prefill chunks and decodes together. None: by device
+    # (``token_budget``: CPU_TOKEN_BUDGET / CUDA_TOKEN_BUDGET).
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     batching: str = "continuous"  # continuous | static | dynamic
@@ -112,6 +107,12 @@ class SchedulerConfig:
     max_waiting: int | None = None  # bound on the waiting queue (server returns 429 past it)
     # Prefills younger than this many steps go shortest-first; older ones go first, FCFS.
     prefill_starvation_steps: int = 4
+
+    def token_budget(self, device_type: str) -> int:
+        """The step's token budget: as given, else the device's default (its one home)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return CPU_TOKEN_BUDGET if device_type == "cpu" else CUDA_TOKEN_BUDGET
 
 
 @dataclass
@@ -135,6 +136,9 @@ class EngineConfig:
     speculative_config: Any = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # How steps run (kernels, attention backend, step executors): read from the
+    # environment once, here, when the config is made (tokenmill/options.py).
+    kernel_options: KernelOptions = field(default_factory=KernelOptions.from_env)
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

@@ -12,20 +12,23 @@ Two kinds of figures:
   arrive (time to first token, time per output token, end-to-end, queue,
   prefill and decode time, token counts, finish reasons);
 - engine state (running/waiting, KV usage, prefix-cache counters, cached
-  blocks, preemptions), read at scrape time from the engine, so a scrape is
-  always current and costs the engine thread nothing.
+  blocks, preemptions), read at scrape time from the engine's published
+  snapshot (engine/stats.py), so a scrape is always current, costs the engine
+  thread nothing and never touches the engine's own structures.
 
 Each app gets its own ``CollectorRegistry`` so tests can run many apps in one
 process.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from .engine.stats import StatsSource
 
 disable_created_metrics()  # the *_created series only double the scrape size
 
@@ -38,16 +41,22 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
-class _EngineStateCollector(Collector):
-    """Gauges and counters read from the engine when Prometheus scrapes."""
+class MetricsSource(StatsSource, Protocol):
+    """What the metrics read of an engine: its published snapshot and its block size."""
 
-    def __init__(self, model_name: str, engine: Any, waiting: Callable[[], int]) -> None:
+    @property
+    def block_size(self) -> int: ...
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and counters read from the engine's snapshot when Prometheus scrapes."""
+
+    def __init__(self, model_name: str, engine: MetricsSource, waiting: Callable[[], int]) -> None:
         self.model_name = model_name
         self.engine = engine
         self.waiting = waiting
 
     def collect(self) -> Iterable[Metric]:
-        eng = self.engine
         labels = ["model_name"]
         values = [self.model_name]
 
@@ -61,7 +70,7 @@ class _EngineStateCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        st = eng.stats  # the engine's last published snapshot (engine/stats.py)
+        st = self.engine.stats  # the engine's last published snapshot (engine/stats.py)
         yield gauge("vllm:num_requests_running", "Sequences in the running batch.", st.num_running)
         yield gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled (incl. queued to the engine).",
                     self.waiting())
@@ -116,7 +125,7 @@ class _Passthrough(Collector):
 class _TokenmillOnly(Collector):
     """Figures with no vLLM equivalent."""
 
-    def __init__(self, model_name: str, engine: Any) -> None:
+    def __init__(self, model_name: str, engine: MetricsSource) -> None:
         self.model_name = model_name
         self.engine = engine
 
@@ -142,7 +151,7 @@ class _TokenmillOnly(Collector):
 class ServerMetrics:
     """All metrics of one server; ``render()`` gives the Prometheus text."""
 
-    def __init__(self, model_name: str, engine: Any, waiting: Callable[[], int] | None = None) -> None:
+    def __init__(self, model_name: str, engine: MetricsSource, waiting: Callable[[], int] | None = None) -> None:
         self.model_name = model_name
         self.engine = engine
         self.vllm = CollectorRegistry(auto_describe=False)
@@ -175,8 +184,8 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=reg)
         info = Gauge("vllm:cache_config_info", "KV-cache configuration (value is always 1).",
                      ["block_size", "num_gpu_blocks", "enable_prefix_caching"], registry=reg)
-        info.labels(str(engine.block_size), str(engine.pool.num_blocks),
-                    str(engine.prefix_cache is not None)).set(1)
+        st = engine.stats
+        info.labels(str(engine.block_size), str(st.blocks_total), str(st.prefix_cache_enabled)).set(1)
         reg.register(_EngineStateCollector(model_name, engine, waiting or (lambda: engine.stats.num_waiting)))
 
         self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",

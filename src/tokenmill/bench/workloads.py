@@ -22,7 +22,7 @@ from tokenmill.capture import read_capture
 
 
 def make_salt(rng: random.Random | None = None) -> str:
-    """A short, human-readable, run-unique prompt head, e.g. 'Session 4711 harbor lantern.'"""
+    """A short, human-readable, run-unique prompt head, e.g. the word Session, a random number and two random words."""
     r = rng or random.Random(os.urandom(8))
     words = ["harbor", "lantern", "quay", "ferry", "meadow", "copper", "violet", "granite",
              "willow", "cobalt", "thistle", "ember", "juniper", "saffron", "tundra", "orchid"]

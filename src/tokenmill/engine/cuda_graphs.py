@@ -66,31 +66,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..config import env_switch_on
-from ..model import cpu_kernels
-from ..model.attention import AttentionMetadata, decode_gather_index
+from ..model.attention import TorchPagedAttention
 from ..model.llama import LlamaForCausalLM
+from ..options import KernelOptions
 from .request import Request, one_token_step
 
 log = logging.getLogger("tokenmill.cuda_graphs")
 
-ENV_SWITCH = "TOKENMILL_CUDA_GRAPHS"
-ENV_MAX_BATCH = "TOKENMILL_CUDA_GRAPH_MAX_BATCH"
-DEFAULT_MAX_BATCH = 256
 _BATCH_STEPS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 _FIELDS = 4  # ids, positions, slots, seq_lens: one row each ahead of the block table
-
-
-def enabled() -> bool:
-    """False when ``TOKENMILL_CUDA_GRAPHS`` is 0/false/no/off (read when a runner is built)."""
-    return env_switch_on(ENV_SWITCH)
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -232,19 +222,13 @@ def default_backend(device: torch.device) -> GraphBackend | None:
     return None
 
 
-def select_backend(device: torch.device, dtype: torch.dtype,
+def select_backend(device: torch.device, options: KernelOptions,
                    injected: GraphBackend | None = None) -> GraphBackend | None:
-    """The backend for a new runner, or None for eager only (switch off, no CUDA, or
-    decodes that go through the CPU C kernel rather than the torch path graphs record)."""
-    if not enabled():
+    """The backend for a new runner whose attention runs the torch path (what graphs
+    record), or None for eager only (switched off, no CUDA)."""
+    if not options.cuda_graphs:
         return None
-    backend = injected or default_backend(device)
-    if backend is None:
-        return None
-    if cpu_kernels.decode_kernel_usable(device, dtype):
-        log.info("cuda graphs: decodes go through the CPU C kernel here; not recorded")
-        return None
-    return backend
+    return injected or default_backend(device)
 
 
 # --------------------------------------------------------------------------- the decode graphs
@@ -278,7 +262,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, scratch_block: int, dtype: torch.dtype, device: torch.device,
-                 backend: GraphBackend, max_batch: int | None = None, max_width: int | None = None,
+                 backend: GraphBackend, attention: TorchPagedAttention, max_batch: int = 256, max_width: int | None = None,
                  batch_sizes: tuple[int, ...] | None = None, widths: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -290,8 +274,9 @@ class DecodeGraphRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        if max_batch is None:
-            max_batch = int(os.environ.get(ENV_MAX_BATCH, "") or DEFAULT_MAX_BATCH)
+        if not isinstance(attention, TorchPagedAttention):
+            raise TypeError(f"CUDA graphs record the torch attention path, not {type(attention).__name__}")
+        self.attention = attention
         if max_width is None:  # a sequence never spans more than max_model_len tokens, nor the pool
             max_width = min(-(-model.rope.cos.shape[0] // block_size), scratch_block)
         self.batch_sizes = batch_sizes or batch_buckets(max_batch)
@@ -317,11 +302,9 @@ class DecodeGraphRunner:
         return batch, width
 
     # -- running --------------------------------------------------------
-    def try_execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]] | None:
-        bucket = self.plan(items)
-        if isinstance(bucket, str):
-            self.stats.fallback(bucket)
-            return None
+    def execute(self, items: list[tuple[Request, int]],
+                bucket: tuple[int, int]) -> tuple[torch.Tensor, list[Request]]:
+        """Replay the graph of ``bucket`` (from ``plan``) on this step."""
         graph = self._graph(*bucket)
         rows, sampled = self._fill(graph, items)
         graph.static.copy_(graph.host, non_blocking=graph.copied is not None)
@@ -393,36 +376,13 @@ class DecodeGraphRunner:
         ids, positions, slots, lens = (static[i * b : (i + 1) * b] for i in range(_FIELDS))
         tables = static[_FIELDS * b :].view(b, w)
         key_pos = torch.arange(w * bs, device=self.device)[None, None, :]  # built once, outside the graph
-        model, kv_caches, dtype, kv_heads, pool_blocks = (self.model, self.kv_caches, self.dtype,
-                                                          self.kv_heads, self.pool_blocks)
-        on_cpu = self.device.type == "cpu"
+        model, kv_caches, attention = self.model, self.kv_caches, self.attention
 
         def forward() -> torch.Tensor:
-            # The same additive mask the eager path builds (0 up to the context, -inf after)
-            # and the same gather index, computed on the device from the static tensors.
-            mask = torch.zeros((b, 1, w * bs), dtype=dtype, device=key_pos.device)
-            mask.masked_fill_(key_pos >= lens[:, None, None], float("-inf"))
-            meta = AttentionMetadata(
-                slot_mapping=slots,
-                block_tables=tables,
-                # Only the length of these lists is read on the decode path (mask and index
-                # are given); the values say "whole width" so that any code that did read
-                # them would attend to padding and fail the parity tests.
-                seq_lens=[w * bs] * b,
-                query_lens=[1] * b,
-                num_decodes=b,
-                block_size=bs,
-                decode_blocks=w,
-                decode_mask=mask,
-                decode_index=decode_gather_index(tables, kv_heads, pool_blocks),
-                decode_workspace=None,  # allocated inside the graph's pool, not the runner's growable one
-            )
-            if on_cpu:
-                # attention._kernel_decodes (CPU tensors only, so never on CUDA) builds the C
-                # kernel's int32 tables from the Python lists unless given: give them.
-                meta.decode_seq_lens = lens.to(torch.int32)
-                meta.decode_block_tables = tables.to(torch.int32)
-            hidden = model(ids, positions, kv_caches, meta)
+            # The same mask and gather index the eager path builds, computed on the device
+            # from the static tensors.
+            attn = attention.graph_decode_step(slots, tables, lens, key_pos, b, w, bs)
+            hidden = model(ids, positions, kv_caches, attn)
             return model.compute_logits(hidden)
 
         return forward

@@ -29,7 +29,6 @@ local heads.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -40,7 +39,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,14 +47,14 @@ import torch.distributed as dist
 from ..config import EngineConfig, parse_dtype
 from ..model import parallel
 from ..model.llama import LlamaForCausalLM, RotaryEmbedding
+from ..model.attention import StepLayout
 from ..model.loader import LoadedModel
+from .executors import Kernels, choose_kernels
 from .request import Request
 from .runner import ModelRunner
 
 log = logging.getLogger("tokenmill.tp")
 
-STEP_TIMEOUT_ENV = "TOKENMILL_TP_TIMEOUT"  # seconds one collective inside a step may wait
-STEP_TIMEOUT_S = 60.0
 CONTROL_TIMEOUT = timedelta(days=7)  # an idle server's workers wait this long for the next step
 
 
@@ -73,8 +72,8 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if dev.type == "cuda" else dev
 
 
-def _step_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, STEP_TIMEOUT_S)))
+def _step_timeout(config: EngineConfig) -> timedelta:
+    return timedelta(seconds=config.kernel_options.tp_step_timeout_s)
 
 
 def _free_port() -> int:
@@ -83,21 +82,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _join_group(rank: int, size: int, port: int, device: str) -> tuple[parallel.TPInfo, Any]:
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=_step_timeout())
+def _join_group(rank: int, size: int, port: int, config: EngineConfig) -> tuple[parallel.TPInfo, Any]:
+    dist.init_process_group(backend_for(config.device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=_step_timeout(config))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return parallel.TPInfo(rank, size, None), control
 
 
-def _join_watching(procs: list[Any], size: int, port: int, device: str) -> tuple[parallel.TPInfo, Any]:
+def _join_watching(procs: list[Any], size: int, port: int, config: EngineConfig) -> tuple[parallel.TPInfo, Any]:
     """Rank 0 joins the group while watching the workers: one that dies before joining
     (an import error, no memory) fails startup at once instead of after the timeout."""
     joined: dict[str, Any] = {}
 
     def join() -> None:
         try:
-            joined["group"] = _join_group(0, size, port, device)
+            joined["group"] = _join_group(0, size, port, config)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             joined["error"] = exc
 
@@ -160,16 +159,8 @@ class _Layout:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: Any  # AttentionMetadata, its decode workspace left out (each rank has its own)
+    layout: StepLayout  # on the CPU; each rank's attention backend prepares it for itself
     logits_rows: torch.Tensor
-    workspace: bool
-
-
-def _to_device(meta: Any, device: torch.device) -> Any:
-    """A copy of the metadata dataclass with its tensors on ``device``."""
-    changes = {f.name: getattr(meta, f.name).to(device) for f in dataclasses.fields(meta)
-               if isinstance(getattr(meta, f.name), torch.Tensor)}
-    return dataclasses.replace(meta, **changes)
 
 
 class ParallelRunner(ModelRunner):
@@ -178,9 +169,9 @@ class ParallelRunner(ModelRunner):
     to stop."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, tp: parallel.TPInfo, control: Any,
+                 device: torch.device, kernels: Kernels, tp: parallel.TPInfo, control: Any,
                  group: "TensorParallelGroup | None" = None) -> None:
-        super().__init__(model, num_blocks, block_size, dtype, device, eager_only=True)
+        super().__init__(model, num_blocks, block_size, dtype, device, kernels, eager_only=True)
         self.tp = tp
         self.control = control
         self.group = group
@@ -191,16 +182,13 @@ class ParallelRunner(ModelRunner):
             raise TensorParallelError(self.group.failure)
         with torch.inference_mode():
             inputs = self.prepare(items)
-            meta = inputs.meta
-            workspace = meta.decode_workspace
             layout = _Layout(inputs.input_ids.cpu(), inputs.positions.cpu(),
-                             _to_device(dataclasses.replace(meta, decode_workspace=None), torch.device("cpu")),
-                             inputs.logits_rows.cpu(), workspace is not None)
+                             inputs.attn.layout.to(torch.device("cpu")), inputs.logits_rows.cpu())
             try:
                 started = time.perf_counter()
                 dist.broadcast_object_list([layout], src=0, group=self.control)
                 self.broadcast_s += time.perf_counter() - started
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
                 if not inputs.sampled:
                     return torch.empty((0, self.model.config.vocab_size)), []
                 logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
@@ -225,11 +213,9 @@ class ParallelRunner(ModelRunner):
             if layout is None:
                 return
             with torch.inference_mode():
-                meta = _to_device(layout.meta, self.device)
-                if layout.workspace:
-                    meta.decode_workspace = self._decode_workspace(meta.num_decodes * meta.decode_blocks)
+                attn = self.attention.prepare(layout.layout.to(self.device))
                 ids, positions = layout.input_ids.to(self.device), layout.positions.to(self.device)
-                hidden = self.model(ids, positions, self.kv_caches, meta)
+                hidden = self.model(ids, positions, self.kv_caches, attn)
                 if layout.logits_rows.numel():
                     self.model.compute_logits(hidden.index_select(0, layout.logits_rows.to(self.device)))
 
@@ -269,7 +255,7 @@ def _worker_main(spec: _WorkerSpec) -> None:
     device = rank_device(config.device, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    tp, control = _join_group(spec.rank, spec.size, spec.port, config.device)
+    tp, control = _join_group(spec.rank, spec.size, spec.port, config)
     try:
         loaded = spec.shard or parallel.load_shard(config.model, parse_dtype(config.dtype), spec.rank, spec.size)
         model = build_rank_model(config, loaded, tp, device)
@@ -277,7 +263,8 @@ def _worker_main(spec: _WorkerSpec) -> None:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)  # the pool's geometry, from the driver
         num_blocks, block_size = box[0]
-        runner = ParallelRunner(model, num_blocks, block_size, parse_dtype(config.dtype), device, tp, control)
+        runner = ParallelRunner(model, num_blocks, block_size, parse_dtype(config.dtype), device,
+                                choose_kernels(device, config.kernel_options), tp, control)
         dist.gather_object(_memory_report(runner), None, dst=0, group=control)
         runner.serve()
     except Exception:  # noqa: BLE001 - a worker that cannot go on must end, loudly
@@ -340,7 +327,7 @@ class TensorParallelGroup:
             proc.start()
             procs.append(proc)
         try:
-            tp, control = _join_watching(procs, size, port, config.device)
+            tp, control = _join_watching(procs, size, port, config)
             shard = (parallel.shard_loaded(loaded, 0, size) if loaded is not None
                      else parallel.load_shard(config.model, parse_dtype(config.dtype), 0, size))
         except BaseException:
@@ -364,12 +351,12 @@ class TensorParallelGroup:
         parallel.rewrap_quantized(model, self.tp)
 
     def make_runner(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> ParallelRunner:
+                    device: torch.device, kernels: Kernels) -> ParallelRunner:
         """Engine hook: tell the workers the pool's geometry, build rank 0's runner and
         collect every rank's memory."""
         self.loaded = None  # the weights now live in the model
         dist.broadcast_object_list([(num_blocks, block_size)], src=0, group=self.control)
-        runner = ParallelRunner(model, num_blocks, block_size, dtype, device, self.tp, self.control, self)
+        runner = ParallelRunner(model, num_blocks, block_size, dtype, device, kernels, self.tp, self.control, self)
         reports: list[Any] = [None] * self.tp.size
         dist.gather_object(_memory_report(runner), reports, dst=0, group=self.control)
         self.memory = [RankMemory(rank, w, kv) for rank, (w, kv) in enumerate(reports)]
@@ -468,8 +455,20 @@ def _model_path(config: EngineConfig) -> str:
     return default_model_path()
 
 
-def supervise_server(group: TensorParallelGroup, aengine: Any, server: Any, grace_s: float = 1.0,
-                     hard_exit_s: float = 20.0) -> None:
+class FailableEngine(Protocol):
+    """The async engine as the supervisor sees it: something a fault can be reported to."""
+
+    def fail(self, reason: str) -> None: ...
+
+
+class StoppableServer(Protocol):
+    """The HTTP server as the supervisor sees it (uvicorn.Server): a flag that stops it."""
+
+    should_exit: bool
+
+
+def supervise_server(group: TensorParallelGroup, aengine: FailableEngine, server: StoppableServer,
+                     grace_s: float = 1.0, hard_exit_s: float = 20.0) -> None:
     """A dead rank ends the server: /health answers 503 and open requests get a 503 at once
     (``aengine.fail``), uvicorn stops ``grace_s`` later so those answers go out, and the
     caller exits non-zero (``group.failure`` is set). Should shutting down itself hang,

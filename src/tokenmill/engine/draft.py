@@ -20,6 +20,7 @@ from ..config import EngineConfig, parse_size
 from ..model.loader import load_model
 from .block_pool import BlockPool
 from .request import Request, RequestStatus, SamplingParams
+from .executors import Kernels
 from .runner import ModelRunner, num_blocks_for_budget
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -27,7 +28,7 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 class DraftModelProposer:
     def __init__(self, model_path: str, kv_cache_memory: str | int, target_vocab: int, device: torch.device,
-                 max_len: int, block_size: int) -> None:
+                 max_len: int, block_size: int, kernels: Kernels) -> None:
         from .engine import build_model
 
         loaded = load_model(model_path, dtype=torch.float32)
@@ -39,7 +40,7 @@ class DraftModelProposer:
         budget = parse_size(kv_cache_memory) or (512 << 20)
         num_blocks = num_blocks_for_budget(loaded.config, block_size, torch.float32, budget)
         self.pool = BlockPool(num_blocks)
-        self.runner = ModelRunner(self.model, num_blocks, block_size, torch.float32, device)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, torch.float32, device, kernels)
         self._shadows: dict[int, tuple[Any, Request]] = {}  # id(target) -> (target, shadow)
 
     def _collect(self) -> None:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import CPU_TOKEN_BUDGET, CUDA_TOKEN_BUDGET, EngineConfig, parse_dtype
+from ..config import EngineConfig, parse_dtype
+from ..model.kv_quant import is_quantized, resolve_kv_dtype
 from ..model.llama import LlamaForCausalLM, RotaryEmbedding
 from ..model.loader import LoadedModel, load_model
 from ..model.sampler import Logprob, sample
@@ -26,7 +27,7 @@ from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus, SamplingParams
-from ..model.kv_quant import is_quantized, resolve_kv_dtype
+from .executors import Kernels, choose_kernels
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
@@ -85,9 +86,7 @@ class LLMEngine:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = torch.device(config.device)
-        if config.scheduler.max_num_batched_tokens is None:
-            config.scheduler.max_num_batched_tokens = (
-                CPU_TOKEN_BUDGET if self.device.type == "cpu" else CUDA_TOKEN_BUDGET)
+        config.scheduler.max_num_batched_tokens = config.scheduler.token_budget(self.device.type)
         dtype_choice = auto.resolve_dtype(config.dtype, self.device)
         config.dtype = dtype_choice[0]
         self.dtype = parse_dtype(config.dtype)
@@ -113,7 +112,10 @@ class LLMEngine:
             from ..model.smoothquant import calibration_text
 
             calibration = self.tokenizer.encode(calibration_text())
-        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration, self.parallel)
+        # What steps run on (C kernels or torch, the model's ops), decided once, here.
+        self.kernels = choose_kernels(self.device, config.kernel_options)
+        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration, self.parallel,
+                            self.kernels)
         self.model = model
         self.weight_bytes = _weight_bytes(model)
 
@@ -137,10 +139,13 @@ class LLMEngine:
         self.block_size = block_size
         self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache)
-        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device, kv_dtype=self.kv_dtype)
-                       if self.parallel is None
-                       else self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device))
+        self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache,
+                                   device_type=self.device.type)
+        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device, self.kernels,
+                                   kv_dtype=self.kv_dtype)
+                       if self.parallel is None else
+                       self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device, self.kernels))
+        log.info("steps run on: %s", ", ".join(e.name for e in self.runner.executors))
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
         # any device: a CUDA generator would be refused by torch.rand there, and a seed
         # then gives the same draws on CPU and GPU.
@@ -160,7 +165,7 @@ class LLMEngine:
 
                 assert spec.model is not None
                 proposer = DraftModelProposer(spec.model, spec.draft_kv_cache_memory, cfg.vocab_size, self.device,
-                                              max_len, block_size)
+                                              max_len, block_size, self.kernels)
             self.speculator = Speculator(spec, proposer)
         self._steps = 0
         self.stats = EngineStats()
@@ -288,7 +293,7 @@ class LLMEngine:
             else:
                 order = torch.tensor([where[id(plain[row])] for row in rows], dtype=torch.long)
                 token_mask = (rows, mask.index_select(0, order))
-        result = sample(logits_plain, plain, self.generator, token_mask) if plain else None
+        result = sample(logits_plain, plain, self.generator, token_mask, self.kernels.library) if plain else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
         touched: list[_Sequence] = []
@@ -439,7 +444,8 @@ class LLMEngine:
 
 
 def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_len: int, calibration: list[int] | None = None, parallel: Any = None) -> LlamaForCausalLM:
+                max_len: int, calibration: list[int] | None = None, parallel: Any = None,
+                kernels: Kernels | None = None) -> LlamaForCausalLM:
     """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``;
     for int8 activations (w8a8), smoothed first on the ``calibration`` tokens; with
     ``parallel`` (tensor parallelism), this rank's shard of every layer."""
@@ -456,7 +462,8 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
         from ..model.smoothquant import smooth_for_int8
 
         with torch.inference_mode():
-            smooth_for_int8(model, calibration, config.cache.block_size, dtype, device)
+            smooth_for_int8(model, calibration, config.cache.block_size, dtype, device,
+                            kernels or choose_kernels(device, config.kernel_options))
     if config.quantization not in ("none", None):
         from ..model.quant import quantize_model
 

@@ -1,10 +1,13 @@
-"""Builds the flattened batch for one step and runs the model on it.
+"""Builds the flattened batch for one step and runs it on the step's executor.
 
 The runner owns the KV pool tensors (allocated once, from a memory budget; on
-CPU one allocation on huge pages, see host_memory.py)
-and turns a scheduled batch into: token ids, positions, a slot for each new
-token's K/V, padded block tables, and the row of each sequence whose logits
-are sampled. Prefill chunks and decodes go through one forward pass.
+CPU one allocation on huge pages, see host_memory.py), the engine's attention
+backend and its step executors, all chosen once here from the engine's
+``Kernels`` (``executors.py``). ``prepare`` turns a scheduled batch into: token
+ids, positions, the step layout (a slot for each new token's K/V, padded block
+tables, lengths) prepared by the attention backend, and the row of each
+sequence whose logits are sampled. Prefill chunks and decodes go through one
+forward pass.
 
 On CUDA, pure-decode steps replay captured CUDA graphs (``cuda_graphs.py``);
 the pool then holds one extra block, past the ids the block pool hands out,
@@ -17,13 +20,15 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..model import cpu_kernels, fused_decode, kv_quant
-from ..model.attention import (AttentionMetadata, decode_index, decode_mask, kernel_decode_tables,
-                               kv_cache_shape)
+from ..model.attention import (StepAttention, StepLayout, kernel_attention_fits, kv_cache_shape,
+                               select_attention_backend)
+from ..model import kv_quant
 from ..model.llama import LlamaForCausalLM
-from . import cuda_graphs, prompt_logprobs
+from . import cuda_graphs, fused_decode, prompt_logprobs
+from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, Kernels, StepExecutor,
+                        StepItems, StepResult)
 from .host_memory import kv_pool_tensors
-from .request import Request, decode_rows
+from .request import Request
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -38,7 +43,7 @@ def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    attn: StepAttention  # the step's layout, prepared by the attention backend for every layer
     logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
     sampled: list[Request]  # the requests those rows belong to, in order
     prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # requests scoring their prompt
@@ -46,53 +51,57 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device,
+                 dtype: torch.dtype, device: torch.device, kernels: Kernels,
                  graph_backend: cuda_graphs.GraphBackend | None = None, eager_only: bool = False,
                  kv_dtype: torch.dtype | None = None) -> None:
-        """``num_blocks``: the blocks the block pool hands out. ``graph_backend``: record
-        decode steps with it (tests inject a CPU stand-in); by default CUDA graphs on CUDA.
-        ``eager_only``: neither the fused CPU decode step nor CUDA graphs (tensor parallelism).
-        ``kv_dtype``: the pool's dtype, by default ``dtype``; int8 / float8_e4m3fn store
-        codes with per-block scales (model/kv_quant.py; no CUDA graphs: the store's
-        requantization has data-dependent shapes)."""
+        """``num_blocks``: the blocks the block pool hands out. ``kernels``: what the engine
+        chose to run on. ``graph_backend``: record decode steps with it (tests inject a CPU
+        stand-in); by default CUDA graphs on CUDA. ``eager_only``: neither the fused CPU
+        decode step nor CUDA graphs (tensor parallelism). ``kv_dtype``: the pool's dtype,
+        by default ``dtype``; int8 / float8_e4m3fn store codes with per-block scales
+        (model/kv_quant.py; no CUDA graphs: the store's requantization has data-dependent
+        shapes)."""
         kv_dtype = kv_dtype or dtype
         quantized = kv_quant.is_quantized(kv_dtype)
         cfg = model.config
         assert cfg.head_dim is not None
         self.model = model
+        self.kernels = kernels
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
-        backend = None if eager_only or quantized else cuda_graphs.select_backend(device, dtype, graph_backend)
-        # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
-        self.scratch_block: int | None = num_blocks if backend is not None else None
-        self.pool_blocks = num_blocks + (1 if backend is not None else 0)  # blocks in the KV tensors
-        shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.kv_heads = cfg.num_key_value_heads
-        self.kv_elements_per_block = block_size * cfg.num_key_value_heads * cfg.head_dim
-        self.kv_caches: list[tuple[torch.Tensor, ...]] = (
-            kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device) if quantized
-            else kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device))  # type: ignore[assignment]
         self.dtype = dtype
         self.kv_dtype = kv_dtype
-        # Flat decode gather buffers, reused by every layer and step; grown (never shrunk) on demand.
-        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Compile (first run on this machine) or load the CPU decode kernel now, not in the first step.
-        cpu_kernels.decode_kernel_usable(device, kv_dtype)
-        # Small pure-decode batches on CPU: every layer in one native call (model/fused_decode.py).
-        self.fused = fused_decode.build(model, self.kv_caches) if device.type == "cpu" and not eager_only else None
+        options = kernels.options
+        model.use_ops(kernels.ops)
+        graphs_backend = None
+        if not eager_only and not quantized and not kernel_attention_fits(device, dtype, cfg.head_dim,
+                                                                          kernels.library):
+            graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
+        # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
+        self.scratch_block: int | None = num_blocks if graphs_backend is not None else None
+        self.pool_blocks = num_blocks + (1 if graphs_backend is not None else 0)  # blocks in the KV tensors
+        shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_heads = cfg.num_key_value_heads
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = (
+            kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
+            else kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device, options.huge_pages))  # type: ignore
+        self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                                  self.pool_blocks, options, kernels.library, cfg.head_dim,
+                                                  kv_dtype=kv_dtype)
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
-                                                     backend) if backend is not None else None)
-
-    def _decode_workspace(self, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ws = self._workspace
-        need = num_blocks * self.kv_elements_per_block
-        if ws is None or ws[0].numel() < need:
-            size = max(num_blocks + num_blocks // 4, 64) * self.kv_elements_per_block
-            ws = (torch.empty(size, dtype=self.dtype, device=self.device),
-                  torch.empty(size, dtype=self.dtype, device=self.device))
-            self._workspace = ws
-        return ws
+                                                     graphs_backend, self.attention, options.cuda_graph_max_batch)
+                       if graphs_backend is not None else None)
+        self.fused: fused_decode.FusedDecoder | None = None
+        if (not eager_only and device.type == "cpu" and kernels.library is not None and options.fused_decode):
+            # Small pure-decode batches on CPU: every layer in one native call.
+            self.fused = fused_decode.build(model, self.kv_caches, kernels.library, options.fused_decode_max_batch)
+        self.executors: list[StepExecutor] = []
+        if self.graphs is not None:
+            self.executors.append(CudaGraphExecutor(self.graphs))
+        if self.fused is not None:
+            self.executors.append(FusedDecodeExecutor(self, self.fused))
+        self.executors.append(EagerExecutor(self))
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -134,80 +143,40 @@ class ModelRunner:
         tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in items],
                               dtype=torch.long)
         dev = self.device
-        decode_lens = seq_lens[:num_decodes]
-        decode_blocks = -(-max(decode_lens, default=0) // bs)
-        workspace = None
-        kernel = bool(num_decodes) and cpu_kernels.decode_kernel_usable(dev, self.kv_dtype)
-        if num_decodes and not kernel:
-            workspace = self._decode_workspace(num_decodes * decode_blocks)
-        meta = AttentionMetadata(
+        layout = StepLayout(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
             seq_lens=seq_lens,
             query_lens=query_lens,
             num_decodes=num_decodes,
             block_size=bs,
-            decode_blocks=decode_blocks,
-            decode_workspace=workspace,
         )
-        # Per-step decode metadata, built once here for every layer: the C kernel reads
-        # the pool in place from int32 tables; the torch fallback needs a mask and a
-        # gather index into the workspace.
-        if kernel:
-            kernel_decode_tables(meta)
-        elif num_decodes:
-            decode_mask(meta, self.dtype, dev)
-            decode_index(meta, self.kv_heads, self.pool_blocks)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=meta,
+            attn=self.attention.prepare(layout),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             sampled=sampled,
             prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """Run one forward pass; return float32 logits of the sampled rows and their requests.
-        Requests that asked for prompt logprobs get this step's appended to
-        ``Request.prompt_logprobs``."""
-        if any(r.wants_prompt_logprobs or not r.samples for r, _ in items):
-            # Hidden states of prompt rows (or no sampled row) are needed: the
-            # general path, never a graph replay or the fused decode.
-            return self._execute_eager(items)
-        if self.graphs is not None:
-            replayed = self.graphs.try_execute(items)
-            if replayed is not None:
-                return replayed
-        if (self.fused is not None and sum(n for _, n in items) <= self.fused.batch_limit()
-                and all(n == 1 + len(r.spec_token_ids) for r, n in items) and fused_decode.enabled()):
-            return self._execute_fused(items)
-        return self._execute_eager(items)
+    def execute(self, items: StepItems) -> StepResult:
+        """Run one step on the first executor that accepts it; return float32 logits of the
+        sampled rows and their requests. Requests that asked for prompt logprobs get this
+        step's appended to ``Request.prompt_logprobs`` (the eager executor's job)."""
+        for executor in self.executors:
+            if executor.accepts(items):
+                return executor.run(items)
+        raise AssertionError("the eager executor accepts every step")
 
-    def _execute_eager(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    @torch.inference_mode()
+    def run_eager(self, items: StepItems) -> StepResult:
         inputs = self.prepare(items)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         for request, entries in prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows):
             request.prompt_logprobs.extend(entries)
         if not inputs.sampled:
             return torch.empty((0, self.model.config.vocab_size)), []
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
         return logits, inputs.sampled
-
-    def _execute_fused(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        """One new token per sequence (plus its speculative proposals, one row each),
-        through the fused native decode step."""
-        assert self.fused is not None
-        ids, positions, owners, rows, sampled = decode_rows(items)
-        seq_lens = [position + 1 for position in positions]
-        width = max(len(request.block_table) for request, _ in items)
-        # -1 padding: a table shorter than its sequence needs is refused by the kernel
-        # (ValueError before anything is written), never read as block 0.
-        tables = [request.block_table + [-1] * (width - len(request.block_table)) for request in owners]
-        embeddings = self.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
-        logits = self.fused.run(embeddings, torch.tensor(tables, dtype=torch.int32),
-                                torch.tensor(seq_lens, dtype=torch.int32))
-        if len(rows) != len(ids):
-            logits = logits[rows]
-        return logits, sampled

@@ -31,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..config import CPU_TOKEN_BUDGET, SchedulerConfig
+from ..config import SchedulerConfig
 from .batching import BatchingPolicy, make_policy
 from .block_pool import BlockPool
 from .prefix_cache import PrefixCache
@@ -61,8 +61,10 @@ class Scheduler:
         pool: BlockPool,
         prefix_cache: PrefixCache | None = None,
         policy: BatchingPolicy | None = None,
+        device_type: str = "cpu",
     ) -> None:
         self.config = config
+        self.device_type = device_type  # picks the default token budget (SchedulerConfig.token_budget)
         self.block_size = block_size
         self.pool = pool
         self.prefix_cache = prefix_cache
@@ -74,6 +76,11 @@ class Scheduler:
         self._budget = 0  # tokens left in the step being scheduled
         self._now = 0.0
         self._step = 0  # steps scheduled so far
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens per step, read from the config each step (the speed probe changes it)."""
+        return self.config.token_budget(self.device_type)
 
     # -- queue management ----------------------------------------------
     def add(self, request: Request) -> None:
@@ -221,7 +228,7 @@ class Scheduler:
         self._now = now
         self._step += 1
         batch = ScheduledBatch()
-        self._budget = self.config.max_num_batched_tokens or CPU_TOKEN_BUDGET
+        self._budget = self.token_budget
 
         # 1. Running decodes, in admission order: one token each, plus the speculative
         #    proposals made for this step while the budget and free blocks hold them

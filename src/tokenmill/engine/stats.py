@@ -5,10 +5,13 @@ thread. Metrics, the console and the router's probes run on the event loop
 (or a scrape thread); they read ``LLMEngine.stats``, a frozen snapshot the
 engine replaces (one reference assignment) after every step, admission and
 abort, so a reader never sees a half-updated structure or races the step.
+``StatsSource`` is the type such a reader asks for: anything that publishes a
+snapshot, not the engine with all its structures.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -44,3 +47,10 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of blocks held by running requests (vLLM's kv_cache_usage_perc)."""
         return self.blocks_in_use / self.blocks_total if self.blocks_total else 0.0
+
+
+class StatsSource(Protocol):
+    """An engine as a reader off the engine thread sees it: its last published snapshot."""
+
+    @property
+    def stats(self) -> EngineStats: ...

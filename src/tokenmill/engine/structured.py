@@ -151,7 +151,7 @@ class StructuredOutputs:
         self.mask_wait_seconds = 0.0
 
     def _tok(self) -> Any:
-        """The llguidance tokenizer, built on first use (~0.3 s at a 49k vocabulary)."""
+        """The llguidance tokenizer, built on first use (it takes a moment at a 49k vocabulary)."""
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance

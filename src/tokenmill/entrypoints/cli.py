@@ -2,8 +2,11 @@
 
 Each package that offers a subcommand exposes ``register(subparsers)`` which
 adds its parser and sets ``func`` (called with the parsed args, returning an
-exit code). Packages are imported lazily so `tokenmill bench` never imports
-torch and `tokenmill serve` never imports the load generator.
+exit code). The list of providers is fixed: a provider that fails to import
+is a broken install and stops the command line with the import error, rather
+than quietly leaving its subcommand out. The providers' modules import only
+what their flags need, so `tokenmill bench` never imports torch and
+`tokenmill serve` never imports the load generator.
 """
 from __future__ import annotations
 
@@ -11,14 +14,15 @@ import argparse
 import importlib
 import sys
 
-# (module, description) for each subcommand provider, in help order.
-_PROVIDERS: list[str] = [
-    "tokenmill.entrypoints.serve_cli",
-    "tokenmill.entrypoints.generate_cli",
-    "tokenmill.bench.cli",
-    "tokenmill.router.cli",
-    "tokenmill.evaluate.cli",
-]
+# (module, the subcommands its register() adds), in help order.
+PROVIDERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("tokenmill.entrypoints.serve_cli", ("serve",)),
+    ("tokenmill.entrypoints.generate_cli", ("generate",)),
+    ("tokenmill.bench.cli", ("bench", "trace")),
+    ("tokenmill.router.cli", ("route",)),
+    ("tokenmill.evaluate.cli", ("eval",)),
+)
+COMMANDS: tuple[str, ...] = tuple(c for _, commands in PROVIDERS for c in commands)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="tokenmill", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _PROVIDERS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # a provider not written yet
-            if exc.name and name.startswith(exc.name):
-                continue
-            raise
-        module.register(sub)
+    for name, commands in PROVIDERS:
+        importlib.import_module(name).register(sub)
+        missing = [c for c in commands if c not in sub.choices]
+        if missing:
+            raise RuntimeError(f"{name}.register() did not add the subcommand(s) {', '.join(missing)}")
     return parser
 
 

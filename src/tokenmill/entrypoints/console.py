@@ -6,8 +6,9 @@
   and what it was started with (model, dtype, quantization, memory). It sits
   under ``/v1/`` so the server's gate puts it behind the API key like the rest
   of the API. Gauges and counters are read from the same sources as
-  ``/metrics`` (the engine for state, the metrics registry for token
-  counters), so the two never disagree.
+  ``/metrics`` (the engine's published snapshot for state, the metrics
+  registry for token counters), so the two never disagree; nothing here reads
+  the engine's pool, scheduler or prefix cache directly.
 - ``GET /`` and ``/console/*``: a single static page (vanilla JS, no build
   step, nothing fetched from the internet) with a chat playground and a live
   view that polls the stats endpoint every second. With an API key they are
@@ -30,7 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import json
 from urllib.parse import parse_qs
@@ -40,9 +41,13 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Redirect
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..engine.stats import EngineStats
+from ..engine.stats import EngineStats, StatsSource
 from .console_auth import LOGIN_HEADERS, ConsoleSessions, client_address, login_page, same_origin
 from .errors import error_body
+
+if TYPE_CHECKING:
+    from ..engine.engine import LLMEngine, SequenceDelta, StepStats
+    from .serving import ServerState
 
 STATIC_DIR = Path(__file__).with_name("static")
 WINDOW_S = 60  # the "last minute" every windowed figure covers
@@ -77,6 +82,13 @@ class FinishedSequence:
     finish_reason: str | None
 
 
+class SteppingEngine(StatsSource, Protocol):
+    """What the window reads of an engine after a step: the snapshot and the step's figures."""
+
+    @property
+    def last_step(self) -> StepStats: ...
+
+
 @dataclass
 class EngineWindow:
     """Rolling one-minute record of engine steps and finished sequences.
@@ -97,14 +109,14 @@ class EngineWindow:
     def __post_init__(self) -> None:
         self.started = self.clock()
 
-    def baseline(self, engine: Any) -> None:
+    def baseline(self, engine: StatsSource) -> None:
         """Take the engine's counters as they stand, so the window counts only what follows."""
         with self._lock:
             self._cache_seen = _cache_counters(engine.stats)
             self._preempt_seen = int(engine.stats.preemptions_total)
 
     # -- engine thread -------------------------------------------------------
-    def on_step(self, engine: Any, deltas: list[Any]) -> None:
+    def on_step(self, engine: SteppingEngine, deltas: list[SequenceDelta]) -> None:
         now = self.clock()
         step = engine.last_step
         queried, hits = _cache_counters(engine.stats)
@@ -214,7 +226,7 @@ def _cache_counters(stats: EngineStats) -> tuple[int, int]:
     return int(stats.prefix_queried_tokens), int(stats.prefix_hit_tokens)
 
 
-def _finished(now: float, delta: Any, output_tokens: int, cached: int) -> FinishedSequence:
+def _finished(now: float, delta: SequenceDelta, output_tokens: int, cached: int) -> FinishedSequence:
     m = delta.metrics or {}
     ttft = m.get("ttft")
     e2e = m.get("e2e")
@@ -244,9 +256,10 @@ def _percentiles(values: list[float]) -> dict[str, Any]:
 
 # ---- the stats document ---------------------------------------------------------
 
-def startup_facts(state: Any) -> dict[str, Any]:
-    """What the server was started with; fixed for its lifetime."""
+def startup_facts(state: ServerState) -> dict[str, Any]:
+    """What the server was started with; fixed for its lifetime (read once, at mount)."""
     engine = state.engine
+    st = engine.stats
     cfg = engine.config
     mc = engine.model_config
     runner = getattr(engine, "runner", None)
@@ -260,10 +273,10 @@ def startup_facts(state: Any) -> dict[str, Any]:
         "dtype": str(cfg.dtype), "device": str(cfg.device), "quantization": str(cfg.quantization or "none"),
         "weight_bytes": int(engine.weight_bytes),
         "kv_pool_bytes": int(kv_bytes) if kv_bytes is not None else None,
-        "num_blocks": int(engine.pool.num_blocks), "block_size": int(engine.block_size),
+        "num_blocks": int(st.blocks_total), "block_size": int(engine.block_size),
         "pool_tokens": int(state.pool_tokens), "max_model_len": int(state.max_model_len),
         "max_num_seqs": cfg.scheduler.max_num_seqs, "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
-        "batching": cfg.scheduler.batching, "prefix_caching": engine.prefix_cache is not None,
+        "batching": cfg.scheduler.batching, "prefix_caching": st.prefix_cache_enabled,
         "api_key_required": state.settings.api_key is not None,
     }
 
@@ -271,7 +284,7 @@ def startup_facts(state: Any) -> dict[str, Any]:
 class ConsoleStats:
     """Builds ``/v1/engine/stats`` from the engine, the metrics registry and the window."""
 
-    def __init__(self, state: Any, window: EngineWindow) -> None:
+    def __init__(self, state: ServerState, window: EngineWindow) -> None:
         self.state = state
         self.window = window
         self.facts = startup_facts(state)
@@ -292,8 +305,7 @@ class ConsoleStats:
 
     def document(self) -> dict[str, Any]:
         state = self.state
-        engine = state.engine
-        st = engine.stats  # the engine's last published snapshot (engine/stats.py)
+        st = state.engine.stats  # the engine's last published snapshot (engine/stats.py)
         recent = self.window.snapshot()
         counters, finished = self._registry_counters()
         return {
@@ -334,7 +346,7 @@ def mount_console(app: FastAPI, ui: bool = True) -> ConsoleStats:
     window.baseline(state.engine)
     previous = aengine.on_step
 
-    def on_step(engine: Any, deltas: list[Any]) -> None:
+    def on_step(engine: LLMEngine, deltas: list[SequenceDelta]) -> None:
         if previous is not None:
             previous(engine, deltas)
         window.on_step(engine, deltas)
@@ -400,9 +412,9 @@ def _mount_page(app: FastAPI, sessions: ConsoleSessions, metrics: Any) -> None:
             return refuse_login(401, "That key is not right." + later)
         sessions.throttle.succeeded(client)
         token = sessions.open()
-        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
-        response.headers.append("Set-Cookie", sessions.cookie_header(request.scope, token))
-        return response
+        redirect = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+        redirect.headers.append("Set-Cookie", sessions.cookie_header(request.scope, token))
+        return redirect
 
     @app.get("/ui/login", include_in_schema=False)
     async def login_get() -> Response:  # a reload or a bookmark: the page decides what to show

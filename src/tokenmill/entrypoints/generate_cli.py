@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from ..engine.engine import LLMEngine
 
 
 def register(subparsers: Any) -> None:
@@ -28,8 +31,8 @@ def register(subparsers: Any) -> None:
 
 
 def generate(prompt: str, *, system: str | None = None, max_tokens: int = 128, temperature: float = 0.0,
-             seed: int | None = None, raw: bool = False, stats: bool = False, out: Any = None,
-             engine: Any = None, **engine_options: Any) -> str:
+             seed: int | None = None, raw: bool = False, stats: bool = False, out: TextIO | None = None,
+             engine: LLMEngine | None = None, **engine_options: Any) -> str:
     """Stream one answer to ``out`` (default stdout) and return it.
 
     ``engine``: an existing LLMEngine (tests); otherwise one is built from
@@ -76,7 +79,7 @@ def generate(prompt: str, *, system: str | None = None, max_tokens: int = 128, t
 
 
 def run(args: argparse.Namespace) -> int:
-    from .serve_cli import engine_options
+    from .serve_config import engine_options
 
     generate(args.prompt, system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
              seed=args.seed, raw=args.raw, stats=args.stats, **engine_options(args))

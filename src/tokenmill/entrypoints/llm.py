@@ -24,11 +24,11 @@ from ..model.sampler import Logprob
 
 def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     """vLLM's ``LLM(...)`` keywords in tokenmill's terms, with the same meanings as
-    `tokenmill serve`'s flags of those names (serve_cli.py)."""
+    `tokenmill serve`'s flags of those names (serve_config.py)."""
     import os
 
     from ..cli_args import human_int
-    from .serve_cli import device_memory_bytes, resolve_dtype
+    from .serve_config import apply_memory_share, resolve_dtype
 
     out = dict(options)
     device = out.get("device", "cpu")
@@ -38,12 +38,11 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("max_model_len"), str):
         out["max_model_len"] = human_int(out["max_model_len"])
     out["tensor_parallel_size"] = int(out.get("tensor_parallel_size", 1) or 1)
-    fraction = out.pop("gpu_memory_utilization", None)
-    if fraction is not None and out.get("kv_cache_memory") is None and out.get("memory_budget") is None:
-        out["memory_budget"] = int(float(fraction) * device_memory_bytes(device))
-        out["cap_kv_pool"] = True
+    apply_memory_share(out, out.pop("gpu_memory_utilization", None), device)
     if out.pop("enforce_eager", False):
-        os.environ["TOKENMILL_CUDA_GRAPHS"] = "0"  # read by engine/cuda_graphs.py
+        from ..options import KernelOptions
+
+        out["kernel_options"] = KernelOptions.from_env().replace(cuda_graphs=False)
     out.pop("trust_remote_code", None)  # no code from model folders is ever run
     return out
 

@@ -4,7 +4,8 @@ The flags follow `vllm serve` (same names, same meanings) so a launch line
 written for vLLM starts tokenmill unchanged; tokenmill's older names stay as
 aliases. Flags about a GPU say in their help what they mean on a CPU.
 Flags are grouped by concern, one function per group, so each can grow on
-its own.
+its own. What the parsed flags become (EngineConfig, ServerSettings, a
+tokenizer) is serve_config.py's job; running the server is lifecycle.py's.
 """
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import os
 from typing import Any
 
 from ..cli_args import human_int
+from .serve_config import resolve_dtype, template_path
 
 # The bundled model's name on the Hugging Face hub: a vLLM launch line names it
 # so, and tokenmill (which never downloads) serves its bundled copy for it.
 BUNDLED_HUB_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
 
 DTYPE_CHOICES = ["auto", "float32", "float", "bfloat16", "bf16", "float16", "half", "fp16"]
-_DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 KV_CACHE_DTYPES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -58,12 +59,6 @@ def _fraction(value: str) -> float:
     if not 0.0 < x <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return x
-
-
-def resolve_dtype(name: str, device: str = "cpu") -> str:
-    """Aliases -> canonical names; 'auto' is left to the engine, which decides it for the
-    machine it runs on (engine/auto.py)."""
-    return _DTYPE_ALIASES.get(name, name)
 
 
 def add_engine_arguments(p: Any) -> None:
@@ -108,41 +103,6 @@ def add_engine_arguments(p: Any) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig options the engine flags ask for (serve and generate alike)."""
-    options: dict[str, Any] = dict(model=args.model, dtype=resolve_dtype(args.dtype, args.device),
-                                   device=args.device, quantization=args.quantization,
-                                   block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
-    for key in ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
-                "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size", "kv_cache_dtype"):
-        value = getattr(args, key, None)
-        if value is not None:
-            options[key] = value
-    fraction = getattr(args, "gpu_memory_utilization", None)
-    if fraction is not None and args.kv_cache_memory is None and args.memory_budget is None:
-        options["memory_budget"] = int(fraction * device_memory_bytes(args.device))
-        options["cap_kv_pool"] = True
-    return options
-
-
-def device_memory_bytes(device: str) -> int:
-    """What --gpu-memory-utilization is a share of: the GPU's total memory, or the
-    host memory available now (another process's memory is not ours to take)."""
-    if str(device).startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info(torch.device(device))[1])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    return int(pages * size)
 
 
 def add_server_arguments(p: Any) -> None:
@@ -296,7 +256,7 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         except (ValueError, AttributeError) as exc:
             return f"--kv-cache-dtype: {exc}"
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
-                       ("--chat-template", _template_path(args.chat_template)), ("--tokenizer", args.tokenizer)):
+                       ("--chat-template", template_path(args.chat_template)), ("--tokenizer", args.tokenizer)):
         if path is not None and not os.path.exists(path):
             return f"{flag} {path}: no such file"
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
@@ -311,26 +271,6 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-
-
-def _template_path(value: str | None) -> str | None:
-    """A --chat-template value that looks like a file name (not template text)."""
-    if value is None or "{" in value or "\n" in value:
-        return None
-    return value
-
-
-def read_chat_template(value: str) -> str:
-    """--chat-template's text: the file's contents, or the value itself if it is template text."""
-    path = _template_path(value)
-    if path is None:
-        return value
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    if path.endswith(".json"):  # chat_template.json as Hugging Face writes it
-        data = json.loads(text)
-        text = data.get("chat_template", text) if isinstance(data, dict) else text
-    return text
 
 
 def parse_origins(values: list[str] | None) -> list[str] | None:
@@ -353,31 +293,6 @@ def parse_origins(values: list[str] | None) -> list[str] | None:
     return out
 
 
-def generation_defaults(choice: str, model_path: str | None) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json (--generation-config), in
-    SamplingParams' names; only the keys the file sets."""
-    if choice in ("vllm", "tokenmill"):
-        return {}
-    folder = model_path if choice == "auto" else choice
-    if not folder or not os.path.isdir(folder):
-        return {}  # a GGUF file carries no generation config
-    path = os.path.join(folder, "generation_config.json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    keys = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
-    out: dict[str, Any] = {}
-    for key, kind in keys.items():
-        value = data.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = kind(value)
-    if out.get("top_k") == 0:  # Hugging Face's "off"
-        out["top_k"] = -1
-    return out
-
-
 def _run(args: argparse.Namespace) -> int:
     import sys
 
@@ -385,14 +300,14 @@ def _run(args: argparse.Namespace) -> int:
     if problem:
         print(f"tokenmill serve: error: {problem}", file=sys.stderr)
         return 2
-    from .server import run_server
-
     if (args.tensor_parallel_size or 1) > 1:  # refuse a split that cannot work in one line, before loading
         from ..engine.distributed import startup_problem
-        from .server import engine_config_from_args
+        from .serve_config import engine_config_from_args
 
         problem = startup_problem(engine_config_from_args(args))
         if problem:
             print(f"tokenmill serve: error: {problem}", file=sys.stderr)
             return 2
+    from .lifecycle import run_server
+
     return run_server(args)

@@ -13,8 +13,13 @@ import logging
 import sys
 import time
 from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from .evalset import EvalItem
+    from .harness import CandidateResult
 
 
 def sample_path(name: str) -> Path:
@@ -70,10 +75,55 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k != "func"}
 
 
-def run(args: argparse.Namespace) -> int:
-    from .evalset import SERVER_ONLY, load_eval_set
-    from .harness import CandidateSpec, EvalOptions, compare, parse_percent, parse_points, run_config
+@dataclass
+class _Inputs:
+    """What both ways of running (offline, against servers) read from the flags alike."""
+
+    max_ppl: float | None
+    max_drop: float | None
+    items: list[EvalItem]
+    text: str | None
+
+
+def _inputs(args: argparse.Namespace) -> _Inputs:
+    """Thresholds, eval items (--limit applied) and the perplexity text; ValueError/OSError on bad input."""
+    from .evalset import load_eval_set
+    from .harness import parse_percent, parse_points
+
+    max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
+    max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
+    items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
+    if args.limit is not None:
+        items = items[: max(0, args.limit)]
+    text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
+    return _Inputs(max_ppl, max_drop, items, text)
+
+
+def _report(args: argparse.Namespace, inputs: _Inputs, base: CandidateResult, cands: list[CandidateResult],
+            started: float, notes: Sequence[str] = (), show_summary: bool = False) -> int:
+    """The table (and notes, items, JSON file) for base vs candidates; the exit status."""
+    from .harness import compare
     from .report import table, to_json
+
+    comps = [compare(base, c, inputs.max_ppl, inputs.max_drop) for c in cands]
+    print(table(base, cands, comps))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.show_items:
+        for res in [base, *cands]:
+            print(f"\n[{res.label}: {res.quant_summary}]" if show_summary else f"\n[{res.label}]")
+            for it in res.items:
+                shown = it.output.strip().replace("\n", " ")[:70]
+                print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")
+    print(f"\n({time.monotonic() - started:.1f}s)", file=sys.stderr)
+    if args.output:
+        Path(args.output).write_text(to_json(base, cands, comps, _settings(args)) + "\n", encoding="utf-8")
+    return 0 if all(k.passed for k in comps) else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from .evalset import SERVER_ONLY
+    from .harness import CandidateSpec, EvalOptions, run_config
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     if args.url or args.candidate_url:
@@ -86,20 +136,16 @@ def run(args: argparse.Namespace) -> int:
                 if spec.kv_cache_dtype is None:
                     spec.kv_cache_dtype = args.kv_cache_dtype.lower()
                     spec.label += f":kv={spec.kv_cache_dtype}"
-        max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
-        max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
+        inputs = _inputs(args)
         batches = tuple(int(b) for b in str(args.decode_batch).replace(" ", "").split(",") if b)
         if not batches or min(batches) < 1:
             raise ValueError("--decode-batch needs positive integers")
-        items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
-        if args.limit is not None:
-            items = items[: max(0, args.limit)]
-        server_only = [it.id for it in items if it.match in SERVER_ONLY]
+        server_only = [it.id for it in inputs.items if it.match in SERVER_ONLY]
         if server_only:
             print(f"tokenmill eval: {len(server_only)} tool-call/JSON items need a server (--url); skipped",
                   file=sys.stderr)
-            items = [it for it in items if it.match not in SERVER_ONLY]
-        text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
+            inputs.items = [it for it in inputs.items if it.match not in SERVER_ONLY]
+        items, text = inputs.items, inputs.text
         opts = EvalOptions(
             model=args.model, dtype=args.dtype, device=args.device, quant_group_size=args.quant_group_size,
             quantize_lm_head=args.quantize_lm_head, window=args.window, stride=args.stride,
@@ -128,59 +174,26 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"tokenmill eval: error: {exc}", file=sys.stderr)
         return 2
-    base, cands = results[0], results[1:]
-    comps = [compare(base, c, max_ppl, max_drop) for c in cands]
-    print(table(base, cands, comps))
-    if args.show_items:
-        for res in results:
-            print(f"\n[{res.label}]")
-            for it in res.items:
-                shown = it.output.strip().replace("\n", " ")[:70]
-                print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")
-    print(f"\n({time.monotonic() - started:.1f}s)", file=sys.stderr)
-    if args.output:
-        Path(args.output).write_text(to_json(base, cands, comps, _settings(args)) + "\n", encoding="utf-8")
-    return 0 if all(k.passed for k in comps) else 1
+    return _report(args, inputs, results[0], results[1:], started)
 
 
 def run_http(args: argparse.Namespace) -> int:
     """``--url BASE --candidate-url URL``: the same comparison against running servers."""
     import httpx
 
-    from .evalset import load_eval_set
-    from .harness import compare, parse_percent, parse_points
     from .http_eval import ServerError, run as run_servers
-    from .report import table, to_json
 
     if not (args.url and args.candidate_url):
         print("tokenmill eval: error: --url and --candidate-url go together", file=sys.stderr)
         return 2
     started = time.monotonic()
     try:
-        max_ppl = parse_percent(args.max_ppl_increase) if args.max_ppl_increase is not None else None
-        max_drop = parse_points(args.max_accuracy_drop) if args.max_accuracy_drop is not None else None
-        items = [] if args.no_eval_set else load_eval_set(args.eval_set or sample_path("sample_eval.jsonl"))
-        if args.limit is not None:
-            items = items[: max(0, args.limit)]
-        text = None if args.no_text else Path(args.text or sample_path("sample_text.txt")).read_text(encoding="utf-8")
-        base, cands, notes = run_servers(args, items, text)
+        inputs = _inputs(args)
+        base, cands, notes = run_servers(args, inputs.items, inputs.text)
     except (ValueError, OSError) as exc:
         print(f"tokenmill eval: error: {exc}", file=sys.stderr)
         return 2
     except (ServerError, httpx.HTTPError, KeyError, IndexError) as exc:
         print(f"tokenmill eval: error talking to the servers: {exc}", file=sys.stderr)
         return 2
-    comps = [compare(base, c, max_ppl, max_drop) for c in cands]
-    print(table(base, cands, comps))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    if args.show_items:
-        for res in [base, *cands]:
-            print(f"\n[{res.label}: {res.quant_summary}]")
-            for it in res.items:
-                shown = it.output.strip().replace("\n", " ")[:70]
-                print(f"  {'OK ' if it.correct else 'BAD'} {it.id}: {shown}")
-    print(f"\n({time.monotonic() - started:.1f}s)", file=sys.stderr)
-    if args.output:
-        Path(args.output).write_text(to_json(base, cands, comps, _settings(args)) + "\n", encoding="utf-8")
-    return 0 if all(k.passed for k in comps) else 1
+    return _report(args, inputs, base, cands, started, notes, show_summary=True)

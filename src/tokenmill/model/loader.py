@@ -185,7 +185,7 @@ def read_gguf(path: str, *, with_tensors: bool = True) -> GGUFFile:
     """Parse a GGUF (v2/v3, little-endian) file: metadata dict and tensor views.
 
     Our own small parser: ``gguf.GGUFReader`` builds a numpy view per array
-    element and takes seconds on a 49k-token vocabulary; this takes ~0.1 s.
+    element and is slow on a 49k-token vocabulary; this reads whole arrays at once.
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -11,7 +11,7 @@ dispatch, so weights packed for it could not be read back (for a tied
 embedding, or by the fused decode step) on every machine. int8 uses torch's
 weight-only kernel with bf16 activations. Dynamic int8 activations are the
 fastest at large batch but cost accuracy, so they are a separate mode,
-``w8a8``. benchmarks/PROFILE.md has the measurements behind these choices.
+``w8a8``. docs/performance.md has the measurements behind these choices.
 
 On CUDA the tinygemm int4 kernel and the int8 weight-only kernel are tried
 once per layer shape against the dequantized weight; where a kernel is
@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .ops import TORCH_OPS, ModelOps
 
 log = logging.getLogger("tokenmill.quant")
 
@@ -243,6 +245,8 @@ def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) ->
 class _QuantLinear(nn.Module):
     """Common shape handling: activations go in as bf16, come back in the caller's dtype."""
 
+    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops: the C kernels, when the engine has them
+
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -421,10 +425,10 @@ class Int4Linear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "tinygemm":
             return self._kernel_matmul(x)
-        if x.device.type == "cpu" and x.shape[0] <= POLICY.int4_kernel_max_rows:
+        if self.ops.library is not None and x.shape[0] <= POLICY.int4_kernel_max_rows:
             from .cpu_kernels import linear
 
-            y = linear(self.kernel_description(), x.float().contiguous())
+            y = linear(self.kernel_description(), x.float().contiguous(), self.ops.library)
             if y is not None:
                 return y
         # Unpack into shared scratch buffers: fresh multi-MB tensors on every call cost more in

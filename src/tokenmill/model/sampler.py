@@ -7,8 +7,9 @@ by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
 A seeded row draws its uniform from its own generator, so the same seed and
 prompt give the same text whatever else shares the batch. (One uniform per
-row instead of one exponential per vocabulary entry: drawing 49,152
-exponentials cost ~1 ms per row, 60 ms per step at batch 64.) Reported logprobs are the model's
+row instead of one exponential per vocabulary entry: drawing one exponential
+per vocabulary entry made sampling a visible share of a large batch's step;
+see docs/performance.md.) Reported logprobs are the model's
 raw log-softmax (before penalties and temperature).
 """
 from __future__ import annotations
@@ -127,10 +128,10 @@ def processed_probs(logits: torch.Tensor, params: Any) -> torch.Tensor:
     return sub.softmax(dim=-1)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy picks: the C kernel on CPU (torch's CPU argmax is ~20x slower than a
-    vectorized max at vocabulary width), torch elsewhere; the same indices either way."""
-    fast = cpu_kernels.argmax_rows(logits)
+def _argmax(logits: torch.Tensor, library: cpu_kernels.KernelLibrary | None) -> torch.Tensor:
+    """Greedy picks: the engine's C kernel on CPU (torch's CPU argmax does not vectorize
+    its index tracking at vocabulary width), torch elsewhere; the same indices either way."""
+    fast = cpu_kernels.argmax_rows(logits, library) if library is not None else None
     return fast if fast is not None else logits.argmax(dim=-1)
 
 
@@ -155,9 +156,11 @@ def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], mask: torch.Tensor)
 
 
 def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: torch.Generator | None = None,
-           token_mask: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+           token_mask: tuple[list[int], torch.Tensor] | None = None,
+           library: cpu_kernels.KernelLibrary | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` ([B, V] float32). ``token_mask``: rows and
-    their grammar bitmasks (engine/structured.py), applied after penalties."""
+    their grammar bitmasks (engine/structured.py), applied after penalties. ``library``:
+    the engine's C kernels (greedy rows' argmax), or None for torch."""
     batch, vocab = logits.shape
     want_logprobs = any(r.params.logprobs is not None for r in requests)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
@@ -175,7 +178,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: tor
             assert token_mask is not None
             apply_bitmask(logits, token_mask[0], token_mask[1])
 
-    chosen = _argmax(logits)
+    chosen = _argmax(logits, library)
     random_rows = [i for i, r in enumerate(requests) if not r.params.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)

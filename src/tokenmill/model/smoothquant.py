@@ -19,6 +19,8 @@ measured by running calibration text through the float model.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from importlib import resources
 from typing import Callable
 
@@ -114,9 +116,10 @@ def calibration_text() -> str:
 
 @torch.no_grad()
 def smooth_for_int8(model: nn.Module, token_ids: list[int], block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> int:
+                    device: torch.device, kernels: Any) -> int:
     """Calibrate on ``token_ids`` (256-token prefills through a scratch paged cache) and
-    fold the smoothing factors into the float model; returns the projections smoothed."""
+    fold the smoothing factors into the float model; returns the projections smoothed.
+    ``kernels``: the engine's (``engine.executors.Kernels``)."""
     from ..engine.request import Request, SamplingParams
     from ..engine.runner import ModelRunner
 
@@ -124,7 +127,7 @@ def smooth_for_int8(model: nn.Module, token_ids: list[int], block_size: int, dty
     seqs = [token_ids[i : i + chunk] for i in range(0, min(len(token_ids), CALIBRATION_TOKENS), chunk)]
     seqs = [s for s in seqs if len(s) > 1]
     blocks = -(-chunk // block_size)
-    runner = ModelRunner(model, blocks, block_size, dtype, device)  # type: ignore[arg-type]
+    runner = ModelRunner(model, blocks, block_size, dtype, device, kernels)  # type: ignore[arg-type]
 
     def run() -> None:
         for seq in seqs:

@@ -2,8 +2,8 @@
  *
  * Why: at batch 1 an eager torch decode step dispatches ~4,000 ATen ops (norms,
  * rotary, splits, casts, residuals, the quantized matmuls and their wrappers),
- * and on this 2-core CPU their fixed costs took ~8 of the 12 ms an int4 step
- * took; the weights themselves are read in ~4 ms. Here every layer runs in one
+ * and on a small CPU their fixed costs took most of an int4 step, far more
+ * than reading the weights (docs/performance.md). Here every layer runs in one
  * OpenMP parallel region: each thread owns a slice of every matmul's output
  * rows and one set of (sequence, kv head) attention items, and the threads
  * meet at six spin barriers per layer (libgomp's own barriers sleep under the
@@ -158,7 +158,8 @@ TM_INLINE void keep_in_register(vf *v) {
 
 /* The next row block's weights at column c, towards L2: interleaving a block's
  * rows leaves the hardware prefetcher that many short streams (one row is
- * 2.3 KB), and weights read from memory arrived ~30% slower without this. */
+ * 2.3 KB), and weights read from memory arrived measurably slower without
+ * this. */
 TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
     const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     for (int64_t i = row; i < row + TM_ROW_BLOCK && i < L->n; i++)
@@ -171,9 +172,8 @@ TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, 
  * scale). With several activation rows, TM_ROW_BLOCK weight rows go together
  * against up to 6 activation rows: 4 + 6 loads feed 24 FMAs held in 24 of the
  * 32 vector registers, and a 16-row tile is 4 whole blocks (one row at a time
- * against 4 activation rows was 5 loads per 4 FMAs: load-bound, ~70 GFLOPS a
- * core against ~90-105 now; 3 rows x 8 left every 16th row to the slow loop,
- * 7-12% behind). */
+ * against 4 activation rows was 5 loads per 4 FMAs: load-bound; 3 rows x 8
+ * left every 16th row to the slow loop; docs/performance.md has the rates). */
 TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int64_t ldx, const int NB, int64_t r0,
                           int64_t nr, float out[TM_MAX_ROWS][VW]) {
     const int64_t K = L->k;
@@ -217,8 +217,8 @@ TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int
  * instruction multiplies 32 pairs and adds them into 16 float32 lanes, the way
  * the eager bf16 model's oneDNN matmuls round their inputs. Used when several
  * activation rows share the weights (the step is then bound by arithmetic):
- * ~115 against ~90 GFLOPS a core for the float32-widening tile, and half the
- * activation bytes; bf16 steps at batch 16-64 went 35 -> 27 and 126 -> 89 ms.
+ * measured faster than the float32-widening tile, with half the activation
+ * bytes (docs/performance.md).
  * A single row keeps float32 activations (memory-bound either way, and closer
  * to float32). K % 32 == 0. */
 TM_INLINE void bf16_dot_tile(const TmLinear *L, const uint16_t *xh, const int NB, int64_t r0, int64_t nr,
@@ -264,9 +264,10 @@ TM_INLINE void bf16_dot_tile(const TmLinear *L, const uint16_t *xh, const int NB
  * the zero-extended byte indexes the table by its low nibble as it is, and
  * shifted right by 4 by its high one: four vector operations for 32 codes
  * instead of eight (mask, shift, widen and convert each half); int4 decode at
- * batch 1 is bound by these (6.9 -> 5.9 ms a step). Intrinsics here (and in
- * bf16_dot_tile) only: gcc 12 lowers a variable-index __builtin_shuffle of 16
- * floats to a long permute sequence (3x slower than the converts). */
+ * batch 1 is bound by these, so the lookup shows in the step time. Intrinsics
+ * here (and in bf16_dot_tile) only: gcc 12 lowers a variable-index
+ * __builtin_shuffle of 16 floats to a long permute sequence, slower than the
+ * converts it replaces. */
 TM_INLINE void int4_codes(vu8 bytes, vf *lo, vf *hi) {
 #if VW == 16
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);

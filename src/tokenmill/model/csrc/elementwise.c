@@ -6,8 +6,9 @@
  * several ATen ops over the whole [tokens, features] tensor, each a pass
  * through memory with a fresh output: RMSNorm as pow, mean, add, rsqrt and two
  * multiplications; rotary as two multiplications, a roll (itself a cat) and an
- * add; SiLU(gate) * up as two. At 512 tokens on the 2-core development CPU
- * they took ~10-18% of a mixed step whose matmuls run near the FMA peak.
+ * add; SiLU(gate) * up as two. At 512 tokens on a small CPU they took a
+ * noticeable share of a mixed step whose matmuls run near the FMA peak
+ * (docs/performance.md).
  * Here each is one pass, row by row, the rows split over the threads.
  *
  * Rows are float32 or bfloat16 (the model's dtype; bf16 passed as raw uint16

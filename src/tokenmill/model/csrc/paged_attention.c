@@ -25,12 +25,12 @@
  * Two passes over the context, in chunks of VW positions (VW = floats per
  * vector register): scores into a per-thread buffer; then max, exp and sum;
  * then the exp-weighted sum of V rows, divided by the sum at the end. All
- * arithmetic is float32. (A one-pass online softmax measured 5-15% slower.)
+ * arithmetic is float32. (A one-pass online softmax measured slower.)
  *
  * Why vector types and not only auto-vectorized loops: a dot product per key
  * row ends in a horizontal sum, which gcc 12 emits (even under `omp simd
- * reduction`) as 16 dependent scalar adds through the stack; the scores pass
- * then ran ~3x slower. Here a chunk's VW dot products stay as VW vectors of
+ * reduction`) as 16 dependent scalar adds through the stack, and the scores
+ * pass then ran several times slower. Here a chunk's VW dot products stay as VW vectors of
  * partial sums, and one shuffle tree turns them into a vector of VW scores
  * (about 3 operations per row). The simple loops (softmax, conversions,
  * output) are plain loops under `#pragma omp simd`; gcc vectorizes them
@@ -38,16 +38,16 @@
  *
  * Rows of a block are contiguous, but blocks are scattered over the pool, so
  * the hardware prefetcher loses the stream at every block boundary: each
- * chunk prefetches the rows PF_DIST chunks ahead into L2 (measured best of
- * distances 1-8 and hints L1/L2/L3: 25-45% faster than no prefetch on
- * scattered tables).
+ * chunk prefetches the rows PF_DIST chunks ahead into L2 (the best of
+ * distances 1-8 and hints L1/L2/L3 when measured, and clearly faster than no
+ * prefetch on scattered tables; docs/performance.md).
  *
  * That rolling prefetch keeps only a few blocks in flight, and one core reads
- * scattered 4 KB blocks at ~12 GB/s that way against ~21 GB/s streaming. So
+ * scattered 4 KB blocks that way at about half its streaming rate. So
  * each item also asks for its first PF_ITEM_BYTES of K and of V at once when
  * it starts: the misses overlap, and V arrives in L2 while pass 1 computes
- * scores (64 sequences at context 320 from memory, 2 threads: 1.7-2.0 ->
- * 1.45-1.5 ms a layer). Longer contexts rely on the rolling prefetch past that.
+ * scores (a measurable gain at 64 sequences from memory; docs/performance.md).
+ * Longer contexts rely on the rolling prefetch past that.
  */
 #include <math.h>
 #include <stdint.h>
@@ -367,19 +367,17 @@ TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io
     }
 }
 
-/* attend_any with the format and q/out dtype as compile-time constants (each
- * pair its own specialised copy). */
+/* attend_any with the q/out dtype and "rows read in place" (a float32 pool) as
+ * compile-time constants; the other formats share one copy that widens each row
+ * by a runtime switch (a predictable branch per row; a copy per format made the
+ * library several times slower to compile). */
 TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
-    switch (fmt * 2 + io_bf16) {
-    case KV_F32 * 2: attend_any(a, n, kvh, KV_F32, 0, sc); break;
-    case KV_BF16 * 2: attend_any(a, n, kvh, KV_BF16, 0, sc); break;
-    case KV_BF16 * 2 + 1: attend_any(a, n, kvh, KV_BF16, 1, sc); break;
-    case KV_I8 * 2: attend_any(a, n, kvh, KV_I8, 0, sc); break;
-    case KV_I8 * 2 + 1: attend_any(a, n, kvh, KV_I8, 1, sc); break;
-    case KV_FP8 * 2: attend_any(a, n, kvh, KV_FP8, 0, sc); break;
-    case KV_FP8 * 2 + 1: attend_any(a, n, kvh, KV_FP8, 1, sc); break;
-    default: break; /* float32 pool with bf16 q: refused by the entry points */
-    }
+    if (fmt == KV_F32)
+        attend_any(a, n, kvh, KV_F32, 0, sc); /* a float32 pool with bf16 q is refused by the entry points */
+    else if (io_bf16)
+        attend_any(a, n, kvh, fmt, 1, sc);
+    else
+        attend_any(a, n, kvh, fmt, 0, sc);
 }
 
 /* Checks every table entry a sequence uses and returns the longest length,

@@ -11,7 +11,8 @@
  * paged_attention.c): key blocks are widened to float32 as they are loaded.
  *
  * Why not torch's SDPA: its CPU flash kernel ran SmolLM2's shapes (9 query
- * heads, 3 kv heads, head_dim 64) at 40-60 GFLOPS, and a chunk after a cached
+ * heads, 3 kv heads, head_dim 64) well below the dense matmuls' rate (see
+ * docs/performance.md), and a chunk after a cached
  * prefix first had to gather K/V out of the pool into contiguous copies. Here
  * both matmuls are register tiles like the dense ones in decode_step.c:
  *
@@ -39,8 +40,8 @@
 #define PF_NV 4            /* vectors of keys per score tile, of head_dim per output tile */
 #define PF_KB (PF_NV * VW) /* keys per block */
 #define PF_ROWS 192        /* query rows (positions x group heads) per item, at most: 64 positions of
-                              * SmolLM2's 3-head groups (48-96 rows: 5-10% slower; 288-384: a little
-                              * faster on long prompts, ~20% slower on a short chunk after a prefix) */
+                              * SmolLM2's 3-head groups: smaller items measured slower, larger ones
+                              * slower on a short chunk after a prefix (docs/performance.md) */
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -231,26 +232,21 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     }
 }
 
-/* prefill_item with the pool format and q/out dtype as compile-time constants. */
+/* prefill_item with the q/out dtype and head size 64 as compile-time constants; the
+ * pool format is a runtime switch in prefill_load_block (once per key row). */
 TM_INLINE void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
                                 PrefillScratch *sc) {
-#define TM_PF_CASE(F, B)                                                                                    \
-    case F * 2 + B:                                                                                         \
-        if (a->head_dim == 64)                                                                              \
-            prefill_item(a, kvh, p0, np, F, B, 64, sc);                                                     \
-        else                                                                                                \
-            prefill_item(a, kvh, p0, np, F, B, a->head_dim, sc);                                            \
-        break;
-    switch (fmt * 2 + bf16) {
-        TM_PF_CASE(KV_F32, 0)
-        TM_PF_CASE(KV_BF16, 1)
-        TM_PF_CASE(KV_I8, 0)
-        TM_PF_CASE(KV_I8, 1)
-        TM_PF_CASE(KV_FP8, 0)
-        TM_PF_CASE(KV_FP8, 1)
-    default: break;
+    if (bf16) {
+        if (a->head_dim == 64)
+            prefill_item(a, kvh, p0, np, fmt, 1, 64, sc);
+        else
+            prefill_item(a, kvh, p0, np, fmt, 1, a->head_dim, sc);
+    } else {
+        if (a->head_dim == 64)
+            prefill_item(a, kvh, p0, np, fmt, 0, 64, sc);
+        else
+            prefill_item(a, kvh, p0, np, fmt, 0, a->head_dim, sc);
     }
-#undef TM_PF_CASE
 }
 
 /* fmt: the pool's format (KV_*); bf16: q and out are bf16. */

@@ -1,8 +1,8 @@
 """A whole decode step in one native call, for small batches on CPU.
 
 At batch 1 the eager model dispatches thousands of ATen ops per step and, on a
-small CPU, their fixed costs outweigh the arithmetic: an int4 step of
-SmolLM2-135M took 12 ms, of which the weights are read in ~4. ``csrc/
+small CPU, their fixed costs outweigh the arithmetic (an int4 step of
+SmolLM2-135M took about three times as long as reading its weights). ``csrc/
 decode_step.c`` runs every layer, the final norm and the LM head in one OpenMP
 region (see its header); this module hands it the model: pointers to the
 weights in their stored precision (float32, bf16, int8, int4 in the
@@ -22,44 +22,33 @@ matmuls, at ~1.3x the speed of widening the weights.
 
 It takes pure decode batches of up to a measured size per weight kind
 (``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;
-``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides it) and the runner falls
-back to the eager model for everything else: prefill chunks, other devices,
-``TOKENMILL_FUSED_DECODE=0``, or a model it cannot take (``build`` logs why).
+``KernelOptions.fused_decode_max_batch`` overrides it); its step executor
+(``executors.FusedDecodeExecutor``) says so, and the runner gives everything
+else to the eager executor: prefill chunks, other devices, the fused step
+switched off, or a model it cannot take (``build`` logs why).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..config import env_switch_on
-from . import cpu_kernels
-from .llama import LlamaForCausalLM, Linear
-from .quant import Int4Linear, Int8Linear
+from ..model import cpu_kernels
+from ..model.llama import LlamaForCausalLM, Linear
+from ..model.quant import Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
 W_F32, W_BF16, W_INT8, W_INT4 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
                                   cpu_kernels.W_INT4)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
-# matrix-matrix products win. Measured on the 2-core AVX-512 development CPU,
-# SmolLM2-135M, context 256 (fused / eager step time, session 4's 4-row x
-# 6-activation matmul tiles with weight prefetch): float32 0.26-0.37 at 1,
-# 0.48-0.55 at 16, 0.71-0.81 at 64 (against oneDNN eager linears); bf16
-# (vdpbf16ps above batch 1) 0.35 at 1, 0.58 at 16, 0.84 at 64; int8 0.34 at 1,
-# 0.56 at 16, 0.99-1.0 at 64; int4 (tiles dequantized to float32 from 8 rows)
-# 0.39-0.50 at 1, 0.74-0.88 at 8, 0.84-0.89 at 16, 0.88-0.91 at 64. A model
-# takes its lowest kind's.
+# matrix-matrix products win. Measured per kind as the fused / eager step time
+# on SmolLM2-135M (docs/performance.md, "The fused decode step"): every kind
+# stays faster up to 64 decodes. A model takes its lowest kind's.
 MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64}
-
-
-def enabled() -> bool:
-    """``TOKENMILL_FUSED_DECODE=0`` (or ``TOKENMILL_CPU_KERNELS=0``) turns the fused step off."""
-    return env_switch_on("TOKENMILL_FUSED_DECODE") and cpu_kernels.enabled()
 
 
 _Linear = cpu_kernels.TmLinear
@@ -95,18 +84,7 @@ class FusedDecoder:
     keep: list[torch.Tensor] = field(default_factory=list)
     vocab_size: int = 0
     hidden_size: int = 0
-    max_batch: int = 1  # from the weight kinds; see MAX_BATCH_BY_KIND
-
-    def batch_limit(self) -> int:
-        """Largest decode batch to run fused now (``TOKENMILL_FUSED_DECODE_MAX_BATCH`` overrides)."""
-        env = os.environ.get("TOKENMILL_FUSED_DECODE_MAX_BATCH", "").strip()
-        if env:
-            try:
-                return int(env)
-            except ValueError:
-                log.warning("TOKENMILL_FUSED_DECODE_MAX_BATCH=%r is not a number; using %d", env, self.max_batch)
-                os.environ.pop("TOKENMILL_FUSED_DECODE_MAX_BATCH", None)
-        return self.max_batch
+    max_batch: int = 1  # from the weight kinds (see MAX_BATCH_BY_KIND) or the options
 
     def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] (float32) for B decode tokens. ``embeddings`` [B, hidden]
@@ -171,25 +149,21 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
     raise Unsupported(f"{name}: {type(mod).__name__} has no fused kernel")
 
 
-def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]]) -> FusedDecoder | None:
-    """The fused decoder for this model and pool, or None (with the reason logged)
-    when the kernel is off, missing, or cannot take the model. Each layer's cache is
-    (k, v), or (k_codes, v_codes, k_scales, v_scales) for a quantized pool
-    (model/kv_quant.py)."""
-    if not enabled():
-        return None
-    lib = cpu_kernels.load()
-    if lib is None:
-        return None
+def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
+          lib: cpu_kernels.KernelLibrary, max_batch: int | None = None) -> FusedDecoder | None:
+    """The fused decoder for this model and pool, or None (with the reason logged) when
+    it cannot take the model. Each layer's cache is (k, v), or (k_codes, v_codes,
+    k_scales, v_scales) for a quantized pool (model/kv_quant.py). ``max_batch``: the
+    largest decode batch to run fused (default: by weight kind)."""
     try:
-        return _build(model, kv_caches, lib)
+        return _build(model, kv_caches, lib, max_batch)
     except Unsupported as exc:
         log.info("fused decode step off: %s", exc)
         return None
 
 
 def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
-           lib: cpu_kernels.KernelLibrary) -> FusedDecoder:
+           lib: cpu_kernels.KernelLibrary, max_batch: int | None) -> FusedDecoder:
     cfg = model.config
     k0 = kv_caches[0][0]
     if k0.device.type != "cpu" or k0.dtype not in cpu_kernels.KV_FORMAT:
@@ -243,7 +217,7 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         raise Unsupported(f"lm_head: {m.head.k} input features")
     kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
                              for p in ("qkv", "o", "gate_up", "down")}
-    limit = min(MAX_BATCH_BY_KIND[k] for k in kinds)
+    limit = min(MAX_BATCH_BY_KIND[k] for k in kinds) if max_batch is None else max_batch
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)
     return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit)

@@ -1,0 +1,188 @@
+"""The OpenAI-compatible HTTP app: ``build_app(async_engine, settings)``, its routes and middleware.
+
+Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
+``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
+``/reset_prefix_cache``. A plain ASGI middleware in front of everything
+checks the API key (before the body is even parsed, so a bad key is a 401
+whatever the body), refuses new work with 503 while draining after SIGTERM,
+and counts requests in flight so shutdown can wait for them. The key is
+either ``Authorization: Bearer KEY`` or the web console's session cookie
+(console_auth.py; cookie-authenticated writes must come from the server's
+own origin). Starting, draining and stopping a process around the app is
+lifecycle.py's job.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..engine.async_engine import AsyncEngine
+from ..metrics import CONTENT_TYPE
+from .console_auth import ConsoleSessions
+from .errors import APIError, error_body, install_error_handlers
+from .openai_routes import encode, get_state, render_chat_async, router
+from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
+                       TokenizeRequest, TokenizeResponse)
+from .request_guard import BodyGuard, default_body_limit
+from .serving import ServerSettings, ServerState
+
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
+_ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")
+
+
+class GateMiddleware:
+    """API key, drain refusal and in-flight count, before routing."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, sessions: ConsoleSessions | None = None) -> None:
+        self.app = app
+        self.state = state
+        self.sessions = sessions if sessions is not None else ConsoleSessions(state.settings.api_key)
+
+    async def _reject(self, send: Send, status: int, message: str, code: str,
+                      headers: dict[str, str] | None = None) -> None:
+        body = json.dumps(error_body(status, message, code=code)).encode()
+        raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope.get("path", "")
+        if self.sessions.enabled and path.startswith(_PROTECTED):
+            verdict = self.sessions.check(scope)
+            if verdict == "unauthorized":
+                self.state.metrics.rejected.labels("auth").inc()
+                await self._reject(send, 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                                   "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                return
+            if verdict == "cross_origin":
+                self.state.metrics.rejected.labels("auth").inc()
+                await self._reject(send, 403, "cross-origin request with the console's session cookie refused "
+                                   "(send 'Authorization: Bearer KEY')", "cross_origin")
+                return
+        if self.state.draining and not path.startswith(_ALWAYS_OPEN):
+            self.state.metrics.rejected.labels("draining").inc()
+            await self._reject(send, 503, "the server is shutting down", "shutting_down", {"Retry-After": "5"})
+            return
+        if self.state.loop is None:
+            self.state.loop = asyncio.get_running_loop()  # for the shutdown thread's calls
+        self.state.inflight_http += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.inflight_http -= 1
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """A FastAPI app over a running AsyncEngine.
+
+    The caller owns the engine (and ``app.state.tokenmill.close()``): test
+    clients run the lifespan once per client, which must not stop the engine."""
+    settings = settings or ServerSettings()
+    state = ServerState(async_engine, settings)
+    app = FastAPI(title="tokenmill", version="0.1.0",
+                  description="OpenAI-compatible LLM server (completions, chat, streaming, metrics).")
+    app.state.tokenmill = state
+    install_error_handlers(app)
+    app.include_router(router)
+    from .responses_api import router as responses_router
+
+    app.include_router(responses_router)
+    _misc_routes(app)
+    # one session store for the gate and the console's login routes (console.py)
+    app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
+    # inside the gate: the key is checked before a byte of the body is read
+    app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
+        state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
+        draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
+    app.add_middleware(GateMiddleware, state=state, sessions=sessions)
+    from .request_id import RequestIdMiddleware
+
+    app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
+    return app
+
+
+def _misc_routes(app: FastAPI) -> None:
+    errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (400, 401, 404)}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(request: Request) -> ModelList:
+        state = get_state(request)
+        root = state.settings.model_path
+        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
+                               for name in state.settings.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
+    async def get_model(model_id: str, request: Request) -> ModelCard:
+        state = get_state(request)
+        if model_id not in state.settings.served_model_names:
+            raise APIError(404, f"the model {model_id!r} does not exist (served: "
+                           f"{', '.join(state.settings.served_model_names)})", param="model",
+                           code="model_not_found")
+        return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health(request: Request) -> Response:
+        state = get_state(request)
+        engine = state.aengine
+        silent = time.monotonic() - engine.last_heartbeat
+        if state.draining:
+            return JSONResponse(error_body(503, "shutting down", code="shutting_down"), status_code=503)
+        if not engine.is_alive:
+            return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"),
+                                status_code=503)
+        if silent > state.settings.heartbeat_timeout_s:
+            return JSONResponse(error_body(503, f"the engine loop has been silent for {silent:.0f}s",
+                                           code="engine_stalled"), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
+    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+        # ``model`` is not checked: one tokenizer per server, and a 404 here would
+        # make clients (the router, the load tester) conclude /tokenize is missing
+        state = get_state(request)
+        if body.messages is not None:
+            text = await render_chat_async(state, body.messages, body.add_generation_prompt)
+            ids = await encode(state, text, False)
+        else:
+            ids = await encode(state, body.prompt or "", body.add_special_tokens)
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+        state = get_state(request)
+        bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        state = get_state(request)
+        freed = await state.aengine.call(lambda engine: engine.reset_prefix_cache())
+        return JSONResponse({"freed_blocks": int(freed),
+                             "enabled": state.engine.stats.prefix_cache_enabled})
+
+
+def add_cors(app: FastAPI, origins: list[str] | None, allow_credentials: bool = False) -> None:
+    """CORS headers for the browser origins --allowed-origins names (none: no CORS).
+    Added last, so preflight requests are answered before the API-key gate."""
+    if not origins:
+        return
+    from starlette.middleware.cors import CORSMiddleware
+
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_credentials=allow_credentials,
+                       allow_methods=["*"], allow_headers=["*"])

@@ -1,0 +1,59 @@
+"""The plain formulation of paged attention, with fresh gathers: the yardstick.
+
+Tests compare every backend with it, and the benchmarks' eager baseline runs it
+(``TOKENMILL_ATTENTION=reference``). It builds its metadata in ``prepare`` like
+any backend, but gathers fresh copies in every layer and never pads prefills.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import StepLayout
+from .torch_paged import (decode_gather_index, decode_mask, decode_queries, gather_decodes, prefill_attention,
+                          write_decode_output, write_kv)
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout,
+                              scale: float, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """Causal attention of every query token over its sequence's cached context
+    (fresh gather copies, matmul + float32 softmax; a quantized pool's blocks dequantized
+    to float32 as they are gathered)."""
+    kv_heads, num_blocks = k_cache.shape[0], k_cache.shape[1]
+    out = torch.empty_like(q)
+    nd = layout.num_decodes
+    if nd:
+        blocks = layout.decode_blocks
+        index = decode_gather_index(layout.block_tables[:nd, :blocks], kv_heads, num_blocks)
+        ks, vs = kv_scales if kv_scales else (None, None)
+        k = gather_decodes(k_cache, index, nd, None, ks)
+        v = gather_decodes(v_cache, index, nd, None, vs)
+        qd = decode_queries(q, nd, kv_heads).to(k.dtype)
+        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [kv, nd, group, span]
+        lens = torch.tensor(layout.seq_lens[:nd], device=q.device)
+        mask = decode_mask(lens, blocks * layout.block_size, torch.float32)
+        probs = torch.softmax(scores + mask, dim=-1).to(v.dtype)
+        write_decode_output(torch.matmul(probs, v), out, nd)
+    prefill_attention(q, k_cache, v_cache, layout, scale, out, kv_scales)
+    return out
+
+
+@dataclass(frozen=True)
+class ReferenceStep:
+    layout: StepLayout
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+        write_kv(k_cache, v_cache, k, v, self.layout.slot_mapping, kv_scales)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+               kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, self.layout, scale, kv_scales)
+
+
+class ReferenceAttention:
+    name = "reference attention"
+
+    def prepare(self, layout: StepLayout) -> ReferenceStep:
+        return ReferenceStep(layout)
