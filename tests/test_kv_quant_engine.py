@@ -74,13 +74,18 @@ def test_fused_step_and_eager_path_agree_on_int8(monkeypatch) -> None:
     assert _agreement(a, b) >= 0.98
 
 
-def test_torch_path_matches_kernels(monkeypatch) -> None:
-    """With the C kernels off, the torch store and dequantizing attention stand in."""
+@pytest.mark.parametrize("env", [("TOKENMILL_CPU_KERNELS", "0"), ("TOKENMILL_ATTENTION", "reference")],
+                         ids=["torch-paged", "reference"])
+def test_torch_backends_match_kernels(env, monkeypatch) -> None:
+    """With the C kernels off (or the reference attention asked for), the torch store and
+    the dequantizing gathers stand in."""
     prompts = _prompts(5)[:6]
     params = SamplingParams(max_tokens=16, **GREEDY)
     a = [o.outputs[0].token_ids for o in make_tiny_llm(kv_cache_dtype="int8").generate(prompts, params)]
-    monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "0")
-    b = [o.outputs[0].token_ids for o in make_tiny_llm(kv_cache_dtype="int8").generate(prompts, params)]
+    monkeypatch.setenv(*env)
+    other = make_tiny_llm(kv_cache_dtype="int8")
+    assert other.engine.runner.attention.name != "C kernels (paged, in place)"
+    b = [o.outputs[0].token_ids for o in other.generate(prompts, params)]
     assert _agreement(a, b) >= 0.98
 
 
