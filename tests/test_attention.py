@@ -296,9 +296,9 @@ def test_engine_output_is_the_same_with_batched_prefill(monkeypatch) -> None:
     real = torch_paged.batched_prefill_attention
     real_init = TorchPagedAttention.__init__
 
-    def spy(q, k_cache, v_cache, pp, num_decodes, scale, out):  # type: ignore[no-untyped-def]
+    def spy(q, k_cache, v_cache, pp, num_decodes, scale, out, *rest):  # type: ignore[no-untyped-def]
         used.append(pp.n)
-        real(q, k_cache, v_cache, pp, num_decodes, scale, out)
+        real(q, k_cache, v_cache, pp, num_decodes, scale, out, *rest)
 
     def batched_on_cpu(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         real_init(self, *args, **kwargs)

@@ -304,3 +304,33 @@ def test_kernels_refuse_a_quantized_pool_without_scales(lib) -> None:
     bad = (pool[2].double(), pool[3])
     assert not cpu_kernels.paged_decode_attention(q, pool[0], pool[1], tables, seq_lens, 0.25, out, library=lib,
                                                   kv_scales=bad)
+
+
+# --------------------------------------------------------------------------- backends
+
+@pytest.mark.parametrize("dtype", QDTYPES, ids=QIDS)
+def test_every_backend_reads_a_quantized_pool_as_its_dequantized_values(lib, dtype) -> None:
+    """A mixed step (two decodes, two prefill chunks after a prefix) over a quantized pool,
+    through the C kernels, torch paged attention (per chunk and padded batch) and the
+    reference: each equals the reference attention over the dequantized float32 pool."""
+    from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention,
+                                           paged_attention_reference)
+    from tokenmill.model.attention.reference import ReferenceAttention
+
+    heads, kv_heads, d, bs = 6, 2, 32, 8
+    lens, qlens = [13, 30, 21, 40], [1, 1, 21, 9]
+    _, pool, tables, _, _ = quantized_pool(lens, heads, kv_heads, d, bs, dtype, seed=4)
+    layout = StepLayout(torch.zeros(sum(qlens), dtype=torch.long), tables.long(), lens, qlens, 2, bs)
+    q = torch.randn(sum(qlens), heads, d)
+    dk, dv = dense(pool)
+    want = paged_attention_reference(q, dk, dv, layout, 0.2)
+    scales = (pool[2], pool[3])
+    torch_paged = TorchPagedAttention(torch.float32, torch.device("cpu"), kv_heads, heads, pool[0].shape[1], d)
+    padded = TorchPagedAttention(torch.float32, torch.device("cpu"), kv_heads, heads, pool[0].shape[1], d)
+    padded.batched_prefill = True  # the GPU's padded batch, run here
+    for backend in (CpuKernelAttention(lib), torch_paged, padded, ReferenceAttention()):
+        step = backend.prepare(layout)
+        if backend is padded:
+            assert step.padded is not None
+        got = step.attend(q, pool[0], pool[1], 0.2, scales)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=backend.name)
