@@ -50,7 +50,7 @@ serve: $(BASE_STAMP)
 # ISA dispatch narrowed to AVX2 and the C kernels built without AVX-512.
 KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_prefill_kernel.py tests/test_elementwise_kernels.py \
 	tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_fused_decode.py tests/test_quant.py \
-	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py
+	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py tests/test_kv_quant.py
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q
