@@ -320,13 +320,13 @@ class TensorParallelGroup:
         rank 0's shard. ``loaded``: an in-memory model (tests) whose shards are handed to
         the workers; None: every rank reads its own slices from ``config.model``."""
         size = config.tensor_parallel_size
-        parallel.check_quantization(config.quantization, config.quantize_lm_head)
         device = torch.device(config.device)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; "
                              f"{torch.cuda.device_count()} are visible")
         cfg = loaded.config if loaded is not None else parallel.read_config(_model_path(config))
         parallel.check_divisible(cfg, size)
+        _settle_quantization(config, cfg, _tensor_types(config, loaded))
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel group is already running in this process; close it first")
         torch.set_num_threads(threads_per_rank(config))
@@ -450,14 +450,35 @@ def startup_problem(config: EngineConfig) -> str | None:
     if config.tensor_parallel_size <= 1:
         return None
     try:
-        parallel.check_quantization(config.quantization, config.quantize_lm_head)
-        parallel.check_divisible(parallel.read_config(_model_path(config)), config.tensor_parallel_size)
+        cfg = parallel.read_config(_model_path(config))
+        parallel.check_divisible(cfg, config.tensor_parallel_size)
+        types = _tensor_types(config, None)
+        mode = parallel.resolve_auto(config.quantization, cfg, config.tensor_parallel_size, types)[0]
+        parallel.check_quantization(mode, cfg, config.tensor_parallel_size, config.quant_group_size, types)
     except (ValueError, OSError) as exc:
         return str(exc)
     if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
         return (f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
                 f"{torch.cuda.device_count()} are visible")
     return None
+
+
+def _tensor_types(config: EngineConfig, loaded: LoadedModel | None) -> dict[str, str]:
+    """The checkpoint's storage type per tensor (GGUF block types decide how o/down may split)."""
+    if loaded is not None:
+        return {**loaded.quant_types, **{name: entry[0] for name, entry in loaded.raw_quantized.items()}}
+    return parallel.block_types(_model_path(config))
+
+
+def _settle_quantization(config: EngineConfig, cfg: Any, types: dict[str, str]) -> None:
+    """Resolve ``auto`` once, here, so every rank builds the same layers, and refuse a mode
+    whose groups a rank's share would cut, before any worker starts."""
+    size = config.tensor_parallel_size
+    mode, why = parallel.resolve_auto(config.quantization, cfg, size, types)
+    if why != "as asked":
+        log.info("tensor parallel: quantization %s (%s)", mode, why)
+    parallel.check_quantization(mode, cfg, size, config.quant_group_size, types)
+    config.quantization = mode
 
 
 def _model_path(config: EngineConfig) -> str:
