@@ -300,13 +300,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "tp.json"
     assert tensor_parallel_gpu.main(["--device", "cpu", "--tp", "2", "--quick", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert summary["ok"] and summary["gates"] == {"parity": True}
+    assert summary["ok"] and summary["gates"] == {"parity": True, "quantized_parity": True}
     assert summary["parity"]["identical_sequences"] == summary["parity"]["sequences"] > 0
     one, two = summary["speed"]["results"]
     assert (one["tp"], two["tp"]) == (1, 2) and two["output_tokens"] == one["output_tokens"] > 0
     assert [m["rank"] for m in two["rank_memory"]] == [0, 1]
     assert two["rank_memory"][0]["weight_bytes"] < 0.6 * one["rank_memory"][0]["weight_bytes"]
     assert two["split"]["all_reduce"] > 0 and two["split"]["broadcast"] > 0
+    assert (one["executor"], two["executor"]) == ("fused CPU decode", "eager")
+    # the quantized section: the GGUF file's own blocks on both, each rank holding half of them
+    one, two = summary["quantized"]["results"]
+    assert one["quantization"] == two["quantization"] == "gguf"
+    assert all(abs(m["weight_bytes"] * 2 - one["rank_memory"][0]["weight_bytes"])
+               < 0.05 * one["rank_memory"][0]["weight_bytes"] for m in two["rank_memory"])
 
 
 def test_failing_the_async_engine_ends_open_streams_with_engine_dead():

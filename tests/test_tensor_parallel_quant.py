@@ -2,7 +2,9 @@
 sizes that would cut a quantization group (fast, refused before any process starts),
 and two real ranks on gloo against one with the same quantization (slow).
 
-Parity: the tiny random Llama in float32, one thread per rank, written as a GGUF
+Parity: the tiny random Llama in float32, one thread per rank, steps of at most
+64 tokens (the int4 C kernel's float32 activations; larger steps dequantize into
+bf16 on CPUs that multiply it natively), written as a GGUF
 file with tied embeddings so each rank reads its own blocks and, with the LM head
 quantized, looks tokens up in its share of the quantized head. The row-parallel
 all-reduce adds two partial sums where one rank adds all the columns at once, so
@@ -115,6 +117,17 @@ def test_bundled_model_keeps_its_blocks_on_three_ranks(bundled_model_path):
         parallel.check_quantization("int4", cfg, 3, 128, types)
 
 
+def test_the_executor_tensor_parallelism_gives_up_is_named_per_device():
+    """Eager on every rank: the startup line names what is off (the fused CPU step, or
+    CUDA graphs on NCCL ranks, each on its own GPU)."""
+    from tokenmill.engine import distributed
+
+    assert "fused CPU decode step is off" in distributed.executor_note(torch.device("cpu"))
+    assert "CUDA graphs are off" in distributed.executor_note(torch.device("cuda"))
+    assert (distributed.backend_for("cuda"), distributed.backend_for("cpu")) == ("nccl", "gloo")
+    assert distributed.rank_device("cuda", 1) == torch.device("cuda", 1)
+
+
 # --------------------------------------------------------------------------- slow: two ranks on gloo
 
 
@@ -160,7 +173,8 @@ def test_two_ranks_with_quantized_weights_match_one(tiny_gguf, mode, caplog):
     total = one["weights"][0]
     print(f"{mode}: weights TP=1 {total} B, TP=2 per rank {two['weights']} B")
     assert all(abs(w - total / 2) < 0.03 * total for w in two["weights"]), (total, two["weights"])
-    assert any("eager forward on every rank" in r.getMessage() for r in caplog.records)
+    assert any("eager forward on every rank; the fused CPU decode step is off" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.slow

@@ -23,8 +23,9 @@ worker whose driver dies exits on its own (parent watchdog).
 
 The fused CPU decode step and CUDA graphs run the whole model in one call, with
 no place for the all-reduces, so a tensor-parallel runner takes the eager path
-(logged once); the C attention kernels work per head and run on each rank's
-local heads.
+(logged once at startup: ``executor_note``); the C attention kernels work per
+head and run on each rank's local heads, the quantized layers' kernels on each
+rank's shard.
 """
 from __future__ import annotations
 
@@ -234,6 +235,13 @@ class ParallelRunner(ModelRunner):
                     self.model.compute_logits(hidden.index_select(0, layout.logits_rows.to(self.device)))
 
 
+def executor_note(device: torch.device) -> str:
+    """The startup line saying which step executor tensor parallelism gives up, and why."""
+    skipped = "CUDA graphs are" if torch.device(device).type == "cuda" else "the fused CPU decode step is"
+    return (f"eager forward on every rank; {skipped} off (it runs the whole model in one call, with no place "
+            "for the all-reduces between layers)")
+
+
 def _memory_report(runner: ModelRunner) -> tuple[int, int]:
     return parallel.tensor_bytes(runner.model), runner.kv_cache_bytes
 
@@ -376,8 +384,7 @@ class TensorParallelGroup:
         for m in self.memory:
             log.info("tensor parallel rank %d/%d: weights %.1f MiB, kv pool %.1f MiB (%d blocks)", m.rank,
                      self.tp.size, m.weight_bytes / 2**20, m.kv_bytes / 2**20, num_blocks)
-        log.info("tensor parallel: eager forward on every rank (the fused CPU decode step and CUDA graphs "
-                 "run the whole model in one call, with no place for the all-reduces)")
+        log.info("tensor parallel: %s", executor_note(device))
         self.runner = runner
         return runner
 
