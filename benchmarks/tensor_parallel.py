@@ -357,6 +357,11 @@ def report(results: list[EngineResult], parity: dict[str, Any]) -> str:
     lines.append(f"greedy parity: {parity['identical_sequences']}/{parity['sequences']} sequences identical, "
                  f"{100 * (parity['identical_prefix_fraction'] or 0):.1f}% of tokens before a first difference; "
                  f"first-step logits max |diff| {parity['first_step_max_abs_logit_diff']}")
+    for r in results[1:-1]:  # the same model on one rank by another executor: the rounding baseline
+        base = compare(one, r)
+        lines.append(f"  baseline {r.label} against {one.label}: {base['identical_sequences']}/{base['sequences']} "
+                     f"identical, {100 * (base['identical_prefix_fraction'] or 0):.1f}% of tokens; first-step "
+                     f"logits max |diff| {base['first_step_max_abs_logit_diff']}")
     return "\n".join(lines)
 
 
@@ -406,6 +411,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results = measure(args, folder)
     parity = compare(results[0], results[-1])
     summary = {"config": vars(args), "model": dict(shape), "parity": parity,
+               "baselines": {r.label: compare(results[0], r) for r in results[1:-1]},
                "ratio_tok_s": results[-1].tok_s / results[0].tok_s,
                "results": [{k: v for k, v in asdict(r).items() if k not in ("tokens", "first_logits")}
                            for r in results],

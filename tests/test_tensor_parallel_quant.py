@@ -2,15 +2,15 @@
 sizes that would cut a quantization group (fast, refused before any process starts),
 and two real ranks on gloo against one with the same quantization (slow).
 
-Parity: the tiny random Llama in float32, one thread per rank, steps of at most
-64 tokens (the int4 C kernel's float32 activations; larger steps dequantize into
-bf16 on CPUs that multiply it natively), written as a GGUF
-file with tied embeddings so each rank reads its own blocks and, with the LM head
-quantized, looks tokens up in its share of the quantized head. The row-parallel
-all-reduce adds two partial sums where one rank adds all the columns at once, so
-logits differ by float rounding only. Greedy tokens must be identical (quantized
-modes that round activations to bf16 may flip a near tie: they must agree on most
-tokens instead) and every step's logits within ``LOGIT_TOLERANCE`` of one rank's.
+Parity: the tiny random Llama in float32, one thread per rank, written as a GGUF
+file with tied embeddings, so each rank reads its own blocks and, with the LM head
+quantized, looks tokens up in its share of the quantized head. Steps stay under 64
+tokens: the int4 C kernel's float32 activations (larger steps dequantize into bf16
+on CPUs that multiply it natively). The row-parallel all-reduce adds two partial
+sums where one rank adds all the columns at once, so logits differ by float
+rounding only. Greedy tokens must be identical (int8, which rounds activations to
+bf16, may flip a near tie: it must agree on most tokens instead) and logits lie
+within ``LOGIT_TOLERANCE`` of one rank's.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import logging
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import TINY_EOS, make_tiny_llm, tiny_config, tiny_tokenizer, tiny_weights
 from gguf_files import write_gguf
@@ -76,6 +78,47 @@ def test_each_rank_reads_whole_blocks_that_put_back_together_are_the_file(tmp_pa
     # 257 tokens over 2 ranks: rank 1's last row is zero-byte padding, a zero weight
     vocab_rows = shards[1].raw_quantized["model.embed_tokens.weight"]
     assert vocab_rows[2][0] == -(-cfg.vocab_size // size) and not vocab_rows[1][-1].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([1, 2, 3, 4]), heads_per_rank=st.integers(1, 3), head_dim=st.sampled_from([16, 32, 64]),
+       inter_units=st.integers(1, 6), qtype=st.sampled_from(["Q4_1", "Q8_0", "Q4_0"]))
+def test_block_slices_of_every_rank_put_back_together_are_the_tensor(size, heads_per_rank, head_dim, inter_units,
+                                                                    qtype):
+    """Whatever the split: the ranks' byte slices of a row-parallel tensor, side by side, are
+    its rows; of a column-parallel one, stacked, are the tensor; and a slice exists exactly
+    when the size passes the group check."""
+    heads = heads_per_rank * size
+    cfg = tiny_config(num_attention_heads=heads, num_key_value_heads=heads, head_dim=head_dim, hidden_size=64,
+                      intermediate_size=16 * inter_units * size)
+    block, nbytes = {"Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_0": (32, 18)}[qtype]
+    rng = np.random.default_rng(heads * 1000 + head_dim + inter_units)
+    types = {f"model.layers.0.{p}.weight": qtype for p in ("self_attn.o_proj", "mlp.down_proj")}
+    whole = not parallel._group_problems("gguf", cfg, size, 32, types)
+    for name, cols in (("self_attn.o_proj", heads * head_dim), ("mlp.down_proj", cfg.intermediate_size),
+                       ("mlp.gate_proj", cfg.hidden_size)):
+        if cols % block:
+            continue  # not storable in this format at all
+        name = f"model.layers.0.{name}.weight"
+        rows = cfg.hidden_size if "gate" not in name else cfg.intermediate_size
+        data = rng.integers(0, 256, (rows, cols // block * nbytes), dtype=np.uint8)
+        cuts = [parallel.slice_blocks(name, qtype, data, (rows, cols), cfg, r, size) for r in range(size)]
+        if "gate" in name:
+            assert np.array_equal(np.concatenate([c[0] for c in cuts]), data)
+            continue
+        if not whole and any(c is None for c in cuts):
+            continue
+        assert all(c is not None for c in cuts), (name, size)
+        assert np.array_equal(np.concatenate([c[0] for c in cuts], axis=1), data)
+        assert sum(c[1][1] for c in cuts) == cols
+    if (heads * head_dim) % block or cfg.intermediate_size % block:
+        return  # such a file cannot exist
+    if whole:
+        parallel.check_quantization("gguf", cfg, size, 32, types)
+    else:
+        assert size > 1
+        with pytest.raises(ValueError, match="would split the"):
+            parallel.check_quantization("gguf", cfg, size, 32, types)
 
 
 def test_a_size_that_cuts_a_quantization_group_is_refused_with_the_numbers(tmp_path):
