@@ -26,8 +26,8 @@ from conftest import TINY_EOS, make_tiny_llm, tiny_config, tiny_tokenizer, tiny_
 from gguf_files import write_gguf
 from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _agreement, record_logits
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.distributed import startup_problem
 from tokenmill.config import EngineConfig
+from tokenmill.engine.distributed import startup_problem
 from tokenmill.model import parallel
 from tokenmill.model.loader import dequantize, load_gguf
 
