@@ -108,6 +108,27 @@ def test_rank_reads_only_its_slices_from_a_gguf(tmp_path, qtype):
             np.testing.assert_array_equal(shard.weights[name].numpy(), want[name].numpy(), err_msg=name)
 
 
+def test_rank_reads_its_slice_of_the_biases_from_a_gguf(tmp_path):
+    """Qwen2's q/k/v biases are 1-D: a rank's elements are a byte range of the one row."""
+    cfg = tiny_config(attention_bias=True, architecture="qwen2")
+    weights = tiny_weights(cfg)
+    g = torch.Generator().manual_seed(1)
+    for i in range(cfg.num_hidden_layers):
+        for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads),
+                            ("v", cfg.num_key_value_heads)):
+            weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(heads * cfg.head_dim, generator=g)
+    path = str(tmp_path / "qwen.gguf")
+    write_gguf(path, weights, cfg, arch="qwen2", qtypes={"": "Q8_0"}, eos_token_id=TINY_EOS)
+    full = load_gguf(path)
+    assert full.config.attention_bias
+    for rank in range(2):
+        shard = parallel.load_shard(path, torch.float32, rank, 2)
+        want = parallel.shard_weights(full.weights, full.config, rank, 2)
+        for name in want:
+            np.testing.assert_array_equal(shard.weights[name].numpy(), want[name].numpy(), err_msg=name)
+        assert shard.weights["model.layers.0.self_attn.q_proj.bias"].shape == (cfg.hidden_size // 2,)
+
+
 # --------------------------------------------------------------------------- slow: two ranks on gloo
 
 PREFIX = list(range(20, 52))  # two full blocks shared by every prompt: prefix-cache hits

@@ -185,12 +185,16 @@ def slice_blocks(name: str, type_name: str, blocks: np.ndarray, shape: tuple[int
     if spec is None:
         return blocks, tuple(shape)
     dim, start, stop = spec
-    if dim == 0:
+    if dim == 0 and len(shape) > 1:
         return blocks[start:stop], (stop - start, *shape[1:])
+    # columns, or the elements of a 1-D tensor (a bias: its one row is all the bytes)
     block, type_size = _block_geometry(type_name)
     if start % block or stop % block:
         return None
-    return blocks[:, start // block * type_size : stop // block * type_size], (shape[0], stop - start)
+    cut = slice(start // block * type_size, stop // block * type_size)
+    if len(shape) == 1:
+        return blocks[cut], (stop - start,)
+    return blocks[:, cut], (shape[0], stop - start)
 
 
 def _pad_blocks(name: str, blocks: np.ndarray, shape: tuple[int, ...], cfg: ModelConfig,
