@@ -28,6 +28,7 @@ order can flip a near-tie late in a long random-model sequence).
     .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--rounds 3] [--out tp.json]
     .venv/bin/python benchmarks/tensor_parallel.py --quick       # small model, seconds
     .venv/bin/python benchmarks/tensor_parallel.py --format gguf  # quantized, as the bundled model
+    .venv/bin/python benchmarks/tensor_parallel.py --model bundled --tp 3  # SmolLM2's own Q4_1 blocks
 
 ``--format gguf`` writes the same weights as a GGUF file laid out like the
 bundled SmolLM2 (Q4_1 blocks for every linear layer, a Q8_0 embedding) and
@@ -42,6 +43,7 @@ with gates and a JSON report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -376,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model-dir", default=None, help="where to write/reuse the synthetic model folder")
+    p.add_argument("--model", default=None,
+                   help="run this GGUF file or HF folder instead of the synthetic model ('bundled': SmolLM2, "
+                        "whose 9 heads split over 3 ranks)")
     p.add_argument("--format", choices=["folder", "gguf"], default="folder",
                    help="the synthetic model as safetensors (dense) or as a GGUF file of Q4_1/Q8_0 blocks")
     p.add_argument("--quantization", default=None,
@@ -386,12 +391,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.batch, args.prompt_len, args.max_tokens, args.rounds = 4, 32, 16, 1
     if args.quantization is None:
-        args.quantization = "gguf" if args.format == "gguf" else "none"
+        args.quantization = "gguf" if args.format == "gguf" or args.model == "bundled" else "none"
     return args
 
 
 def prepare_model(args: argparse.Namespace) -> str:
-    """Write (or reuse) the synthetic model in the asked format; its path."""
+    """Write (or reuse) the synthetic model in the asked format; its path (or the
+    ``--model`` given: a GGUF file, an HF folder, or ``bundled``)."""
+    model = getattr(args, "model", None)
+    if model == "bundled":
+        from tokenmill.model.bundled import default_model_path
+
+        return default_model_path()
+    if model:
+        return model
     shape = QUICK_SHAPE if args.quick else SHAPE
     folder = args.model_dir or os.path.join(tempfile.gettempdir(),
                                             f"tokenmill-tp-synthetic-{'quick' if args.quick else 'full'}")
@@ -405,9 +418,9 @@ def prepare_model(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    shape = QUICK_SHAPE if args.quick else SHAPE
     started = time.perf_counter()
     folder = prepare_model(args)
+    shape = dataclasses.asdict(parallel.read_config(folder))
     results = measure(args, folder)
     parity = compare(results[0], results[-1])
     summary = {"config": vars(args), "model": dict(shape), "parity": parity,
