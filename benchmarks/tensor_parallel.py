@@ -139,7 +139,7 @@ def write_gguf_model(path: str, shape: dict[str, Any], seed: int = 0) -> ModelCo
         return cfg
     top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
     per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
-    tmp = path + ".partial"
+    tmp = f"{path}.{os.getpid()}.partial"  # concurrent runs sharing the temp folder never write one file
     w = gguf.GGUFWriter(tmp, "llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
