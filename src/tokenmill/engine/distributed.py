@@ -127,9 +127,10 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPInfo,
-                     device: torch.device) -> LlamaForCausalLM:
+                     device: torch.device, control: Any = None) -> LlamaForCausalLM | None:
     """One rank's shard of the decoder, as the engine builds a whole one (workers use this;
-    the driver goes through the engine with the same two hooks)."""
+    the driver goes through the engine with the same hooks). None: the driver stopped
+    the group before the model was finished."""
     cfg = loaded.config
     dtype = parse_dtype(config.dtype)
     max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
@@ -139,8 +140,29 @@ def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPI
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(cfg, max_len).to(device)
     model.load_weights(loaded.weights)
+    if str(config.quantization).lower() == "w8a8" and control is not None:
+        tokens = _receive_calibration(control)
+        if tokens is None:
+            return None
+        from ..model.smoothquant import smooth_for_int8
+
+        with torch.inference_mode():
+            done = smooth_for_int8(model, tokens, config.cache.block_size, dtype, device)
+        log.info("w8a8: smoothed %d projections of rank %d's shard on %d calibration tokens", done, tp.rank,
+                 len(tokens))
     quantize_shard(model, loaded, config, tp)
     return model.eval()
+
+
+def _receive_calibration(control: Any) -> list[int] | None:
+    """The driver's calibration tokens (``TensorParallelGroup.share_calibration``); None
+    when the driver sent the stop message instead."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    if box[0] is None:
+        return None
+    dist.barrier(group=control)
+    return list(box[0])
 
 
 def quantize_shard(model: LlamaForCausalLM, loaded: LoadedModel, config: EngineConfig, tp: parallel.TPInfo) -> None:
@@ -280,8 +302,11 @@ def _worker_main(spec: _WorkerSpec) -> None:
     tp, control = _join_group(spec.rank, spec.size, spec.port, config.device)
     try:
         loaded = spec.shard or parallel.load_shard(config.model, parse_dtype(config.dtype), spec.rank, spec.size)
-        model = build_rank_model(config, loaded, tp, device)
+        model = build_rank_model(config, loaded, tp, device, control)
         del loaded
+        if model is None:
+            dist.destroy_process_group()
+            return
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)  # the pool's geometry, from the driver
         num_blocks, block_size = box[0]
@@ -367,6 +392,14 @@ class TensorParallelGroup:
     def shard_model(self, model: LlamaForCausalLM) -> None:
         """Engine hook: make the freshly built (meta) model this rank's shard."""
         parallel.shard_model(model, self.tp)
+
+    def share_calibration(self, tokens: list[int]) -> None:
+        """Engine hook (w8a8): hand the workers the calibration tokens and wait until every
+        rank's model is loaded, so the smoothing forwards, whose all-reduces have the short
+        step timeout, start together on every rank. Each rank then smooths its own shard:
+        its norms feed only its own q/k/v and gate/up rows, so its factors may differ."""
+        dist.broadcast_object_list([list(tokens)], src=0, group=self.control)
+        dist.barrier(group=self.control)
 
     def after_quantize(self, model: LlamaForCausalLM) -> None:
         parallel.rewrap_quantized(model, self.tp)
