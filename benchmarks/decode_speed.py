@@ -36,35 +36,40 @@ row measured in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import SamplingParams
-import tokenmill.model.attention as attention
+from tokenmill.options import KernelOptions
 
 
 THREADS = 0
 
 
-def make_engine(config: str) -> LLMEngine:
+def make_engine(config: str, reference: bool = False, eager: bool = False) -> LLMEngine:
     """``config``: a dtype, or int8 / int4 / gguf (the GGUF file's own Q4_1 blocks, the
     very weights llama.cpp runs), optionally ``+lm_head`` (the output head quantized
-    too, as llama.cpp's GGUF stores it; off by default in tokenmill)."""
+    too, as llama.cpp's GGUF stores it; off by default in tokenmill). ``reference``: the
+    reference attention; ``eager``: no fused decode step (both fixed when the engine is built)."""
     name, _, extra = config.partition("+")
     dtype, quant = ("bfloat16", name) if name in ("int8", "int4", "gguf") else (name, "none")
     opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
     if quant != "none":
         opts["quantization"] = quant
         opts["quantize_lm_head"] = extra == "lm_head"
-    engine = LLMEngine(EngineConfig.from_options(**opts))
+    options = KernelOptions.from_env()
+    if reference:
+        options = options.replace(attention="reference")
+    if eager:
+        options = options.replace(fused_decode=False)
+    engine = LLMEngine(EngineConfig.from_options(kernel_options=options, **opts))
     if THREADS:
         torch.set_num_threads(THREADS)
     return engine
@@ -96,34 +101,14 @@ def measure(engine: LLMEngine, prefill_len: int, decode_len: int, seed: int) -> 
 Runner = Callable[[int], tuple[float, float]]  # seed -> (prefill tok/s, decode tok/s) of one repeat
 
 
-@contextlib.contextmanager
-def _paths(reference: bool, eager: bool) -> Iterator[None]:
-    """The reference attention and/or the fused step off, for one measurement."""
-    saved = os.environ.get("TOKENMILL_FUSED_DECODE")
-    attention._USE_REFERENCE = reference
-    if eager:
-        os.environ["TOKENMILL_FUSED_DECODE"] = "0"
-    try:
-        yield
-    finally:
-        attention._USE_REFERENCE = False
-        if saved is None:
-            os.environ.pop("TOKENMILL_FUSED_DECODE", None)
-        else:
-            os.environ["TOKENMILL_FUSED_DECODE"] = saved
-
-
 def tokenmill_runner(config: str, args: argparse.Namespace, reference: bool = False) -> Runner:
     config, _, mode = config.partition(":")
-    eager = reference or mode == "eager"
-    engine = make_engine(config)
+    engine = make_engine(config, reference=reference, eager=reference or mode == "eager")
 
     def run(seed: int) -> tuple[float, float]:
-        with _paths(reference, eager):
-            return measure(engine, args.prefill_len, args.decode_len, seed)
+        return measure(engine, args.prefill_len, args.decode_len, seed)
 
-    with _paths(reference, eager):
-        measure(engine, 64, 8, seed=99)  # warm-up
+    measure(engine, 64, 8, seed=99)  # warm-up
     return run
 
 

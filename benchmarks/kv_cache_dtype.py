@@ -33,7 +33,9 @@ def start(kv: str, args: argparse.Namespace) -> LLMEngine:
         max_num_seqs=args.streams, max_num_batched_tokens=512))
     rng = random.Random(7)
     vocab = engine.tokenizer.vocab_size
-    budget = args.steps * (args.rounds + 1) + 8
+    # Early prompts decode while later ones prefill (512 tokens a step): enough tokens that
+    # no stream finishes before the last round.
+    budget = args.streams * args.input_len // 512 + args.steps * (args.rounds + 2) + 16
     for i in range(args.streams):
         prompt = [rng.randrange(100, vocab - 100) for _ in range(args.input_len)]
         engine.add_request(f"s{i}", prompt, SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True))
@@ -42,6 +44,9 @@ def start(kv: str, args: argparse.Namespace) -> LLMEngine:
         engine.step()
     for _ in range(args.steps):  # warm-up: every stream decoding
         engine.step()
+    if len(engine.scheduler.running) != args.streams:
+        raise SystemExit(f"kv {kv}: {len(engine.scheduler.running)} of {args.streams} streams running; "
+                         "raise --kv-cache-memory")
     return engine
 
 
@@ -64,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.steps):
                 engine.step()
             times[kv].append((time.perf_counter() - t) / args.steps)
-    context = args.input_len + args.steps * (args.rounds + 1)
+    assert all(len(e.scheduler.running) == args.streams for e in engines.values()), "a stream finished early"
     print(f"# kv_cache_dtype: dtype {args.dtype}, {args.streams} streams, prompts {args.input_len} tokens "
-          f"(context {args.input_len + args.steps}-{context} while measured), {args.rounds} rounds x {args.steps} "
-          f"steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+          f"(about {args.input_len + args.streams * args.input_len // 1024} tokens of context each while measured), "
+          f"{args.rounds} rounds x {args.steps} steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
     print("| KV pool | blocks in the budget | best step ms | median step ms | best tok/s | median tok/s |")
     print("|---|---|---|---|---|---|")
     for kv in kinds:

@@ -27,6 +27,15 @@ order can flip a near-tie late in a long random-model sequence).
 
     .venv/bin/python benchmarks/tensor_parallel.py [--tp 2] [--rounds 3] [--out tp.json]
     .venv/bin/python benchmarks/tensor_parallel.py --quick       # small model, seconds
+    .venv/bin/python benchmarks/tensor_parallel.py --format gguf  # quantized, as the bundled model
+    .venv/bin/python benchmarks/tensor_parallel.py --model bundled --tp 3  # SmolLM2's own Q4_1 blocks
+
+``--format gguf`` writes the same weights as a GGUF file laid out like the
+bundled SmolLM2 (Q4_1 blocks for every linear layer, a Q8_0 embedding) and
+serves them with ``--quantization gguf`` (the file's own blocks through the
+int4 kernels), each rank reading whole blocks of its slices. ``--quantization``
+picks another mode for either format (int8 and int4 quantize each rank's shard
+at load).
 
 On several GPUs: ``--device cuda --tp N`` (``tensor_parallel_gpu.py`` wraps it
 with gates and a JSON report).
@@ -34,6 +43,7 @@ with gates and a JSON report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -106,6 +116,65 @@ def write_model(folder: str, shape: dict[str, Any], seed: int = 0) -> ModelConfi
     return cfg
 
 
+GGUF_LINEAR_TYPE, GGUF_EMBEDDING_TYPE = "Q4_1", "Q8_0"  # the bundled SmolLM2's layout
+
+
+def _gguf_rows_for_llama_cpp(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores each q/k head's rotary halves interleaved pairwise
+    (the loader undoes it); write them that way so a rank's unpermute is exercised."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def write_gguf_model(path: str, shape: dict[str, Any], seed: int = 0) -> ModelConfig:
+    """The synthetic model as a GGUF file: linear layers in Q4_1 blocks, the embedding
+    in Q8_0, norms in F32 (quantized by the ``gguf`` package's reference code)."""
+    import gguf
+    from gguf.quants import quantize
+
+    from tokenmill.model import loader
+
+    cfg = ModelConfig(**shape)
+    if os.path.isfile(path):
+        return cfg
+    top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
+    per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+    tmp = f"{path}.{os.getpid()}.partial"  # concurrent runs sharing the temp folder never write one file
+    w = gguf.GGUFWriter(tmp, "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_eos_token_id(cfg.eos_token_id)
+    for name, tensor in synthetic_weights(cfg, seed).items():
+        if name in top:
+            gname = top[name]
+        else:
+            _, _, idx, rest = name.split(".", 3)
+            gname = f"blk.{idx}.{per_layer[rest]}"
+        if ".q_proj." in name or ".k_proj." in name:
+            tensor = _gguf_rows_for_llama_cpp(tensor, cfg.num_attention_heads if ".q_proj." in name
+                                              else cfg.num_key_value_heads)
+        value = tensor.contiguous().numpy()
+        if value.ndim == 1:
+            w.add_tensor(gname, value)
+            continue
+        qtype = gguf.GGMLQuantizationType[GGUF_EMBEDDING_TYPE if "embed_tokens" in name else GGUF_LINEAR_TYPE]
+        w.add_tensor(gname, quantize(value, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)  # last: marks the file complete
+    return cfg
+
+
 @dataclass
 class Split:
     """Seconds of the driver's time, by where they went."""
@@ -123,6 +192,8 @@ class EngineResult:
     label: str
     tp: int
     threads_per_rank: int
+    quantization: str = "none"
+    executor: str = "eager"  # which step executor the driver's runner had: eager, fused CPU decode, CUDA graphs
     output_tokens: int = 0
     tok_s: float = 0.0
     decode_ms_per_step: float = 0.0
@@ -180,12 +251,24 @@ class Timed:
         return [r.output_token_ids for r in reqs], (decode_s / decode_steps if decode_steps else 0.0)
 
 
-def make_llm(folder: str, tp: int, threads: int, device: str, dtype: str, kv_blocks: int) -> LLM:
+def make_llm(folder: str, tp: int, threads: int, device: str, dtype: str, kv_blocks: int,
+             quantization: str = "none") -> LLM:
     from cuda_check_support import synthetic_tokenizer
 
     cfg = parallel.read_config(folder)
     return LLM(folder, dtype=dtype, device=device, tensor_parallel_size=tp, num_threads=threads,
-               tokenizer=synthetic_tokenizer(cfg.vocab_size), num_blocks=kv_blocks, enable_prefix_caching=False)
+               tokenizer=synthetic_tokenizer(cfg.vocab_size), num_blocks=kv_blocks, enable_prefix_caching=False,
+               quantization=quantization)
+
+
+def executor(llm: LLM, fused_allowed: bool) -> str:
+    """The decode executor the engine's runner holds (tensor parallelism: always eager)."""
+    runner = llm.engine.runner
+    if getattr(runner, "graphs", None) is not None:
+        return "CUDA graphs"
+    if getattr(runner, "fused", None) is not None and fused_allowed:
+        return "fused CPU decode"
+    return "eager"
 
 
 def measure(args: argparse.Namespace, folder: str) -> list[EngineResult]:
@@ -205,14 +288,17 @@ def measure(args: argparse.Namespace, folder: str) -> list[EngineResult]:
         for label, tp, per_rank, fused in plan:
             # one tensor-parallel group per process at a time: each engine lives for one round
             os.environ["TOKENMILL_FUSED_DECODE"] = "1" if fused else "0"
-            llm = make_llm(folder, tp, per_rank, args.device, args.dtype, blocks)
+            llm = make_llm(folder, tp, per_rank, args.device, args.dtype, blocks,
+                           getattr(args, "quantization", None) or "none")
             try:
                 # warm up; on GPUs the whole batch, so TP=1's lazily captured CUDA graphs exist before timing
                 warm = prompts if args.device != "cpu" else prompts[:1]
                 llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
                 timed = Timed(llm)
                 tokens, decode_step = timed.run(prompts, params)
-                result = EngineResult(label=label, tp=tp, threads_per_rank=per_rank)
+                result = EngineResult(label=label, tp=tp, threads_per_rank=per_rank,
+                                      quantization=str(llm.engine.config.quantization),
+                                      executor=executor(llm, fused))
                 result.output_tokens = sum(len(t) for t in tokens)
                 result.tok_s = result.output_tokens / timed.split.wall
                 result.decode_ms_per_step = decode_step * 1e3
@@ -253,6 +339,8 @@ def report(results: list[EngineResult], parity: dict[str, Any]) -> str:
     one, many = results[0], results[-1]
     row = lambda name, cells: f"{name:24}" + "".join(f"{c:>16}" for c in cells)  # noqa: E731
     lines = [row("", [r.label for r in results]),
+             row("quantization", [r.quantization for r in results]),
+             row("decode executor", [r.executor for r in results]),
              row("threads per rank", [r.threads_per_rank for r in results]),
              row("output tok/s", [f"{r.tok_s:.1f}" for r in results]),
              row("decode ms/step", [f"{r.decode_ms_per_step:.1f}" for r in results])]
@@ -271,6 +359,11 @@ def report(results: list[EngineResult], parity: dict[str, Any]) -> str:
     lines.append(f"greedy parity: {parity['identical_sequences']}/{parity['sequences']} sequences identical, "
                  f"{100 * (parity['identical_prefix_fraction'] or 0):.1f}% of tokens before a first difference; "
                  f"first-step logits max |diff| {parity['first_step_max_abs_logit_diff']}")
+    for r in results[1:-1]:  # the same model on one rank by another executor: the rounding baseline
+        base = compare(one, r)
+        lines.append(f"  baseline {r.label} against {one.label}: {base['identical_sequences']}/{base['sequences']} "
+                     f"identical, {100 * (base['identical_prefix_fraction'] or 0):.1f}% of tokens; first-step "
+                     f"logits max |diff| {base['first_step_max_abs_logit_diff']}")
     return "\n".join(lines)
 
 
@@ -285,23 +378,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model-dir", default=None, help="where to write/reuse the synthetic model folder")
+    p.add_argument("--model", default=None,
+                   help="run this GGUF file or HF folder instead of the synthetic model ('bundled': SmolLM2, "
+                        "whose 9 heads split over 3 ranks)")
+    p.add_argument("--format", choices=["folder", "gguf"], default="folder",
+                   help="the synthetic model as safetensors (dense) or as a GGUF file of Q4_1/Q8_0 blocks")
+    p.add_argument("--quantization", default=None,
+                   help="none, int8, int4, gguf, w8a8 (default: gguf for --format gguf, else none)")
     p.add_argument("--quick", action="store_true", help="a 4-layer model and a short workload")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.prompt_len, args.max_tokens, args.rounds = 4, 32, 16, 1
+    if args.quantization is None:
+        args.quantization = "gguf" if args.format == "gguf" or args.model == "bundled" else "none"
     return args
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def prepare_model(args: argparse.Namespace) -> str:
+    """Write (or reuse) the synthetic model in the asked format; its path (or the
+    ``--model`` given: a GGUF file, an HF folder, or ``bundled``)."""
+    model = getattr(args, "model", None)
+    if model == "bundled":
+        from tokenmill.model.bundled import default_model_path
+
+        return default_model_path()
+    if model:
+        return model
     shape = QUICK_SHAPE if args.quick else SHAPE
     folder = args.model_dir or os.path.join(tempfile.gettempdir(),
                                             f"tokenmill-tp-synthetic-{'quick' if args.quick else 'full'}")
-    started = time.perf_counter()
+    if getattr(args, "format", "folder") == "gguf":
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"model-{GGUF_LINEAR_TYPE.lower()}.gguf")
+        write_gguf_model(path, shape)
+        return path
     write_model(folder, shape)
+    return folder
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    started = time.perf_counter()
+    folder = prepare_model(args)
+    shape = dataclasses.asdict(parallel.read_config(folder))
     results = measure(args, folder)
     parity = compare(results[0], results[-1])
     summary = {"config": vars(args), "model": dict(shape), "parity": parity,
+               "baselines": {r.label: compare(results[0], r) for r in results[1:-1]},
                "ratio_tok_s": results[-1].tok_s / results[0].tok_s,
                "results": [{k: v for k, v in asdict(r).items() if k not in ("tokens", "first_logits")}
                            for r in results],

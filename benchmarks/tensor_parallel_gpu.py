@@ -23,6 +23,16 @@ Sections, each in its own try/except, the JSON rewritten after each (and marked
 * ``speed`` (``--speed-dtype``, default bfloat16): output tok/s and decode ms/step of
   both, their ratio, the driver's time split (scheduling, broadcast, all-reduce,
   compute) and every rank's weights and KV pool.
+* ``quantized`` (``--quantization``, default gguf: the synthetic model written as a
+  GGUF file of Q4_1 blocks, each rank's int4 kernels on its whole blocks over NCCL;
+  float32 activations around them on CPU, ``--speed-dtype`` on GPUs): greedy parity
+  and speed of TP=N against TP=1, each rank's weights (about 1/N of TP=1's); gate
+  ``quantized_parity``: first-step logits within ``--quant-rel-tolerance`` of their
+  scale (default 2e-2: the kernels round activations and partial outputs to bf16,
+  each rank its own).
+
+Every result names its decode executor: TP=1 replays CUDA graphs (or the fused
+CPU decode step), TP=N runs eager on every rank.
 
 Exit status: 0 when every section ran and the gate passed, 1 otherwise (after the
 JSON is written), 2 when fewer than two GPUs are visible on ``--device cuda``.
@@ -50,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=None, help="ranks (default: every visible GPU; 2 on CPU)")
     p.add_argument("--speed-dtype", default="bfloat16")
     p.add_argument("--rel-tolerance", type=float, default=1e-3)
+    p.add_argument("--quantization", default="gguf", help="the quantized section's mode (gguf, int4, int8)")
+    p.add_argument("--quant-rel-tolerance", type=float, default=2e-2)
     p.add_argument("--quick", action="store_true", help="a 4-layer model and a short workload")
     p.add_argument("--out", default="tp_gpu.json")
     return p.parse_args(argv)
@@ -60,7 +72,8 @@ def workload(args: argparse.Namespace, dtype: str, rounds: int) -> argparse.Name
     big = args.device != "cpu" and not args.quick
     return argparse.Namespace(tp=args.tp, device=args.device, dtype=dtype, threads=None, eager=False,
                               batch=32 if big else 4, prompt_len=512 if big else 32,
-                              max_tokens=128 if big else 16, rounds=rounds, quick=args.quick)
+                              max_tokens=128 if big else 16, rounds=rounds, quick=args.quick,
+                              quantization="none", format="folder", model_dir=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +128,27 @@ def main(argv: list[str] | None = None) -> int:
                 "results": [{k: v for k, v in tpb.asdict(r).items() if k not in ("tokens", "first_logits")}
                             for r in results]}
 
+    def quantized() -> dict[str, Any]:
+        qargs = workload(args, "float32" if args.device == "cpu" else args.speed_dtype, 1)
+        qargs.quantization, qargs.format = args.quantization, "gguf" if args.quantization == "gguf" else "folder"
+        results = tpb.measure(qargs, tpb.prepare_model(qargs))
+        one, many = results[0], results[-1]
+        result = tpb.compare(one, many)
+        scale = max((max(abs(x) for x in row) for row in one.first_logits), default=0.0)
+        diff = result["first_step_max_abs_logit_diff"]
+        result["logit_scale"] = scale
+        result["passed"] = diff is not None and diff <= args.quant_rel_tolerance * scale
+        summary["gates"]["quantized_parity"] = result["passed"]
+        print(tpb.report(results, result))
+        return {**result, "ratio_tok_s": many.tok_s / one.tok_s,
+                "results": [{k: v for k, v in tpb.asdict(r).items() if k not in ("tokens", "first_logits")}
+                            for r in results]}
+
     section("parity", parity)
     section("speed", speed)
-    ok = all(summary[s].get("ok") for s in ("parity", "speed")) and all(summary["gates"].values())
+    section("quantized", quantized)
+    sections = ("parity", "speed", "quantized")
+    ok = all(summary[s].get("ok") for s in sections) and all(summary["gates"].values())
     summary["ok"] = ok
     save()
     print(f"tensor-parallel check: {'ok' if ok else 'FAILED'} ({out})")

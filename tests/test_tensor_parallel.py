@@ -80,8 +80,6 @@ def test_sizes_that_do_not_divide_are_refused_with_the_numbers(bundled_model_pat
     # refused before any worker process starts
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
         make_tiny_llm(tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="'gguf' is not supported with tensor parallelism"):
-        make_tiny_llm(tensor_parallel_size=2, quantization="gguf")
 
 
 def test_rank_reads_only_its_slices_from_a_folder(tmp_path):
@@ -108,6 +106,27 @@ def test_rank_reads_only_its_slices_from_a_gguf(tmp_path, qtype):
         want = parallel.shard_weights(full.weights, full.config, rank, 2)
         for name in want:
             np.testing.assert_array_equal(shard.weights[name].numpy(), want[name].numpy(), err_msg=name)
+
+
+def test_rank_reads_its_slice_of_the_biases_from_a_gguf(tmp_path):
+    """Qwen2's q/k/v biases are 1-D: a rank's elements are a byte range of the one row."""
+    cfg = tiny_config(attention_bias=True, architecture="qwen2")
+    weights = tiny_weights(cfg)
+    g = torch.Generator().manual_seed(1)
+    for i in range(cfg.num_hidden_layers):
+        for proj, heads in (("q", cfg.num_attention_heads), ("k", cfg.num_key_value_heads),
+                            ("v", cfg.num_key_value_heads)):
+            weights[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(heads * cfg.head_dim, generator=g)
+    path = str(tmp_path / "qwen.gguf")
+    write_gguf(path, weights, cfg, arch="qwen2", qtypes={"": "Q8_0"}, eos_token_id=TINY_EOS)
+    full = load_gguf(path)
+    assert full.config.attention_bias
+    for rank in range(2):
+        shard = parallel.load_shard(path, torch.float32, rank, 2)
+        want = parallel.shard_weights(full.weights, full.config, rank, 2)
+        for name in want:
+            np.testing.assert_array_equal(shard.weights[name].numpy(), want[name].numpy(), err_msg=name)
+        assert shard.weights["model.layers.0.self_attn.q_proj.bias"].shape == (cfg.hidden_size // 2,)
 
 
 # --------------------------------------------------------------------------- slow: two ranks on gloo
@@ -294,13 +313,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "tp.json"
     assert tensor_parallel_gpu.main(["--device", "cpu", "--tp", "2", "--quick", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert summary["ok"] and summary["gates"] == {"parity": True}
+    assert summary["ok"] and summary["gates"] == {"parity": True, "quantized_parity": True}
     assert summary["parity"]["identical_sequences"] == summary["parity"]["sequences"] > 0
     one, two = summary["speed"]["results"]
     assert (one["tp"], two["tp"]) == (1, 2) and two["output_tokens"] == one["output_tokens"] > 0
     assert [m["rank"] for m in two["rank_memory"]] == [0, 1]
     assert two["rank_memory"][0]["weight_bytes"] < 0.6 * one["rank_memory"][0]["weight_bytes"]
     assert two["split"]["all_reduce"] > 0 and two["split"]["broadcast"] > 0
+    assert (one["executor"], two["executor"]) == ("fused CPU decode", "eager")
+    # the quantized section: the GGUF file's own blocks on both, each rank holding half of them
+    one, two = summary["quantized"]["results"]
+    assert one["quantization"] == two["quantization"] == "gguf"
+    assert all(abs(m["weight_bytes"] * 2 - one["rank_memory"][0]["weight_bytes"])
+               < 0.05 * one["rank_memory"][0]["weight_bytes"] for m in two["rank_memory"])
 
 
 def test_failing_the_async_engine_ends_open_streams_with_engine_dead():
@@ -344,8 +369,8 @@ def test_serve_refuses_a_split_that_cannot_work_in_one_line(capsys):
     assert main(["serve", "-tp", "2"]) == 2  # the bundled SmolLM2: 9 heads
     err = capsys.readouterr().err
     assert err.startswith("tokenmill serve: error: tensor_parallel_size 2 does not divide") and "1, 3" in err
-    assert main(["serve", "-tp", "3", "--quantization", "gguf"]) == 2
-    assert "'gguf' is not supported with tensor parallelism" in capsys.readouterr().err
+    assert main(["serve", "-tp", "3", "--quantization", "int4", "--quant-group-size", "128"]) == 2
+    assert "would split the int4 groups of 128 columns of o_proj" in capsys.readouterr().err
 
 
 @pytest.mark.slow

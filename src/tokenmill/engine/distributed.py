@@ -23,8 +23,9 @@ worker whose driver dies exits on its own (parent watchdog).
 
 The fused CPU decode step and CUDA graphs run the whole model in one call, with
 no place for the all-reduces, so a tensor-parallel runner takes the eager path
-(logged once); the C attention kernels work per head and run on each rank's
-local heads.
+(logged once at startup: ``executor_note``); the C attention kernels work per
+head and run on each rank's local heads, the quantized layers' kernels on each
+rank's shard.
 """
 from __future__ import annotations
 
@@ -125,9 +126,10 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 
 def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPInfo,
-                     device: torch.device) -> LlamaForCausalLM:
+                     device: torch.device, control: Any = None) -> LlamaForCausalLM | None:
     """One rank's shard of the decoder, as the engine builds a whole one (workers use this;
-    the driver goes through the engine with the same two hooks)."""
+    the driver goes through the engine with the same hooks). None: the driver stopped
+    the group before the model was finished."""
     cfg = loaded.config
     dtype = parse_dtype(config.dtype)
     max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
@@ -137,8 +139,30 @@ def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPI
     model = model.to_empty(device=device).to(dtype)
     model.rope = RotaryEmbedding(cfg, max_len).to(device)
     model.load_weights(loaded.weights)
+    if str(config.quantization).lower() == "w8a8" and control is not None:
+        tokens = _receive_calibration(control)
+        if tokens is None:
+            return None
+        from ..model.smoothquant import smooth_for_int8
+
+        with torch.inference_mode():
+            done = smooth_for_int8(model, tokens, config.cache.block_size, dtype, device,
+                                   choose_kernels(device, config.kernel_options))
+        log.info("w8a8: smoothed %d projections of rank %d's shard on %d calibration tokens", done, tp.rank,
+                 len(tokens))
     quantize_shard(model, loaded, config, tp)
     return model.eval()
+
+
+def _receive_calibration(control: Any) -> list[int] | None:
+    """The driver's calibration tokens (``TensorParallelGroup.share_calibration``); None
+    when the driver sent the stop message instead."""
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)
+    if box[0] is None:
+        return None
+    dist.barrier(group=control)
+    return list(box[0])
 
 
 def quantize_shard(model: LlamaForCausalLM, loaded: LoadedModel, config: EngineConfig, tp: parallel.TPInfo) -> None:
@@ -220,6 +244,13 @@ class ParallelRunner(ModelRunner):
                     self.model.compute_logits(hidden.index_select(0, layout.logits_rows.to(self.device)))
 
 
+def executor_note(device: torch.device) -> str:
+    """The startup line saying which step executor tensor parallelism gives up, and why."""
+    skipped = "CUDA graphs are" if torch.device(device).type == "cuda" else "the fused CPU decode step is"
+    return (f"eager forward on every rank; {skipped} off (it runs the whole model in one call, with no place "
+            "for the all-reduces between layers)")
+
+
 def _memory_report(runner: ModelRunner) -> tuple[int, int]:
     return parallel.tensor_bytes(runner.model), runner.kv_cache_bytes
 
@@ -258,8 +289,11 @@ def _worker_main(spec: _WorkerSpec) -> None:
     tp, control = _join_group(spec.rank, spec.size, spec.port, config)
     try:
         loaded = spec.shard or parallel.load_shard(config.model, parse_dtype(config.dtype), spec.rank, spec.size)
-        model = build_rank_model(config, loaded, tp, device)
+        model = build_rank_model(config, loaded, tp, device, control)
         del loaded
+        if model is None:
+            dist.destroy_process_group()
+            return
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=control)  # the pool's geometry, from the driver
         num_blocks, block_size = box[0]
@@ -307,13 +341,13 @@ class TensorParallelGroup:
         rank 0's shard. ``loaded``: an in-memory model (tests) whose shards are handed to
         the workers; None: every rank reads its own slices from ``config.model``."""
         size = config.tensor_parallel_size
-        parallel.check_quantization(config.quantization, config.quantize_lm_head)
         device = torch.device(config.device)
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; "
                              f"{torch.cuda.device_count()} are visible")
         cfg = loaded.config if loaded is not None else parallel.read_config(_model_path(config))
         parallel.check_divisible(cfg, size)
+        _settle_quantization(config, cfg, _tensor_types(config, loaded))
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel group is already running in this process; close it first")
         torch.set_num_threads(threads_per_rank(config))
@@ -347,6 +381,14 @@ class TensorParallelGroup:
         """Engine hook: make the freshly built (meta) model this rank's shard."""
         parallel.shard_model(model, self.tp)
 
+    def share_calibration(self, tokens: list[int]) -> None:
+        """Engine hook (w8a8): hand the workers the calibration tokens and wait until every
+        rank's model is loaded, so the smoothing forwards, whose all-reduces have the short
+        step timeout, start together on every rank. Each rank then smooths its own shard:
+        its norms feed only its own q/k/v and gate/up rows, so its factors may differ."""
+        dist.broadcast_object_list([list(tokens)], src=0, group=self.control)
+        dist.barrier(group=self.control)
+
     def after_quantize(self, model: LlamaForCausalLM) -> None:
         parallel.rewrap_quantized(model, self.tp)
 
@@ -363,8 +405,7 @@ class TensorParallelGroup:
         for m in self.memory:
             log.info("tensor parallel rank %d/%d: weights %.1f MiB, kv pool %.1f MiB (%d blocks)", m.rank,
                      self.tp.size, m.weight_bytes / 2**20, m.kv_bytes / 2**20, num_blocks)
-        log.info("tensor parallel: eager forward on every rank (the fused CPU decode step and CUDA graphs "
-                 "run the whole model in one call, with no place for the all-reduces)")
+        log.info("tensor parallel: %s", executor_note(device))
         self.runner = runner
         return runner
 
@@ -437,14 +478,35 @@ def startup_problem(config: EngineConfig) -> str | None:
     if config.tensor_parallel_size <= 1:
         return None
     try:
-        parallel.check_quantization(config.quantization, config.quantize_lm_head)
-        parallel.check_divisible(parallel.read_config(_model_path(config)), config.tensor_parallel_size)
+        cfg = parallel.read_config(_model_path(config))
+        parallel.check_divisible(cfg, config.tensor_parallel_size)
+        types = _tensor_types(config, None)
+        mode = parallel.resolve_auto(config.quantization, cfg, config.tensor_parallel_size, types)[0]
+        parallel.check_quantization(mode, cfg, config.tensor_parallel_size, config.quant_group_size, types)
     except (ValueError, OSError) as exc:
         return str(exc)
     if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
         return (f"tensor_parallel_size {config.tensor_parallel_size} needs as many GPUs; "
                 f"{torch.cuda.device_count()} are visible")
     return None
+
+
+def _tensor_types(config: EngineConfig, loaded: LoadedModel | None) -> dict[str, str]:
+    """The checkpoint's storage type per tensor (GGUF block types decide how o/down may split)."""
+    if loaded is not None:
+        return {**loaded.quant_types, **{name: entry[0] for name, entry in loaded.raw_quantized.items()}}
+    return parallel.block_types(_model_path(config))
+
+
+def _settle_quantization(config: EngineConfig, cfg: Any, types: dict[str, str]) -> None:
+    """Resolve ``auto`` once, here, so every rank builds the same layers, and refuse a mode
+    whose groups a rank's share would cut, before any worker starts."""
+    size = config.tensor_parallel_size
+    mode, why = parallel.resolve_auto(config.quantization, cfg, size, types)
+    if why != "as asked":
+        log.info("tensor parallel: quantization %s (%s)", mode, why)
+    parallel.check_quantization(mode, cfg, size, config.quant_group_size, types)
+    config.quantization = mode
 
 
 def _model_path(config: EngineConfig) -> str:

@@ -108,7 +108,7 @@ class LLMEngine:
         max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
         self.max_model_len = max_len
         calibration = None
-        if str(config.quantization).lower() == "w8a8" and self.parallel is None:  # int8 activations: smooth first
+        if str(config.quantization).lower() == "w8a8":  # int8 activations: smooth first
             from ..model.smoothquant import calibration_text
 
             calibration = self.tokenizer.encode(calibration_text())
@@ -460,6 +460,9 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
     model.load_weights(loaded.weights)
     if calibration and str(config.quantization).lower() == "w8a8":
         from ..model.smoothquant import smooth_for_int8
+
+        if parallel is not None:
+            parallel.share_calibration(calibration)  # every rank smooths its shard on these tokens, in step
 
         with torch.inference_mode():
             smooth_for_int8(model, calibration, config.cache.block_size, dtype, device,

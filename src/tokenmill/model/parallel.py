@@ -15,6 +15,16 @@ the rotary tables are replicated.
 The decoder's own modules do the rest: built with ``local_config`` (the head
 and intermediate counts of one rank) they have exactly a shard's shapes, so
 the attention kernels run per rank on the local heads without knowing.
+
+Quantized weights split along their quantization groups. A column-parallel
+layer (q/k/v, gate/up: output rows) keeps whole rows, hence whole blocks; a
+row-parallel one (o, down: input columns) must cut each row at a multiple of
+the block or group (32 columns for Q8_0/Q4_0/Q4_1, ``--quant-group-size`` for
+int4), and a size that would cut one is refused before any process starts
+(``check_quantization``). int8 and w8a8 have one scale per output row, so
+they split anywhere. A GGUF file's blocks are sliced as bytes: rows are rows
+of blocks, columns are a run of whole blocks in every row; vocabulary shards
+are padded with zero bytes, which every kept format reads as zero weights.
 """
 from __future__ import annotations
 
@@ -33,7 +43,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from .llama import Linear, LlamaForCausalLM
-from .loader import LoadedModel, dequantize, gguf_to_hf_name, hf_config, read_gguf, unpermute_rows
+from .loader import (BLOCK_SHAPES, RAW_KEPT_TYPES, LoadedModel, dequantize, gguf_to_hf_name, hf_config,
+                     read_gguf, unpermute_rows)
 
 
 @dataclass
@@ -157,10 +168,59 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, rank: int,
     return out
 
 
+def _block_geometry(type_name: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of a GGUF type (1 element for the float types)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+
+
+def slice_blocks(name: str, type_name: str, blocks: np.ndarray, shape: tuple[int, ...], cfg: ModelConfig,
+                 rank: int, size: int) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """``rank``'s part of a GGUF tensor's raw rows ``[rows, bytes_per_row]``, and its shape.
+
+    Rows are rows of blocks; columns are a run of whole blocks in every row. None when
+    the column range would cut a block (the caller dequantizes, or refuses)."""
+    spec = shard_range(name, cfg, rank, size)
+    if spec is None:
+        return blocks, tuple(shape)
+    dim, start, stop = spec
+    if dim == 0 and len(shape) > 1:
+        return blocks[start:stop], (stop - start, *shape[1:])
+    # columns, or the elements of a 1-D tensor (a bias: its one row is all the bytes)
+    block, type_size = _block_geometry(type_name)
+    if start % block or stop % block:
+        return None
+    cut = slice(start // block * type_size, stop // block * type_size)
+    if len(shape) == 1:
+        return blocks[cut], (stop - start,)
+    return blocks[:, cut], (shape[0], stop - start)
+
+
+def _pad_blocks(name: str, blocks: np.ndarray, shape: tuple[int, ...], cfg: ModelConfig,
+                size: int) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Vocabulary shards of raw blocks padded to the common row count with zero bytes:
+    a zero scale (and zero offset) is a zero weight in Q8_0, Q4_0 and Q4_1."""
+    rows = vocab_shard(cfg.vocab_size, 0, size)[2]
+    blocks = np.ascontiguousarray(blocks)
+    if name not in ("model.embed_tokens.weight", "lm_head.weight") or blocks.shape[0] == rows:
+        return blocks, tuple(shape)
+    pad = np.zeros((rows - blocks.shape[0], blocks.shape[1]), dtype=blocks.dtype)
+    return np.concatenate([blocks, pad]), (rows, *shape[1:])
+
+
 def shard_loaded(loaded: LoadedModel, rank: int, size: int) -> LoadedModel:
-    check_divisible(loaded.config, size)
-    return LoadedModel(loaded.config, shard_weights(loaded.weights, loaded.config, rank, size),
-                       dict(loaded.quant_types), {}, source=loaded.source, format=loaded.format)
+    """One rank's part of an in-memory model: its weights, and its slices of the raw
+    GGUF blocks (kept whole; a tensor whose column split would cut a block keeps none)."""
+    cfg = loaded.config
+    check_divisible(cfg, size)
+    raw = {}
+    for name, (type_name, blocks, shape) in loaded.raw_quantized.items():
+        cut = slice_blocks(name, type_name, np.asarray(blocks), tuple(shape), cfg, rank, size)
+        if cut is not None:
+            raw[name] = (type_name, *_pad_blocks(name, *cut, cfg, size))
+    return LoadedModel(cfg, shard_weights(loaded.weights, cfg, rank, size), dict(loaded.quant_types), raw,
+                       source=loaded.source, format=loaded.format)
 
 
 # --------------------------------------------------------------------------- reading a shard from the file
@@ -224,40 +284,45 @@ def _load_hf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> Loade
     return LoadedModel(cfg, weights, {}, {}, source=path, format="hf")
 
 
-def _load_gguf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+def block_types(path: str) -> dict[str, str]:
+    """HF name -> GGUF type of a file's tensors, read from its header (nothing for an HF folder)."""
+    if os.path.isdir(path):
+        return {}
+    return {hf: t.type_name for t in read_gguf(path).tensors if (hf := gguf_to_hf_name(t.name)) is not None}
 
+
+def _load_gguf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
     gguf_file = read_gguf(path)
     entries = [(hf, t) for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name)) is not None]
     cfg = read_config(path)
     check_divisible(cfg, size)
     permuted = cfg.architecture in ("llama", "mistral")
     weights: dict[str, torch.Tensor] = {}
+    quant_types: dict[str, str] = {}
+    raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] = {}
     for hf, t in entries:
-        data, shape = t.data, t.shape
-        spec = shard_range(hf, cfg, rank, size)
-        values: np.ndarray | None = None
-        if spec is not None:
-            dim, start, stop = spec
-            if dim == 0:  # whole rows: a view of the mapped file
-                data = data[start:stop]
-                shape = (stop - start, *shape[1:])
-            else:  # columns: whole quantization blocks when they align, else dequantize this tensor
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[t.type_name]]
-                if start % block == 0 and stop % block == 0:
-                    data = data[:, start // block * type_size : stop // block * type_size]
-                    shape = (shape[0], stop - start)
-                else:
-                    values = dequantize(t.data, t.type_name, t.shape)[:, start:stop]
-        if values is None:
-            values = dequantize(data, t.type_name, shape)
+        cut = slice_blocks(hf, t.type_name, t.data, t.shape, cfg, rank, size)
+        blocks: np.ndarray | None
+        if cut is None:  # columns that cut a block: dequantize this tensor, then slice (dense only)
+            spec = shard_range(hf, cfg, rank, size)
+            assert spec is not None
+            values = dequantize(t.data, t.type_name, t.shape)[:, spec[1] : spec[2]]
+            blocks, shape = None, tuple(values.shape)
+        else:
+            blocks, shape = cut  # views of the mapped file: only this rank's bytes are read
+            values = dequantize(blocks, t.type_name, shape)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             # llama.cpp's row order is per head, so a slice of whole heads unpermutes on its own
             heads = cfg.num_attention_heads // size if ".q_proj." in hf else local_kv_heads(cfg, size)
-            values = values[unpermute_rows(values.shape[0], heads)]
+            index = unpermute_rows(values.shape[0], heads)
+            values = values[index]
+            blocks = None if blocks is None else blocks[index]
         values = np.array(values, copy=True, order="C")
         weights[hf] = _pad_vocab(hf, torch.from_numpy(values).to(dtype), cfg, size)
-    return LoadedModel(cfg, weights, {}, {}, source=path, format="gguf")
+        quant_types[hf] = t.type_name
+        if blocks is not None and t.type_name in RAW_KEPT_TYPES and len(shape) == 2:
+            raw[hf] = (t.type_name, *_pad_blocks(hf, blocks, shape, cfg, size))
+    return LoadedModel(cfg, weights, quant_types, raw, source=path, format="gguf")
 
 
 # --------------------------------------------------------------------------- layers that communicate
@@ -330,29 +395,71 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out, self.tp)
 
 
+def gather_logits(local: torch.Tensor, vocab: int, tp: TPInfo) -> torch.Tensor:
+    """Every rank's logit columns, concatenated on rank 0 and cut to the vocabulary;
+    other ranks get their own columns back (nobody reads them)."""
+    local = local.contiguous()
+    started = time.perf_counter()
+    if tp.rank == 0:
+        parts = [torch.empty_like(local) for _ in range(tp.size)]
+        dist.gather(local, parts, dst=0, group=tp.group)
+        out = torch.cat(parts, dim=-1)[:, :vocab]
+    else:
+        dist.gather(local, None, dst=0, group=tp.group)
+        out = local
+    COMM.seconds += time.perf_counter() - started
+    COMM.calls += 1
+    return out
+
+
 class ParallelLMHead(nn.Module):
     """Logits of this rank's vocabulary range, gathered on rank 0 (the sampler's rank).
-    Other ranks return their local columns, which nobody reads."""
+    Other ranks return their local columns, which nobody reads. ``in_features`` and
+    ``bias`` let quantization treat it as the linear layer it is (``rewrap_quantized``
+    puts the quantized one back behind the gather)."""
 
     def __init__(self, vocab: int, hidden: int, tp: TPInfo) -> None:
         super().__init__()
         self.vocab = vocab
-        self.weight = nn.Parameter(torch.empty(vocab_shard(vocab, tp.rank, tp.size)[2], hidden))
+        self.in_features, self.out_features = hidden, vocab_shard(vocab, tp.rank, tp.size)[2]
+        self.weight = nn.Parameter(torch.empty(self.out_features, hidden))
+        self.bias = None
         self.tp = tp
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight).contiguous()
-        started = time.perf_counter()
-        if self.tp.rank == 0:
-            parts = [torch.empty_like(local) for _ in range(self.tp.size)]
-            dist.gather(local, parts, dst=0, group=self.tp.group)
-            out = torch.cat(parts, dim=-1)[:, : self.vocab]
-        else:
-            dist.gather(local, None, dst=0, group=self.tp.group)
-            out = local
-        COMM.seconds += time.perf_counter() - started
-        COMM.calls += 1
-        return out
+        return gather_logits(F.linear(hidden, self.weight), self.vocab, self.tp)
+
+
+class QuantizedParallelLMHead(nn.Module):
+    """A quantized layer over this rank's (padded) vocabulary rows, then the gather."""
+
+    def __init__(self, inner: nn.Module, vocab: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.inner = inner
+        self.vocab = vocab
+        self.tp = tp
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return gather_logits(self.inner(hidden), self.vocab, self.tp)
+
+
+class VocabParallelQuantizedEmbedding(nn.Module):
+    """Token lookup through a tied, quantized LM head's local rows: rows for this rank's
+    ids, zeros for the others, summed over ranks (one copy of the table, as on one device)."""
+
+    def __init__(self, head: nn.Module, vocab: int, dtype: torch.dtype, tp: TPInfo) -> None:
+        super().__init__()
+        self.head = head
+        self.start, self.stop, _ = vocab_shard(vocab, tp.rank, tp.size)
+        self.dtype = dtype
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1) - self.start
+        outside = (flat < 0) | (flat >= self.stop - self.start)
+        rows = self.head.rows(flat.masked_fill(outside, 0))  # type: ignore[operator]
+        out = rows.to(self.dtype).masked_fill(outside.unsqueeze(-1), 0)
+        return all_reduce(out.contiguous(), self.tp).reshape(*ids.shape, -1)
 
 
 def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
@@ -377,25 +484,80 @@ def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
 
 
 def rewrap_quantized(model: LlamaForCausalLM, tp: TPInfo) -> None:
-    """After quantization replaced o/down with quantized layers, put the all-reduce back."""
+    """After quantization replaced layers with quantized ones, put the communication back:
+    the all-reduce after o/down, the logit gather after a quantized LM head, and a
+    vocab-parallel lookup for an embedding tied to it."""
+    from .quant import QuantizedEmbedding
+
     for layer in model.layers:
         for parent, attr in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
             mod = getattr(parent, attr)
             if not isinstance(mod, (RowParallelLinear, AllReduceOutput)):
                 setattr(parent, attr, AllReduceOutput(mod, tp))
+    vocab = model.config.vocab_size  # the local config splits heads and MLP units, not the vocabulary
+    if not isinstance(model.lm_head, (ParallelLMHead, QuantizedParallelLMHead)):
+        model.lm_head = QuantizedParallelLMHead(model.lm_head, vocab, tp)
+    embed = model.embed_tokens
+    if isinstance(embed, QuantizedEmbedding):
+        model.embed_tokens = VocabParallelQuantizedEmbedding(embed.head, vocab, embed.dtype, tp)
 
 
-def check_quantization(mode: str | None, quantize_lm_head: bool) -> None:
-    """Weight-only int8/int4 and w8a8 quantize each shard on its own (int4 groups then
-    lie within a rank's input columns; a size that splits a group is refused by the
-    group check). Keeping a GGUF file's own blocks and a quantized LM head are not
-    supported under tensor parallelism yet."""
-    mode = str(mode or "none").lower()
+def _input_group(mode: str, proj: str, group_size: int, types: dict[str, str]) -> tuple[int, str] | None:
+    """(columns, description) of the quantization group a row-parallel layer's input is cut
+    in, or None where the format has no groups along the input (int8, w8a8, dense)."""
+    if mode == "int4":
+        return group_size, f"int4 groups of {group_size}"
     if mode == "gguf":
-        raise ValueError("quantization 'gguf' is not supported with tensor parallelism yet; "
-                         "use int8 or int4 (each rank quantizes its own shard)")
-    if quantize_lm_head and mode != "none":
-        raise ValueError("a quantized LM head is not supported with tensor parallelism yet")
+        kinds = sorted({t for name, t in types.items() if f".{proj}." in name and t in RAW_KEPT_TYPES})
+        if kinds:
+            block = BLOCK_SHAPES[kinds[0]][0]
+            return block, f"{'/'.join(kinds)} blocks of {block}"
+    return None
+
+
+def _group_problems(mode: str, cfg: ModelConfig, size: int, group_size: int, types: dict[str, str]) -> list[str]:
+    assert cfg.head_dim is not None
+    problems = []
+    for proj, total in (("o_proj", cfg.num_attention_heads * cfg.head_dim), ("down_proj", cfg.intermediate_size)):
+        group = _input_group(mode, proj, group_size, types)
+        if group is not None and (total // size) % group[0]:
+            problems.append(f"the {group[1]} columns of {proj} (a rank's share would be {total // size} "
+                            f"of its {total} input columns)")
+    return problems
+
+
+def check_quantization(mode: str | None, cfg: ModelConfig, size: int, group_size: int = 32,
+                       types: dict[str, str] | None = None) -> None:
+    """Refuse, before any process starts, a quantization whose groups a rank's share of
+    the o or down input columns would cut (``types``: the file's GGUF type per tensor,
+    for 'gguf'), and 'gguf' for a model that has no blocks to keep."""
+    mode = str(mode or "none").lower()
+    types = types or {}
+    if mode == "gguf" and not any(t in RAW_KEPT_TYPES for t in types.values()):
+        raise ValueError("quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; this model has "
+                         "none (use int8 or int4)")
+    problems = _group_problems(mode, cfg, size, group_size, types)
+    if problems:
+        fits = [n for n in range(1, cfg.num_attention_heads + 1)
+                if not _split_problems(cfg, n) and not _group_problems(mode, cfg, n, group_size, types)]
+        hint = ", or a --quant-group-size that divides the share" if mode == "int4" else ""
+        raise ValueError(f"tensor_parallel_size {size} would split {' and '.join(problems)}; a quantization "
+                         f"group must stay whole on one rank. Sizes that keep them whole: "
+                         f"{', '.join(map(str, fits)) or '(none)'}{hint}")
+
+
+def resolve_auto(mode: str | None, cfg: ModelConfig, size: int, types: dict[str, str]) -> tuple[str, str]:
+    """``--quantization auto`` under tensor parallelism, decided before the workers start
+    (they must all build the same layers): the file's own blocks when it has some and
+    they split whole, else dense."""
+    if str(mode or "none").lower() != "auto":
+        return str(mode or "none"), "as asked"
+    kinds = sorted({t for t in types.values() if t in RAW_KEPT_TYPES})
+    if not kinds:
+        return "none", "the file holds no quantized blocks with a kernel here"
+    if _group_problems("gguf", cfg, size, 32, types):
+        return "none", f"{size} ranks would split the file's {'/'.join(kinds)} blocks"
+    return "gguf", f"the file stores {'/'.join(kinds)} blocks, kept as they are and split whole"
 
 
 def tensor_bytes(module: nn.Module) -> int:
@@ -412,4 +574,5 @@ def tensor_bytes(module: nn.Module) -> int:
 
 __all__ = ["COMM", "TPInfo", "check_divisible", "local_config", "shard_range", "shard_weights", "shard_loaded",
            "load_shard", "read_config", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",
-           "shard_model", "rewrap_quantized", "check_quantization", "tensor_bytes"]
+           "shard_model", "rewrap_quantized", "check_quantization", "resolve_auto", "block_types",
+           "slice_blocks", "QuantizedParallelLMHead", "VocabParallelQuantizedEmbedding", "tensor_bytes"]

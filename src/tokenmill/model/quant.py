@@ -43,6 +43,7 @@ from .ops import TORCH_OPS, ModelOps
 log = logging.getLogger("tokenmill.quant")
 
 MODES = ("none", "int8", "int4", "gguf", "w8a8")
+W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float activations
 INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -295,17 +296,21 @@ class Int8Linear(_QuantLinear):
         return torch._weight_int8pack_mm(x, self.qweight, self.scales)
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        """int8 activations (a scale per token) x int8 weights, accumulated in int32; the
+        activations are quantized from the caller's values and the result scaled in
+        float32, with no bf16 rounding on either side (each costs agreement with the
+        float model on top of the int8 rounding itself)."""
         xf = x.float()
         xs = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
         xq = torch.round(xf / xs).to(torch.int8)
         acc = torch._int_mm(xq, self.qweight.t())
-        return (acc.float() * xs * self.scales.float()).to(COMPUTE_DTYPE)
+        return acc.float() * xs * self.scales.float()
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        x = x.to(COMPUTE_DTYPE)
         if self.dynamic and rows >= POLICY.int8_dynamic_min_rows:
             return self._dynamic(x)
+        x = x.to(COMPUTE_DTYPE)
         if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
             return self._weight_only(x)
         n, k = self.qweight.shape
@@ -532,6 +537,11 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     if mode == "gguf" and not raw:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
+    # w8a8 keeps the last decoder layers weight-only: their output goes (almost) straight
+    # to the LM head, so activation rounding there moves the logits most (measured on the
+    # bundled model: docs/quantization.md, "w8a8: activation smoothing").
+    num_layers = len(model.layers)  # type: ignore[arg-type]
+    weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
     embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
     for name, mod, sources in targets:
@@ -539,7 +549,9 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         bias = mod.bias
         new: nn.Module
         if mode in ("int8", "w8a8"):
-            new, fmt = Int8Linear.from_float(mod.weight, bias, dynamic=mode == "w8a8"), mode
+            dynamic = mode == "w8a8" and not name.startswith(weight_only)
+            new = Int8Linear.from_float(mod.weight, bias, dynamic=dynamic)
+            fmt = "w8a8" if dynamic else "int8"
         elif mode == "int4":
             new, fmt = Int4Linear.from_float(mod.weight, group, bias), f"int4 g{group}"
         else:

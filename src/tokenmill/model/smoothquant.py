@@ -127,7 +127,10 @@ def smooth_for_int8(model: nn.Module, token_ids: list[int], block_size: int, dty
     seqs = [token_ids[i : i + chunk] for i in range(0, min(len(token_ids), CALIBRATION_TOKENS), chunk)]
     seqs = [s for s in seqs if len(s) > 1]
     blocks = -(-chunk // block_size)
-    runner = ModelRunner(model, blocks, block_size, dtype, device, kernels)  # type: ignore[arg-type]
+    # prefills only: no fused decode step or CUDA graphs to build (and, under tensor
+    # parallelism, none that could run)
+    runner = ModelRunner(model, blocks, block_size, dtype, device, kernels,  # type: ignore[arg-type]
+                         eager_only=True)
 
     def run() -> None:
         for seq in seqs:
