@@ -739,10 +739,10 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                     if (quant) {
                         const size_t head = (size_t)kvh * m->num_blocks;
                         const int64_t blk = table[pos / BS], fp8 = m->cache_fmt == KV_FP8;
-                        store_quant_run((uint8_t *)L->k_cache + head * BS * D, L->k_scale + head, blk, BS, D,
-                                        pos % BS, 1, k, D, 0, fp8);
-                        store_quant_run((uint8_t *)L->v_cache + head * BS * D, L->v_scale + head, blk, BS, D,
-                                        pos % BS, 1, v, D, 0, fp8);
+                        store_quant((uint8_t *)L->k_cache + head * BS * D, L->k_scale + head, blk, BS, D,
+                                    pos % BS, 1, k, D, 0, (int)fp8);
+                        store_quant((uint8_t *)L->v_cache + head * BS * D, L->v_scale + head, blk, BS, D,
+                                    pos % BS, 1, v, D, 0, (int)fp8);
                         continue;
                     }
                     const size_t off = ((size_t)kvh * m->num_blocks * BS + slot) * D;

@@ -238,11 +238,13 @@ TM_INLINE uint8_t f32_to_e4m3(float x) {
 
 TM_INLINE float quant_max(int fp8) { return fp8 ? 448.0f : 127.0f; }
 
-/* The code of x with 1 / scale = inv; out-of-range values clamp (NaN to -QMAX). */
+/* The code of x with 1 / scale = inv; out-of-range values clamp, NaN codes 0. Comparisons,
+ * not fminf / fmaxf (whose NaN rules keep gcc from vectorizing the loops that call this). */
 TM_INLINE uint8_t quant_code(float x, float inv, int fp8) {
     const float q = quant_max(fp8);
-    const float y = fminf(fmaxf(x * inv, -q), q);
-    return fp8 ? f32_to_e4m3(y) : (uint8_t)(int8_t)rintf(y);
+    float y = x * inv;
+    y = y != y ? 0.0f : y < -q ? -q : y > q ? q : y;
+    return fp8 ? f32_to_e4m3(y) : (uint8_t)(int8_t)(int32_t)rintf(y);
 }
 
 TM_INLINE float code_value(uint8_t c, int fp8) { return fp8 ? fp8_values[c] : (float)(int8_t)c; }
@@ -253,12 +255,19 @@ TM_INLINE float src_value(const void *p, int bf16, int64_t i) {
 
 /* n rows (row i at src + i * ld elements, float32 or bf16) into offsets o0 .. o0 + n - 1 of
  * block blk of one kv head: codes is that head's [num_blocks, BS, D] pool, scales its
- * [num_blocks] scales. The caller keeps o0 + n <= BS and gives a block to one thread. */
+ * [num_blocks] scales. The caller keeps o0 + n <= BS and gives a block to one thread.
+ * Called through store_quant, which makes src_bf16 and fp8 compile-time constants (with
+ * the flag a runtime value the per-value loops did not vectorize). */
 TM_INLINE void store_quant_run(uint8_t *codes, float *scales, int64_t blk, int64_t BS, int64_t D, int64_t o0,
                                int64_t n, const void *src, int64_t ld, int src_bf16, int fp8) {
     float amax = 0.0f;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(src_value(src, src_bf16, i * ld + d)));
+    for (int64_t i = 0; i < n; i++) {
+#pragma omp simd reduction(max : amax)
+        for (int64_t d = 0; d < D; d++) {
+            const float a = fabsf(src_value(src, src_bf16, i * ld + d));
+            amax = a > amax ? a : amax; /* a NaN is passed over, as fmaxf would */
+        }
+    }
     uint8_t *block = codes + (size_t)blk * BS * D;
     const float old = o0 == 0 ? 0.0f : scales[blk];
     const float need = amax / quant_max(fp8);
@@ -273,8 +282,32 @@ TM_INLINE void store_quant_run(uint8_t *codes, float *scales, int64_t blk, int64
     scales[blk] = s;
     const float inv = s > 0.0f ? 1.0f / s : 0.0f;
     for (int64_t i = 0; i < n; i++) {
-        uint8_t *dst = block + (o0 + i) * D;
-        for (int64_t d = 0; d < D; d++) dst[d] = quant_code(src_value(src, src_bf16, i * ld + d), inv, fp8);
+        uint8_t *restrict dst = block + (o0 + i) * D;
+        if (src_bf16) {
+            const uint16_t *restrict row = (const uint16_t *)src + i * ld;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = quant_code(bf16_to_f32(row[d]), inv, fp8);
+        } else {
+            const float *restrict row = (const float *)src + i * ld;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) dst[d] = quant_code(row[d], inv, fp8);
+        }
+    }
+}
+
+/* store_quant_run with the source dtype and the code format as constants. */
+TM_INLINE void store_quant(uint8_t *codes, float *scales, int64_t blk, int64_t BS, int64_t D, int64_t o0,
+                           int64_t n, const void *src, int64_t ld, int src_bf16, int fp8) {
+    if (src_bf16) {
+        if (fp8)
+            store_quant_run(codes, scales, blk, BS, D, o0, n, src, ld, 1, 1);
+        else
+            store_quant_run(codes, scales, blk, BS, D, o0, n, src, ld, 1, 0);
+    } else {
+        if (fp8)
+            store_quant_run(codes, scales, blk, BS, D, o0, n, src, ld, 0, 1);
+        else
+            store_quant_run(codes, scales, blk, BS, D, o0, n, src, ld, 0, 0);
     }
 }
 
@@ -319,10 +352,10 @@ int tm_store_kv_quant_rows(const void *k, int64_t ldk, const void *v, int64_t ld
         const int64_t run = it / kv_heads, h = it % kv_heads, r0 = start[run], n = start[run + 1] - r0;
         const int64_t blk = slots[r0] / block_size, o0 = slots[r0] % block_size;
         const size_t head = (size_t)h * num_blocks;
-        store_quant_run((uint8_t *)k_codes + head * block_size * D, k_scale + head, blk, block_size, D, o0, n,
-                        (const char *)k + ((size_t)r0 * ldk + h * D) * esize, ldk, src_bf16, fp8);
-        store_quant_run((uint8_t *)v_codes + head * block_size * D, v_scale + head, blk, block_size, D, o0, n,
-                        (const char *)v + ((size_t)r0 * ldv + h * D) * esize, ldv, src_bf16, fp8);
+        store_quant((uint8_t *)k_codes + head * block_size * D, k_scale + head, blk, block_size, D, o0, n,
+                    (const char *)k + ((size_t)r0 * ldk + h * D) * esize, ldk, src_bf16, fp8);
+        store_quant((uint8_t *)v_codes + head * block_size * D, v_scale + head, blk, block_size, D, o0, n,
+                    (const char *)v + ((size_t)r0 * ldv + h * D) * esize, ldv, src_bf16, fp8);
     }
     free(start);
     return 0;
