@@ -70,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
                 engine.step()
             times[kv].append((time.perf_counter() - t) / args.steps)
     assert all(len(e.scheduler.running) == args.streams for e in engines.values()), "a stream finished early"
+    first = next(iter(engines.values()))
+    end = statistics.mean(r.num_tokens for r in first.scheduler.running)
+    span = args.rounds * args.steps
     print(f"# kv_cache_dtype: dtype {args.dtype}, {args.streams} streams, prompts {args.input_len} tokens "
-          f"(about {args.input_len + args.streams * args.input_len // 1024} tokens of context each while measured), "
-          f"{args.rounds} rounds x {args.steps} steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
+          f"(mean context {end - span:.0f}-{end:.0f} tokens while measured), {args.rounds} rounds x {args.steps} "
+          f"steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
     print("| KV pool | blocks in the budget | best step ms | median step ms | best tok/s | median tok/s |")
     print("|---|---|---|---|---|---|")
     for kv in kinds:
