@@ -190,3 +190,36 @@ def test_sampled_constrained_speculation_stays_in_the_grammar():
                 assert seq.text.startswith('{"name": "')
     assert llm.engine.speculator.stats.num_drafts > 0
     llm.engine.check_idle_invariants()
+
+
+@pytest.mark.slow
+def test_real_server_json_schema_with_speculation():
+    """The bundled model behind `tokenmill serve --speculative-config`: a JSON-schema
+    answer that repeats spans of the prompt (so proposals are accepted) is the text the
+    same request gives with speculation off, and it validates."""
+    openai = pytest.importorskip("openai")
+    from test_server_support import metric, real_server
+
+    import httpx
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "job": {"type": "string"}},
+              "required": ["name", "city", "job"]}
+    prompt = ('Copy this JSON exactly: {"name": "Maria Oliveira", "city": "Porto Alegre", '
+              '"job": "marine biologist"}')
+    with real_server("--served-model-name", "smol", "--kv-cache-memory", "128MiB", "--speculative-config", json.dumps(
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        texts = []
+        for speculative in (True, False):
+            r = client.chat.completions.create(
+                model="smol", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=80,
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+                extra_body={"speculative": speculative})
+            texts.append(r.choices[0].message.content)
+            assert r.choices[0].finish_reason == "stop"
+        assert texts[0] == texts[1]
+        obj = json.loads(texts[0])
+        assert obj == {"name": "Maria Oliveira", "city": "Porto Alegre", "job": "marine biologist"}
+        text = httpx.get(server.url + "/metrics").text
+        assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") > 0
