@@ -177,6 +177,27 @@ def test_grammar_prefix_cuts_at_the_first_refused_token_and_before_eos(plain):
     assert grammar_prefix(matcher, ids, eos) == 0  # the grammar is complete: nothing more fits
 
 
+def test_step_masks_are_the_masks_at_each_verify_position(plain):
+    """A step mixing a request with proposals and one without: the first gets the mask
+    before each proposal and after the last, the second its one mask; neither matcher moves."""
+    from types import SimpleNamespace
+
+    structured = plain.engine.structured
+    tok = plain.engine.tokenizer
+    draft = tok.encode('{"name": "ab', add_special_tokens=False)
+    a = SimpleNamespace(grammar=structured.compile(JSON), spec_token_ids=draft)
+    b = SimpleNamespace(grammar=structured.compile(REGEX), spec_token_ids=[])
+    masks = structured.fill_step([b, a], [b.spec_token_ids, a.spec_token_ids])
+    replay = structured.compile(JSON)
+    for i in range(len(draft) + 1):
+        assert masks.of(a, len(draft) + 1)[i].numpy().tobytes() == replay.compute_bitmask()
+        if i < len(draft):
+            assert replay.consume_token(draft[i])
+    assert masks.of(b).numpy().tobytes() == structured.compile(REGEX).compute_bitmask()
+    assert a.grammar.compute_bitmask() == structured.compile(JSON).compute_bitmask()
+    assert torch.equal(masks.select([a, b]), torch.stack([masks.of(a)[0], masks.of(b)[0]]))
+
+
 def test_sampled_constrained_speculation_stays_in_the_grammar():
     llm = make_tiny_llm(speculative_config=SPEC)
     params = SamplingParams(temperature=0.7, seed=11, max_tokens=120, structured=JSON, n=2)
