@@ -5,6 +5,9 @@ Two workloads on the bundled model, one request at a time:
 * input-grounded: the chat model is asked to rewrite a given paragraph with
   one detail changed, so its answer repeats long spans of the prompt (where
   prompt lookup pays off); greedy, and the texts must be identical;
+* input-grounded, JSON schema: the answer, constrained to a JSON schema, copies
+  a record given in the prompt (structured outputs with speculation); greedy,
+  identical texts;
 * random text: prompts of distinct random token ids (no n-gram repeats in
   them, checked) answered by sampling at temperature 1, so the output does
   not repeat either: prompt lookup finds almost nothing, and what it proposes
@@ -15,10 +18,10 @@ Two workloads on the bundled model, one request at a time:
 
 Each prompt runs on an engine with ``--speculative-config`` and on one
 without (the baseline) back to back, in alternating order, for every round,
-so a slow spell of this shared host falls on both alike; the rates are total
-output tokens over total time. Prints output tokens/s with and without, their
-ratio against the required one, the acceptance rate, and whether the greedy
-texts are identical.
+so a slow spell of this shared host falls on both alike. Prints output
+tokens/s with and without (total tokens over total time), the median over
+the pairs of their ratio against the required one, the acceptance rate, and
+whether the greedy texts are identical.
 
     .venv/bin/python benchmarks/speculative.py [--rounds 3] [--max-tokens 128] [--k 4]
 """
@@ -28,10 +31,11 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM, GrammarSpec, SamplingParams
 
 PARAGRAPHS = [
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its keeper "
@@ -56,6 +60,25 @@ def grounded_prompts(llm: LLM) -> list[str]:
                      f"everything else exactly the same.\n\n{text}"}]
         out.append(tok.apply_chat_template(messages, add_generation_prompt=True))
     return out
+
+
+RECORDS = [
+    {"name": "Maria Oliveira", "city": "Porto Alegre", "job": "marine biologist",
+     "note": "She studies the coral reefs along the southern coast and writes a weekly column about them."},
+    {"name": "Tomas Novak", "city": "Brno", "job": "railway engineer",
+     "note": "He maintains the signalling system on the line between the old station and the river port."},
+    {"name": "Aiko Tanaka", "city": "Sapporo", "job": "pastry chef",
+     "note": "She bakes the bread for three hotels and teaches a class for children every Saturday morning."},
+]
+RECORD_SCHEMA = {"type": "object", "properties": {k: {"type": "string"} for k in ("name", "city", "job", "note")},
+                 "required": ["name", "city", "job", "note"]}
+
+
+def record_prompts(llm: LLM) -> list[str]:
+    """Chat prompts whose JSON answer (constrained by RECORD_SCHEMA) copies the record given."""
+    tok = llm.engine.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": f"Copy this JSON exactly: {json.dumps(r)}"}],
+                                    add_generation_prompt=True) for r in RECORDS]
 
 
 def random_prompts(llm: LLM, n: int, length: int = 100, seed: int = 0) -> list[list[int]]:
@@ -105,20 +128,25 @@ def main(argv: list[str] | None = None) -> int:
     rand = random_prompts(plain, 3)
     assert all(repeated_ngrams(p, spec_cfg["prompt_lookup_min"]) == 0 for p in rand)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    records = record_prompts(plain)
+    structured = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                                structured=GrammarSpec("json", RECORD_SCHEMA))
     workloads = {  # name: prompts, their sampling parameters, the ratio required
         "input-grounded": (grounded, [greedy] * len(grounded), 1.8),
+        "input-grounded, JSON schema": (records, [structured] * len(records), 1.0),
         "random text": (rand, [SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, ignore_eos=True)
                                for i in range(len(rand))], 0.95),
     }
     print(f"# speculative: {json.dumps(spec_cfg)}, {args.dtype}/{args.quantization}, {args.max_tokens} tokens, "
           f"{args.rounds} rounds, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
-    print("| workload | plain tok/s (baseline) | speculative tok/s | ratio (required) | acceptance | identical |")
+    print("| workload | plain tok/s (baseline) | speculative tok/s | ratio, median of pairs (required) | acceptance | identical |")
     print("|---|---|---|---|---|---|")
     failed = False
     for name, (prompts, params, required) in workloads.items():
         stats = spec.engine.speculator.stats
         drafted0, accepted0 = stats.num_draft_tokens, stats.num_accepted_tokens
         totals = {"plain": [0, 0.0], "spec": [0, 0.0]}
+        ratios = []
         same = True
         for r in range(args.rounds):
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -126,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
                 for engine, (count, seconds, _) in pair.items():
                     totals[engine][0] += count
                     totals[engine][1] += seconds
+                ratios.append((pair["spec"][0] / pair["spec"][1]) / (pair["plain"][0] / pair["plain"][1]))
                 same &= pair["spec"][2] == pair["plain"][2]
         rate_plain = totals["plain"][0] / totals["plain"][1]
         rate_spec = totals["spec"][0] / totals["spec"][1]
         drafted = stats.num_draft_tokens - drafted0
         accepted = stats.num_accepted_tokens - accepted0
         acc = accepted / drafted if drafted else 0.0
-        ratio = rate_spec / rate_plain
+        ratio = statistics.median(ratios)  # a burst of load on this shared host spoils one pair, not the figure
         failed |= ratio < required
         identical = "n/a (sampled)" if not params[0].greedy else "yes" if same else "NO"
         failed |= identical == "NO"
