@@ -119,6 +119,25 @@ def test_preemption_and_abort_mid_speculation_with_a_grammar(plain):
     assert tight.engine.total_preemptions > 0 and tight.engine.speculator.stats.num_draft_tokens > 0
     tight.engine.check_idle_invariants()
 
+    # An older request's prefill chunk takes the blocks of a newer one already scheduled
+    # with its proposals: the victim is preempted holding them.
+    loop = SamplingParams(temperature=0.0, max_tokens=30, structured=GrammarSpec("regex", r"(ab12)+"))
+    pair = ["x" * 150, "ab12" * 5]
+    want = _tokens(plain, pair, loop)
+    tight = make_tiny_llm(speculative_config=SPEC, num_blocks=12, max_num_batched_tokens=32)
+    scheduler = tight.engine.scheduler
+    real_preempt = scheduler._preempt
+    holding = []
+
+    def preempt(request):
+        holding.append(bool(request.spec_token_ids))
+        real_preempt(request)
+
+    scheduler._preempt = preempt
+    assert _tokens(tight, pair, loop) == want
+    assert any(holding)
+    tight.engine.check_idle_invariants()
+
     llm = make_tiny_llm(speculative_config=SPEC)
     engine = llm.engine
     for i, p in enumerate(prompts):
@@ -145,7 +164,7 @@ def test_sampled_rows_keep_the_constrained_distribution():
     p0[[1, 2, 3]] = logits[0, [1, 2, 3]]
     p0 = p0.softmax(-1)
     gen = torch.Generator().manual_seed(0)
-    n = 2000
+    n = 1000
     first = torch.zeros(5)
     for proposal in ([1], [0]):
         for _ in range(n // 2):
@@ -153,7 +172,7 @@ def test_sampled_rows_keep_the_constrained_distribution():
             out = spec.verify(req, logits, gen, mask)
             first[out[0]] += 1
             assert out[0] != 0
-    assert float((first / n - p0).abs().max()) < 0.04  # ~3.5 standard errors
+    assert float((first / n - p0).abs().max()) < 0.06  # ~3.5 standard errors
 
 
 def _request(draft):
