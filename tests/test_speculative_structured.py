@@ -86,6 +86,24 @@ def test_greedy_output_is_the_plain_constrained_output(plain, grammar, fused, mo
     llm.engine.check_idle_invariants()
 
 
+def test_draft_model_proposals_with_a_grammar(plain, tmp_path):
+    """A draft model proposes unconstrained text (here the target's own weights, whose
+    free argmax the grammar refuses); cut at the grammar, nothing it proposes reaches a
+    verify, and the output is the plain constrained output."""
+    from conftest import save_tiny_hf_folder
+
+    params = SamplingParams(temperature=0.0, max_tokens=30, structured=REGEX)
+    want = _tokens(plain, PROMPTS, params)
+    llm = make_tiny_llm(speculative_config={"method": "draft_model", "model": save_tiny_hf_folder(tmp_path),
+                                            "num_speculative_tokens": 3, "draft_kv_cache_memory": "16MiB"})
+    spec = llm.engine.speculator
+    spec.proposer = _Recording(spec.proposer)
+    assert _tokens(llm, PROMPTS, params) == want
+    assert any(d for _, d in spec.proposer.raw)
+    assert spec.stats.num_draft_tokens == 0
+    llm.engine.check_idle_invariants()
+
+
 def test_matcher_holds_exactly_the_emitted_tokens_after_every_step():
     llm = make_tiny_llm(speculative_config=SPEC)
     engine = llm.engine
