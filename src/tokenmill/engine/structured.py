@@ -253,7 +253,7 @@ class StructuredOutputs:
         return mask
 
     def wait(self, future: "Future[Any]") -> Any:
-        """The masks of ``fill_async`` / ``fill_step_async``; the time spent waiting here
+        """The masks of ``fill_step_async``; the time spent waiting here
         is what they cost the step."""
         started = time.perf_counter()
         mask = future.result()
@@ -297,14 +297,6 @@ class StructuredOutputs:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
         drafts = [list(r.spec_token_ids) for r in requests]
         return self._pool.submit(self.fill_step, list(requests), drafts)
-
-    def fill_async(self, matchers: Sequence[Any]) -> "Future[torch.Tensor]":
-        """``fill`` on a worker thread: the engine starts it before the forward pass
-        (a matcher's next mask depends only on tokens already accepted) and waits
-        for it before sampling."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-        return self._pool.submit(self.fill, list(matchers))
 
 
 def _first_line(message: str) -> str:
