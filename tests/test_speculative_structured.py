@@ -14,6 +14,7 @@ import torch
 
 from conftest import make_tiny_llm
 from tokenmill import SamplingParams
+from tokenmill.engine.executors import FusedDecodeExecutor
 from tokenmill.engine.speculative import SpeculativeConfig, Speculator
 from tokenmill.engine.structured import GrammarSpec, grammar_prefix
 
@@ -60,17 +61,19 @@ def test_greedy_output_is_the_plain_constrained_output(plain, grammar, fused, mo
     want = _tokens(plain, PROMPTS, params)
     llm = make_tiny_llm(speculative_config=SPEC)
     runner = llm.engine.runner
-    if fused:
-        assert runner.fused is not None
+    fused_executors = [e for e in runner.executors if isinstance(e, FusedDecodeExecutor)]
+    assert bool(fused_executors) == fused
     fused_verifies = 0
-    real_fused = runner._execute_fused
 
-    def counting(items):
-        nonlocal fused_verifies
-        fused_verifies += sum(1 for r, _ in items if r.spec_token_ids and r.grammar is not None)
-        return real_fused(items)
+    for executor in fused_executors:
+        real_fused = executor.run
 
-    monkeypatch.setattr(runner, "_execute_fused", counting)
+        def counting(items, real_fused=real_fused):
+            nonlocal fused_verifies
+            fused_verifies += sum(1 for r, _ in items if r.spec_token_ids and r.grammar is not None)
+            return real_fused(items)
+
+        monkeypatch.setattr(executor, "run", counting)
     spec = llm.engine.speculator
     spec.proposer = _Recording(spec.proposer)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
