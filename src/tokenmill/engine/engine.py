@@ -166,7 +166,7 @@ class LLMEngine:
                 assert spec.model is not None
                 proposer = DraftModelProposer(spec.model, spec.draft_kv_cache_memory, cfg.vocab_size, self.device,
                                               max_len, block_size, self.kernels)
-            self.speculator = Speculator(spec, proposer)
+            self.speculator = Speculator(spec, proposer, grammar_eos=self.tokenizer.eos_token_ids)
         self._steps = 0
         self.stats = EngineStats()
         self._publish()
@@ -255,11 +255,11 @@ class LLMEngine:
             self.last_step = StepStats(num_preempted=len(batch.preempted))
             self._publish()
             return []
-        # Grammar masks depend only on tokens already accepted: compute them while the
-        # forward pass runs.
-        constrained = [r for r, n in batch.items
-                       if r.grammar is not None and r.num_computed_tokens + n == r.num_tokens]
-        masks = self.structured.fill_async([r.grammar for r in constrained]) if constrained else None
+        # Grammar masks depend only on tokens already accepted (and this step's proposals):
+        # compute them while the forward pass runs.
+        constrained = [r for r, n in batch.items if r.grammar is not None
+                       and r.num_computed_tokens + n == r.num_tokens + len(r.spec_token_ids)]
+        masks = self.structured.fill_step_async(constrained) if constrained else None
         try:
             logits, sampled = self.runner.execute(batch.items)  # and prompt logprobs, for requests that ask
         finally:
@@ -285,14 +285,11 @@ class LLMEngine:
         token_mask = None
         rows = [row for row, r in enumerate(plain) if r.grammar is not None]
         if rows:
-            where = {id(r): i for i, r in enumerate(constrained)}
-            if mask is None or any(id(plain[row]) not in where for row in rows):
+            if mask is None or any(not mask.has(plain[row]) for row in rows):
                 # the runner sampled a row the prediction missed: fill its masks now
-                mask = self.structured.fill([plain[row].grammar for row in rows])
-                token_mask = (rows, mask)
+                token_mask = (rows, self.structured.fill([plain[row].grammar for row in rows]))
             else:
-                order = torch.tensor([where[id(plain[row])] for row in rows], dtype=torch.long)
-                token_mask = (rows, mask.index_select(0, order))
+                token_mask = (rows, mask.select([plain[row] for row in rows]))
         result = sample(logits_plain, plain, self.generator, token_mask, self.kernels.library) if plain else None
         now = time.monotonic()
         deltas: list[SequenceDelta] = []
@@ -304,7 +301,12 @@ class LLMEngine:
                 touched.append(seq)
         for req, row in checks:
             assert self.speculator is not None
-            tokens = self.speculator.verify(req, logits[row : row + 1 + len(req.spec_token_ids)], self.generator)
+            count = 1 + len(req.spec_token_ids)
+            rows_mask = None
+            if req.grammar is not None:
+                rows_mask = (mask.of(req, count) if mask is not None and mask.has(req)
+                             else self.structured.fill_step([req], [req.spec_token_ids]).rows)
+            tokens = self.speculator.verify(req, logits[row : row + count], self.generator, rows_mask)
             seq = self._by_request[id(req)]
             appended = 0
             for token in tokens:

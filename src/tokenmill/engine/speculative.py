@@ -24,9 +24,15 @@ while it equals the argmax; sampled rows accept proposal d with probability
 p(d) under the row's processed distribution (temperature, top-k, top-p,
 min-p) and otherwise draw from p with d removed, which is rejection sampling
 for a proposal that puts all its mass on d. Requests with penalties, pending
-``min_tokens``, logprobs, a structured-output grammar (its mask would have to
-be advanced through every proposal), or ``speculative=False`` decode one token
-at a time.
+``min_tokens``, logprobs, or ``speculative=False`` decode one token at a time.
+
+Structured outputs: a constrained request's proposals are cut at the first
+token its grammar refuses (and before EOS), and each verify row has the
+grammar's mask at the state after the proposals before it applied first
+(``structured.fill_step``), so every row's greedy pick or distribution is the
+one plain constrained decoding would use there; the matcher consumes only the
+tokens emitted. Proposals the grammar refuses outright count as a miss for
+the back-off.
 
 Back-off: a request whose proposals were all rejected waits 2, 4, 8, ... steps
 (up to ``max_backoff_steps``) before proposing again, and proposals are made
@@ -43,7 +49,8 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from ..model.sampler import processed_probs
+from ..model.sampler import apply_bitmask, processed_probs
+from .structured import grammar_prefix
 
 METHODS = ("ngram", "draft_model")
 
@@ -146,7 +153,7 @@ def eligible(request: Any) -> bool:
     """Whether this request may decode speculatively (see the module docstring)."""
     p = request.params
     return (getattr(p, "speculative", True) and not p.needs_penalties and p.logprobs is None
-            and getattr(request, "grammar", None) is None and len(request.output_token_ids) >= p.min_tokens)
+            and len(request.output_token_ids) >= p.min_tokens)
 
 
 class Proposer(Protocol):
@@ -170,9 +177,12 @@ class NgramProposer:
 class Speculator:
     """Makes proposals before a step and checks them after it."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None,
+                 grammar_eos: Sequence[int] = ()) -> None:
+        """``grammar_eos``: the tokenizer's EOS ids, where a constrained request's proposals stop."""
         self.config = config
         self.proposer = proposer or NgramProposer(config)
+        self.grammar_eos = frozenset(grammar_eos)
         self.stats = SpecStats()
         self._step = 0
 
@@ -196,15 +206,25 @@ class Speculator:
             rows += k
         if chosen:
             for request, draft in zip(chosen, self.proposer.propose(chosen, ks)):
+                grammar = getattr(request, "grammar", None)
+                if draft and grammar is not None:
+                    draft = draft[: grammar_prefix(grammar, draft, self.grammar_eos | request.eos_token_ids)]
+                    if not draft:
+                        self._missed(request)
                 request.spec_token_ids = draft
 
-    def verify(self, request: Any, logits: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+    def verify(self, request: Any, logits: torch.Tensor, generator: torch.Generator | None,
+               mask: torch.Tensor | None = None) -> list[int]:
         """Tokens to append for a request whose proposals ``request.spec_token_ids`` were
-        run: ``logits`` [1 + len(proposals), V] rows for its last token and each proposal.
+        run: ``logits`` [1 + len(proposals), V] rows for its last token and each proposal;
+        ``mask``: a constrained request's grammar bitmask for each of those rows.
         Returns the accepted proposals plus one token drawn where the first one failed
         (or after the last); records acceptance and backs off when nothing was taken."""
         draft = list(request.spec_token_ids)
         params = request.params
+        if mask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, range(logits.shape[0]), mask)
         if params.greedy:
             best = logits.argmax(dim=-1).tolist()
             accepted = 0
@@ -229,12 +249,16 @@ class Speculator:
             accepted = len(out) - 1
         self.stats.record(len(draft), accepted)
         if draft and accepted == 0:
-            request.spec_misses += 1
-            request.spec_backoff_until = self._step + min(2 ** request.spec_misses, self.config.max_backoff_steps)
+            self._missed(request)
         elif accepted:
             request.spec_misses = 0
         request.spec_token_ids = []
         return out
+
+    def _missed(self, request: Any) -> None:
+        """Nothing proposed was taken: propose again after 2, 4, 8, ... steps."""
+        request.spec_misses += 1
+        request.spec_backoff_until = self._step + min(2 ** request.spec_misses, self.config.max_backoff_steps)
 
 
 def _draw(weights: torch.Tensor, u: float) -> int:

@@ -15,6 +15,13 @@ Before sampling, the engine fills one bitmask row per constrained sequence
 (in parallel, on a worker thread while the forward pass runs); the sampler
 sets disallowed logits to -inf; after sampling, each accepted token advances
 its sequence's matcher. EOS is in the mask only where the grammar accepts.
+
+With speculative decoding a constrained sequence may run proposals: they are
+cut at the first token the grammar refuses (``grammar_prefix``), and its
+verify rows get one mask each, at the matcher's state after the proposals
+before them (``fill_step``: llguidance advances a matcher through the draft
+and rolls it back). The matcher itself only ever consumes emitted tokens, so a
+rejected proposal leaves nothing to undo.
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import torch
@@ -123,6 +130,42 @@ def closed_schema(schema: Any, depth: int = 0) -> Any:
 _SUBSCHEMA_KEYS = ("items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else")
 
 
+def grammar_prefix(matcher: Any, draft: Sequence[int], eos_token_ids: Sequence[int] | frozenset[int]) -> int:
+    """How many leading tokens of ``draft`` the grammar accepts from ``matcher``'s state,
+    stopping before any EOS (a proposal past the end of the text is of no use, and a
+    matcher that consumed EOS has no further masks). Leaves the matcher as it was."""
+    if not draft or matcher.is_stopped() or matcher.is_error():
+        return 0
+    n = int(matcher.validate_tokens(list(draft)))
+    for i in range(n):
+        if draft[i] in eos_token_ids:
+            return i
+    return n
+
+
+@dataclass
+class StepMasks:
+    """Grammar mask rows of one step: per constrained request, its first row in
+    ``rows``; a request verifying K proposals owns 1 + K consecutive rows (the mask
+    before each proposal, then the one after the last)."""
+
+    rows: torch.Tensor
+    first_row: dict[int, int] = field(default_factory=dict)  # id(request) -> row
+
+    def has(self, request: Any) -> bool:
+        return id(request) in self.first_row
+
+    def of(self, request: Any, count: int = 1) -> torch.Tensor:
+        """The ``count`` rows of ``request``."""
+        start = self.first_row[id(request)]
+        return self.rows[start : start + count]
+
+    def select(self, requests: Sequence[Any]) -> torch.Tensor:
+        """The first row of each of ``requests``, in order."""
+        order = torch.tensor([self.first_row[id(r)] for r in requests], dtype=torch.long)
+        return self.rows.index_select(0, order)
+
+
 class GrammarError(ValueError):
     """A grammar the engine cannot enforce; the message names the part."""
 
@@ -209,20 +252,51 @@ class StructuredOutputs:
         self.mask_seconds += time.perf_counter() - started
         return mask
 
-    def wait(self, future: "Future[torch.Tensor]") -> torch.Tensor:
-        """The masks of ``fill_async``; the time spent waiting here is what they cost the step."""
+    def wait(self, future: "Future[Any]") -> Any:
+        """The masks of ``fill_step_async``; the time spent waiting here
+        is what they cost the step."""
         started = time.perf_counter()
         mask = future.result()
         self.mask_wait_seconds += time.perf_counter() - started
         return mask
 
-    def fill_async(self, matchers: Sequence[Any]) -> "Future[torch.Tensor]":
-        """``fill`` on a worker thread: the engine starts it before the forward pass
-        (a matcher's next mask depends only on tokens already accepted) and waits
-        for it before sampling."""
+    def fill_step(self, requests: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> StepMasks:
+        """Mask rows for ``requests`` (engine Requests with a grammar): one row each, or,
+        for a request with a non-empty entry in ``drafts`` (its proposals, each already
+        accepted by its grammar), one row per verify position."""
+        if drafts is None or not any(drafts):
+            mask = self.fill([r.grammar for r in requests])
+            return StepMasks(mask, {id(r): i for i, r in enumerate(requests)})
+        from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+
+        self._tok()
+        started = time.perf_counter()
+        plain: list[tuple[Any, int]] = []
+        drafted: list[tuple[Any, int, list[int]]] = []  # llguidance refuses an empty draft here
+        first: dict[int, int] = {}
+        total = 0
+        for request, draft in zip(requests, drafts):
+            if draft:
+                drafted.append((request.grammar, total, list(draft)))
+            else:
+                plain.append((request.grammar, total))
+            first[id(request)] = total
+            total += 1 + len(draft)
+        mask = torch.full((total, self.words), -1, dtype=torch.int32)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, mask)
+        fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
+        self.mask_rows += total
+        self.mask_seconds += time.perf_counter() - started
+        return StepMasks(mask, first)
+
+    def fill_step_async(self, requests: Sequence[Any]) -> "Future[StepMasks]":
+        """``fill_step`` on a worker thread for ``requests`` and their proposals as they
+        are now (copied here: the step may change them while the worker runs)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
-        return self._pool.submit(self.fill, list(matchers))
+        drafts = [list(r.spec_token_ids) for r in requests]
+        return self._pool.submit(self.fill_step, list(requests), drafts)
 
 
 def _first_line(message: str) -> str:
