@@ -156,3 +156,13 @@ def test_speculative_verifies_write_into_an_int8_pool(fused, monkeypatch) -> Non
     # verify rows share one scale decision per block where plain decoding took one row at a
     # time, so a near-tie may flip; a broken store would agree on almost nothing
     assert _agreement(got, want) >= 0.9
+
+
+def test_serve_flag_reaches_the_engine_config() -> None:
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_cli import finalize_serve_args
+    from tokenmill.entrypoints.serve_config import engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    assert finalize_serve_args(args) is None
+    assert engine_config_from_args(args).cache.kv_cache_dtype == "fp8"
