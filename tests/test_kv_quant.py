@@ -114,7 +114,8 @@ def test_store_matches_torch_and_stays_within_bound(lib, dtype, case) -> None:
         blk0 = tables[s][start // block_size]
         for (rs, rp) in list(requants):  # earlier rows of a block whose scale just grew
             if rs == s and rp // block_size == start // block_size and rp < start and start % block_size:
-                if bool((c_pool[2][:, blk0] > before[0][:, blk0]).any() or (c_pool[3][:, blk0] > before[1][:, blk0]).any()):
+                grew = (c_pool[2][:, blk0] > before[0][:, blk0]) | (c_pool[3][:, blk0] > before[1][:, blk0])
+                if bool(grew.any()):
                     requants[(rs, rp)] += 1
         for i in range(n):
             rows[(s, start + i)] = (k[i], v[i])

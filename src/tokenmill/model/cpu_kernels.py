@@ -287,7 +287,8 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     io_dtype = k_cache.dtype if k_cache.dtype in _ENTRY else q.dtype
     if not (q.dtype == out.dtype == io_dtype and io_dtype in _ENTRY and v_cache.dtype == k_cache.dtype
             and _scales_ok(k_cache, kv_scales) and (k_cache.dtype in _ENTRY or head_dim <= 512)
-            and v_cache.shape == k_cache.shape and cache_dim == head_dim and heads % kv_heads == 0 and out.shape == q.shape
+            and v_cache.shape == k_cache.shape and cache_dim == head_dim and heads % kv_heads == 0
+            and out.shape == q.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and q.stride(2) == 1 and q.stride(1) == head_dim and out.stride(2) == 1 and out.stride(1) == head_dim):
         return None
