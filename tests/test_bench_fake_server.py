@@ -293,11 +293,14 @@ def test_ctrl_c_prints_partial_results_without_traceback():
             [sys.executable, "-c", RUN_CLI, "bench", "--url", srv.url, "--num-requests", "500",
              "--input-len", "20", "--output-len", "10", "--no-progress"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.time() + 30
-        while len(srv.state.requests) < 5 and time.time() < deadline:
+        # Interrupt once the run is under way (a loaded host can take many seconds to start
+        # the process): an earlier SIGINT would test start-up, not the partial report.
+        deadline = time.time() + 120
+        while len(srv.state.requests) < 5 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
+        assert len(srv.state.requests) >= 5, "the load tester never got going"
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
     assert "interrupted" in err and "Traceback" not in out + err
     row = next(ln for ln in out.splitlines() if ln.startswith("c=1 "))

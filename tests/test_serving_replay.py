@@ -23,5 +23,5 @@ def test_replay_prints_steps_and_parts() -> None:
     assert "output tok/s, preemptions 0" in out
     assert "| mixed | " in out and "| decode | " in out
     parts = out.split("| part of the mixed steps |")[1]
-    for label in ("linear (LM head included)", "linear + residual", "prefill attention", "rms_norm", "rope"):
+    for label in ("linear (LM head included)", "linear + residual", "attention (C kernels)", "rms_norm", "rope"):
         assert f"| {label} | " in parts, label
