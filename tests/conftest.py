@@ -131,6 +131,22 @@ def real_tokenizer(bundled_model_path):
     return Tokenizer.from_gguf(bundled_model_path)
 
 
+def bundled_quality(loaded, tokenizer, candidate: str, max_ppl_increase: float, max_tokens: int | None = None):
+    """``tokenmill eval``'s comparison of ``candidate`` (e.g. "w8a8", "none:kv=int8") with
+    float32 on the bundled sample text (its first ``max_tokens`` tokens)."""
+    from tokenmill.evaluate.cli import sample_path
+    from tokenmill.evaluate.harness import CandidateSpec, EvalOptions, compare, run_config
+
+    text_ids = tokenizer.encode(sample_path("sample_text.txt").read_text(encoding="utf-8"),
+                                add_special_tokens=True)[:max_tokens]
+    opts = EvalOptions(speed=False)
+    base = run_config(CandidateSpec.parse("none"), opts, loaded, tokenizer, text_ids, [])
+    cand = run_config(CandidateSpec.parse(candidate), opts, loaded, tokenizer, text_ids, [])
+    comp = compare(base, cand, max_ppl_increase, None)
+    assert comp.ppl_increase is not None and comp.next_token_agreement is not None
+    return comp
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
     if torch is not None:

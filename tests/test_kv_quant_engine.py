@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_tiny_llm, tiny_config
+from conftest import bundled_quality, make_tiny_llm, tiny_config
 from tokenmill import SamplingParams
 from tokenmill.engine.runner import num_blocks_for_budget
 from tokenmill.model import kv_quant
@@ -120,16 +120,7 @@ INT8_MIN_NEXT_TOKEN_AGREEMENT = 0.95
 
 @pytest.mark.slow
 def test_int8_kv_holds_the_bundled_models_quality(real_loaded, real_tokenizer) -> None:
-    from tokenmill.evaluate.cli import sample_path
-    from tokenmill.evaluate.harness import CandidateSpec, EvalOptions, compare, run_config
-
-    text_ids = real_tokenizer.encode(sample_path("sample_text.txt").read_text(encoding="utf-8"),
-                                     add_special_tokens=True)[:2048]
-    opts = EvalOptions(speed=False)
-    base = run_config(CandidateSpec.parse("none"), opts, real_loaded, real_tokenizer, text_ids, [])
-    cand = run_config(CandidateSpec.parse("none:kv=int8"), opts, real_loaded, real_tokenizer, text_ids, [])
-    comp = compare(base, cand, INT8_MAX_PPL_INCREASE, None)
-    assert comp.ppl_increase is not None and comp.next_token_agreement is not None
+    comp = bundled_quality(real_loaded, real_tokenizer, "none:kv=int8", INT8_MAX_PPL_INCREASE, max_tokens=2048)
     assert comp.ppl_increase <= INT8_MAX_PPL_INCREASE, comp
     assert comp.next_token_agreement >= INT8_MIN_NEXT_TOKEN_AGREEMENT, comp
 

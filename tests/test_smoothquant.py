@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import tiny_loaded, tiny_tokenizer
+from conftest import bundled_quality, tiny_loaded, tiny_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import smoothquant
 from tokenmill.model.quant import W8A8_WEIGHT_ONLY_LAST_LAYERS, Int8Linear
@@ -65,15 +65,6 @@ W8A8_MIN_NEXT_TOKEN_AGREEMENT = 0.95
 
 @pytest.mark.slow
 def test_w8a8_holds_the_bundled_models_quality(real_loaded, real_tokenizer) -> None:
-    from tokenmill.evaluate.cli import sample_path
-    from tokenmill.evaluate.harness import CandidateSpec, EvalOptions, compare, run_config
-
-    text_ids = real_tokenizer.encode(sample_path("sample_text.txt").read_text(encoding="utf-8"),
-                                     add_special_tokens=True)
-    opts = EvalOptions(speed=False)
-    base = run_config(CandidateSpec.parse("none"), opts, real_loaded, real_tokenizer, text_ids, [])
-    cand = run_config(CandidateSpec.parse("w8a8"), opts, real_loaded, real_tokenizer, text_ids, [])
-    comp = compare(base, cand, W8A8_MAX_PPL_INCREASE, None)
-    assert comp.ppl_increase is not None and comp.next_token_agreement is not None
+    comp = bundled_quality(real_loaded, real_tokenizer, "w8a8", W8A8_MAX_PPL_INCREASE)  # the whole sample text
     assert comp.ppl_increase <= W8A8_MAX_PPL_INCREASE, comp
     assert comp.next_token_agreement >= W8A8_MIN_NEXT_TOKEN_AGREEMENT, comp

@@ -482,6 +482,19 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, library:
     return True
 
 
+def _new_rows_ok(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """What both K/V stores need of the new rows: k, v [tokens, kv_heads, head_dim] with the
+    pool's head count and size, each token's heads contiguous (token rows may be strided),
+    and one contiguous int64 slot per token on the CPU."""
+    if not (k.dim() == 3 and v.shape == k.shape and slot_mapping.dtype == torch.int64
+            and slot_mapping.device.type == "cpu" and slot_mapping.is_contiguous()
+            and slot_mapping.numel() == k.shape[0]):
+        return False
+    _, kv_heads, d = k.shape
+    return (pool.shape[0] == kv_heads and pool.shape[3] == d
+            and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v)))
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, library: KernelLibrary | None = None) -> bool:
     """``attention.write_kv`` in one pass: k, v [tokens, kv_heads, head_dim] on CPU, each
@@ -489,15 +502,10 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     block_size, head_dim], contiguous, in k's dtype (float32 or bf16); slot_mapping int64
     [tokens]. False (nothing written) when the kernel is off or cannot take them;
     ValueError for a slot outside the pool, as index_copy_ would raise."""
-    if not (_cpu_same_float(k, v, k_cache, v_cache) and k.dim() == 3 and v.shape == k.shape
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
-            and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]):
+    if not (_cpu_same_float(k, v, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and k_cache.shape == v_cache.shape and _new_rows_ok(k, v, k_cache, slot_mapping)):
         return False
     tokens, kv_heads, d = k.shape
-    if not (k_cache.shape[0] == kv_heads and k_cache.shape[3] == d
-            and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v))):
-        return False
     lib = _enabled_library(library)
     if lib is None:
         return False
@@ -523,14 +531,9 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
             and v.dtype == k.dtype and k.dim() == 3 and v.shape == k.shape
             and all(t.device.type == "cpu" and t.is_contiguous() for t in (k_codes, v_codes, k_scale, v_scale))
             and k.device.type == "cpu" and v.device.type == "cpu" and k_codes.shape == v_codes.shape
-            and _scales_ok(k_codes, (k_scale, v_scale))
-            and slot_mapping.dtype == torch.int64 and slot_mapping.device.type == "cpu"
-            and slot_mapping.is_contiguous() and slot_mapping.numel() == k.shape[0]):
+            and _scales_ok(k_codes, (k_scale, v_scale)) and _new_rows_ok(k, v, k_codes, slot_mapping)):
         return False
     tokens, kv_heads, d = k.shape
-    if not (k_codes.shape[0] == kv_heads and k_codes.shape[3] == d
-            and all(t.stride(2) == 1 and t.stride(1) == d and t.stride(0) >= kv_heads * d for t in (k, v))):
-        return False
     lib = _enabled_library(library)
     if lib is None:
         return False
