@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import glob
 import os
+import signal
 import sys
 from typing import Any
 
@@ -363,9 +364,28 @@ def bench_main(args: argparse.Namespace) -> int:
     result = BenchResult(target={"base_url": base, "model": args.model,
                                  "endpoint": args.endpoint}, config=cfg.describe())
 
+    interrupted = False
+
+    def on_ctrl_c(task: asyncio.Task[Any]) -> None:
+        """Ctrl-C: no new requests (the point running now stops sending), the run is
+        cancelled, and the report says it is partial, whatever the cancellation meets
+        on its way out."""
+        nonlocal interrupted
+        interrupted = True
+        result.aborted = "interrupted by the user"
+        if result.points:
+            result.points[-1].run.aborted = result.aborted
+        task.cancel()
+
     async def main() -> None:
         import httpx
 
+        task = asyncio.current_task()
+        if task is not None and hasattr(signal, "SIGINT"):
+            try:
+                asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_ctrl_c, task)
+            except (NotImplementedError, RuntimeError):  # no signal handlers here (not the main thread)
+                pass
         if not target.model:
             async with httpx.AsyncClient() as client:
                 target.model = await resolve_model(client, base, args.api_key)
@@ -377,10 +397,9 @@ def bench_main(args: argparse.Namespace) -> int:
         finally:
             counter.close()
 
-    interrupted = False
     try:
         asyncio.run(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         interrupted = True
         result.aborted = "interrupted by the user"
     except RuntimeError as exc:
