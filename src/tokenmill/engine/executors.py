@@ -126,17 +126,26 @@ class CudaGraphExecutor:
 
     def __init__(self, graphs: "DecodeGraphRunner") -> None:
         self.graphs = graphs
+        # The bucket ``accepts`` planned, for the step ``run`` is then given (the same list).
+        self._planned: tuple[StepItems, tuple[int, int]] | None = None
 
     def accepts(self, items: StepItems) -> bool:
+        self._planned = None
         if not _samples_every_row(items):
             return False
         bucket = self.graphs.plan(items)
         if isinstance(bucket, str):
             self.graphs.stats.fallback(bucket)
             return False
+        self._planned = (items, bucket)
         return True
 
     def run(self, items: StepItems) -> StepResult:
-        bucket = self.graphs.plan(items)
-        assert not isinstance(bucket, str)
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] is items:
+            bucket = planned[1]
+        else:  # called without accepts (tests, tools): plan it here
+            plan = self.graphs.plan(items)
+            assert not isinstance(plan, str), plan
+            bucket = plan
         return self.graphs.execute(items, bucket)
