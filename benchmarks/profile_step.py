@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         need = max(batches) * (-(-(args.context + 1) // 16)) + 8
         name, _, extra = dtype.partition("+")
-        quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4") else {}
+        quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4", "w8a8") else {}
         cfg = EngineConfig.from_options(dtype="bfloat16" if quant else name, num_blocks=need,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
         engine = LLMEngine(cfg)

@@ -286,3 +286,25 @@ def test_a_table_shorter_than_its_sequence_is_refused_not_padded_with_block_zero
 def test_malformed_batch_limit_is_an_error_at_start() -> None:
     with pytest.raises(ValueError, match="TOKENMILL_FUSED_DECODE_MAX_BATCH"):
         KernelOptions.from_env({"TOKENMILL_FUSED_DECODE_MAX_BATCH": "lots"})
+
+
+@pytest.mark.parametrize("batch", [5, 12, 17])
+def test_w8a8_fused_step_matches_the_eager_w8a8_model(batch: int, monkeypatch) -> None:
+    """From the int8-activation threshold, a w8a8 layer in the fused step quantizes its
+    input per row as the eager layer does (VNNI dot products where the build has them,
+    else weight-only int8); the logits agree with the eager model's to the rounding of a
+    few activation codes that land on the other side of a tie and of the eager weight-only
+    layers' bf16 activations (the fused step keeps float32 there); test_linear_kernel
+    holds the integer products themselves exact."""
+    engine = _engine(tiny_loaded(seed=4, num_hidden_layers=4), dtype="float32", quantization="w8a8")
+    fused = engine.runner.fused
+    assert fused is not None
+    lib = cpu_kernels.load()
+    first, last = fused.struct.layers[0], fused.struct.layers[engine.model_config.num_hidden_layers - 1]
+    assert first.qkv.act_rows == (quant.POLICY.int8_dynamic_min_rows if lib.int8_dot else 0)
+    assert last.qkv.act_rows == 0  # the last layers keep float activations
+    reqs = _requests(engine, _prompts(batch, seed=20 + batch))
+    _prefill_all_but_last(engine, reqs)
+    got = _decode(engine, reqs, True, monkeypatch)
+    want = _decode(engine, reqs, False, monkeypatch)
+    assert _rel(got, want) < 1e-2

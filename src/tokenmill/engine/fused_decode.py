@@ -10,8 +10,10 @@ project's own packing, read where the layer keeps it), float32 copies of the nor
 weights, the rotary tables and each layer's KV pool.
 
 The pointers are taken once, at build: a model whose modules or pool are
-replaced afterwards needs a new ``build``. w8a8 models decode here with
-weight-only int8 (float32 activations), which is the more accurate of the two.
+replaced afterwards needs a new ``build``. A w8a8 layer runs as the eager one
+does: weight-only int8 (float32 activations) below the eager layer's row
+threshold, and from it, on a kernel build with VNNI (``KernelLibrary.int8_dot``),
+activations quantized per row and multiplied as int8 x int8 in int32.
 
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32
@@ -38,7 +40,7 @@ from torch import nn
 
 from ..model import cpu_kernels
 from ..model.llama import LlamaForCausalLM, Linear
-from ..model.quant import Int4Linear, Int8Linear
+from ..model.quant import POLICY, Int4Linear, Int8Linear
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +119,7 @@ def _f32(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
     return t.data_ptr()
 
 
-def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
+def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernels.KernelLibrary) -> _Linear:
     """Describe one projection for the kernel, or raise Unsupported."""
     s = _Linear()
     bias = getattr(mod, "bias", None)
@@ -136,6 +138,12 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str) -> _Linear:
         keep.append(q)
         s.kind, s.n, s.k = W_INT8, q.shape[0], q.shape[1]
         s.w, s.scale = q.data_ptr(), _f32(mod.scales, keep)
+        if mod.dynamic and lib.int8_dot:  # w8a8: int8 activations from as many rows as the eager layer
+            packed = cpu_kernels.pack_vnni(q, lib.vector_width)
+            if packed is not None:
+                sums = q.sum(dim=1, dtype=torch.int32).contiguous()
+                keep += [packed, sums]
+                s.act_rows, s.row_sums, s.packed = POLICY.int8_dynamic_min_rows, sums.data_ptr(), packed.data_ptr()
         return s
     if type(mod) in (nn.Linear, Linear):
         w = mod.weight.detach()
@@ -185,10 +193,12 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
         dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
         dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
-        dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj")
-        dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj")
-        dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj")
-        dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj")
+        dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
+        dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj", lib)
+        dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj", lib)
+        if dst.gate_up.act_rows and (dst.gate_up.n // 2) % lib.vector_width:
+            dst.gate_up.act_rows = 0  # gate and up are read a tile at a time from each half
+        dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj", lib)
         for lin, name in ((dst.qkv, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"), (dst.down, "down")):
             if lin.kind != W_INT4 and lin.k % lib.vector_width:
                 raise Unsupported(f"layers.{i}.{name}: {lin.k} input features")
@@ -212,7 +222,7 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     m.layers = ctypes.cast(layers, ctypes.POINTER(_Layer))
     m.final_norm = _f32(model.norm.weight, keep)
     m.cos, m.sin = _f32(model.rope.cos, keep), _f32(model.rope.sin, keep)
-    m.head = _linear(model.lm_head, keep, "lm_head")
+    m.head = _linear(model.lm_head, keep, "lm_head", lib)
     if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
         raise Unsupported(f"lm_head: {m.head.k} input features")
     kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)

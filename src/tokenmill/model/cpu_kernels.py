@@ -69,7 +69,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # AVX-512 out, so a wide machine runs (and tests) what an AVX2-only one runs;
 # "portable" targets baseline x86-64 (SSE2) and runs anywhere.
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -84,6 +84,7 @@ class KernelLibrary:
     path: Path
     vector_width: int  # floats per vector register; head_dim must be a multiple of it
     q8_activations: bool = False  # int4/int8 matmuls of few rows quantize activations to int8 (AVX2 builds)
+    int8_dot: bool = False  # w8a8 layers (TmLinear.act_rows) multiply int8 by int8 with VNNI dot products
 
 
 _lock = threading.Lock()
@@ -217,9 +218,11 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_abi_version.restype = ctypes.c_int
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
+    cdll.tm_kernels_int8_dot.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {cdll.tm_kernels_abi_version()}, expected {_ABI_VERSION}")
-    return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()))
+    return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
+                         bool(cdll.tm_kernels_int8_dot()))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:
@@ -237,8 +240,9 @@ def load(options: KernelOptions | None = None) -> KernelLibrary | None:
             lib: KernelLibrary | None
             try:
                 lib = build(options=options)
-                log.info("CPU kernels: %s build, %d-float vectors%s (%s)", options.kernel_isa, lib.vector_width,
-                         ", int4/int8 x int8 integer dot products" if lib.q8_activations else "", lib.path)
+                log.info("CPU kernels: %s build, %d-float vectors%s%s (%s)", options.kernel_isa, lib.vector_width,
+                         ", int4/int8 x int8 integer dot products" if lib.q8_activations else "",
+                         ", w8a8 x VNNI dot products" if lib.int8_dot else "", lib.path)
             except Exception as exc:  # any failure: the engine keeps the torch path
                 lib = None
                 log.warning("CPU kernels unavailable (%s); using the torch ops and attention", exc)
@@ -557,9 +561,9 @@ class TmLinear(ctypes.Structure):
     precision; int4 in :func:`pack_int4`'s order with float32 scale and ``z - 8 s``)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
-                ("pad", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("act_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -570,6 +574,17 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     c = codes.reshape(n, k // 32, 2, 16).to(torch.uint8)
     return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
+    """int8 codes [N, K] -> the VNNI packing the w8a8 kernel reads, [N / VW, K / 4, VW, 4]
+    (VW = the build's floats per vector): one vector load gives 4 consecutive columns of
+    VW output rows, the layout vpdpbusd multiplies against 4 broadcast activation bytes.
+    None when N or K does not divide."""
+    n, k = q.shape
+    if n % vector_width or k % 4:
+        return None
+    return q.reshape(n // vector_width, vector_width, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

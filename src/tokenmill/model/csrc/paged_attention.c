@@ -165,34 +165,38 @@ TM_INLINE float exp_nonpos(float x) {
 
 /* a[t] holds VW partial sums of row t's dot product; returns the vector whose
  * lane t is the full sum of a[t]. Each level adds pairs of half-groups, so
- * VW vectors become VW / 2, each holding the partial sums of two rows, etc. */
-TM_INLINE vf transpose_sum(vf a[VW]) {
+ * VW vectors become VW / 2, each holding the partial sums of two rows, etc.
+ * One definition for float sums and for exact int32 ones (the int8 dot products). */
 #if VW == 16
-    static const vi lo[4] = {
-        {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-        {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-        {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-        {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-    static const vi hi[4] = {
-        {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-        {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
-        {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
-        {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-    const int levels = 4;
+static const vi TRANSPOSE_LO[4] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+static const vi TRANSPOSE_HI[4] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+    {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+#define TRANSPOSE_LEVELS 4
 #else
-    static const vi lo[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
-    static const vi hi[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
-    const int levels = 3;
+static const vi TRANSPOSE_LO[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+static const vi TRANSPOSE_HI[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
+#define TRANSPOSE_LEVELS 3
 #endif
-    int n = VW;
-    for (int lev = 0; lev < levels; lev++) {
-        for (int i = 0; i < n / 2; i++)
-            a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo[lev]) +
-                   __builtin_shuffle(a[2 * i], a[2 * i + 1], hi[lev]);
-        n /= 2;
+#define TM_TRANSPOSE_SUM(T, NAME)                                                                   \
+    TM_INLINE T NAME(T a[VW]) {                                                                     \
+        int n = VW;                                                                                 \
+        for (int lev = 0; lev < TRANSPOSE_LEVELS; lev++) {                                          \
+            for (int i = 0; i < n / 2; i++)                                                         \
+                a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], TRANSPOSE_LO[lev]) +               \
+                       __builtin_shuffle(a[2 * i], a[2 * i + 1], TRANSPOSE_HI[lev]);                \
+            n /= 2;                                                                                 \
+        }                                                                                           \
+        return a[0];                                                                                \
     }
-    return a[0];
-}
+TM_TRANSPOSE_SUM(vf, transpose_sum)
+TM_TRANSPOSE_SUM(vi, transpose_sum_i)
 
 typedef struct {
     const void *q;               /* [num_seqs, heads, head_dim] rows q_stride elements apart */
@@ -477,7 +481,7 @@ int tm_paged_decode_quant(const void *q, int64_t q_stride, const void *k_cache, 
 }
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 3; }
+int tm_kernels_abi_version(void) { return 4; }
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }
