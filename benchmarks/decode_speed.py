@@ -2,7 +2,8 @@
 
 Rows (all on the same GGUF file, the same number of threads):
 
-* tokenmill, per dtype / quantization in ``--configs`` (default float32,
+* tokenmill, per dtype / quantization in ``--configs`` (default: ``default``,
+  what `tokenmill serve` runs with no flags on this machine, then float32,
   bfloat16, int8, int4, and int4 with the output head quantized too, which is
   how llama.cpp runs this GGUF): the engine as served (``LLMEngine.step``),
   prefix cache off;
@@ -59,7 +60,9 @@ def make_engine(config: str, reference: bool = False, eager: bool = False) -> LL
     too, as llama.cpp's GGUF stores it; off by default in tokenmill). ``reference``: the
     reference attention; ``eager``: no fused decode step (both fixed when the engine is built)."""
     name, _, extra = config.partition("+")
-    dtype, quant = ("bfloat16", name) if name in ("int8", "int4", "gguf") else (name, "none")
+    dtype, quant = ("bfloat16", name) if name in ("int8", "int4", "gguf", "w8a8") else (name, "none")
+    if name == "default":  # what `tokenmill serve` runs with no flags on this machine
+        dtype, quant = "auto", "auto"
     opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
     if quant != "none":
         opts["quantization"] = quant
@@ -70,6 +73,9 @@ def make_engine(config: str, reference: bool = False, eager: bool = False) -> LL
     if eager:
         options = options.replace(fused_decode=False)
     engine = LLMEngine(EngineConfig.from_options(kernel_options=options, **opts))
+    if name == "default":
+        print(f"# default on this machine: dtype {engine.config.dtype}, quantization {engine.config.quantization}"
+              f"{', LM head quantized' if engine.config.quantize_lm_head else ''}", flush=True)
     if THREADS:
         torch.set_num_threads(THREADS)
     return engine
@@ -144,7 +150,8 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="float32,bfloat16,int8,int4,int4+lm_head,gguf+lm_head,gguf+lm_head:eager")
+    ap.add_argument("--configs",
+                    default="default,float32,bfloat16,int8,int4,int4+lm_head,gguf+lm_head,gguf+lm_head:eager")
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--decode-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

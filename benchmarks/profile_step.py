@@ -173,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         need = max(batches) * (-(-(args.context + 1) // 16)) + 8
         name, _, extra = dtype.partition("+")
-        quant = dict(quantization=name, quantize_lm_head=extra == "lm_head") if name in ("int8", "int4", "w8a8") else {}
-        cfg = EngineConfig.from_options(dtype="bfloat16" if quant else name, num_blocks=need,
+        quant = (dict(quantization=name, quantize_lm_head=extra == "lm_head")
+                 if name in ("int8", "int4", "w8a8", "gguf", "auto") else {})
+        # quantized configs: the rest of the model in this CPU's own choice (bf16 where native)
+        if name == "default":  # what `tokenmill serve` runs with no flags on this machine
+            quant = dict(quantization="auto")
+        cfg = EngineConfig.from_options(dtype="auto" if quant else name, num_blocks=need,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
         engine = LLMEngine(cfg)
         if args.threads:

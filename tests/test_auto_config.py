@@ -36,10 +36,40 @@ def test_quantization_auto_keeps_gguf_blocks_only_when_there_are_some() -> None:
     assert auto.resolve_quantization("int8", with_blocks) == ("int8", "as asked")
 
 
+def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_vnni(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    with_blocks = SimpleNamespace(raw_quantized={"a.weight": ("Q4_1", None, (4, 32))})
+    vnni = SimpleNamespace(int8_dot=True)
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: vnni)
+    name, why = auto.resolve_quantization("auto", with_blocks, cpu)
+    assert name == "w8a8" and "VNNI" in why
+    assert auto.resolve_quantization("auto", with_blocks, torch.device("cuda"))[0] == "gguf"
+    assert auto.resolve_quantization("none", with_blocks, cpu) == ("none", "as asked")
+    vnni.int8_dot = False  # an AVX2 CPU: the GGUF's blocks stay
+    assert auto.resolve_quantization("auto", with_blocks, cpu)[0] == "gguf"
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: None)  # kernels off
+    assert auto.resolve_quantization("auto", SimpleNamespace(raw_quantized={}), cpu)[0] == "none"
+
+
 def test_engine_resolves_auto_once_at_build(monkeypatch, caplog) -> None:
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: False)
     cfg = EngineConfig.from_options(dtype="auto", quantization="auto", num_blocks=32)
     with caplog.at_level("INFO", logger="tokenmill.engine"):
         engine = LLMEngine(cfg, loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
-    assert engine.dtype == torch.float32 and engine.config.quantization == "none"
+    lib = cpu_kernels.load()
+    vnni = lib is not None and lib.int8_dot
+    assert engine.dtype == torch.float32 and engine.config.quantization == ("w8a8" if vnni else "none")
     assert "chosen for this machine: dtype float32" in caplog.text
+
+
+def test_w8a8_keeps_the_rest_of_the_model_in_float32(monkeypatch) -> None:
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: True)
+    name, why = auto.resolve_dtype("auto", cpu, int8_activations=True)
+    assert name == "float32" and "w8a8" in why
+    assert auto.resolve_dtype("bfloat16", cpu, int8_activations=True) == ("bfloat16", "as asked")
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: SimpleNamespace(int8_dot=True))
+    assert auto.int8_compute("auto", cpu) and auto.int8_compute("w8a8", cpu)
+    assert not auto.int8_compute("none", cpu) and not auto.int8_compute("auto", torch.device("cuda"))
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: SimpleNamespace(int8_dot=False))
+    assert not auto.int8_compute("auto", cpu)

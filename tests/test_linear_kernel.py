@@ -169,12 +169,14 @@ def test_isa_follows_torch_capability(monkeypatch) -> None:
         cpu_kernels.isa()
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 12, 13, 30])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 12, 13, 30])
 @pytest.mark.parametrize("n", [16, 48, 80])
-def test_w8a8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: int) -> None:
-    """A w8a8 layer (act_rows set, VNNI packing): from act_rows rows, the activations are
-    quantized per row and multiplied in int32, equal to that integer product up to float
-    rounding of the scales; below it, or on a build without VNNI, weight-only int8."""
+@pytest.mark.parametrize("bits", [8, 16])
+def test_int8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: int, bits: int) -> None:
+    """An int8 layer with the VNNI packing: from act_rows rows, the activations are
+    quantized per row to ``bits`` (8: w8a8 layers; 16: weight-only ones, as two byte
+    planes) and multiplied in int32, equal to that integer product up to float rounding
+    of the scales; below it, or on a build without VNNI, weight-only int8."""
     keep: list[torch.Tensor] = []
     d, w = _desc(cpu_kernels.W_INT8, n, 128, keep, seed=n + rows, bias=rows == 13)
     q, scale = keep[0], keep[1]  # what _desc made the int8 layer of
@@ -182,19 +184,20 @@ def test_w8a8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: in
     assert packed is not None
     sums = q.sum(dim=1, dtype=torch.int32)
     keep += [packed, sums]
-    d.act_rows, d.packed, d.row_sums = 5, packed.data_ptr(), sums.data_ptr()
+    threshold = 5 if bits == 8 else 2
+    d.act_rows, d.act_bits, d.packed, d.row_sums = threshold, bits, packed.data_ptr(), sums.data_ptr()
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 3
     got = cpu_kernels.linear(d, x, library=lib)
     weight, bias = w if isinstance(w, tuple) else (w, None)
-    if lib.int8_dot and rows >= 5:
-        xs = x.abs().amax(dim=1, keepdim=True) / 127.0
+    integer = lib.int8_dot and rows >= threshold
+    if integer:
+        xs = x.double().abs().amax(dim=1, keepdim=True).float() / (127.0 if bits == 8 else 32767.0)
         xq = torch.round(x / xs).to(torch.int64)
         want = (xq @ q.to(torch.int64).t()).double() * xs.double() * scale.double()
     else:
         want = x.double() @ weight.t()
     if bias is not None:
         want = want + bias
-    integer = lib.int8_dot and rows >= 5
     tol = 8e-2 if not integer and lib.q8_activations and rows < 8 else 1e-5  # AVX2: q8_0-style activations
     err = float((got.double() - want).norm() / want.norm())
     assert err < tol, (rows, n, err)
@@ -205,3 +208,17 @@ def test_native_build_has_vnni_products_where_the_cpu_does() -> None:
     native = cpu_kernels.build(cpu_kernels.ISA_FLAGS["native"])
     assert native.int8_dot == (X86 and "avx512_vnni" in flags and "avx512bw" in flags or "avx_vnni" in flags)
     assert not cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"]).int8_dot
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 30])
+@pytest.mark.parametrize("n", [16, 48, 70])
+def test_int16_weights_match_their_float_product(lib, rows: int, n: int) -> None:
+    """int16 weights (a scale per row, w8a8's LM head) widened to float32."""
+    from tokenmill.model.quant import Int16Linear
+
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    layer = Int16Linear.from_float(torch.randn(n, 128, generator=g) * 0.05)
+    x = torch.randn(rows, 128, generator=g) * 3
+    got = cpu_kernels.linear(layer.kernel_description(), x, library=lib)
+    want = x.double() @ layer.dequantized_weight().double().t()
+    assert float((got.double() - want).norm() / want.norm()) < 1e-5

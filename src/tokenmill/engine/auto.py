@@ -3,13 +3,21 @@
 Decided once, when the engine is built, from the device, the CPU's features and
 what the model file holds:
 
-* dtype: bfloat16 on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16
-  or AMX); float32 elsewhere, where bf16 matmuls are emulated and slower than
-  float32.
-* quantization: a GGUF file whose linear layers are stored in Q4_0 / Q4_1 /
-  Q8_0 blocks keeps them (``gguf``), as llama.cpp serves them: the same
-  weights the float path would dequantize, read at a quarter to half of the
-  bytes by the int4 kernels; anything else stays dense (``none``).
+* quantization, on a CPU whose kernel build multiplies int8 by int8 with VNNI
+  (``KernelLibrary.int8_dot``): ``w8a8``, int8 weights with a scale per output
+  channel (a GGUF's blocks are dequantized, then requantized), float32
+  activations for one stream and int8 x int8 products for batched decode and
+  prefill; the last decoder layers take 16-bit activations and the LM head
+  stays float32, which keeps it within the quality gate in
+  docs/quantization.md (a test holds the default to it).
+* dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs
+  next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
+  bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
+  matmuls are emulated and slower than float32.
+* elsewhere, a GGUF file whose linear layers are stored in Q4_0 / Q4_1 / Q8_0
+  blocks keeps them (``gguf``), as llama.cpp serves them: the same weights the
+  float path would dequantize, read at a quarter to half of the bytes by the
+  int4 kernels; anything else stays dense (``none``).
 
 ``--dtype float32 --quantization none`` stays the exact reference.
 """
@@ -20,11 +28,28 @@ from typing import Any
 
 import torch
 
+from ..options import KernelOptions
+
 log = logging.getLogger("tokenmill.engine")
 
 
-def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
-    """(dtype name, why) for ``name`` ("auto" or an explicit dtype)."""
+def int8_compute(quantization: str, device: torch.device, options: KernelOptions | None = None) -> bool:
+    """Whether the model will multiply int8 activations: ``w8a8`` asked for, or ``auto`` on
+    a CPU whose kernel build has VNNI dot products."""
+    mode = str(quantization or "none").lower()
+    if mode == "w8a8":
+        return True
+    if mode != "auto" or device.type != "cpu":
+        return False
+    from ..model.cpu_kernels import load
+
+    lib = load(options)
+    return lib is not None and lib.int8_dot
+
+
+def resolve_dtype(name: str, device: torch.device, int8_activations: bool = False) -> tuple[str, str]:
+    """(dtype name, why) for ``name`` ("auto" or an explicit dtype). ``int8_activations``:
+    the layers will run w8a8 (see ``int8_compute``)."""
     if str(name).lower() != "auto":
         return name, "as asked"
     if device.type == "cuda":
@@ -32,16 +57,23 @@ def resolve_dtype(name: str, device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
         from ..model.cpu_kernels import native_bf16
 
+        if int8_activations:
+            return "float32", ("w8a8 layers; float32 for the rest, where bf16 would cost next-token agreement "
+                               "with the float32 model (docs/quantization.md)")
         if native_bf16():
             return "bfloat16", "this CPU multiplies bf16 natively"
         return "float32", "this CPU has no native bf16 (it would be emulated, slower than float32)"
     return "float32", f"{device.type} device"
 
 
-def resolve_quantization(name: str, loaded: Any) -> tuple[str, str]:
+def resolve_quantization(name: str, loaded: Any, device: torch.device | None = None,
+                         options: KernelOptions | None = None) -> tuple[str, str]:
     """(quantization mode, why) for ``name`` ("auto" or an explicit mode)."""
     if str(name or "none").lower() != "auto":
         return name, "as asked"
+    if device is not None and int8_compute(name, device, options):
+        return "w8a8", ("int8 x int8 VNNI products are this CPU's fastest kernel for batches and as fast as any "
+                        "for one stream; weights requantized to int8 per output channel, LM head kept")
     raw = getattr(loaded, "raw_quantized", None) or {}
     if raw:
         kinds = sorted({entry[0] for entry in raw.values()})

@@ -87,7 +87,8 @@ class LLMEngine:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.device = torch.device(config.device)
         config.scheduler.max_num_batched_tokens = config.scheduler.token_budget(self.device.type)
-        dtype_choice = auto.resolve_dtype(config.dtype, self.device)
+        dtype_choice = auto.resolve_dtype(config.dtype, self.device,
+                                          auto.int8_compute(config.quantization, self.device, config.kernel_options))
         config.dtype = dtype_choice[0]
         self.dtype = parse_dtype(config.dtype)
         # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
@@ -98,7 +99,7 @@ class LLMEngine:
             self.parallel = TensorParallelGroup.start(config, loaded)
             loaded = self.parallel.loaded
         loaded = loaded or load_model(config.model, dtype=self.dtype)
-        quant_choice = auto.resolve_quantization(config.quantization, loaded)
+        quant_choice = auto.resolve_quantization(config.quantization, loaded, self.device, config.kernel_options)
         config.quantization = quant_choice[0]
         if dtype_choice[1] != "as asked" or quant_choice[1] != "as asked":
             log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice))

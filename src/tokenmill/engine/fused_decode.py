@@ -40,17 +40,17 @@ from torch import nn
 
 from ..model import cpu_kernels
 from ..model.llama import LlamaForCausalLM, Linear
-from ..model.quant import POLICY, Int4Linear, Int8Linear
+from ..model.quant import Int4Linear, Int8Linear, Int16Linear
 
 log = logging.getLogger(__name__)
 
-W_F32, W_BF16, W_INT8, W_INT4 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
-                                  cpu_kernels.W_INT4)
+W_F32, W_BF16, W_INT8, W_INT4, W_INT16 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
+                                           cpu_kernels.W_INT4, cpu_kernels.W_INT16)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured per kind as the fused / eager step time
 # on SmolLM2-135M (docs/performance.md, "The fused decode step"): every kind
 # stays faster up to 64 decodes. A model takes its lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64}
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64, W_INT16: 64}
 
 
 _Linear = cpu_kernels.TmLinear
@@ -133,17 +133,19 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
         s.bias = _f32(bias, keep) if bias is not None else None
         keep.append(mod._desc[1])
         return s
+    if isinstance(mod, Int16Linear):
+        ctypes.pointer(s)[0] = mod.kernel_description()  # the layer keeps the buffers it points into
+        s.bias = _f32(bias, keep) if bias is not None else None
+        return s
     if isinstance(mod, Int8Linear):
         q = mod.qweight.contiguous()
         keep.append(q)
         s.kind, s.n, s.k = W_INT8, q.shape[0], q.shape[1]
         s.w, s.scale = q.data_ptr(), _f32(mod.scales, keep)
-        if mod.dynamic and lib.int8_dot:  # w8a8: int8 activations from as many rows as the eager layer
-            packed = cpu_kernels.pack_vnni(q, lib.vector_width)
-            if packed is not None:
-                sums = q.sum(dim=1, dtype=torch.int32).contiguous()
-                keep += [packed, sums]
-                s.act_rows, s.row_sums, s.packed = POLICY.int8_dynamic_min_rows, sums.data_ptr(), packed.data_ptr()
+        vnni = mod.vnni_description(lib)  # the layer keeps the buffers it points into
+        if vnni is not None:
+            ctypes.pointer(s)[0] = vnni
+            s.bias = _f32(bias, keep) if bias is not None else None
         return s
     if type(mod) in (nn.Linear, Linear):
         w = mod.weight.detach()

@@ -65,14 +65,15 @@ def add_engine_arguments(p: Any) -> None:
     """Model and engine flags, shared with `tokenmill generate`."""
     p.add_argument("--model", default=None,
                    help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=DTYPE_CHOICES, metavar="{auto,float32,bfloat16,float16}",
-                   help="compute dtype; auto: bfloat16 where the CPU multiplies it natively (and on CUDA), else "
-                        "float32 (default float32, the exact reference)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,float32,bfloat16,float16}",
+                   help="compute dtype; auto (the default): bfloat16 where the CPU multiplies it natively (and on "
+                        "CUDA), else float32. float32 with --quantization none is the exact reference")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--quantization", "-q", default="none", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
+    p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
                    help="weight quantization: none, int8, int4 (weight-only), gguf (keep the file's Q8_0/Q4_0/Q4_1 "
-                        "blocks), w8a8 (int8 weights and dynamic int8 activations), auto (gguf when the file "
-                        "has such blocks, else none) (default none)")
+                        "blocks), w8a8 (int8 weights and dynamic int8 activations), auto (the default: w8a8 on a "
+                        "CPU with VNNI, else gguf when the file has such blocks, else none; the startup log says "
+                        "which and why)")
     p.add_argument("--quant-group-size", type=int, default=32, choices=[32, 64, 128],
                    help="int4 group size along the input dimension (default 32)")
     p.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")

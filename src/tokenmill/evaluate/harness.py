@@ -28,7 +28,9 @@ _DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat1
 
 @dataclass
 class CandidateSpec:
-    """``int4``, ``int4:g64``, ``int8:lm_head``, ``none:bf16``, ``gguf:lm_head``, ``none:kv=int8`` ..."""
+    """``int4``, ``int4:g64``, ``int8:lm_head``, ``none:bf16``, ``gguf:lm_head``, ``none:kv=int8`` ...;
+    ``default``: what `tokenmill serve` runs with no flags on this machine (dtype and
+    quantization ``auto``, engine/auto.py)."""
 
     label: str
     quantization: str = "none"
@@ -43,6 +45,8 @@ class CandidateSpec:
         if not parts:
             raise ValueError("empty candidate")
         spec = cls(label=text, quantization=parts[0].lower())
+        if spec.quantization == "default":
+            spec.quantization, spec.dtype = "auto", "auto"
         if spec.quantization in _DTYPES:  # "bf16" alone: the float model in another dtype
             spec.quantization, spec.dtype = "none", _DTYPES[parts[0].lower()]
         for opt in parts[1:]:
@@ -60,7 +64,7 @@ class CandidateSpec:
                                  "(use gNN, lm_head, bf16, fp32 or kv=int8|fp8)")
         from ..model.quant import MODES
 
-        if spec.quantization not in MODES:
+        if spec.quantization not in (*MODES, "auto"):
             raise ValueError(f"candidate {text!r}: quantization must be one of {', '.join(MODES)}")
         return spec
 
@@ -146,16 +150,18 @@ def engine_config(spec: CandidateSpec, opts: EvalOptions) -> EngineConfig:
 def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: Any, text_ids: list[int] | None,
                items: list[EvalItem]) -> CandidateResult:
     config = engine_config(spec, opts)
-    dtype, group, head = config.dtype, config.quant_group_size, config.quantize_lm_head
     started = time.monotonic()
     engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
+    # what the engine resolved ("auto" becomes this machine's choice)
+    dtype, group, head = config.dtype, config.quant_group_size, config.quantize_lm_head
+    quantization = str(config.quantization)
     if opts.threads:
         import torch
 
         torch.set_num_threads(opts.threads)
     load_s = time.monotonic() - started
     report = getattr(engine.model, "quant_report", None)  # set by quantize_model
-    summary = report.summary() if report is not None else spec.quantization
+    summary = report.summary() if report is not None else quantization
     try:
         started = time.monotonic()
         scorer = Scorer(engine, opts.max_batch_tokens)
@@ -165,8 +171,8 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
                  if opts.speed else None)
         accuracy = 100.0 * sum(r.correct for r in results) / len(results) if results else None
         result = CandidateResult(
-            label=spec.label, quantization=spec.quantization, dtype=dtype,
-            group_size=group if spec.quantization == "int4" else 32 if spec.quantization == "gguf" else None,
+            label=spec.label, quantization=quantization, dtype=dtype,
+            group_size=group if quantization == "int4" else 32 if quantization == "gguf" else None,
             quantize_lm_head=head, weight_bytes=engine.weight_bytes, kv_blocks=engine.pool.num_blocks,
             load_s=load_s, quant_summary=summary, perplexity=ppl, accuracy=accuracy, num_items=len(results),
             items=results, speed=speed, eval_s=time.monotonic() - started)

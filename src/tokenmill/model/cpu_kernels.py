@@ -553,7 +553,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 
 # --------------------------------------------------------------------------- one projection
 
-W_F32, W_BF16, W_INT8, W_INT4 = 0, 1, 2, 3  # TmLinear.kind
+W_F32, W_BF16, W_INT8, W_INT4, W_INT16 = 0, 1, 2, 3, 4  # TmLinear.kind
 
 
 class TmLinear(ctypes.Structure):
@@ -563,7 +563,8 @@ class TmLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
                 ("act_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p),
+                ("act_bits", ctypes.c_int32), ("pad2", ctypes.c_int32)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -577,9 +578,9 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
-    """int8 codes [N, K] -> the VNNI packing the w8a8 kernel reads, [N / VW, K / 4, VW, 4]
-    (VW = the build's floats per vector): one vector load gives 4 consecutive columns of
-    VW output rows, the layout vpdpbusd multiplies against 4 broadcast activation bytes.
+    """int8 codes [N, K] -> the VNNI packing the kernels read, [N / VW, K / 4, VW, 4] (VW =
+    the build's floats per vector): one vector load gives 4 consecutive columns of VW
+    output rows, the layout vpdpbusd multiplies against 4 broadcast activation bytes.
     None when N or K does not divide."""
     n, k = q.shape
     if n % vector_width or k % 4:

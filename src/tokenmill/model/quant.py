@@ -44,6 +44,10 @@ log = logging.getLogger("tokenmill.quant")
 
 MODES = ("none", "int8", "int4", "gguf", "w8a8")
 W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float activations
+# w8a8: these projections keep float activations in every layer. The down projection's
+# input, SiLU(gate) * up, has the widest outliers, and rounding it to 8 bits per token
+# cost most of w8a8's next-token agreement on the bundled model (docs/quantization.md).
+W8A8_WEIGHT_ONLY_PROJECTIONS = ("mlp.down_proj",)
 INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -54,6 +58,7 @@ class KernelPolicy:
 
     int8_weight_only_max_rows: int = 20  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
     int8_dynamic_min_rows: int = 5  # w8a8 layers: int8 activations + _int_mm from this many rows
+    int8_a16_min_rows: int = 2  # weight-only int8, C kernels with VNNI: 16-bit integer activations from here
     int4_kernel_max_rows: int = 96  # <= : int4 kernel; above: unpack + dense bf16
 
 
@@ -284,6 +289,7 @@ class Int8Linear(_QuantLinear):
         self.weight_only_ok = _kernel_works(("int8", *key), self._weight_only, ref, 2, self.in_features, dev)
         self.dynamic = dynamic and dev.type == "cpu" and _kernel_works(
             ("int8-dynamic", *key), self._dynamic, ref, 32, self.in_features, dev)
+        self._vnni: Any = None  # (vector width, TmLinear, buffers it points into): vnni_description
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, dynamic: bool = False) -> "Int8Linear":
@@ -310,6 +316,13 @@ class Int8Linear(_QuantLinear):
         rows = x.shape[0]
         if self.dynamic and rows >= POLICY.int8_dynamic_min_rows:
             return self._dynamic(x)
+        vnni = self.vnni_description(self.ops.library)
+        if vnni is not None:  # the fused step's own numerics: float32, or 16-bit integer activations
+            from .cpu_kernels import linear
+
+            y = linear(vnni, x.float().contiguous(), self.ops.library)
+            if y is not None:
+                return y
         x = x.to(COMPUTE_DTYPE)
         if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
             return self._weight_only(x)
@@ -321,6 +334,82 @@ class Int8Linear(_QuantLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
         return self.qweight[ids].float() * self.scales[ids].float()[:, None]
+
+    def vnni_description(self, library: Any) -> Any:
+        """The C kernels' ``TmLinear`` for this layer with the VNNI packing (made once and
+        kept here with the buffers it points into), or None when the library has no int8
+        dot products or the shape does not pack. w8a8 layers quantize activations to 8
+        bits per row from ``int8_dynamic_min_rows``; weight-only layers to 16 bits (two
+        byte planes, about float32's accuracy at twice the widening tile's rate) from
+        ``int8_a16_min_rows``."""
+        from . import cpu_kernels
+
+        if library is None or not library.int8_dot or self.qweight.device.type != "cpu":
+            return None
+        key = library.vector_width
+        if self._vnni is None or self._vnni[0] != key:
+            q = self.qweight.contiguous()
+            packed = cpu_kernels.pack_vnni(q, key)
+            if packed is None:
+                return None
+            d = cpu_kernels.TmLinear()
+            scales = self.scales.float().contiguous()
+            sums = q.sum(dim=1, dtype=torch.int32).contiguous()
+            d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8, q.shape[0], q.shape[1], 1, 0
+            d.w, d.scale, d.row_sums, d.packed = q.data_ptr(), scales.data_ptr(), sums.data_ptr(), packed.data_ptr()
+            d.bias = None  # forward adds it (the fused step sets its own)
+            d.act_bits = 8 if self.dynamic else 16
+            d.act_rows = POLICY.int8_dynamic_min_rows if self.dynamic else POLICY.int8_a16_min_rows
+            self._vnni = (key, d, (q, packed, scales, sums))
+        return self._vnni[1]
+
+
+class Int16Linear(_QuantLinear):
+    """int16 weights with a float32 scale per output row: within float32 rounding of the
+    weight (1 / 65534 of a row's range) at half its bytes, widened to float32 by the C
+    kernels. w8a8 stores an unquantized LM head this way on the CPU: a single stream
+    reads the head's bytes every token (a fifth of a small model's), and int8 there
+    costs next-token agreement (docs/quantization.md). (Integer products do not suit
+    it: 16 x 16-bit sums overflow int32 within a few hundred columns.)"""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(q.shape[1], q.shape[0], bias)
+        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("scales", scale.float().contiguous())
+        self._desc: Any = None  # the C kernels' TmLinear, made on first use
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int16Linear":
+        w = w.detach().float()
+        scale = (w.abs().amax(dim=1) / 32767.0).clamp_min(1e-12)
+        return cls(torch.round(w / scale[:, None]).to(torch.int16), scale, bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (a tied embedding looks tokens up here)."""
+        return self.qweight[ids].float() * self.scales[ids][:, None]
+
+    def kernel_description(self) -> Any:
+        """The C kernels' ``TmLinear`` for this layer (pointers into its buffers)."""
+        from . import cpu_kernels
+
+        if self._desc is None:
+            d = cpu_kernels.TmLinear()
+            d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT16, self.out_features, self.in_features, 1, 0
+            d.w, d.scale, d.bias = self.qweight.data_ptr(), self.scales.data_ptr(), None
+            self._desc = d
+        return self._desc
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops.library is not None and x.device.type == "cpu":
+            from .cpu_kernels import linear
+
+            y = linear(self.kernel_description(), x.float().contiguous(), self.ops.library)
+            if y is not None:
+                return y
+        return F.linear(x.float(), self.dequantized_weight()).to(x.dtype)
 
 
 class Int4Linear(_QuantLinear):
@@ -460,7 +549,7 @@ class Int4Linear(_QuantLinear):
 class QuantizedEmbedding(nn.Module):
     """Token lookup through a tied, quantized LM head: one copy of the table."""
 
-    def __init__(self, head: Int8Linear | Int4Linear, dtype: torch.dtype) -> None:
+    def __init__(self, head: Int8Linear | Int4Linear | Int16Linear, dtype: torch.dtype) -> None:
         super().__init__()
         self.head = head
         self.dtype = dtype
@@ -529,7 +618,11 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     if mode == "none":
         return report
     group = int(getattr(config, "quant_group_size", 32))
-    targets = _targets(model, bool(getattr(config, "quantize_lm_head", False)))
+    quantize_head = bool(getattr(config, "quantize_lm_head", False))
+    # w8a8 on the CPU: an LM head left unquantized is stored as int16 (Int16Linear)
+    int16_head = (mode == "w8a8" and not quantize_head and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+                  and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
+    targets = _targets(model, quantize_head or int16_head)
     raw = getattr(loaded, "raw_quantized", None) or {}
     if mode == "int4":
         for name, mod, _ in targets:
@@ -537,9 +630,11 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     if mode == "gguf" and not raw:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
-    # w8a8 keeps the last decoder layers weight-only: their output goes (almost) straight
-    # to the LM head, so activation rounding there moves the logits most (measured on the
-    # bundled model: docs/quantization.md, "w8a8: activation smoothing").
+    # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
+    # weight-only ("float" activations: float32 for one row, 16-bit integers for more with
+    # the C kernels): the last layers' output goes (almost) straight to the logits, and the
+    # down projections' input has the widest outliers, so rounding there moves the logits
+    # most (measured on the bundled model: docs/quantization.md, "w8a8").
     num_layers = len(model.layers)  # type: ignore[arg-type]
     weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
@@ -548,8 +643,11 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         dev = mod.weight.device
         bias = mod.bias
         new: nn.Module
-        if mode in ("int8", "w8a8"):
-            dynamic = mode == "w8a8" and not name.startswith(weight_only)
+        if name == "lm_head" and int16_head:
+            new, fmt = Int16Linear.from_float(mod.weight, bias), "int16"
+        elif mode in ("int8", "w8a8"):
+            dynamic = (mode == "w8a8" and not name.startswith(weight_only) and name != "lm_head"
+                       and not name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS))
             new = Int8Linear.from_float(mod.weight, bias, dynamic=dynamic)
             fmt = "w8a8" if dynamic else "int8"
         elif mode == "int4":

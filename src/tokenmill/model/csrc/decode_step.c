@@ -47,21 +47,23 @@
 
 #define TM_MAX_ROWS 6 /* activation rows per pass over a weight tile */
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_INT16 = 4 };
 
 typedef struct {
     int32_t kind;
     int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32 */
     int32_t repeat;        /* int4: 2 when each row holds [hi | lo] codes of one input fed twice (GGUF Q8_0) */
-    int32_t act_rows;      /* int8: from this many activation rows, int8 activations (0: never);
-                              needs n % VW == 0, k % 4 == 0 and row_sums + packed */
+    int32_t act_rows;      /* int8: from this many activation rows, activations quantized per row
+                              to act_bits (0: never); needs n % VW == 0, k % 4 == 0, row_sums, packed */
     int64_t n, k;          /* output rows, input features */
-    const void *w;         /* f32 / bf16 / int8: [n, k]; int4: [n, k * repeat / 2] bytes */
-    const float *scale;    /* int8: [n]; int4: [n, k * repeat / group] */
+    const void *w;         /* f32 / bf16 / int8 / int16: [n, k]; int4: [n, k * repeat / 2] bytes */
+    const float *scale;    /* int8 / int16: [n]; int4: [n, k * repeat / group] */
     const float *zero;     /* int4: [n, k * repeat / group], holds z - 8 s: w = code * s + zero */
     const float *bias;     /* [n] or NULL */
     const int32_t *row_sums; /* int8 with act_rows: [n] sums of each row's codes */
     const int8_t *packed;    /* int8 with act_rows: the codes in the VNNI packing (int8_vnni_block) */
+    int32_t act_bits;        /* int8: 8 (w8a8 layers) or 16 (weight-only: two u8 planes) */
+    int32_t pad2;
 } TmLinear;
 
 typedef struct {
@@ -139,10 +141,18 @@ TM_INLINE vf load_int8w(const int8_t *p) {
     return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, vi) - 128, vf);
 }
 
+/* The same for int16 (the sign-bit flip again keeps the conversion unsigned). */
+TM_INLINE vf load_int16w(const int16_t *p) {
+    vu16 h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_convertvector((vi)__builtin_convertvector(h ^ 0x8000, vu32) - 32768, vf);
+}
+
 /* VW weights of row `row` from column c, widened (dense kinds). */
 TM_INLINE vf load_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
     if (kind == W_F32) return load_f32w((const float *)L->w + row * L->k + c);
     if (kind == W_BF16) return load_bf16w((const uint16_t *)L->w + row * L->k + c);
+    if (kind == W_INT16) return load_int16w((const int16_t *)L->w + row * L->k + c);
     return load_int8w((const int8_t *)L->w + row * L->k + c);
 }
 
@@ -164,7 +174,7 @@ TM_INLINE void keep_in_register(vf *v) {
  * 2.3 KB), and weights read from memory arrived measurably slower without
  * this. */
 TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
-    const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 || kind == W_INT16 ? 2 : 1;
     for (int64_t i = row; i < row + TM_ROW_BLOCK && i < L->n; i++)
         __builtin_prefetch((const char *)L->w + (i * L->k + c) * esize, 0, 2);
 }
@@ -449,7 +459,7 @@ typedef __m256i vdot;
 #ifdef TM_VNNI_DOT
 #define VNNI_ROWS 12 /* activation rows per pass: 2 tiles x 12 rows = 24 accumulators */
 
-/* Tiles [tile, tile + NT) of a w8a8 layer (VW output rows each, NT 1 or 2) against NB
+/* Tiles [tile, tile + NT) of an int8 layer (VW output rows each, NT 1 or 2) against NB
  * activation rows: acc[t][b] lane i = w_(row i of tile t) . xq_b, offset-128 inputs
  * included. The weights are in the VNNI packing ([n / VW][k / 4][VW][4] bytes,
  * TmLinear.packed), so one vector holds 4 columns of VW rows, each activation row
@@ -475,35 +485,45 @@ TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int N
     for (int b = 0; b < NB; b++) acc[0][b] = a0[b], acc[1][b] = a1[b];
 }
 
-/* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of a w8a8
- * layer, from activations quantized by quantize_u8_rows (B rows, padded with zero
- * rows to a multiple of 4): the int32 sums less 128 x the row's code sum, times the
- * activation row's scale and the weight row's scale, plus the bias. */
+/* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an
+ * int8 layer, from activations quantized by quantize_rows (B rows, padded with
+ * zero rows to a multiple of 4). 8 bits: one u8 plane (x + 128), the int32 sums less
+ * 128 x the row's code sum. 16 bits: x + 32768 as a high and a low u8 plane (rows
+ * 0..B-1 high, then the low ones, each padded), each multiplied as above:
+ * 256 (hi . w - 128 sum w) + lo . w. Then times the activation row's scale and the
+ * weight row's, plus the bias. */
 static void int8_vnni_rows(const TmLinear *L, const uint8_t *xq, const float *xd, int64_t B, int64_t n0, int64_t n1,
                            float *y, int64_t ldy, int accumulate, int64_t y_col0) {
-    const int64_t K = L->k;
-    vdot acc[2][VNNI_ROWS];
+    const int64_t K = L->k, Bp = (B + 3) / 4 * 4, planes = L->act_bits == 16 ? 2 : 1;
+    vdot acc[2][2][VNNI_ROWS]; /* [plane][tile][row] */
     for (int64_t tile = n0 / VW; tile < n1 / VW;) {
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = 0; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
             const int NB = left >= VNNI_ROWS ? VNNI_ROWS : (int)((left + 3) / 4 * 4);
-            const uint8_t *xb = xq + b0 * K;
-#define VNNI_BLOCK(T, N) int8_vnni_block(L, xb, T, N, tile, acc)
-            if (NT == 2) {
-                if (NB == 12) VNNI_BLOCK(2, 12); else if (NB == 8) VNNI_BLOCK(2, 8); else VNNI_BLOCK(2, 4);
-            } else {
-                if (NB == 12) VNNI_BLOCK(1, 12); else if (NB == 8) VNNI_BLOCK(1, 8); else VNNI_BLOCK(1, 4);
-            }
+            for (int64_t p = 0; p < planes; p++) {
+                const uint8_t *xb = xq + (p * Bp + b0) * K;
+#define VNNI_BLOCK(T, N) int8_vnni_block(L, xb, T, N, tile, acc[p])
+                if (NT == 2) {
+                    if (NB == 12) VNNI_BLOCK(2, 12); else if (NB == 8) VNNI_BLOCK(2, 8); else VNNI_BLOCK(2, 4);
+                } else {
+                    if (NB == 12) VNNI_BLOCK(1, 12); else if (NB == 8) VNNI_BLOCK(1, 8); else VNNI_BLOCK(1, 4);
+                }
 #undef VNNI_BLOCK
+            }
             for (int t = 0; t < NT; t++) {
                 const int64_t row = (tile + t) * VW;
-                vi comp, sums;
+                vi comp, sums, lo;
                 memcpy(&comp, L->row_sums + row, sizeof comp);
                 const vf ws = vload(L->scale + row), bias = L->bias ? vload(L->bias + row) : (vf){0};
                 for (int64_t b = 0; b < left && b < VNNI_ROWS; b++) {
-                    memcpy(&sums, &acc[t][b], sizeof sums);
-                    const vf v = __builtin_convertvector(sums - 128 * comp, vf) * (ws * xd[b0 + b]) + bias;
+                    memcpy(&sums, &acc[0][t][b], sizeof sums);
+                    vf dot = __builtin_convertvector(sums - 128 * comp, vf);
+                    if (planes == 2) {
+                        memcpy(&lo, &acc[1][t][b], sizeof lo);
+                        dot = dot * 256.0f + __builtin_convertvector(lo, vf);
+                    }
+                    const vf v = dot * (ws * xd[b0 + b]) + bias;
                     float *yb = y + (b0 + b) * ldy - y_col0 + row;
                     vstore(yb, accumulate ? vload(yb) + v : v);
                 }
@@ -513,11 +533,16 @@ static void int8_vnni_rows(const TmLinear *L, const uint8_t *xq, const float *xd
     }
 }
 
-/* Rows of x as int8 with one scale per row (round to nearest, as the eager w8a8
- * layer does), stored offset by 128 (u8) for vpdpbusd; xd[b] the row's scale.
- * Rows past B up to a multiple of 4 are zeros (int8_vnni_rows reads them). */
-static void quantize_u8_rows(const float *x, int64_t ldx, int64_t B, int64_t K, uint8_t *xq, float *xd) {
-    memset(xq + B * K, 128, (size_t)((B + 3) / 4 * 4 - B) * K);
+/* Rows of x quantized with one scale per row, round to nearest (as the eager w8a8
+ * layer does), for int8_vnni_rows: 8 bits as x / d + 128 (d = amax / 127), or 16 bits
+ * as x / d + 32768 (d = amax / 32767) split into a high and a low byte plane; xd[b]
+ * the row's scale. Rows past B up to a multiple of 4 are zeros. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int bits, uint8_t *xq, float *xd) {
+    const int64_t Bp = (B + 3) / 4 * 4;
+    const float qmax = bits == 16 ? 32767.0f : 127.0f;
+    uint8_t *hi = xq, *lo = xq + Bp * K;
+    memset(hi + B * K, 128, (size_t)(Bp - B) * K);
+    if (bits == 16) memset(lo + B * K, 0, (size_t)(Bp - B) * K);
     for (int64_t b = 0; b < B; b++) {
         const float *xs = x + b * ldx;
         float amax = 0.0f;
@@ -526,10 +551,19 @@ static void quantize_u8_rows(const float *x, int64_t ldx, int64_t B, int64_t K, 
             const float v = fabsf(xs[c]);
             amax = v > amax ? v : amax;
         }
-        const float d = amax > 1e-12f ? amax / 127.0f : 1e-12f / 127.0f;
-        uint8_t *q = xq + b * K;
+        const float d = amax > 1e-12f ? amax / qmax : 1e-12f / qmax;
+        uint8_t *qh = hi + b * K, *ql = lo + b * K;
+        if (bits == 16) {
 #pragma omp simd
-        for (int64_t c = 0; c < K; c++) q[c] = (uint8_t)((int)nearbyintf(xs[c] / d) + 128);
+            for (int64_t c = 0; c < K; c++) {
+                const int v = (int)nearbyintf(xs[c] / d) + 32768;
+                qh[c] = (uint8_t)(v >> 8);
+                ql[c] = (uint8_t)(v & 255);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) qh[c] = (uint8_t)((int)nearbyintf(xs[c] / d) + 128);
+        }
         xd[b] = d;
     }
 }
@@ -563,7 +597,7 @@ typedef struct {
     float *wtile;       /* [VW, k * repeat]: one int4 row tile, dequantized (int4_dequant_rows) */
     int8_t *xq;         /* [rows, k * repeat]: the input as int8, a scale per 32 columns (int4_q8_tile) */
     float *xd;          /* [rows, k * repeat / 32]: those scales */
-    int int8_act;       /* the input was quantized for int8_vnni_tile (xq as u8, xd per row) */
+    int int_act;        /* the input was quantized per row for int8_vnni_rows */
 } InputScratch;
 
 #define TM_INT4_DEQUANT_ROWS 8 /* from this many activation rows, int4 tiles are dequantized first */
@@ -600,11 +634,11 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
                                   int64_t *ldx_out) {
     *ldx_out = ldx;
     is->xh = NULL;
-    is->int8_act = 0;
+    is->int_act = 0;
 #ifdef TM_VNNI_DOT
     if (L->kind == W_INT8 && L->act_rows > 0 && B >= L->act_rows && L->packed) {
-        quantize_u8_rows(x, ldx, B, L->k, (uint8_t *)is->xq, is->xd);
-        is->int8_act = 1;
+        quantize_rows(x, ldx, B, L->k, L->act_bits == 16 ? 16 : 8, (uint8_t *)is->xq, is->xd);
+        is->int_act = 1;
         return x;
     }
 #endif
@@ -693,7 +727,7 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     const int dequant = L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS;
     float out[TM_MAX_ROWS][VW];
 #ifdef TM_VNNI_DOT
-    if (is->int8_act) {
+    if (is->int_act) {
         int8_vnni_rows(L, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
     }
@@ -725,6 +759,8 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
                 {
                     DENSE_CASES(W_BF16)
                 }
+            } else if (L->kind == W_INT16) {
+                DENSE_CASES(W_INT16)
             } else {
 #ifdef TM_Q8_DOT
                 if (B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) {
@@ -739,7 +775,7 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
                 float *yb = y + (b0 + b) * ldy - y_col0 + r0;
                 for (int64_t r = 0; r < nr; r++) {
                     float v = out[b][r];
-                    if (L->kind == W_INT8) v *= L->scale[r0 + r];
+                    if (L->kind == W_INT8 || L->kind == W_INT16) v *= L->scale[r0 + r];
                     if (L->bias) v += L->bias[r0 + r];
                     if (accumulate)
                         yb[r] += v;
@@ -817,8 +853,8 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        /* int4_q8_tile's / int8_vnni_rows' input (up to 3 zero rows of padding) and its scales */
-        const size_t q8_floats = ((size_t)(B + 3) * KM + 3) / 4 + (size_t)B * KM / 32;
+        /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales */
+        const size_t q8_floats = ((size_t)2 * (B + 3) * KM + 3) / 4 + (size_t)B * KM / 32;
         const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
@@ -829,7 +865,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         float *att = up + B * VW;
         is.wtile = att + att_floats;
         is.xq = (int8_t *)(is.wtile + VW * KM);
-        is.xd = is.wtile + VW * KM + ((size_t)(B + 3) * KM + 3) / 4;
+        is.xd = is.wtile + VW * KM + ((size_t)2 * (B + 3) * KM + 3) / 4;
         Scratch sc = {0};
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
@@ -945,7 +981,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
-        const size_t q8 = ((size_t)(B + 3) * kp + 3) / 4; /* floats holding the int8 input (+ padding rows) */
+        const size_t q8 = ((size_t)2 * (B + 3) * kp + 3) / 4; /* the quantized input: two planes, padded */
         const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)B * kp / 32;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         if (buf) {
