@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from conftest import tiny_loaded, tiny_tokenizer
+from conftest import bundled_quality, tiny_loaded, tiny_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.engine import auto
 from tokenmill.engine.engine import LLMEngine
@@ -73,3 +74,16 @@ def test_w8a8_keeps_the_rest_of_the_model_in_float32(monkeypatch) -> None:
     assert not auto.int8_compute("none", cpu) and not auto.int8_compute("auto", torch.device("cuda"))
     monkeypatch.setattr(cpu_kernels, "load", lambda options=None: SimpleNamespace(int8_dot=False))
     assert not auto.int8_compute("auto", cpu)
+
+
+# The quality gate the default configuration is held to (docs/quantization.md): on the
+# bundled model and its sample text, against float32, whatever this machine's default is.
+DEFAULT_MAX_PPL_INCREASE = 0.015
+DEFAULT_MIN_NEXT_TOKEN_AGREEMENT = 0.95
+
+
+@pytest.mark.slow
+def test_the_default_configuration_holds_the_quality_gate(real_loaded, real_tokenizer) -> None:
+    comp = bundled_quality(real_loaded, real_tokenizer, "default", DEFAULT_MAX_PPL_INCREASE)
+    assert comp.ppl_increase <= DEFAULT_MAX_PPL_INCREASE, comp
+    assert comp.next_token_agreement >= DEFAULT_MIN_NEXT_TOKEN_AGREEMENT, comp

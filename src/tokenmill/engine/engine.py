@@ -118,6 +118,7 @@ class LLMEngine:
         model = build_model(loaded, config, self.device, self.dtype, max_len, calibration, self.parallel,
                             self.kernels)
         self.model = model
+        model.use_ops(self.kernels.ops)  # now, so that layouts the kernels read count as weights
         self.weight_bytes = _weight_bytes(model)
 
         cache_cfg = config.cache

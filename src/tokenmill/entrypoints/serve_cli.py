@@ -248,10 +248,11 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
 
         from ..model.kv_quant import resolve_kv_dtype
 
-        if compute == "auto":  # what auto will be on this machine
-            from ..engine.auto import resolve_dtype as resolve_auto
+        if compute == "auto":  # what auto will be on this machine (engine/auto.py, as the engine decides it)
+            from ..engine import auto
 
-            compute = resolve_auto("auto", torch.device(args.device))[0]
+            device = torch.device(args.device)
+            compute = auto.resolve_dtype("auto", device, auto.int8_compute(args.quantization, device))[0]
         try:
             resolve_kv_dtype(args.kv_cache_dtype, getattr(torch, str(compute)))
         except (ValueError, AttributeError) as exc:

@@ -217,11 +217,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def use_ops(self, ops: ModelOps) -> None:
-        """Bind the engine's ops to every layer that reads them (called once, at build,
-        after any quantization or sharding has replaced modules)."""
+        """Bind the engine's ops to every layer that reads them, and let quantized layers
+        make the layouts those kernels read (at build, after any quantization or sharding
+        has replaced modules; binding the same ops again changes nothing)."""
         for module in self.modules():
             if isinstance(getattr(type(module), "ops", None), ModelOps):
                 module.ops = ops
+                prepare = getattr(module, "prepare_kernels", None)
+                if prepare is not None:  # layouts the bound kernels read (counted in the weights)
+                    prepare()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -360,8 +360,14 @@ class Int8Linear(_QuantLinear):
             d.bias = None  # forward adds it (the fused step sets its own)
             d.act_bits = 8 if self.dynamic else 16
             d.act_rows = POLICY.int8_dynamic_min_rows if self.dynamic else POLICY.int8_a16_min_rows
-            self._vnni = (key, d, (q, packed, scales, sums))
+            self._vnni = (key, d, (q, scales, sums))
+            self.register_buffer("vnni_packed", packed, persistent=False)  # counted with the weights
         return self._vnni[1]
+
+    def prepare_kernels(self) -> None:
+        """Make the VNNI packing now, when the engine binds its kernels (so the engine's
+        weight count includes it), instead of at the first step."""
+        self.vnni_description(self.ops.library)
 
 
 class Int16Linear(_QuantLinear):
