@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV pool's dtype (auto, int8, fp8)")
     ap.add_argument("--steps", type=int, default=0, help="timed steps per case (0: by batch size)")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the engine's choice, all cores)")
     ap.add_argument("--ab", action="store_true",
@@ -179,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "default":  # what `tokenmill serve` runs with no flags on this machine
             quant = dict(quantization="auto")
         cfg = EngineConfig.from_options(dtype="auto" if quant else name, num_blocks=need,
+                                        kv_cache_dtype=args.kv_cache_dtype,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
         engine = LLMEngine(cfg)
         if args.threads:

@@ -171,12 +171,13 @@ def test_isa_follows_torch_capability(monkeypatch) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 12, 13, 30])
 @pytest.mark.parametrize("n", [16, 48, 80])
-@pytest.mark.parametrize("bits", [8, 16])
-def test_int8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: int, bits: int) -> None:
-    """An int8 layer with the VNNI packing: from act_rows rows, the activations are
-    quantized per row to ``bits`` (8: w8a8 layers; 16: weight-only ones, as two byte
-    planes) and multiplied in int32, equal to that integer product up to float rounding
-    of the scales; below it, or on a build without VNNI, weight-only int8."""
+@pytest.mark.parametrize("mode", ["a8 from 5", "a16 from 2", "packed only: a8 from 5, a16 below"])
+def test_int8_rows_use_integer_products_from_the_thresholds(lib, rows: int, n: int, mode: str) -> None:
+    """An int8 layer with the VNNI packing: from a8_rows rows the activations are
+    quantized per row to 8 bits (w8a8 layers), from a16_rows to 16 bits (two byte
+    planes), and multiplied in int32, equal to that integer product up to float rounding
+    of the scales; below both, or on a build without VNNI, weight-only int8 from the
+    row-major codes (which a layer in the packing alone no longer has)."""
     keep: list[torch.Tensor] = []
     d, w = _desc(cpu_kernels.W_INT8, n, 128, keep, seed=n + rows, bias=rows == 13)
     q, scale = keep[0], keep[1]  # what _desc made the int8 layer of
@@ -184,13 +185,18 @@ def test_int8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: in
     assert packed is not None
     sums = q.sum(dim=1, dtype=torch.int32)
     keep += [packed, sums]
-    threshold = 5 if bits == 8 else 2
-    d.act_rows, d.act_bits, d.packed, d.row_sums = threshold, bits, packed.data_ptr(), sums.data_ptr()
+    a8, a16 = {"a8 from 5": (5, 0), "a16 from 2": (0, 2)}.get(mode, (5, 1))
+    d.a8_rows, d.a16_rows, d.packed, d.row_sums = a8, a16, packed.data_ptr(), sums.data_ptr()
+    if mode.startswith("packed only"):
+        d.w = None
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) * 3
     got = cpu_kernels.linear(d, x, library=lib)
+    if d.w is None and not lib.int8_dot:
+        assert got is None  # nothing to read without VNNI: the caller's torch path takes it
+        return
     weight, bias = w if isinstance(w, tuple) else (w, None)
-    integer = lib.int8_dot and rows >= threshold
-    if integer:
+    bits = 8 if a8 and rows >= a8 else 16 if a16 and rows >= a16 else 0
+    if lib.int8_dot and bits:
         xs = x.double().abs().amax(dim=1, keepdim=True).float() / (127.0 if bits == 8 else 32767.0)
         xq = torch.round(x / xs).to(torch.int64)
         want = (xq @ q.to(torch.int64).t()).double() * xs.double() * scale.double()
@@ -198,7 +204,7 @@ def test_int8_rows_use_integer_products_from_the_threshold(lib, rows: int, n: in
         want = x.double() @ weight.t()
     if bias is not None:
         want = want + bias
-    tol = 8e-2 if not integer and lib.q8_activations and rows < 8 else 1e-5  # AVX2: q8_0-style activations
+    tol = 8e-2 if not (lib.int8_dot and bits) and lib.q8_activations and rows < 8 else 1e-5  # AVX2: q8_0-style
     err = float((got.double() - want).norm() / want.norm())
     assert err < tol, (rows, n, err)
 

@@ -10,10 +10,10 @@ project's own packing, read where the layer keeps it), float32 copies of the nor
 weights, the rotary tables and each layer's KV pool.
 
 The pointers are taken once, at build: a model whose modules or pool are
-replaced afterwards needs a new ``build``. A w8a8 layer runs as the eager one
-does: weight-only int8 (float32 activations) below the eager layer's row
-threshold, and from it, on a kernel build with VNNI (``KernelLibrary.int8_dot``),
-activations quantized per row and multiplied as int8 x int8 in int32.
+replaced afterwards needs a new ``build``. int8 layers on a kernel build with
+VNNI (``KernelLibrary.int8_dot``) run as their eager forward does, on the same
+VNNI packing: 16-bit integer activations, or 8-bit ones for w8a8 layers from
+the eager layer's row threshold (``Int8Linear``).
 
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32
@@ -138,14 +138,15 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
         s.bias = _f32(bias, keep) if bias is not None else None
         return s
     if isinstance(mod, Int8Linear):
-        q = mod.qweight.contiguous()
+        vnni = mod.vnni_description(lib) if lib.int8_dot else None
+        if vnni is not None:  # the VNNI packing (the layer keeps the buffers it points into)
+            ctypes.pointer(s)[0] = vnni
+            s.bias = _f32(bias, keep) if bias is not None else None
+            return s
+        q = mod.codes().contiguous()
         keep.append(q)
         s.kind, s.n, s.k = W_INT8, q.shape[0], q.shape[1]
         s.w, s.scale = q.data_ptr(), _f32(mod.scales, keep)
-        vnni = mod.vnni_description(lib)  # the layer keeps the buffers it points into
-        if vnni is not None:
-            ctypes.pointer(s)[0] = vnni
-            s.bias = _f32(bias, keep) if bias is not None else None
         return s
     if type(mod) in (nn.Linear, Linear):
         w = mod.weight.detach()
@@ -198,8 +199,8 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
         dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj", lib)
         dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj", lib)
-        if dst.gate_up.act_rows and (dst.gate_up.n // 2) % lib.vector_width:
-            dst.gate_up.act_rows = 0  # gate and up are read a tile at a time from each half
+        if dst.gate_up.packed and (dst.gate_up.n // 2) % lib.vector_width:
+            raise Unsupported(f"layers.{i}.gate_up_proj: gate and up are not whole VNNI tiles")
         dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj", lib)
         for lin, name in ((dst.qkv, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"), (dst.down, "down")):
             if lin.kind != W_INT4 and lin.k % lib.vector_width:

@@ -84,7 +84,7 @@ class KernelLibrary:
     path: Path
     vector_width: int  # floats per vector register; head_dim must be a multiple of it
     q8_activations: bool = False  # int4/int8 matmuls of few rows quantize activations to int8 (AVX2 builds)
-    int8_dot: bool = False  # w8a8 layers (TmLinear.act_rows) multiply int8 by int8 with VNNI dot products
+    int8_dot: bool = False  # int8 layers in the VNNI packing multiply integer activations (TmLinear.a8/a16_rows)
 
 
 _lock = threading.Lock()
@@ -561,10 +561,10 @@ class TmLinear(ctypes.Structure):
     precision; int4 in :func:`pack_int4`'s order with float32 scale and ``z - 8 s``)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
-                ("act_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("a8_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p),
-                ("act_bits", ctypes.c_int32), ("pad2", ctypes.c_int32)]
+                ("a16_rows", ctypes.c_int32), ("pad2", ctypes.c_int32)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,6 @@ class KernelPolicy:
 
     int8_weight_only_max_rows: int = 20  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
     int8_dynamic_min_rows: int = 5  # w8a8 layers: int8 activations + _int_mm from this many rows
-    int8_a16_min_rows: int = 2  # weight-only int8, C kernels with VNNI: 16-bit integer activations from here
     int4_kernel_max_rows: int = 96  # <= : int4 kernel; above: unpack + dense bf16
 
 
@@ -278,28 +277,44 @@ class _QuantLinear(nn.Module):
 
 
 class Int8Linear(_QuantLinear):
-    """int8 weights, one bf16-exact scale per output channel."""
+    """int8 weights, one bf16-exact scale per output channel.
+
+    Where the engine's C kernels have VNNI, ``prepare_kernels`` moves the codes into the
+    VNNI packing (``cpu_kernels.pack_vnni``) and drops the row-major copy: every step
+    then runs in the C kernels, eager or fused, on integer activations (8 bits per token
+    for w8a8 layers from ``int8_dynamic_min_rows``, else 16 bits as two byte planes:
+    within float32 rounding of the float product; docs/quantization.md).
+    """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  dynamic: bool = False) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
-        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("qweight", q.contiguous())  # None once the VNNI packing holds the codes
+        self.register_buffer("vnni_packed", None, persistent=False)
         self.register_buffer("scales", scale.to(COMPUTE_DTYPE).contiguous())
         key, ref, dev = (q.device.type, *q.shape), self.dequantized_weight, q.device
         self.weight_only_ok = _kernel_works(("int8", *key), self._weight_only, ref, 2, self.in_features, dev)
         self.dynamic = dynamic and dev.type == "cpu" and _kernel_works(
             ("int8-dynamic", *key), self._dynamic, ref, 32, self.in_features, dev)
-        self._vnni: Any = None  # (vector width, TmLinear, buffers it points into): vnni_description
+        self._vnni: Any = None  # (TmLinear, buffers it points into): vnni_description
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, dynamic: bool = False) -> "Int8Linear":
         return cls(*quantize_int8(w), bias, dynamic)
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [N, K], row-major (read back out of the VNNI packing once that
+        holds them)."""
+        if self.qweight is not None:
+            return self.qweight
+        t, k4, vw, four = self.vnni_packed.shape
+        return self.vnni_packed.permute(0, 2, 1, 3).reshape(t * vw, k4 * four)
+
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_int8(self.qweight, self.scales)
+        return dequantize_int8(self.codes(), self.scales)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch._weight_int8pack_mm(x, self.codes(), self.scales)
 
     def _dynamic(self, x: torch.Tensor) -> torch.Tensor:
         """int8 activations (a scale per token) x int8 weights, accumulated in int32; the
@@ -309,65 +324,66 @@ class Int8Linear(_QuantLinear):
         xf = x.float()
         xs = xf.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
         xq = torch.round(xf / xs).to(torch.int8)
-        acc = torch._int_mm(xq, self.qweight.t())
+        acc = torch._int_mm(xq, self.codes().t())
         return acc.float() * xs * self.scales.float()
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._vnni is not None and x.device.type == "cpu":  # the C kernels, as in the fused step
+            from .cpu_kernels import linear
+
+            y = linear(self._vnni[0], x.float().contiguous(), self.ops.library)
+            if y is not None:
+                return y
         rows = x.shape[0]
         if self.dynamic and rows >= POLICY.int8_dynamic_min_rows:
             return self._dynamic(x)
-        vnni = self.vnni_description(self.ops.library)
-        if vnni is not None:  # the fused step's own numerics: float32, or 16-bit integer activations
-            from .cpu_kernels import linear
-
-            y = linear(vnni, x.float().contiguous(), self.ops.library)
-            if y is not None:
-                return y
         x = x.to(COMPUTE_DTYPE)
         if self.weight_only_ok and rows <= POLICY.int8_weight_only_max_rows:
             return self._weight_only(x)
-        n, k = self.qweight.shape
+        codes = self.codes()
+        n, k = codes.shape
         dense = dense_dtype(x.device)
-        w = _scratch("wbf", x.device, dense, n * k).view(n, k).copy_(self.qweight)
+        w = _scratch("wbf", x.device, dense, n * k).view(n, k).copy_(codes)
         return F.linear(x.to(dense), w.mul_(self.scales[:, None].to(dense)))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
-        return self.qweight[ids].float() * self.scales[ids].float()[:, None]
+        if self.qweight is not None:
+            q = self.qweight[ids]
+        else:  # row r lives in tile r // VW at lane r % VW, 4 columns per group
+            vw = self.vnni_packed.shape[2]
+            q = self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
+        return q.float() * self.scales[ids].float()[:, None]
 
     def vnni_description(self, library: Any) -> Any:
-        """The C kernels' ``TmLinear`` for this layer with the VNNI packing (made once and
-        kept here with the buffers it points into), or None when the library has no int8
-        dot products or the shape does not pack. w8a8 layers quantize activations to 8
-        bits per row from ``int8_dynamic_min_rows``; weight-only layers to 16 bits (two
-        byte planes, about float32's accuracy at twice the widening tile's rate) from
-        ``int8_a16_min_rows``."""
-        from . import cpu_kernels
-
-        if library is None or not library.int8_dot or self.qweight.device.type != "cpu":
-            return None
-        key = library.vector_width
-        if self._vnni is None or self._vnni[0] != key:
-            q = self.qweight.contiguous()
-            packed = cpu_kernels.pack_vnni(q, key)
-            if packed is None:
-                return None
-            d = cpu_kernels.TmLinear()
-            scales = self.scales.float().contiguous()
-            sums = q.sum(dim=1, dtype=torch.int32).contiguous()
-            d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8, q.shape[0], q.shape[1], 1, 0
-            d.w, d.scale, d.row_sums, d.packed = q.data_ptr(), scales.data_ptr(), sums.data_ptr(), packed.data_ptr()
-            d.bias = None  # forward adds it (the fused step sets its own)
-            d.act_bits = 8 if self.dynamic else 16
-            d.act_rows = POLICY.int8_dynamic_min_rows if self.dynamic else POLICY.int8_a16_min_rows
-            self._vnni = (key, d, (q, scales, sums))
-            self.register_buffer("vnni_packed", packed, persistent=False)  # counted with the weights
-        return self._vnni[1]
+        """The C kernels' ``TmLinear`` for this layer in the VNNI packing, or None before
+        ``prepare_kernels`` made it (or where it cannot be: no VNNI, another device, a
+        shape that does not pack)."""
+        return self._vnni[0] if self._vnni is not None else None
 
     def prepare_kernels(self) -> None:
-        """Make the VNNI packing now, when the engine binds its kernels (so the engine's
-        weight count includes it), instead of at the first step."""
-        self.vnni_description(self.ops.library)
+        """With C kernels that have VNNI: move the codes into their packing (once, when the
+        engine binds its kernels, so that the engine's weight count sees it)."""
+        from . import cpu_kernels
+
+        library = self.ops.library
+        if self._vnni is not None or library is None or not library.int8_dot or self.qweight.device.type != "cpu":
+            return
+        q = self.qweight
+        packed = cpu_kernels.pack_vnni(q, library.vector_width)
+        if packed is None:
+            return
+        d = cpu_kernels.TmLinear()
+        scales = self.scales.float().contiguous()
+        sums = q.sum(dim=1, dtype=torch.int32).contiguous()
+        d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8, q.shape[0], q.shape[1], 1, 0
+        d.w, d.scale, d.row_sums, d.packed = None, scales.data_ptr(), sums.data_ptr(), packed.data_ptr()
+        d.bias = None  # forward adds it (the fused step sets its own)
+        d.a8_rows = POLICY.int8_dynamic_min_rows if self.dynamic else 0
+        d.a16_rows = 1
+        self.vnni_packed = packed
+        self.qweight = None
+        self._vnni = (d, (scales, sums))
 
 
 class Int16Linear(_QuantLinear):

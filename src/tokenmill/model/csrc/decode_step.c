@@ -53,16 +53,18 @@ typedef struct {
     int32_t kind;
     int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32 */
     int32_t repeat;        /* int4: 2 when each row holds [hi | lo] codes of one input fed twice (GGUF Q8_0) */
-    int32_t act_rows;      /* int8: from this many activation rows, activations quantized per row
-                              to act_bits (0: never); needs n % VW == 0, k % 4 == 0, row_sums, packed */
+    int32_t a8_rows;       /* int8 with packed: from this many activation rows, activations quantized
+                              per row to 8 bits (w8a8 layers; 0: never) */
     int64_t n, k;          /* output rows, input features */
     const void *w;         /* f32 / bf16 / int8 / int16: [n, k]; int4: [n, k * repeat / 2] bytes */
     const float *scale;    /* int8 / int16: [n]; int4: [n, k * repeat / group] */
     const float *zero;     /* int4: [n, k * repeat / group], holds z - 8 s: w = code * s + zero */
     const float *bias;     /* [n] or NULL */
-    const int32_t *row_sums; /* int8 with act_rows: [n] sums of each row's codes */
-    const int8_t *packed;    /* int8 with act_rows: the codes in the VNNI packing (int8_vnni_block) */
-    int32_t act_bits;        /* int8: 8 (w8a8 layers) or 16 (weight-only: two u8 planes) */
+    const int32_t *row_sums; /* int8 with packed: [n] sums of each row's codes */
+    const int8_t *packed;    /* int8: the codes in the VNNI packing (int8_vnni_block), or NULL; needs
+                                n % VW == 0 and k % 4 == 0 */
+    int32_t a16_rows;        /* int8 with packed: from this many rows (below a8_rows), 16-bit activations
+                                as two u8 planes (0: never); w may be NULL when this is 1 */
     int32_t pad2;
 } TmLinear;
 
@@ -492,9 +494,9 @@ TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int N
  * 0..B-1 high, then the low ones, each padded), each multiplied as above:
  * 256 (hi . w - 128 sum w) + lo . w. Then times the activation row's scale and the
  * weight row's, plus the bias. */
-static void int8_vnni_rows(const TmLinear *L, const uint8_t *xq, const float *xd, int64_t B, int64_t n0, int64_t n1,
-                           float *y, int64_t ldy, int accumulate, int64_t y_col0) {
-    const int64_t K = L->k, Bp = (B + 3) / 4 * 4, planes = L->act_bits == 16 ? 2 : 1;
+static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
+                           int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    const int64_t K = L->k, Bp = (B + 3) / 4 * 4, planes = bits == 16 ? 2 : 1;
     vdot acc[2][2][VNNI_ROWS]; /* [plane][tile][row] */
     for (int64_t tile = n0 / VW; tile < n1 / VW;) {
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
@@ -570,7 +572,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int
 #endif
 
 /* Whether this build multiplies int8 weights by int8 activations with integer dot
- * products when a layer asks for it (act_rows). */
+ * products when a layer has the VNNI packing (a8_rows, a16_rows). */
 int tm_kernels_int8_dot(void) {
 #ifdef TM_VNNI_DOT
     return 1;
@@ -597,7 +599,7 @@ typedef struct {
     float *wtile;       /* [VW, k * repeat]: one int4 row tile, dequantized (int4_dequant_rows) */
     int8_t *xq;         /* [rows, k * repeat]: the input as int8, a scale per 32 columns (int4_q8_tile) */
     float *xd;          /* [rows, k * repeat / 32]: those scales */
-    int int_act;        /* the input was quantized per row for int8_vnni_rows */
+    int int_bits;       /* 8 or 16: the input was quantized per row to that for int8_vnni_rows */
 } InputScratch;
 
 #define TM_INT4_DEQUANT_ROWS 8 /* from this many activation rows, int4 tiles are dequantized first */
@@ -634,12 +636,15 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
                                   int64_t *ldx_out) {
     *ldx_out = ldx;
     is->xh = NULL;
-    is->int_act = 0;
+    is->int_bits = 0;
 #ifdef TM_VNNI_DOT
-    if (L->kind == W_INT8 && L->act_rows > 0 && B >= L->act_rows && L->packed) {
-        quantize_rows(x, ldx, B, L->k, L->act_bits == 16 ? 16 : 8, (uint8_t *)is->xq, is->xd);
-        is->int_act = 1;
-        return x;
+    if (L->kind == W_INT8 && L->packed) {
+        const int bits = L->a8_rows > 0 && B >= L->a8_rows ? 8 : L->a16_rows > 0 && B >= L->a16_rows ? 16 : 0;
+        if (bits) {
+            quantize_rows(x, ldx, B, L->k, bits, (uint8_t *)is->xq, is->xd);
+            is->int_bits = bits;
+            return x;
+        }
     }
 #endif
 #ifdef TM_BF16_DOT
@@ -727,8 +732,8 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     const int dequant = L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS;
     float out[TM_MAX_ROWS][VW];
 #ifdef TM_VNNI_DOT
-    if (is->int_act) {
-        int8_vnni_rows(L, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
+    if (is->int_bits) {
+        int8_vnni_rows(L, is->int_bits, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
     }
 #endif
@@ -974,6 +979,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     if (L->kind == W_INT4 && (L->group <= 0 || L->group % 32 || L->repeat < 1 || (L->k * L->repeat) % L->group))
         return 1;
     if (L->kind != W_INT4 && L->k % VW) return 1;
+    if (!L->w && !(L->kind == W_INT8 && L->packed && tm_kernels_int8_dot() && L->a16_rows == 1)) return 1;
     if (B == 0) return 0;
     if (num_threads < 1) num_threads = 1;
     const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / L->group : 0;
