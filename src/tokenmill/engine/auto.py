@@ -10,6 +10,8 @@ what the model file holds:
   prefill; the last decoder layers take 16-bit activations and the LM head
   stays float32, which keeps it within the quality gate in
   docs/quantization.md (a test holds the default to it).
+* KV cache: int8 codes (per-block scales) when ``auto`` chose w8a8; otherwise
+  the compute dtype.
 * dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs
   next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
@@ -73,7 +75,7 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
         return name, "as asked"
     if device is not None and int8_compute(name, device, options):
         return "w8a8", ("int8 x int8 VNNI products are this CPU's fastest kernel for batches and as fast as any "
-                        "for one stream; weights requantized to int8 per output channel, LM head kept")
+                        "for one stream; weights requantized to int8 per output channel, LM head as int16")
     raw = getattr(loaded, "raw_quantized", None) or {}
     if raw:
         kinds = sorted({entry[0] for entry in raw.values()})
@@ -81,5 +83,22 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     return "none", "the file holds no quantized blocks with a kernel here"
 
 
-def describe(dtype: tuple[str, str], quantization: tuple[str, str]) -> str:
-    return f"dtype {dtype[0]} ({dtype[1]}), quantization {quantization[0]} ({quantization[1]})"
+def resolve_kv_cache_dtype(name: str, quantization: tuple[str, str], tensor_parallel_size: int = 1
+                           ) -> tuple[str, str]:
+    """(KV pool dtype, why) for ``name`` ("auto" or an explicit one) given the resolved
+    quantization choice: int8 codes when ``--quantization auto`` chose w8a8 (within the
+    quality gate together, and a quarter of float32's bytes for attention to read each
+    step), not under tensor parallelism (a quantized pool is not sharded yet); otherwise
+    the compute dtype."""
+    if str(name).lower() != "auto":
+        return name, "as asked"
+    if quantization[0] == "w8a8" and quantization[1] != "as asked" and tensor_parallel_size <= 1:
+        return "int8", "a quarter of float32's bytes for attention to read, within the quality gate with w8a8"
+    return "auto", "the compute dtype"
+
+
+def describe(dtype: tuple[str, str], quantization: tuple[str, str], kv: tuple[str, str] | None = None) -> str:
+    out = f"dtype {dtype[0]} ({dtype[1]}), quantization {quantization[0]} ({quantization[1]})"
+    if kv is not None and kv[1] != "as asked" and kv[0] != "auto":
+        out += f", KV cache {kv[0]} ({kv[1]})"
+    return out
