@@ -218,12 +218,15 @@ def test_native_build_has_vnni_products_where_the_cpu_does() -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 13, 30])
 @pytest.mark.parametrize("n", [16, 48, 70])
-def test_int16_weights_match_their_float_product(lib, rows: int, n: int) -> None:
-    """int16 weights (a scale per row, w8a8's LM head) widened to float32."""
-    from tokenmill.model.quant import Int16Linear
+def test_int8_with_a_scale_per_32_inputs_matches_its_float_product(lib, rows: int, n: int) -> None:
+    """int8 weights with a scale per 32 inputs (GGUF Q8_0's layout, w8a8's LM head),
+    widened to float32; requantizing values that already are such codes is exact."""
+    from tokenmill.model.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(rows * 100 + n)
-    layer = Int16Linear.from_float(torch.randn(n, 128, generator=g) * 0.05)
+    layer = Int8GroupLinear.from_float(torch.randn(n, 128, generator=g) * 0.05)
+    again = Int8GroupLinear.from_float(layer.dequantized_weight())
+    assert torch.equal(again.qweight, layer.qweight) and torch.allclose(again.scales, layer.scales, rtol=1e-6)
     x = torch.randn(rows, 128, generator=g) * 3
     got = cpu_kernels.linear(layer.kernel_description(), x, library=lib)
     want = x.double() @ layer.dequantized_weight().double().t()

@@ -50,8 +50,8 @@ def test_quantized_engine_shrinks_weights_and_stays_close() -> None:
         eng = _engine(quantization=mode)
         kinds = {type(m).__name__ for m in eng.model.modules()}
         assert ("Int4Linear" if mode == "int4" else "Int8Linear") in kinds
-        # the LM head is left alone by default; w8a8 stores it as int16 (float32's accuracy)
-        assert ("Int16Linear" if mode == "w8a8" else "Linear") in kinds
+        # the LM head is left alone by default; w8a8 stores it as int8 with a scale per 32 inputs
+        assert ("Int8GroupLinear" if mode == "w8a8" else "Linear") in kinds
         sizes[mode] = eng.weight_bytes
         got = _logits(eng, IDS)
         errors[mode] = _rel(got, ref)

@@ -75,7 +75,7 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
         return name, "as asked"
     if device is not None and int8_compute(name, device, options):
         return "w8a8", ("int8 x int8 VNNI products are this CPU's fastest kernel for batches and as fast as any "
-                        "for one stream; weights requantized to int8 per output channel, LM head as int16")
+                        "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale per 32 inputs")
     raw = getattr(loaded, "raw_quantized", None) or {}
     if raw:
         kinds = sorted({entry[0] for entry in raw.values()})

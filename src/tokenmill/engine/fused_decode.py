@@ -40,17 +40,17 @@ from torch import nn
 
 from ..model import cpu_kernels
 from ..model.llama import LlamaForCausalLM, Linear
-from ..model.quant import Int4Linear, Int8Linear, Int16Linear
+from ..model.quant import Int4Linear, Int8GroupLinear, Int8Linear
 
 log = logging.getLogger(__name__)
 
-W_F32, W_BF16, W_INT8, W_INT4, W_INT16 = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
-                                           cpu_kernels.W_INT4, cpu_kernels.W_INT16)
+W_F32, W_BF16, W_INT8, W_INT4, W_INT8G = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
+                                           cpu_kernels.W_INT4, cpu_kernels.W_INT8G)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured per kind as the fused / eager step time
 # on SmolLM2-135M (docs/performance.md, "The fused decode step"): every kind
 # stays faster up to 64 decodes. A model takes its lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64, W_INT16: 64}
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64, W_INT8G: 64}
 
 
 _Linear = cpu_kernels.TmLinear
@@ -133,7 +133,7 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
         s.bias = _f32(bias, keep) if bias is not None else None
         keep.append(mod._desc[1])
         return s
-    if isinstance(mod, Int16Linear):
+    if isinstance(mod, Int8GroupLinear):
         ctypes.pointer(s)[0] = mod.kernel_description()  # the layer keeps the buffers it points into
         s.bias = _f32(bias, keep) if bias is not None else None
         return s

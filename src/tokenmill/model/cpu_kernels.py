@@ -553,7 +553,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 
 # --------------------------------------------------------------------------- one projection
 
-W_F32, W_BF16, W_INT8, W_INT4, W_INT16 = 0, 1, 2, 3, 4  # TmLinear.kind
+W_F32, W_BF16, W_INT8, W_INT4, W_INT8G = 0, 1, 2, 3, 4  # TmLinear.kind
 
 
 class TmLinear(ctypes.Structure):

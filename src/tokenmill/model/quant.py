@@ -386,32 +386,42 @@ class Int8Linear(_QuantLinear):
         self._vnni = (d, (scales, sums))
 
 
-class Int16Linear(_QuantLinear):
-    """int16 weights with a float32 scale per output row: within float32 rounding of the
-    weight (1 / 65534 of a row's range) at half its bytes, widened to float32 by the C
-    kernels. w8a8 stores an unquantized LM head this way on the CPU: a single stream
-    reads the head's bytes every token (a fifth of a small model's), and int8 there
-    costs next-token agreement (docs/quantization.md). (Integer products do not suit
-    it: 16 x 16-bit sums overflow int32 within a few hundred columns.)"""
+class Int8GroupLinear(_QuantLinear):
+    """int8 weights with a float32 scale per 32 inputs of each row: GGUF's Q8_0 layout,
+    so a Q8_0 tensor (SmolLM2's token table) keeps its exact values at one byte a
+    weight. w8a8 stores an unquantized LM head this way on the CPU: a single stream
+    reads the head's bytes every token (a fifth of a small model's), and a scale per
+    row there costs next-token agreement (a few rows of large weights set it;
+    docs/quantization.md). The C kernels widen it to float32."""
+
+    GROUP = 32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
         self.register_buffer("qweight", q.contiguous())
-        self.register_buffer("scales", scale.float().contiguous())
+        self.register_buffer("scales", scale.float().contiguous())  # [N, K / 32]
         self._desc: Any = None  # the C kernels' TmLinear, made on first use
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int16Linear":
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8GroupLinear":
         w = w.detach().float()
-        scale = (w.abs().amax(dim=1) / 32767.0).clamp_min(1e-12)
-        return cls(torch.round(w / scale[:, None]).to(torch.int16), scale, bias)
+        n, k = w.shape
+        if k % cls.GROUP:
+            raise ValueError(f"{k} input features are not whole groups of {cls.GROUP}")
+        blocks = w.view(n, k // cls.GROUP, cls.GROUP)
+        scale = (blocks.abs().amax(dim=2) / 127.0).clamp_min(1e-30)
+        q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
+        return cls(q, scale, bias)
+
+    def _expand(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return (q.float().view(q.shape[0], -1, self.GROUP) * scales[..., None]).view(q.shape[0], -1)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        return self._expand(self.qweight, self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
-        return self.qweight[ids].float() * self.scales[ids][:, None]
+        return self._expand(self.qweight[ids], self.scales[ids])
 
     def kernel_description(self) -> Any:
         """The C kernels' ``TmLinear`` for this layer (pointers into its buffers)."""
@@ -419,7 +429,7 @@ class Int16Linear(_QuantLinear):
 
         if self._desc is None:
             d = cpu_kernels.TmLinear()
-            d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT16, self.out_features, self.in_features, 1, 0
+            d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8G, self.out_features, self.in_features, 1, 0
             d.w, d.scale, d.bias = self.qweight.data_ptr(), self.scales.data_ptr(), None
             self._desc = d
         return self._desc
@@ -571,7 +581,7 @@ class Int4Linear(_QuantLinear):
 class QuantizedEmbedding(nn.Module):
     """Token lookup through a tied, quantized LM head: one copy of the table."""
 
-    def __init__(self, head: Int8Linear | Int4Linear | Int16Linear, dtype: torch.dtype) -> None:
+    def __init__(self, head: Int8Linear | Int4Linear | Int8GroupLinear, dtype: torch.dtype) -> None:
         super().__init__()
         self.head = head
         self.dtype = dtype
@@ -641,10 +651,11 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         return report
     group = int(getattr(config, "quant_group_size", 32))
     quantize_head = bool(getattr(config, "quantize_lm_head", False))
-    # w8a8 on the CPU: an LM head left unquantized is stored as int16 (Int16Linear)
-    int16_head = (mode == "w8a8" and not quantize_head and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+    # w8a8 on the CPU: an LM head left unquantized is stored as Q8_0-style int8 (Int8GroupLinear)
+    group_head = (mode == "w8a8" and not quantize_head and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0  # type: ignore[attr-defined]
                   and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
-    targets = _targets(model, quantize_head or int16_head)
+    targets = _targets(model, quantize_head or group_head)
     raw = getattr(loaded, "raw_quantized", None) or {}
     if mode == "int4":
         for name, mod, _ in targets:
@@ -665,8 +676,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         dev = mod.weight.device
         bias = mod.bias
         new: nn.Module
-        if name == "lm_head" and int16_head:
-            new, fmt = Int16Linear.from_float(mod.weight, bias), "int16"
+        if name == "lm_head" and group_head:
+            new, fmt = Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"
         elif mode in ("int8", "w8a8"):
             dynamic = (mode == "w8a8" and not name.startswith(weight_only) and name != "lm_head"
                        and not name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS))

@@ -47,7 +47,7 @@
 
 #define TM_MAX_ROWS 6 /* activation rows per pass over a weight tile */
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_INT16 = 4 };
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_INT8G = 4 };
 
 typedef struct {
     int32_t kind;
@@ -56,8 +56,8 @@ typedef struct {
     int32_t a8_rows;       /* int8 with packed: from this many activation rows, activations quantized
                               per row to 8 bits (w8a8 layers; 0: never) */
     int64_t n, k;          /* output rows, input features */
-    const void *w;         /* f32 / bf16 / int8 / int16: [n, k]; int4: [n, k * repeat / 2] bytes */
-    const float *scale;    /* int8 / int16: [n]; int4: [n, k * repeat / group] */
+    const void *w;         /* f32 / bf16 / int8 / int8g: [n, k]; int4: [n, k * repeat / 2] bytes */
+    const float *scale;    /* int8: [n]; int8g: [n, k / 32] (GGUF Q8_0's layout); int4: [n, k * repeat / group] */
     const float *zero;     /* int4: [n, k * repeat / group], holds z - 8 s: w = code * s + zero */
     const float *bias;     /* [n] or NULL */
     const int32_t *row_sums; /* int8 with packed: [n] sums of each row's codes */
@@ -143,18 +143,12 @@ TM_INLINE vf load_int8w(const int8_t *p) {
     return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, vi) - 128, vf);
 }
 
-/* The same for int16 (the sign-bit flip again keeps the conversion unsigned). */
-TM_INLINE vf load_int16w(const int16_t *p) {
-    vu16 h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_convertvector((vi)__builtin_convertvector(h ^ 0x8000, vu32) - 32768, vf);
-}
-
 /* VW weights of row `row` from column c, widened (dense kinds). */
 TM_INLINE vf load_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
     if (kind == W_F32) return load_f32w((const float *)L->w + row * L->k + c);
     if (kind == W_BF16) return load_bf16w((const uint16_t *)L->w + row * L->k + c);
-    if (kind == W_INT16) return load_int16w((const int16_t *)L->w + row * L->k + c);
+    if (kind == W_INT8G) /* a scale per 32 columns; c is a multiple of VW, which divides 32 */
+        return load_int8w((const int8_t *)L->w + row * L->k + c) * L->scale[row * (L->k / 32) + c / 32];
     return load_int8w((const int8_t *)L->w + row * L->k + c);
 }
 
@@ -176,7 +170,7 @@ TM_INLINE void keep_in_register(vf *v) {
  * 2.3 KB), and weights read from memory arrived measurably slower without
  * this. */
 TM_INLINE void prefetch_dense_w(const TmLinear *L, const int kind, int64_t row, int64_t c) {
-    const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 || kind == W_INT16 ? 2 : 1;
+    const int64_t esize = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     for (int64_t i = row; i < row + TM_ROW_BLOCK && i < L->n; i++)
         __builtin_prefetch((const char *)L->w + (i * L->k + c) * esize, 0, 2);
 }
@@ -502,15 +496,25 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = 0; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
-            const int NB = left >= VNNI_ROWS ? VNNI_ROWS : (int)((left + 3) / 4 * 4);
+            /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
+            const int NB = left >= VNNI_ROWS ? VNNI_ROWS : left <= 2 ? (int)left : (int)((left + 3) / 4 * 4);
             for (int64_t p = 0; p < planes; p++) {
                 const uint8_t *xb = xq + (p * Bp + b0) * K;
 #define VNNI_BLOCK(T, N) int8_vnni_block(L, xb, T, N, tile, acc[p])
+#define VNNI_BLOCKS(T)                                                                                  \
+    switch (NB) {                                                                                       \
+        case 1: VNNI_BLOCK(T, 1); break;                                                                \
+        case 2: VNNI_BLOCK(T, 2); break;                                                                \
+        case 4: VNNI_BLOCK(T, 4); break;                                                                \
+        case 8: VNNI_BLOCK(T, 8); break;                                                                \
+        default: VNNI_BLOCK(T, 12); break;                                                              \
+    }
                 if (NT == 2) {
-                    if (NB == 12) VNNI_BLOCK(2, 12); else if (NB == 8) VNNI_BLOCK(2, 8); else VNNI_BLOCK(2, 4);
+                    VNNI_BLOCKS(2)
                 } else {
-                    if (NB == 12) VNNI_BLOCK(1, 12); else if (NB == 8) VNNI_BLOCK(1, 8); else VNNI_BLOCK(1, 4);
+                    VNNI_BLOCKS(1)
                 }
+#undef VNNI_BLOCKS
 #undef VNNI_BLOCK
             }
             for (int t = 0; t < NT; t++) {
@@ -764,8 +768,8 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
                 {
                     DENSE_CASES(W_BF16)
                 }
-            } else if (L->kind == W_INT16) {
-                DENSE_CASES(W_INT16)
+            } else if (L->kind == W_INT8G) {
+                DENSE_CASES(W_INT8G)
             } else {
 #ifdef TM_Q8_DOT
                 if (B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) {
@@ -780,7 +784,7 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
                 float *yb = y + (b0 + b) * ldy - y_col0 + r0;
                 for (int64_t r = 0; r < nr; r++) {
                     float v = out[b][r];
-                    if (L->kind == W_INT8 || L->kind == W_INT16) v *= L->scale[r0 + r];
+                    if (L->kind == W_INT8) v *= L->scale[r0 + r];
                     if (L->bias) v += L->bias[r0 + r];
                     if (accumulate)
                         yb[r] += v;
@@ -979,6 +983,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     if (L->kind == W_INT4 && (L->group <= 0 || L->group % 32 || L->repeat < 1 || (L->k * L->repeat) % L->group))
         return 1;
     if (L->kind != W_INT4 && L->k % VW) return 1;
+    if (L->kind == W_INT8G && L->k % 32) return 1;
     if (!L->w && !(L->kind == W_INT8 && L->packed && tm_kernels_int8_dot() && L->a16_rows == 1)) return 1;
     if (B == 0) return 0;
     if (num_threads < 1) num_threads = 1;
