@@ -43,12 +43,17 @@ import sys
 import time
 from collections.abc import Callable
 
-import torch
+# As the caller set it: importing tokenmill sets OMP_WAIT_POLICY=PASSIVE for later OpenMP
+# runtimes, which would reach the re-executed --isa avx2 run's llama.cpp (its OpenMP threads
+# then sleep at every barrier) but not this process's, whose runtime torch already started.
+OMP_WAIT_POLICY_GIVEN = os.environ.get("OMP_WAIT_POLICY")
 
-from tokenmill.config import EngineConfig
-from tokenmill.engine.engine import LLMEngine
-from tokenmill.engine.request import SamplingParams
-from tokenmill.options import KernelOptions
+import torch  # noqa: E402
+
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine.engine import LLMEngine  # noqa: E402
+from tokenmill.engine.request import SamplingParams  # noqa: E402
+from tokenmill.options import KernelOptions  # noqa: E402
 
 
 THREADS = 0
@@ -162,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.isa == "avx2" and os.environ.get("TOKENMILL_KERNEL_ISA") != "avx2":
         env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TOKENMILL_KERNEL_ISA="avx2")
+        env.pop("OMP_WAIT_POLICY", None)  # the same OpenMP settings as a native run (see the top)
+        if OMP_WAIT_POLICY_GIVEN is not None:
+            env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_GIVEN
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     global THREADS
     THREADS = args.threads
