@@ -44,7 +44,7 @@ def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_vnni(monkeypatc
     monkeypatch.setattr(cpu_kernels, "load", lambda options=None: vnni)
     name, why = auto.resolve_quantization("auto", with_blocks, cpu)
     assert name == "w8a8" and "VNNI" in why
-    assert auto.resolve_quantization("auto", with_blocks, torch.device("cuda"))[0] == "gguf"
+    assert auto.resolve_quantization("auto", with_blocks, torch.device("cuda"))[0] == "none"
     assert auto.resolve_quantization("none", with_blocks, cpu) == ("none", "as asked")
     vnni.int8_dot = False  # an AVX2 CPU: the GGUF's blocks stay
     assert auto.resolve_quantization("auto", with_blocks, cpu)[0] == "gguf"

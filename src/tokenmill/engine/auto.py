@@ -16,6 +16,7 @@ what the model file holds:
   next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
   matmuls are emulated and slower than float32.
+* on CUDA, dense (``none``, with bf16 below): the configuration measured there.
 * elsewhere, a GGUF file whose linear layers are stored in Q4_0 / Q4_1 / Q8_0
   blocks keeps them (``gguf``), as llama.cpp serves them: the same weights the
   float path would dequantize, read at a quarter to half of the bytes by the
@@ -73,6 +74,8 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     """(quantization mode, why) for ``name`` ("auto" or an explicit mode)."""
     if str(name or "none").lower() != "auto":
         return name, "as asked"
+    if device is not None and device.type == "cuda":
+        return "none", "dense bf16 is what was measured fastest on CUDA; a file's blocks are dequantized"
     if device is not None and int8_compute(name, device, options):
         return "w8a8", ("int8 x int8 VNNI products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale per 32 inputs")
