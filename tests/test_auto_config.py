@@ -87,12 +87,3 @@ def test_the_default_configuration_holds_the_quality_gate(real_loaded, real_toke
     comp = bundled_quality(real_loaded, real_tokenizer, "default", DEFAULT_MAX_PPL_INCREASE)
     assert comp.ppl_increase <= DEFAULT_MAX_PPL_INCREASE, comp
     assert comp.next_token_agreement >= DEFAULT_MIN_NEXT_TOKEN_AGREEMENT, comp
-
-
-def test_kv_cache_auto_takes_int8_only_with_an_automatic_w8a8() -> None:
-    chosen = ("w8a8", "int8 x int8 VNNI products ...")
-    assert auto.resolve_kv_cache_dtype("auto", chosen)[0] == "int8"
-    assert auto.resolve_kv_cache_dtype("auto", ("w8a8", "as asked"))[0] == "auto"  # --quantization w8a8
-    assert auto.resolve_kv_cache_dtype("auto", ("gguf", "the file stores ..."))[0] == "auto"
-    assert auto.resolve_kv_cache_dtype("auto", chosen, tensor_parallel_size=2)[0] == "auto"
-    assert auto.resolve_kv_cache_dtype("fp8", chosen) == ("fp8", "as asked")

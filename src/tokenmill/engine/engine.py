@@ -101,11 +101,8 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, dtype=self.dtype)
         quant_choice = auto.resolve_quantization(config.quantization, loaded, self.device, config.kernel_options)
         config.quantization = quant_choice[0]
-        kv_choice = auto.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, quant_choice,
-                                                config.tensor_parallel_size)
-        config.cache.kv_cache_dtype = kv_choice[0]
         if dtype_choice[1] != "as asked" or quant_choice[1] != "as asked":
-            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice, kv_choice))
+            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice))
         self.model_config = loaded.config
         self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
         cfg = loaded.config
