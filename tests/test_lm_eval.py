@@ -112,7 +112,9 @@ def test_lm_eval_local_completions_accuracy_equals_offline(real_loaded, real_tok
     out = tmp_path / "out"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "datasets"), HF_HOME=str(tmp_path / "hf"))
-    with real_server("--served-model-name", MODEL, "--kv-cache-memory", "128MiB") as server:
+    # the reference configuration, as the offline LLM's defaults
+    with real_server("--served-model-name", MODEL, "--kv-cache-memory", "128MiB", "--dtype", "float32",
+                     "--quantization", "none") as server:
         model_args = ",".join([
             f"model={MODEL}", f"base_url={server.url}/v1/completions", "tokenizer_backend=huggingface",
             f"tokenizer={tokenizer_dir}", "num_concurrent=1", "max_retries=1"])

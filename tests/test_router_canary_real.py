@@ -27,7 +27,9 @@ N_REQUESTS = int(os.environ.get("TOKENMILL_CANARY_REQUESTS", "40"))
 
 @pytest.fixture(scope="module")
 def servers():
-    with real_servers(["--max-num-seqs", "8"], ["--max-num-seqs", "8", "--quantization", "int4"],
+    # both pinned to float32 around their weights, as the offline eval they are compared with
+    with real_servers(["--max-num-seqs", "8", "--dtype", "float32", "--quantization", "none"],
+                      ["--max-num-seqs", "8", "--dtype", "float32", "--quantization", "int4"],
                       startup_timeout=300, env={"OMP_NUM_THREADS": "1"}) as (base, int4):
         yield {"base": base.url, "int4": int4.url}
 

@@ -30,7 +30,7 @@ def _cache_args() -> list[str]:
     """--kv-cache-memory-bytes for a pool of exactly CACHE_BLOCKS blocks of 16 tokens.
 
     SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes per token."""
-    return ["--kv-cache-memory-bytes", str(CACHE_BLOCKS * 16 * 46080), "--block-size", "16"]
+    return ["--kv-cache-memory-bytes", str(CACHE_BLOCKS * 16 * 46080), "--block-size", "16", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
