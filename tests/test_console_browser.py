@@ -97,7 +97,10 @@ def _stream_load(url: str, n: int, max_tokens: int) -> list[threading.Thread]:
 
 
 def test_console_chats_and_shows_the_engine_working(browser):
-    with real_server("--max-output-tokens", "48", "--kv-cache-memory", "48MiB", "--api-key", API_KEY) as server:
+    # the float32 reference: its 4 x 48-token load runs long enough for the once-a-second view
+    # to see it (the faster default can finish it between two polls)
+    with real_server("--max-output-tokens", "48", "--kv-cache-memory", "48MiB", "--api-key", API_KEY,
+                     "--dtype", "float32", "--quantization", "none") as server:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda exc: errors.append(str(exc)))
