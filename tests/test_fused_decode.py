@@ -312,4 +312,6 @@ def test_w8a8_fused_step_matches_the_eager_w8a8_model(batch: int, monkeypatch) -
     _prefill_all_but_last(engine, reqs)
     got = _decode(engine, reqs, True, monkeypatch)
     want = _decode(engine, reqs, False, monkeypatch)
-    assert _rel(got, want) < 1e-2
+    # without VNNI (AVX2 builds) both sides approximate differently: the eager layers round
+    # activations to bf16 or 8 bits per token, the fused step's to 8 bits per 32 columns
+    assert _rel(got, want) < (1e-2 if lib.int8_dot else 5e-2)

@@ -212,6 +212,9 @@ def test_int8_rows_use_integer_products_from_the_thresholds(lib, rows: int, n: i
 def test_native_build_has_vnni_products_where_the_cpu_does() -> None:
     flags = cpu_kernels._cpu_flags()
     native = cpu_kernels.build(cpu_kernels.ISA_FLAGS["native"])
+    if cpu_kernels.isa() != "native":  # TOKENMILL_KERNEL_ISA narrows every build of this process
+        assert not native.int8_dot or "avx_vnni" in flags
+        return
     assert native.int8_dot == (X86 and "avx512_vnni" in flags and "avx512bw" in flags or "avx_vnni" in flags)
     assert not cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"]).int8_dot
 
