@@ -138,7 +138,7 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
         s.bias = _f32(bias, keep) if bias is not None else None
         return s
     if isinstance(mod, Int8Linear):
-        vnni = mod.vnni_description(lib) if lib.int8_dot else None
+        vnni = mod.vnni_description()  # made only where the bound library has int8 dot products
         if vnni is not None:  # the VNNI packing (the layer keeps the buffers it points into)
             ctypes.pointer(s)[0] = vnni
             s.bias = _f32(bias, keep) if bias is not None else None

@@ -355,7 +355,7 @@ class Int8Linear(_QuantLinear):
             q = self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
         return q.float() * self.scales[ids].float()[:, None]
 
-    def vnni_description(self, library: Any) -> Any:
+    def vnni_description(self) -> Any:
         """The C kernels' ``TmLinear`` for this layer in the VNNI packing, or None before
         ``prepare_kernels`` made it (or where it cannot be: no VNNI, another device, a
         shape that does not pack)."""
