@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         name, _, extra = dtype.partition("+")
         quant = (dict(quantization=name, quantize_lm_head=extra == "lm_head")
                  if name in ("int8", "int4", "w8a8", "gguf", "auto") else {})
-        # quantized configs: the rest of the model in this CPU's own choice (bf16 where native)
         if name == "default":  # what `tokenmill serve` runs with no flags on this machine
             quant = dict(quantization="auto")
+        # quantized configs: the rest of the model in this CPU's own choice (bf16 where native)
         cfg = EngineConfig.from_options(dtype="auto" if quant else name, num_blocks=need,
                                         kv_cache_dtype=args.kv_cache_dtype,
                                         enable_prefix_caching=False, max_num_seqs=max(batches), **quant)
