@@ -66,8 +66,9 @@ def add_engine_arguments(p: Any) -> None:
     p.add_argument("--model", default=None,
                    help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,float32,bfloat16,float16}",
-                   help="compute dtype; auto (the default): bfloat16 where the CPU multiplies it natively (and on "
-                        "CUDA), else float32. float32 with --quantization none is the exact reference")
+                   help="compute dtype; auto (the default): float32 around w8a8 layers, else bfloat16 where the "
+                        "CPU multiplies it natively (and on CUDA), else float32. float32 with --quantization none "
+                        "is the exact reference")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8", "int4", "gguf", "w8a8"],
                    help="weight quantization: none, int8, int4 (weight-only), gguf (keep the file's Q8_0/Q4_0/Q4_1 "
