@@ -234,3 +234,39 @@ def test_int8_with_a_scale_per_32_inputs_matches_its_float_product(lib, rows: in
     got = cpu_kernels.linear(layer.kernel_description(), x, library=lib)
     want = x.double() @ layer.dequantized_weight().double().t()
     assert float((got.double() - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 30])
+@pytest.mark.parametrize("n", [16, 48, 70])
+def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: int) -> None:
+    """Where the build has VNNI, prepare_kernels moves an int8g layer into the VNNI
+    packing: lookups read the same codes back, and the product is the exact one of
+    16-bit (per row) activations with the grouped weights, within float32 rounding.
+    A shape that does not pack (70 rows) keeps the row-major codes and the float tile."""
+    from tokenmill.model.ops import ModelOps
+    from tokenmill.model.quant import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, 128, generator=g) * 0.05
+    w[:, 5] *= 30  # a column of large weights sets its groups' scales
+    layer = Int8GroupLinear.from_float(w)
+    codes, scales, table = layer.qweight.clone(), layer.scales.clone(), layer.dequantized_weight()
+    layer.ops = ModelOps(library=lib)
+    layer.prepare_kernels()
+    packs = lib.int8_dot and n % lib.vector_width == 0
+    assert (layer.qweight is None) == packs
+    assert torch.equal(layer.codes(), codes) and torch.equal(layer.dequantized_weight(), table)
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(layer.rows(ids), table[ids])
+    x = torch.randn(rows, 128, generator=g) * 3
+    x[:, 7] *= 20
+    got = cpu_kernels.linear(layer.kernel_description(), x, library=lib)
+    if packs:
+        d = x.double().abs().amax(dim=1, keepdim=True).float() / 32767.0
+        xq = torch.round(x / d).double()
+        want = torch.einsum("bgi,ngi,ng->bn", xq.view(rows, 4, 32), codes.double().view(n, 4, 32),
+                            scales.double()) * d.double()
+    else:
+        want = x.double() @ table.double().t()
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    assert torch.allclose(layer(x), got)

@@ -392,15 +392,22 @@ class Int8GroupLinear(_QuantLinear):
     weight. w8a8 stores an unquantized LM head this way on the CPU: a single stream
     reads the head's bytes every token (a fifth of a small model's), and a scale per
     row there costs next-token agreement (a few rows of large weights set it;
-    docs/quantization.md). The C kernels widen it to float32."""
+    docs/quantization.md).
+
+    Where the engine's C kernels have VNNI, ``prepare_kernels`` moves the codes into the
+    VNNI packing, as :class:`Int8Linear` does, and the kernels multiply them by 16-bit
+    activations (two byte planes), scaling each group's int32 sum in float32; elsewhere
+    they widen the codes to float32.
+    """
 
     GROUP = 32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
-        self.register_buffer("qweight", q.contiguous())
+        self.register_buffer("qweight", q.contiguous())  # None once the VNNI packing holds the codes
+        self.register_buffer("vnni_packed", None, persistent=False)
         self.register_buffer("scales", scale.float().contiguous())  # [N, K / 32]
-        self._desc: Any = None  # the C kernels' TmLinear, made on first use
+        self._desc: Any = None  # (TmLinear, buffers it points into), made on first use or by prepare_kernels
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8GroupLinear":
@@ -413,26 +420,73 @@ class Int8GroupLinear(_QuantLinear):
         q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
         return cls(q, scale, bias)
 
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [N, K], row-major (read back out of the VNNI packing once that
+        holds them)."""
+        if self.qweight is not None:
+            return self.qweight
+        t, k4, vw, four = self.vnni_packed.shape
+        return self.vnni_packed.permute(0, 2, 1, 3).reshape(t * vw, k4 * four)
+
     def _expand(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return (q.float().view(q.shape[0], -1, self.GROUP) * scales[..., None]).view(q.shape[0], -1)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self._expand(self.qweight, self.scales)
+        return self._expand(self.codes(), self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
-        return self._expand(self.qweight[ids], self.scales[ids])
+        if self.qweight is not None:
+            q = self.qweight[ids]
+        else:  # row r lives in tile r // VW at lane r % VW, 4 columns per group
+            vw = self.vnni_packed.shape[2]
+            q = self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
+        return self._expand(q, self.scales[ids])
 
     def kernel_description(self) -> Any:
-        """The C kernels' ``TmLinear`` for this layer (pointers into its buffers)."""
+        """The C kernels' ``TmLinear`` for this layer (pointers into its buffers): the
+        VNNI packing once ``prepare_kernels`` made it, else the row-major codes."""
         from . import cpu_kernels
 
         if self._desc is None:
             d = cpu_kernels.TmLinear()
             d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8G, self.out_features, self.in_features, 1, 0
             d.w, d.scale, d.bias = self.qweight.data_ptr(), self.scales.data_ptr(), None
-            self._desc = d
-        return self._desc
+            self._desc = (d, ())
+        return self._desc[0]
+
+    def prepare_kernels(self) -> None:
+        """With C kernels that have VNNI: move the codes into their packing, with the
+        scales and each group's code sums tiled the same way (once, when the engine
+        binds its kernels)."""
+        from . import cpu_kernels
+
+        library = self.ops.library
+        if (self.qweight is None or library is None or not library.int8_dot
+                or self.qweight.device.type != "cpu"):
+            return
+        q = self.qweight
+        vw = library.vector_width
+        packed = cpu_kernels.pack_vnni(q, vw)
+        if packed is None:
+            return
+        n, k = q.shape
+        groups = k // self.GROUP
+
+        def tiled(per_group: torch.Tensor) -> torch.Tensor:
+            """[N, groups] -> [N / VW, groups, VW]: one vector load gives a group's values for a tile."""
+            return per_group.view(n // vw, vw, groups).transpose(1, 2).contiguous()
+
+        offsets = tiled(q.view(n, groups, self.GROUP).sum(dim=2, dtype=torch.int32) * -128)
+        scales = tiled(self.scales)
+        d = cpu_kernels.TmLinear()
+        d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8G, n, k, 1, 0
+        d.w, d.scale, d.row_sums, d.packed = None, scales.data_ptr(), offsets.data_ptr(), packed.data_ptr()
+        d.bias = None  # forward adds it (the fused step sets its own)
+        d.a8_rows, d.a16_rows = 0, 1
+        self.vnni_packed = packed
+        self.qweight = None
+        self._desc = (d, (scales, offsets))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops.library is not None and x.device.type == "cpu":
