@@ -226,8 +226,8 @@ typedef struct {
  * into conv; scales: this head's per-block scales); rows past n point at a
  * zero row. Also prefetches the next chunk's rows. */
 TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *table, int64_t pos0, int64_t n,
-                          int64_t L, int64_t BS, int64_t D, int fmt, float *conv, const float *zero,
-                          const float *rows[VW]) {
+                          int64_t L, int64_t prefetched, int64_t BS, int64_t D, int fmt, float *conv,
+                          const float *zero, const float *rows[VW]) {
     const size_t esize = kv_esize(fmt);
     int64_t b = pos0 / BS, o = pos0 % BS;
     for (int64_t t = 0; t < n; t++) {
@@ -241,8 +241,10 @@ TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *
         if (++o == BS) o = 0, b++;
     }
     for (int64_t t = n; t < VW; t++) rows[t] = zero;
-    /* Prefetch the rows PF_DIST chunks ahead, into L2. */
+    /* Prefetch the rows PF_DIST chunks ahead, into L2, past those the item asked for
+     * when it started (rows 0 .. prefetched - 1). */
     const int64_t start = pos0 + PF_DIST * VW;
+    if (start < prefetched) return;
     const int64_t next_n = L - start < VW ? L - start : VW;
     b = start / BS, o = start % BS;
     for (int64_t t = 0; t < next_n; t++) {
@@ -252,11 +254,96 @@ TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *
     }
 }
 
-/* Prefetch rows 0 .. n - 1 of one kv head's part of the pool into L2. */
+/* Prefetch rows 0 .. n - 1 of one kv head's part of the pool into L2, a block's
+ * contiguous rows at a time (an address per row, with its division, cost as much
+ * as the prefetches themselves when the rows were already cached). */
 TM_INLINE void prefetch_rows(const char *base, const int32_t *table, int64_t n, int64_t BS, size_t row_bytes) {
-    for (int64_t p = 0; p < n; p++) {
-        const char *row = base + ((size_t)table[p / BS] * BS + p % BS) * row_bytes;
-        for (size_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off, 0, PF_HINT);
+    for (int64_t b = 0; b * BS < n; b++) {
+        const char *block = base + (size_t)table[b] * BS * row_bytes;
+        const size_t bytes = (size_t)(n - b * BS < BS ? n - b * BS : BS) * row_bytes;
+        for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, PF_HINT);
+    }
+}
+
+/* Query heads of one kv head handled per load of a K or V row: each row vector
+ * loaded feeds that many FMAs instead of one (the item was bound by loads), and
+ * 3 heads x half a chunk of positions keep 24 accumulators in registers (12 of 16
+ * with AVX2's 8-float vectors). Arithmetic and its order per score and output
+ * element are those of one head at a time. */
+#define HEADS_PER_PASS 3
+#define PV_VECS (VW == 16 ? 4 : 2) /* output vectors per head kept in registers over a chunk in pass 2 */
+
+/* scale * q_g . row_t for NG heads (queries q, NG x D) against a chunk's VW rows,
+ * into s[g * ldS + t] for t < cnt. Positions go in two halves of VW / 2, each
+ * reduced by the first levels of transpose_sum's tree, and the halves by its last
+ * level: the same sums, in the same order, as transpose_sum over the whole chunk. */
+TM_INLINE void chunk_scores(const float *q, const float *rows[VW], const int64_t D, const int NG, float scale,
+                            float *s, int64_t ldS, int64_t cnt) {
+    enum { P = VW / 2 };
+    vf half[2][HEADS_PER_PASS];
+    for (int h = 0; h < 2; h++) {
+        vf part[HEADS_PER_PASS][P];
+        for (int g = 0; g < NG; g++)
+            for (int t = 0; t < P; t++) part[g][t] = (vf){0};
+        for (int64_t c = 0; c < D; c += VW) {
+            vf qc[HEADS_PER_PASS];
+            for (int g = 0; g < NG; g++) qc[g] = vload(q + g * D + c);
+            for (int t = 0; t < P; t++) {
+                const vf r = vload(rows[h * P + t] + c);
+                for (int g = 0; g < NG; g++) part[g][t] += qc[g] * r;
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            int n = P;
+            for (int lev = 0; lev < TRANSPOSE_LEVELS - 1; lev++, n /= 2)
+                for (int i = 0; i < n / 2; i++)
+                    part[g][i] = __builtin_shuffle(part[g][2 * i], part[g][2 * i + 1], TRANSPOSE_LO[lev]) +
+                                 __builtin_shuffle(part[g][2 * i], part[g][2 * i + 1], TRANSPOSE_HI[lev]);
+            half[h][g] = part[g][0];
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        const vf sv = (__builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
+                       __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1])) *
+                      scale;
+        if (cnt == VW) {
+            vstore(s + g * ldS, sv);
+        } else {
+            float tmp[VW];
+            vstore(tmp, sv);
+            memcpy(s + g * ldS, tmp, cnt * sizeof(float));
+        }
+    }
+}
+
+/* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
+ * over a chunk's cnt rows, PV_VECS vectors of each head's output at a time. */
+TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const float *rows[VW], const int64_t D,
+                            const int NG, float *acc) {
+    float pw[HEADS_PER_PASS][VW];
+    for (int g = 0; g < NG; g++) {
+        if (cnt == VW) { /* a constant size: a vector copy, not a string move */
+            memcpy(pw[g], p + g * ldP, VW * sizeof(float));
+        } else {
+            memset(pw[g], 0, sizeof pw[g]);
+            memcpy(pw[g], p + g * ldP, cnt * sizeof(float));
+        }
+    }
+    for (int64_t c0 = 0; c0 < D; c0 += PV_VECS * VW) {
+        const int64_t nv = (D - c0) / VW < PV_VECS ? (D - c0) / VW : PV_VECS;
+        vf o[HEADS_PER_PASS][PV_VECS];
+        for (int g = 0; g < NG; g++)
+            for (int64_t j = 0; j < nv; j++) o[g][j] = vload(acc + g * D + c0 + j * VW);
+        for (int t = 0; t < VW; t++) {
+            vf r[PV_VECS];
+            for (int64_t j = 0; j < nv; j++) r[j] = vload(rows[t] + c0 + j * VW);
+            for (int g = 0; g < NG; g++) {
+                const float pt = pw[g][t];
+                for (int64_t j = 0; j < nv; j++) o[g][j] += pt * r[j];
+            }
+        }
+        for (int g = 0; g < NG; g++)
+            for (int64_t j = 0; j < nv; j++) vstore(acc + g * D + c0 + j * VW, o[g][j]);
     }
 }
 
@@ -294,25 +381,15 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     prefetch_rows(kbase, table, ahead, BS, D * esize);
     prefetch_rows(vbase, table, ahead, BS, D * esize);
 
-    /* Pass 1: scores, VW positions at a time. */
+    /* Pass 1: scores, VW positions at a time, up to HEADS_PER_PASS query heads per row load. */
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(kbase, kscales, table, pos0, cnt, L, BS, D, fmt, sc->rows, sc->zero, rows);
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = sc->q + g * D;
-            vf part[VW];
-            for (int t = 0; t < VW; t++) part[t] = (vf){0};
-            for (int64_t c = 0; c < D; c += VW) {
-                const vf qc = vload(qg + c);
-                for (int t = 0; t < VW; t++) part[t] += qc * vload(rows[t] + c);
-            }
-            const vf sv = transpose_sum(part) * a->scale;
-            if (cnt == VW) {
-                vstore(s + g * L + pos0, sv);
-            } else {
-                float tmp[VW];
-                vstore(tmp, sv);
-                memcpy(s + g * L + pos0, tmp, cnt * sizeof(float));
+        chunk_rows(kbase, kscales, table, pos0, cnt, L, ahead, BS, D, fmt, sc->rows, sc->zero, rows);
+        for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
+            switch (G - g0) {
+            case 1: chunk_scores(sc->q + g0 * D, rows, D, 1, a->scale, s + g0 * L + pos0, L, cnt); break;
+            case 2: chunk_scores(sc->q + g0 * D, rows, D, 2, a->scale, s + g0 * L + pos0, L, cnt); break;
+            default: chunk_scores(sc->q + g0 * D, rows, D, HEADS_PER_PASS, a->scale, s + g0 * L + pos0, L, cnt); break;
             }
         }
     }
@@ -333,26 +410,16 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         sc->inv[g] = 1.0f / sum;
     }
 
-    /* Pass 2: weighted sum of V rows. */
+    /* Pass 2: weighted sum of V rows, up to HEADS_PER_PASS query heads per row load. */
     memset(sc->acc, 0, G * D * sizeof(float));
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(vbase, vscales, table, pos0, cnt, L, BS, D, fmt, sc->rows, sc->zero, rows);
-        for (int64_t g = 0; g < G; g++) {
-            const float *p = s + g * L + pos0;
-            float pw[VW] = {0};
-            memcpy(pw, p, cnt * sizeof(float));
-            float *ag = sc->acc + g * D;
-            /* Up to 8 vectors of the output row at a time, kept in registers over the chunk. */
-            for (int64_t c0 = 0; c0 < D; c0 += 8 * VW) {
-                const int64_t nv = (D - c0) / VW < 8 ? (D - c0) / VW : 8;
-                vf acc[8];
-                for (int64_t j = 0; j < nv; j++) acc[j] = vload(ag + c0 + j * VW);
-                for (int t = 0; t < VW; t++) {
-                    const float pt = pw[t];
-                    for (int64_t j = 0; j < nv; j++) acc[j] += pt * vload(rows[t] + c0 + j * VW);
-                }
-                for (int64_t j = 0; j < nv; j++) vstore(ag + c0 + j * VW, acc[j]);
+        chunk_rows(vbase, vscales, table, pos0, cnt, L, ahead, BS, D, fmt, sc->rows, sc->zero, rows);
+        for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
+            switch (G - g0) {
+            case 1: chunk_values(s + g0 * L + pos0, L, cnt, rows, D, 1, sc->acc + g0 * D); break;
+            case 2: chunk_values(s + g0 * L + pos0, L, cnt, rows, D, 2, sc->acc + g0 * D); break;
+            default: chunk_values(s + g0 * L + pos0, L, cnt, rows, D, HEADS_PER_PASS, sc->acc + g0 * D); break;
             }
         }
     }
