@@ -276,7 +276,32 @@ class _QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class Int8Linear(_QuantLinear):
+class _VnniCodes:
+    """The int8 codes of a layer that keeps them either row-major (``qweight``) or, once the
+    engine bound C kernels with VNNI, only in their packing (``vnni_packed``, [N / VW, K / 4,
+    VW, 4]: ``cpu_kernels.pack_vnni``)."""
+
+    qweight: torch.Tensor | None
+    vnni_packed: torch.Tensor | None
+    in_features: int
+
+    def codes(self) -> torch.Tensor:
+        """The int8 codes [N, K], row-major (read back out of the VNNI packing once that
+        holds them)."""
+        if self.qweight is not None:
+            return self.qweight
+        t, k4, vw, four = self.vnni_packed.shape
+        return self.vnni_packed.permute(0, 2, 1, 3).reshape(t * vw, k4 * four)
+
+    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes of rows ``ids`` [len(ids), K] (a tied embedding's lookup)."""
+        if self.qweight is not None:
+            return self.qweight[ids]
+        vw = self.vnni_packed.shape[2]  # row r lives in tile r // VW at lane r % VW, 4 columns per group
+        return self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
+
+
+class Int8Linear(_VnniCodes, _QuantLinear):
     """int8 weights, one bf16-exact scale per output channel.
 
     Where the engine's C kernels have VNNI, ``prepare_kernels`` moves the codes into the
@@ -301,14 +326,6 @@ class Int8Linear(_QuantLinear):
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None, dynamic: bool = False) -> "Int8Linear":
         return cls(*quantize_int8(w), bias, dynamic)
-
-    def codes(self) -> torch.Tensor:
-        """The int8 codes [N, K], row-major (read back out of the VNNI packing once that
-        holds them)."""
-        if self.qweight is not None:
-            return self.qweight
-        t, k4, vw, four = self.vnni_packed.shape
-        return self.vnni_packed.permute(0, 2, 1, 3).reshape(t * vw, k4 * four)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize_int8(self.codes(), self.scales)
@@ -348,12 +365,7 @@ class Int8Linear(_QuantLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
-        if self.qweight is not None:
-            q = self.qweight[ids]
-        else:  # row r lives in tile r // VW at lane r % VW, 4 columns per group
-            vw = self.vnni_packed.shape[2]
-            q = self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
-        return q.float() * self.scales[ids].float()[:, None]
+        return self.row_codes(ids).float() * self.scales[ids].float()[:, None]
 
     def vnni_description(self) -> Any:
         """The C kernels' ``TmLinear`` for this layer in the VNNI packing, or None before
@@ -386,7 +398,7 @@ class Int8Linear(_QuantLinear):
         self._vnni = (d, (scales, sums))
 
 
-class Int8GroupLinear(_QuantLinear):
+class Int8GroupLinear(_VnniCodes, _QuantLinear):
     """int8 weights with a float32 scale per 32 inputs of each row: GGUF's Q8_0 layout,
     so a Q8_0 tensor (SmolLM2's token table) keeps its exact values at one byte a
     weight. w8a8 stores an unquantized LM head this way on the CPU: a single stream
@@ -420,14 +432,6 @@ class Int8GroupLinear(_QuantLinear):
         q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
         return cls(q, scale, bias)
 
-    def codes(self) -> torch.Tensor:
-        """The int8 codes [N, K], row-major (read back out of the VNNI packing once that
-        holds them)."""
-        if self.qweight is not None:
-            return self.qweight
-        t, k4, vw, four = self.vnni_packed.shape
-        return self.vnni_packed.permute(0, 2, 1, 3).reshape(t * vw, k4 * four)
-
     def _expand(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return (q.float().view(q.shape[0], -1, self.GROUP) * scales[..., None]).view(q.shape[0], -1)
 
@@ -436,12 +440,7 @@ class Int8GroupLinear(_QuantLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows (a tied embedding looks tokens up here)."""
-        if self.qweight is not None:
-            q = self.qweight[ids]
-        else:  # row r lives in tile r // VW at lane r % VW, 4 columns per group
-            vw = self.vnni_packed.shape[2]
-            q = self.vnni_packed[ids // vw, :, ids % vw].reshape(ids.shape[0], self.in_features)
-        return self._expand(q, self.scales[ids])
+        return self._expand(self.row_codes(ids), self.scales[ids])
 
     def kernel_description(self) -> Any:
         """The C kernels' ``TmLinear`` for this layer (pointers into its buffers): the
