@@ -292,26 +292,27 @@ def test_malformed_batch_limit_is_an_error_at_start() -> None:
         KernelOptions.from_env({"TOKENMILL_FUSED_DECODE_MAX_BATCH": "lots"})
 
 
-@pytest.mark.parametrize("batch", [5, 12, 17])
+@pytest.mark.parametrize("batch", [1, 2, 5, 12, 17])
 def test_w8a8_fused_step_matches_the_eager_w8a8_model(batch: int, monkeypatch) -> None:
-    """From the int8-activation threshold, a w8a8 layer in the fused step quantizes its
-    input per row as the eager layer does (VNNI dot products where the build has them,
-    else weight-only int8); the logits agree with the eager model's to the rounding of a
-    few activation codes that land on the other side of a tie and of the eager weight-only
-    layers' bf16 activations (the fused step keeps float32 there); test_linear_kernel
-    holds the integer products themselves exact."""
+    """With VNNI, a w8a8 decode row is the same in the fused step and in the eager model,
+    bit for bit, logits and K/V, at every batch size: both run the same integer kernels
+    on 8-bit activations and round the float ops alike (a request's tokens then do not
+    depend on which path its steps took). Without VNNI the fused step quantizes its
+    input per 32 columns and the eager layers per token or to bf16: close, not equal."""
     engine = _engine(tiny_loaded(seed=4, num_hidden_layers=4), dtype="float32", quantization="w8a8")
     fused = engine.runner.fused
     assert fused is not None
     lib = cpu_kernels.load()
     first, last = fused.struct.layers[0], fused.struct.layers[engine.model_config.num_hidden_layers - 1]
-    if lib.int8_dot:  # 8-bit activations from the threshold; the last layers keep 16-bit ones
-        assert (first.qkv.a8_rows, first.qkv.a16_rows) == (quant.POLICY.int8_dynamic_min_rows, 1)
+    if lib.int8_dot:  # 8-bit activations at every batch size; the last layers keep 16-bit ones
+        assert (first.qkv.a8_rows, first.qkv.a16_rows) == (1, 1)
         assert (last.qkv.a8_rows, last.qkv.a16_rows) == (0, 1)
     reqs = _requests(engine, _prompts(batch, seed=20 + batch))
     _prefill_all_but_last(engine, reqs)
     got = _decode(engine, reqs, True, monkeypatch)
-    want = _decode(engine, reqs, False, monkeypatch)
-    # without VNNI (AVX2 builds) both sides approximate differently: the eager layers round
-    # activations to bf16 or 8 bits per token, the fused step's to 8 bits per 32 columns
-    assert _rel(got, want) < (1e-2 if lib.int8_dot else 5e-2)
+    got_kv = _new_kv(engine, reqs)
+    want = _decode(engine, reqs, False, monkeypatch)  # rewrites the same slots
+    if lib.int8_dot:
+        assert torch.equal(got, want) and torch.equal(got_kv, _new_kv(engine, reqs))
+    else:  # the eager layers round activations to bf16 or 8 bits per token, the fused step per 32 columns
+        assert _rel(got, want) < 5e-2

@@ -5,10 +5,10 @@ what the model file holds:
 
 * quantization, on a CPU whose kernel build multiplies int8 by int8 with VNNI
   (``KernelLibrary.int8_dot``): ``w8a8``, int8 weights with a scale per output
-  channel (a GGUF's blocks are dequantized, then requantized), 16-bit integer
-  activations below five rows and 8-bit ones (int8 x int8 products) from there,
-  for batched decode and prefill; the down projections and the last decoder layers take 16-bit
-  activations and the LM head is int8 with a scale per 32 inputs (GGUF Q8_0's
+  channel (a GGUF's blocks are dequantized, then requantized), 8-bit activations
+  per token (int8 x int8 products) at every batch size, so that a request's
+  tokens do not depend on what shares its steps; the down projections and the
+  last decoder layers take 16-bit activations and the LM head is int8 with a scale per 32 inputs (GGUF Q8_0's
   layout), which keeps it within the quality gate in docs/quantization.md (a
   test holds the default to it). The KV pool stays float32: with int8 codes
   there too the pair passed the gate's figures but answered the bundled

@@ -12,8 +12,9 @@ weights, the rotary tables and each layer's KV pool.
 The pointers are taken once, at build: a model whose modules or pool are
 replaced afterwards needs a new ``build``. int8 layers on a kernel build with
 VNNI (``KernelLibrary.int8_dot``) run as their eager forward does, on the same
-VNNI packing: 16-bit integer activations, or 8-bit ones for w8a8 layers from
-the eager layer's row threshold (``Int8Linear``).
+VNNI packing: 16-bit integer activations, or 8-bit ones for w8a8 layers
+(``Int8Linear``); with the rotary embedding rounded as the eager op rounds it,
+a w8a8 decode row comes out bit for bit as in the eager model.
 
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32

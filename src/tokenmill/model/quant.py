@@ -57,7 +57,7 @@ class KernelPolicy:
     """Which kernel runs for how many rows (tokens in the step)."""
 
     int8_weight_only_max_rows: int = 20  # <= : _weight_int8pack_mm; above: dequantize + dense bf16
-    int8_dynamic_min_rows: int = 5  # w8a8 layers: int8 activations + _int_mm from this many rows
+    int8_dynamic_min_rows: int = 5  # w8a8 layers without VNNI: int8 activations + _int_mm from this many rows
     int4_kernel_max_rows: int = 96  # <= : int4 kernel; above: unpack + dense bf16
 
 
@@ -306,9 +306,12 @@ class Int8Linear(_VnniCodes, _QuantLinear):
 
     Where the engine's C kernels have VNNI, ``prepare_kernels`` moves the codes into the
     VNNI packing (``cpu_kernels.pack_vnni``) and drops the row-major copy: every step
-    then runs in the C kernels, eager or fused, on integer activations (8 bits per token
-    for w8a8 layers from ``int8_dynamic_min_rows``, else 16 bits as two byte planes:
-    within float32 rounding of the float product; docs/quantization.md).
+    then runs in the C kernels, eager or fused, on integer activations: 8 bits per token
+    for w8a8 layers, else 16 bits as two byte planes (within float32 rounding of the float
+    product; docs/quantization.md). The width does not depend on how many rows a step
+    has, and every row is computed on its own, so a request's tokens are the same
+    whatever else shares its steps (alone or in a burst). Without VNNI, the torch path
+    takes 8 bits only from ``int8_dynamic_min_rows`` (``_int_mm``'s fixed cost).
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -391,7 +394,7 @@ class Int8Linear(_VnniCodes, _QuantLinear):
         d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8, q.shape[0], q.shape[1], 1, 0
         d.w, d.scale, d.row_sums, d.packed = None, scales.data_ptr(), sums.data_ptr(), packed.data_ptr()
         d.bias = None  # forward adds it (the fused step sets its own)
-        d.a8_rows = POLICY.int8_dynamic_min_rows if self.dynamic else 0
+        d.a8_rows = 1 if self.dynamic else 0  # 8 bits at every row count: see the class docstring
         d.a16_rows = 1
         self.vnni_packed = packed
         self.qweight = None
@@ -717,8 +720,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
     # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
-    # weight-only ("float" activations: float32 for one row, 16-bit integers for more with
-    # the C kernels): the last layers' output goes (almost) straight to the logits, and the
+    # weight-only (16-bit integer activations with the C kernels): the last layers' output goes (almost) straight to the logits, and the
     # down projections' input has the widest outliers, so rounding there moves the logits
     # most (measured on the bundled model: docs/quantization.md, "w8a8").
     num_layers = len(model.layers)  # type: ignore[arg-type]

@@ -42,16 +42,19 @@ TM_INLINE void rms_norm(const float *x, const float *w, int64_t n, float eps, fl
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
-/* Rotate-half rotary embedding of one head, in place. */
-TM_INLINE void rope_head(float *x, const float *cos, const float *sin, int64_t D) {
+/* Rotate-half rotary embedding of one head, in place (the fused decode step's). Each
+ * product and the sum are rounded on their own, as in rotate_f32 below (the eager model's):
+ * a decode row then gets the same keys in either path, so a request's tokens do not depend
+ * on which path its steps took. */
+__attribute__((optimize("fp-contract=off"))) static void rope_head(float *x, const float *cos, const float *sin,
+                                                                    int64_t D) {
     const int64_t h = D / 2;
-    float tmp[512];
 #pragma omp simd
     for (int64_t i = 0; i < h; i++) {
-        tmp[i] = x[i] * cos[i] - x[i + h] * sin[i];
-        tmp[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+        const float lo = x[i], hi = x[i + h];
+        x[i] = lo * cos[i] - hi * sin[i];
+        x[i + h] = hi * cos[i + h] + lo * sin[i + h];
     }
-    memcpy(x, tmp, D * sizeof(float));
 }
 
 TM_INLINE void store_row(void *cache, int bf16, size_t offset, const float *src, int64_t D) {
