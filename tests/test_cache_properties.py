@@ -47,16 +47,23 @@ class Sim:
                 f"{req.request_id}: block {block} slot {pos % BLOCK} does not hold token {pos}")
 
     def step(self, next_token: int) -> None:
+        before = {r: (r.num_computed_tokens, list(r.block_table)) for r in self.sched.running}
         batch = self.sched.schedule()
+        # Slots a request still running counted as computed before this step: never rewritten.
+        relied_on = {(table[pos // BLOCK], pos % BLOCK) for r, (computed, table) in before.items()
+                     if r in self.sched.running for pos in range(computed)}
         held = {b for r in self.sched.running for b in r.block_table}
-        for req, num_new in batch.items:
-            self.check_hits(req)
+        for req, num_new in batch.items:  # every write of a step lands before any read (as in a layer)
             start = req.num_computed_tokens
             for pos in range(start, start + num_new):
                 block = req.block_table[pos // BLOCK]
-                # A request writes only into blocks it alone holds.
-                assert self.pool.ref_counts[block] == 1, f"write into shared block {block}"
+                assert (block, pos % BLOCK) not in relied_on, f"write into block {block} that others read"
+                if self.pool.ref_counts[block] > 1:  # shared in this step: the others read it after
+                    assert all(pos // BLOCK < len(r.block_table) and r.block_table[pos // BLOCK] == block
+                               for r in self.sched.running if block in r.block_table), "shared at another place"
                 self.shadow.setdefault(block, {})[pos % BLOCK] = req.token_at(pos)
+        for req, _ in batch.items:
+            self.check_hits(req)
         assert len(held) <= self.pool.num_blocks
         self.sched.after_step(batch)
         for req, _ in batch.items:
@@ -263,6 +270,39 @@ def test_burst_sharing_a_prefix_computes_it_once():
     stats = sim.cache.stats
     assert stats.queried_tokens == 16 * 72
     assert stats.hit_tokens == stats.queried_tokens - computed
+
+
+def test_a_burst_behind_a_prefix_runs_in_one_step_when_the_budget_holds_it():
+    """With a budget that holds the prefix and every request's own tokens, the burst's
+    prompts all run in the first step: the waiters take the blocks their producer
+    completes in that step and compute their own tokens after it in the same step."""
+    sim = Sim(400, True, 64 + 16 * 8, 16)
+    prefix = [7] * 3 + list(range(61))
+    for i in range(16):
+        sim.add(f"b{i}", prefix + [100 + i] * 8, 4)
+    sim.step(0)
+    assert sim.sched.num_prompt_tokens_computed == 64 + 16 * 8
+    assert all(r.num_computed_tokens == r.num_prompt_tokens for r in sim.active)
+    assert all(r.block_table[:16] == sim.active[0].block_table[:16] for r in sim.active)
+    sim.drain(100)
+    assert sim.cache.stats.hit_tokens == 15 * 64
+
+
+def test_a_waiter_takes_the_blocks_its_producer_completes_and_waits_for_the_rest():
+    """A budget smaller than the prefix: the waiter picks up each chunk's blocks in the
+    step that computes them, and computes nothing of the prefix itself."""
+    sim = Sim(400, True, 32, 4)
+    prefix = list(range(64))  # 16 blocks: two 32-token chunks
+    sim.add("p", prefix + [90] * 8, 2)
+    sim.add("w", prefix + [91] * 8, 2)
+    sim.step(0)  # "p" takes the whole budget; "w" joins next step
+    sim.step(0)  # "p" computes the prefix's second half; "w" takes all of it
+    producer, waiter = sim.active
+    assert producer.num_computed_tokens == 64 and waiter.num_computed_tokens == 64
+    assert waiter.block_table[:16] == producer.block_table[:16]
+    assert sim.sched.num_prompt_tokens_computed == 64  # taken, not computed
+    sim.drain(100)
+    assert sim.sched.num_prompt_tokens_computed == 64 + 2 * 8
 
 
 def test_a_producer_that_stalls_releases_its_waiters():

@@ -252,17 +252,22 @@ def test_prefix_cache_never_changes_outputs_with_hits_partial_hits_and_evictions
     assert freed > 0 and on.engine.pool.num_free == 40
 
 
-def test_burst_sharing_a_prefix_matches_one_by_one_and_computes_it_once():
+@pytest.mark.parametrize("budget", [64, 512])
+def test_burst_sharing_a_prefix_matches_one_by_one_and_computes_it_once(budget: int):
     """A burst behind one document: greedy text equals the same prompts sent one at a
-    time with no prefix cache, and the shared blocks are computed once."""
+    time with no prefix cache, and the shared blocks are computed once. With 512
+    tokens a step, the whole burst's prompts run in one step: the waiters read blocks
+    their producer writes in that same step."""
     rng = random.Random(5)
     doc = [rng.randrange(256) for _ in range(200)]
     prompts = [doc + [rng.randrange(256) for _ in range(rng.randint(3, 20))] for _ in range(8)]
     params = SamplingParams(max_tokens=6, **GREEDY)
     alone = make_tiny_llm(enable_prefix_caching=False)
     expected = [alone.generate([p], params)[0].outputs[0].token_ids for p in prompts]
-    burst = make_tiny_llm(max_num_batched_tokens=64, max_num_seqs=8)
+    burst = make_tiny_llm(max_num_batched_tokens=budget, max_num_seqs=8)
     got = [o.outputs[0].token_ids for o in burst.generate(prompts, params)]
+    if budget == 512:
+        assert burst.engine.stats.steps == params.max_tokens  # the prompts took one step
     assert got == expected
     own = sum(len(p) - len(doc) for p in prompts)
     computed = burst.engine.scheduler.num_prompt_tokens_computed

@@ -18,12 +18,16 @@ picks up any blocks that others finished since it last looked (the prefix
 cache is walked again, not only at admission), and a request whose next
 prompt block is still being computed by an older running request waits for
 it instead of computing it again, as long as that producer (or the producer
-it waits for in turn) was scheduled in the same step. Waits only point at
-older requests, so they cannot form a cycle; a producer that is preempted or
-gets no budget makes no progress, and its waiters then compute for
-themselves. Admission spends the budget that the new request's first chunk
-will need (nothing when it will wait), so a burst joins together when it
-shares a prefix and one by one when it does not.
+it waits for in turn) was scheduled in the same step. A waiter does not sit
+the step out: it takes the blocks its producer completes in this step (every
+layer stores the step's K/V before its attention reads the pool), and when
+its next block is then its own it computes it in the same step, so a budget
+that holds a prefix and the burst's own tokens runs the whole burst in one
+step. Waits only point at older requests, so they cannot form a cycle; a
+producer that is preempted or gets no budget makes no progress, and its
+waiters then compute for themselves. Admission spends the budget that the new
+request's first chunk will need (nothing when it will wait), so a burst joins
+together when it shares a prefix and one by one when it does not.
 """
 from __future__ import annotations
 
@@ -167,18 +171,25 @@ class Scheduler:
         if max_blocks <= done:
             return
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
-        if len(blocks) <= done:
-            return
-        for index in range(done, len(blocks)):
-            self.pool.acquire(blocks[index])
+        if len(blocks) > done:
+            self._adopt(request, done, blocks[done:])
+
+    def _adopt(self, request: Request, start: int, blocks: list[int]) -> None:
+        """Make ``blocks`` the request's prompt blocks ``start, start + 1, ...`` (computed by
+        someone else), in place of its own copies; they count as prefix-cache hits."""
+        assert self.prefix_cache is not None
+        for offset, block in enumerate(blocks):
+            index = start + offset
+            self.pool.acquire(block)
             if index < len(request.block_table):
                 self.pool.release([request.block_table[index]])
-                request.block_table[index] = blocks[index]
+                request.block_table[index] = block
             else:
-                request.block_table.append(blocks[index])
-        gained = len(blocks) * self.block_size - request.num_computed_tokens
-        request.num_cached_blocks = len(blocks)
-        request.num_computed_tokens = len(blocks) * self.block_size
+                request.block_table.append(block)
+        end = start + len(blocks)
+        gained = end * self.block_size - request.num_computed_tokens
+        request.num_cached_blocks = end
+        request.num_computed_tokens = end * self.block_size
         if request.first_scheduled_time is None:
             request.num_cached_tokens = request.num_computed_tokens
         else:  # already counted at its start: count the new hits now
@@ -196,24 +207,77 @@ class Scheduler:
             request.prompt_block_hashes = hashes
         return request.prompt_block_hashes
 
+    def _claims(self, requests: list[Request]) -> dict[int, Request]:
+        """Block hash -> the oldest of ``requests`` (oldest first) that still has that
+        prompt block to compute."""
+        claimed: dict[int, Request] = {}
+        for request in requests:
+            for h in self._block_hashes(request)[request.num_computed_tokens // self.block_size:]:
+                claimed.setdefault(h, request)
+        return claimed
+
+    def _producer(self, request: Request, claimed: dict[int, Request]) -> Request | None:
+        """The older request computing ``request``'s next prompt block, if any: the one
+        it should wait for (never for the block holding its last prompt token)."""
+        hashes = self._block_hashes(request)
+        nxt = request.num_computed_tokens // self.block_size
+        if (nxt >= len(hashes) or (nxt + 1) * self.block_size >= request.num_tokens
+                or request.wants_prompt_logprobs):
+            return None
+        producer = claimed.get(hashes[nxt])
+        return producer if producer is not request else None
+
     def _producers(self, requests: list[Request]) -> dict[Request, Request]:
         """For each prefilling request (oldest first), the oldest older request that has
         its next prompt block still to compute: the one it should wait for."""
         if self.prefix_cache is None:
             return {}
-        claimed: dict[int, Request] = {}  # block hash -> oldest request that will compute it
-        waits: dict[Request, Request] = {}
-        for request in requests:
-            hashes = self._block_hashes(request)
-            nxt = request.num_computed_tokens // self.block_size
-            if (nxt < len(hashes) and (nxt + 1) * self.block_size < request.num_tokens
-                    and not request.wants_prompt_logprobs):
-                producer = claimed.get(hashes[nxt])
-                if producer is not None:
-                    waits[request] = producer
-            for h in hashes[nxt:]:
-                claimed.setdefault(h, request)
+        claimed = self._claims(requests)
+        waits = {r: p for r in requests if (p := self._producer(r, claimed)) is not None}
         return waits
+
+    def _finishing_blocks(self, batch: ScheduledBatch) -> dict[int, tuple[Request, int]]:
+        """Prompt blocks this step completes: block hash -> (request, block index)."""
+        finishing: dict[int, tuple[Request, int]] = {}
+        for request, num_new in batch.items:
+            self._note_finishing(finishing, request, num_new)
+        return finishing
+
+    def _note_finishing(self, finishing: dict[int, tuple[Request, int]], request: Request, num_new: int) -> None:
+        hashes = self._block_hashes(request)
+        first = request.num_computed_tokens // self.block_size
+        last = min(len(hashes), (request.num_computed_tokens + num_new) // self.block_size)
+        for index in range(first, last):
+            finishing.setdefault(hashes[index], (request, index))
+
+    def _share_in_step(self, request: Request, finishing: dict[int, tuple[Request, int]]) -> None:
+        """Take the prompt blocks that older requests scheduled in this step will have
+        computed when it ends. Every layer stores the whole step's K/V before any of its
+        attention reads the pool, so ``request``'s own tokens can then run in the same
+        step and read those blocks. A block is taken only from an older request (a
+        producer is never preempted while its newer waiters keep their places) whose
+        previous block is the request's own previous block (the same prefix) and
+        whose tokens are the same."""
+        bs = self.block_size
+        hashes = self._block_hashes(request)
+        start = request.num_computed_tokens // bs
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        age = self._age(request)
+        taken: list[int] = []
+        for index in range(start, limit):
+            owner = finishing.get(hashes[index])
+            if owner is None:
+                break
+            producer, at = owner
+            previous = taken[-1] if taken else (request.block_table[index - 1] if index else None)
+            if (at != index or self._age(producer) >= age
+                    or (index and producer.block_table[index - 1] != previous)
+                    or producer.prompt_token_ids[index * bs:(index + 1) * bs]
+                    != request.prompt_token_ids[index * bs:(index + 1) * bs]):
+                break
+            taken.append(producer.block_table[index])
+        if taken:
+            self._adopt(request, start, taken)
 
     def _started(self, request: Request) -> None:
         """First tokens scheduled: the queue wait ends, the prefix hit is final."""
@@ -303,16 +367,34 @@ class Scheduler:
                 progressing[r] = r in scheduled or (r in waits and progresses(waits[r]))
             return progressing[r]
 
+        finishing = self._finishing_blocks(batch) if deferred else {}
+        claimed = self._claims(pending) if deferred else {}
         for request in sorted(deferred, key=self._age):
-            if request.status is not RequestStatus.RUNNING or progresses(waits[request]):
+            if request.status is not RequestStatus.RUNNING:
                 continue
-            del waits[request]  # its producer is stalled: compute for itself
-            progressing[request] = False
-            if self._budget > 0:
-                remaining = request.num_tokens - request.num_computed_tokens
-                self._schedule(batch, request, min(remaining, self._budget))
+            if progresses(waits[request]):
+                # Its producer runs now: take what this step completes, and compute the
+                # rest in the same step unless its next block is still someone else's.
+                self._share_in_step(request, finishing)
+                producer = self._producer(request, claimed)
+                if producer is not None and progresses(producer):
+                    waits[request] = producer
+                    continue
+                progressing[request] = False
+                if self._budget <= 0:
+                    continue
+            else:
+                del waits[request]  # its producer is stalled: compute for itself
+                progressing[request] = False
+                if self._budget <= 0:
+                    continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, self._budget)
+            self._schedule(batch, request, num_new)
+            if request.status is RequestStatus.RUNNING:
                 scheduled.add(request)
                 progressing[request] = True
+                self._note_finishing(finishing, request, num_new)
         return batch
 
     def _age(self, request: Request) -> tuple[int, int]:
