@@ -252,6 +252,30 @@ def test_prefix_cache_never_changes_outputs_with_hits_partial_hits_and_evictions
     assert freed > 0 and on.engine.pool.num_free == 40
 
 
+def test_w8a8_tokens_do_not_depend_on_what_shares_the_steps():
+    """w8a8 with VNNI: prompts decoded together (batched, mixed with other prompts' chunks,
+    fused and eager steps) give the same greedy tokens and log-probabilities as each prompt
+    alone. Without VNNI
+    the activation rounding differs between batch sizes and paths."""
+    from tokenmill.model import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.int8_dot:
+        pytest.skip("8-bit activations at every batch size need the VNNI kernels")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 90))] for _ in range(12)]
+    params = SamplingParams(max_tokens=24, logprobs=0, **GREEDY)
+    llm = make_tiny_llm(quantization="w8a8", max_num_batched_tokens=64, max_num_seqs=12,
+                        model_overrides={"num_hidden_layers": 4})  # two w8a8 layers before the last two
+
+    def tokens_and_logprobs(outs: list) -> list[tuple[list[int], list[float]]]:
+        return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+    together = tokens_and_logprobs(llm.generate(prompts, params))
+    alone = [tokens_and_logprobs(llm.generate([p], params))[0] for p in prompts]
+    assert together == alone  # the log-probabilities too, exactly: nothing of the batch leaks in
+
+
 @pytest.mark.parametrize("budget", [64, 512])
 def test_burst_sharing_a_prefix_matches_one_by_one_and_computes_it_once(budget: int):
     """A burst behind one document: greedy text equals the same prompts sent one at a
