@@ -105,8 +105,9 @@ def test_kv_cache_dtype_names() -> None:
     assert kv_quant.resolve_kv_dtype("bf16", torch.bfloat16) == torch.bfloat16
     assert kv_quant.resolve_kv_dtype("INT8", torch.float32) == torch.int8
     assert kv_quant.resolve_kv_dtype("fp8", torch.float32) == torch.float8_e4m3fn
+    assert kv_quant.resolve_kv_dtype("bfloat16", torch.float32) == torch.bfloat16  # widened when read
     with pytest.raises(ValueError, match="compute dtype"):
-        kv_quant.resolve_kv_dtype("bfloat16", torch.float32)
+        kv_quant.resolve_kv_dtype("float16", torch.float32)
     with pytest.raises(ValueError, match="choose one of"):
         kv_quant.resolve_kv_dtype("int4", torch.float32)
 

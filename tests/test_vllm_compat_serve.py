@@ -85,7 +85,7 @@ def test_hub_name_of_the_bundled_model_serves_the_bundled_copy():
     (["-tp", "2"], "attention heads"),  # the bundled model's 9 heads do not split in two
     (["--tensor-parallel-size", "4"], "attention heads"),
     (["--kv-cache-dtype", "int4"], "--kv-cache-dtype: kv_cache_dtype 'int4': choose one of"),
-    (["--kv-cache-dtype", "bfloat16"], "a float pool is stored in the compute dtype (float32)"),
+    (["--kv-cache-dtype", "float16"], "a float pool is stored in the compute dtype (float32)"),
     (["no/such-model"], "is not a local file or folder"),
     (["--ssl-keyfile", "/nonexistent.key", "--ssl-certfile", "/nonexistent.crt"], "no such file"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template /nonexistent.jinja: no such file"),
@@ -101,6 +101,7 @@ def test_pool_dtype_flags_that_match_are_accepted():
     parse_serve(["-tp", "1", "--kv-cache-dtype", "auto"])
     parse_serve(["--dtype", "bfloat16", "--kv-cache-dtype", "bf16", "--enforce-eager"])
     parse_serve(["--dtype", "half", "--kv-cache-dtype", "float16"])
+    parse_serve(["--dtype", "float32", "--kv-cache-dtype", "bfloat16"])  # half the bytes, widened when read
     for quantized in ("int8", "fp8", "FP8"):
         assert parse_serve(["--kv-cache-dtype", quantized]).kv_cache_dtype == quantized
 

@@ -10,9 +10,10 @@ what the model file holds:
   tokens do not depend on what shares its steps; the down projections and the
   last decoder layers take 16-bit activations and the LM head is int8 with a scale per 32 inputs (GGUF Q8_0's
   layout), which keeps it within the quality gate in docs/quantization.md (a
-  test holds the default to it). The KV pool stays float32: with int8 codes
-  there too the pair passed the gate's figures but answered the bundled
-  model's plainest question wrongly (docs/quantization.md).
+  test holds the default to it). The KV pool is bf16, widened to float32 as
+  attention reads it (``resolve_kv_cache_dtype``); with int8 codes there the
+  pair passed the gate's figures but answered the bundled model's plainest
+  question wrongly (docs/quantization.md).
 * dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs
   next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
@@ -88,5 +89,23 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     return "none", "the file holds no quantized blocks with a kernel here"
 
 
-def describe(dtype: tuple[str, str], quantization: tuple[str, str]) -> str:
-    return f"dtype {dtype[0]} ({dtype[1]}), quantization {quantization[0]} ({quantization[1]})"
+def resolve_kv_cache_dtype(name: str | None, quantization: str, compute: torch.dtype,
+                           device: torch.device, tensor_parallel: bool = False) -> tuple[str, str]:
+    """(KV pool dtype name, why) for ``--kv-cache-dtype name``: ``auto`` is the compute
+    dtype, except under w8a8 on a CPU (float32 around int8 layers), whose pool is bf16:
+    the kernels widen its rows as they read them, so decode attention, the largest part of
+    a many-stream step there, reads half the bytes, for 0.3 points of next-token agreement
+    (docs/quantization.md). Tensor-parallel ranks keep their pool in the compute dtype."""
+    if str(name or "auto").lower() != "auto":
+        return str(name), "as asked"
+    if (str(quantization).lower() == "w8a8" and device.type == "cpu" and compute == torch.float32
+            and not tensor_parallel):
+        return "bfloat16", "w8a8: rows stored in bf16 and widened as attention reads them, half the bytes"
+    return "auto", "the compute dtype"
+
+
+def describe(dtype: tuple[str, str], quantization: tuple[str, str], kv: tuple[str, str] | None = None) -> str:
+    text = f"dtype {dtype[0]} ({dtype[1]}), quantization {quantization[0]} ({quantization[1]})"
+    if kv is not None and kv[1] != "as asked" and kv[0] != "auto":
+        text += f", KV cache {kv[0]} ({kv[1]})"
+    return text

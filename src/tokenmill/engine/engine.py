@@ -101,8 +101,11 @@ class LLMEngine:
         loaded = loaded or load_model(config.model, dtype=self.dtype)
         quant_choice = auto.resolve_quantization(config.quantization, loaded, self.device, config.kernel_options)
         config.quantization = quant_choice[0]
+        kv_choice = auto.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.quantization, self.dtype,
+                                                self.device, config.tensor_parallel_size > 1)
+        config.cache.kv_cache_dtype = kv_choice[0]
         if dtype_choice[1] != "as asked" or quant_choice[1] != "as asked":
-            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice))
+            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice, kv_choice))
         self.model_config = loaded.config
         self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
         cfg = loaded.config
@@ -130,7 +133,7 @@ class LLMEngine:
                 raise ValueError(f"memory budget {config.memory_budget} bytes does not hold the weights "
                                  f"({self.weight_bytes} bytes)")
         self.kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
-        if is_quantized(self.kv_dtype) and self.parallel is not None:
+        if self.kv_dtype != self.dtype and self.parallel is not None:
             raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype} is not supported with tensor parallelism "
                              "yet; use auto")
         num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(

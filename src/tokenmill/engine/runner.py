@@ -60,7 +60,8 @@ class ModelRunner:
         decode step nor CUDA graphs (tensor parallelism). ``kv_dtype``: the pool's dtype,
         by default ``dtype``; int8 / float8_e4m3fn store codes with per-block scales
         (model/kv_quant.py; no CUDA graphs: the store's requantization has data-dependent
-        shapes)."""
+        shapes); bfloat16 under float32 ``dtype`` stores rounded rows that attention widens
+        (no CUDA graphs either: they were captured and measured with the pool in ``dtype``)."""
         kv_dtype = kv_dtype or dtype
         quantized = kv_quant.is_quantized(kv_dtype)
         cfg = model.config
@@ -75,8 +76,8 @@ class ModelRunner:
         options = kernels.options
         model.use_ops(kernels.ops)
         graphs_backend = None
-        if not eager_only and not quantized and not kernel_attention_fits(device, dtype, cfg.head_dim,
-                                                                          kernels.library):
+        if not eager_only and kv_dtype == dtype and not kernel_attention_fits(device, dtype, cfg.head_dim,
+                                                                              kernels.library):
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if graphs_backend is not None else None
@@ -85,7 +86,7 @@ class ModelRunner:
         self.kv_heads = cfg.num_key_value_heads
         self.kv_caches: list[tuple[torch.Tensor, ...]] = (
             kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
-            else kv_pool_tensors(cfg.num_hidden_layers, shape, dtype, device, options.huge_pages))  # type: ignore
+            else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,
                                                   kv_dtype=kv_dtype)

@@ -185,9 +185,10 @@ def add_model_source_arguments(p: Any) -> None:
 def add_device_arguments(p: Any) -> None:
     """GPU-shaped flags of vLLM, with their CPU meaning."""
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV pool dtype: auto (the compute dtype), that same dtype by name, or int8 / fp8 "
-                        "(e4m3): one byte a value with a scale per block and kv head, twice the tokens "
-                        "of bf16 in the same memory (default auto)")
+                   help="KV pool dtype: auto (the compute dtype; bfloat16 under w8a8 on CPU), that same "
+                        "dtype by name, bfloat16 under float32 (widened as read), or int8 / fp8 (e4m3): one "
+                        "byte a value with a scale per block and kv head, twice the tokens of bf16 in the "
+                        "same memory (default auto)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never replay CUDA graphs (no effect on CPU, which has none)")
     p.add_argument("-tp", "--tensor-parallel-size", type=_positive, default=1,

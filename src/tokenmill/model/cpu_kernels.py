@@ -69,7 +69,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # AVX-512 out, so a wide machine runs (and tests) what an AVX2-only one runs;
 # "portable" targets baseline x86-64 (SSE2) and runs anywhere.
 ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -200,15 +200,15 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, i64, ctypes.c_float, ptr, i64, cint, cint]
     cdll.tm_silu_mul_rows.argtypes = [ptr, i64, i64, i64, ptr, i64, cint, cint]
     cdll.tm_rope_rows.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, cint, cint]
-    cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, cint]
+    cdll.tm_store_kv_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, cint]
     cdll.tm_store_kv_quant_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,
                                             cint, cint, cint]
-    cdll.tm_paged_decode_quant.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, ptr, i64, i64,
-                                           i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint]
-    cdll.tm_paged_prefill_quant.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, i64, i64, i64,
-                                            i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+    cdll.tm_paged_decode_convert.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, ptr, i64, i64,
+                                             i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+    cdll.tm_paged_prefill_convert.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, i64, i64, i64,
+                                              i64, i64, i64, ctypes.c_float, ptr, i64, cint]
     for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows,
-               cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_quant, cdll.tm_paged_prefill_quant):
+               cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_convert, cdll.tm_paged_prefill_convert):
         fn.restype = ctypes.c_int
     cdll.tm_decode_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, ctypes.c_int]
     cdll.tm_decode_step.restype = ctypes.c_int
@@ -261,6 +261,13 @@ def attention_dtype_ok(dtype: torch.dtype) -> bool:
     return dtype in KV_FORMAT
 
 
+def widens(pool: torch.Tensor | torch.dtype, compute: torch.dtype) -> bool:
+    """A bf16 pool under float32 compute: rows rounded to bf16 when stored, widened back
+    when read (half the bytes of a float32 pool, float32 arithmetic)."""
+    dtype = pool if isinstance(pool, torch.dtype) else pool.dtype
+    return dtype == torch.bfloat16 and compute == torch.float32
+
+
 def _scales_ok(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None) -> bool:
     """A quantized pool comes with contiguous float32 CPU scales [kv_heads, num_blocks] for
     K and V; a float pool with none."""
@@ -276,8 +283,8 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     kv_scales: tuple[torch.Tensor, ...] | None = None) -> KernelLibrary | None:
     """The library to run an attention kernel on these tensors with, or None when it
     cannot take them. Both kernels want: q and out [tokens, heads, head_dim] in the
-    pool's dtype (float32 or bf16; over a quantized pool, float32 or bf16), each head's
-    row contiguous (token rows may be strided); contiguous K and V pools [kv_heads,
+    pool's dtype (float32 or bf16; over a quantized pool, float32 or bf16; over a bf16
+    pool, float32 too), each head's row contiguous (token rows may be strided); contiguous K and V pools [kv_heads,
     num_blocks, block_size, head_dim] (with their scales when quantized); everything,
     the int32 tables included, on the CPU; a head size that is a multiple of the vector
     width. ``library``: a specific build (tests); by default the cached one for the
@@ -288,7 +295,7 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads, cache_dim = k_cache.shape[0], k_cache.shape[3]
     if any(t.device.type != "cpu" for t in (q, k_cache, v_cache, out, *index_tensors)):
         return None
-    io_dtype = k_cache.dtype if k_cache.dtype in _ENTRY else q.dtype
+    io_dtype = k_cache.dtype if k_cache.dtype in _ENTRY and not widens(k_cache.dtype, q.dtype) else q.dtype
     if not (q.dtype == out.dtype == io_dtype and io_dtype in _ENTRY and v_cache.dtype == k_cache.dtype
             and _scales_ok(k_cache, kv_scales) and (k_cache.dtype in _ENTRY or head_dim <= 512)
             and v_cache.shape == k_cache.shape and cache_dim == head_dim and heads % kv_heads == 0
@@ -325,7 +332,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context length including the new token. ``library``: a specific build
     (tests); by default the cached one. A quantized pool (int8 / fp8 codes) needs
     ``kv_scales``: its (K, V) float32 scales [kv_heads, num_blocks]; q and out are
-    then float32 or bf16.
+    then float32 or bf16. A bf16 pool also takes float32 q and out (``widens``).
     """
     lib = _usable_library(q, k_cache, v_cache, out, (block_tables, seq_lens), library, kv_scales)
     nd, heads, head_dim = q.shape
@@ -337,11 +344,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if nd == 0:
         return True
     kv_heads, num_blocks, block_size, _ = k_cache.shape
-    if k_cache.dtype in _QUANT_KV:
-        assert kv_scales is not None
-        rc = lib.cdll.tm_paged_decode_quant(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_scales[0].data_ptr(),
-            kv_scales[1].data_ptr(), KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16),
+    if k_cache.dtype in _QUANT_KV or widens(k_cache, q.dtype):
+        k_scale, v_scale = (kv_scales[0].data_ptr(), kv_scales[1].data_ptr()) if kv_scales else (None, None)
+        rc = lib.cdll.tm_paged_decode_convert(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_scale,
+            v_scale, KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
             nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
             out.data_ptr(), out.stride(0), torch.get_num_threads())
@@ -377,11 +384,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return False
     if q_len == 0:
         return True
-    if k_cache.dtype in _QUANT_KV:
-        assert kv_scales is not None
-        rc = lib.cdll.tm_paged_prefill_quant(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), kv_scales[0].data_ptr(),
-            kv_scales[1].data_ptr(), KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16), table.data_ptr(),
+    if k_cache.dtype in _QUANT_KV or widens(k_cache, q.dtype):
+        k_scale, v_scale = (kv_scales[0].data_ptr(), kv_scales[1].data_ptr()) if kv_scales else (None, None)
+        rc = lib.cdll.tm_paged_prefill_convert(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_scale,
+            v_scale, KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16), table.data_ptr(),
             table.numel(), int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
             out.data_ptr(), out.stride(0), torch.get_num_threads())
     else:
@@ -503,10 +510,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor, library: KernelLibrary | None = None) -> bool:
     """``attention.write_kv`` in one pass: k, v [tokens, kv_heads, head_dim] on CPU, each
     token's heads contiguous (token rows may be strided); pools [kv_heads, num_blocks,
-    block_size, head_dim], contiguous, in k's dtype (float32 or bf16); slot_mapping int64
+    block_size, head_dim], contiguous, in k's dtype (float32 or bf16), or bf16 under
+    float32 k and v (rounded to nearest even, as ``Tensor.to`` rounds); slot_mapping int64
     [tokens]. False (nothing written) when the kernel is off or cannot take them;
     ValueError for a slot outside the pool, as index_copy_ would raise."""
-    if not (_cpu_same_float(k, v, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    pools_ok = k_cache.dtype == k.dtype or widens(k_cache, k.dtype)
+    if not (pools_ok and _cpu_same_float(k, v) and _cpu_same_float(k_cache, v_cache)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
             and k_cache.shape == v_cache.shape and _new_rows_ok(k, v, k_cache, slot_mapping)):
         return False
     tokens, kv_heads, d = k.shape
@@ -517,7 +527,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         num_slots = k_cache.shape[1] * k_cache.shape[2]
         rc = lib.cdll.tm_store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), tokens, kv_heads, d,
                                        slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), num_slots,
-                                       k.element_size(), torch.get_num_threads())
+                                       k.element_size(), k_cache.element_size(), torch.get_num_threads())
         _raise_for(rc, "store_kv", "a slot lies outside the pool")
     return True
 

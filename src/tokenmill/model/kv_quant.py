@@ -46,9 +46,10 @@ def is_quantized(dtype: torch.dtype) -> bool:
 
 def resolve_kv_dtype(name: str | None, compute: torch.dtype) -> torch.dtype:
     """The pool dtype for ``--kv-cache-dtype name`` with this compute dtype: auto is the
-    compute dtype; a float dtype must equal it (a float pool in another dtype would be
-    converted on every store and read for nothing); int8 / fp8 quantize. ValueError
-    with a one-line reason otherwise."""
+    compute dtype; a float dtype equals it, or is bfloat16 under float32 compute (half the
+    bytes, rows rounded to bf16 as they are stored and widened as they are read; another
+    float pair would convert on every store and read for nothing); int8 / fp8 quantize.
+    ValueError with a one-line reason otherwise."""
     key = str(name or "auto").strip().lower()
     key = FLOAT_ALIASES.get(key, key)
     if key == "auto":
@@ -57,9 +58,10 @@ def resolve_kv_dtype(name: str | None, compute: torch.dtype) -> torch.dtype:
         return QUANT_DTYPES[key]
     if key in ("float32", "bfloat16", "float16"):
         dtype = getattr(torch, key)
-        if dtype != compute:
+        if dtype != compute and not (dtype == torch.bfloat16 and compute == torch.float32):
             raise ValueError(f"kv_cache_dtype {name}: a float pool is stored in the compute dtype "
-                             f"({str(compute).removeprefix('torch.')}); use auto, int8 or fp8")
+                             f"({str(compute).removeprefix('torch.')}), or in bfloat16 under float32; "
+                             "use auto, int8 or fp8")
         return dtype
     raise ValueError(f"kv_cache_dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPE_CHOICES)}")
 

@@ -27,8 +27,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         blocks = layout.decode_blocks
         index = decode_gather_index(layout.block_tables[:nd, :blocks], kv_heads, num_blocks)
         ks, vs = kv_scales if kv_scales else (None, None)
-        k = gather_decodes(k_cache, index, nd, None, ks)
-        v = gather_decodes(v_cache, index, nd, None, vs)
+        wide = q.dtype if k_cache.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        k = gather_decodes(k_cache, index, nd, None, ks, wide)
+        v = gather_decodes(v_cache, index, nd, None, vs, wide)
         qd = decode_queries(q, nd, kv_heads).to(k.dtype)
         scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [kv, nd, group, span]
         lens = torch.tensor(layout.seq_lens[:nd], device=q.device)

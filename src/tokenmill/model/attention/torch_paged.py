@@ -89,11 +89,14 @@ def decode_mask(seq_lens: torch.Tensor, span: int, dtype: torch.dtype) -> torch.
 def gather_decodes(cache: torch.Tensor, index: torch.Tensor, nd: int, buf: torch.Tensor | None,
                    scales: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[kv_heads, nd, span, head_dim]: every decode's blocks (padded to the longest), per KV head
-    (a quantized pool's, with its ``scales``: dequantized to ``dtype``, no workspace)."""
+    (a quantized pool's, with its ``scales``: dequantized to ``dtype``, no workspace; a bf16
+    pool under float32 ``dtype``: widened to it, no workspace)."""
     kv_heads, num_blocks, block_size, head_dim = cache.shape
     rows = cache.view(kv_heads * num_blocks, block_size, head_dim)
     if scales is not None:
         out = kv_quant.gather_rows(cache, scales, index, dtype)
+    elif cache.dtype != dtype:
+        out = rows.index_select(0, index).to(dtype)
     elif buf is None:
         out = rows.index_select(0, index)
     else:

@@ -182,23 +182,32 @@ int tm_rope_rows(void *x, int64_t ldx, int64_t rows, int64_t heads, int64_t D, c
 
 /* The new keys and values of `rows` tokens into one layer's pools ([kv_heads, num_slots, D]
  * each; slot s of head h at (h * num_slots + s) * D): row r's kv head h comes from
- * k + r * ldk + h * D (and likewise v), in the pools' dtype (esize bytes an element: 4 or 2).
- * 1 when a slot is out of range (checked before anything is written). */
+ * k + r * ldk + h * D (and likewise v). src_esize: bytes an element of k and v (4 or 2);
+ * esize: of the pools (4 or 2). Rows are copied, or rounded from float32 to a bf16 pool
+ * (to nearest even, as torch converts). 1 when a slot is out of range (checked before
+ * anything is written) or the pair of sizes is not one of those. */
 int tm_store_kv_rows(const void *k, int64_t ldk, const void *v, int64_t ldv, int64_t rows, int64_t kv_heads,
-                     int64_t D, const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots, int64_t esize,
-                     int num_threads) {
-    if (rows < 0 || kv_heads < 1 || D < 1 || ldk < kv_heads * D || ldv < kv_heads * D || (esize != 2 && esize != 4))
+                     int64_t D, const int64_t *slots, void *k_cache, void *v_cache, int64_t num_slots,
+                     int64_t src_esize, int64_t esize, int num_threads) {
+    if (rows < 0 || kv_heads < 1 || D < 1 || ldk < kv_heads * D || ldv < kv_heads * D || (esize != 2 && esize != 4) ||
+        !(src_esize == esize || (src_esize == 4 && esize == 2)))
         return 1;
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return 1;
     const size_t row_bytes = (size_t)D * esize;
+    const int narrow = src_esize != esize;
 #pragma omp parallel for num_threads(ew_threads(num_threads, rows, 2 * kv_heads * D)) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t h = 0; h < kv_heads; h++) {
             const size_t dst = ((size_t)h * num_slots + slots[r]) * row_bytes;
-            const size_t src = ((size_t)r * ldk + h * D) * esize, src_v = ((size_t)r * ldv + h * D) * esize;
-            memcpy((char *)k_cache + dst, (const char *)k + src, row_bytes);
-            memcpy((char *)v_cache + dst, (const char *)v + src_v, row_bytes);
+            const size_t src = ((size_t)r * ldk + h * D) * src_esize, src_v = ((size_t)r * ldv + h * D) * src_esize;
+            if (narrow) {
+                store_row(k_cache, 1, dst / 2, (const float *)((const char *)k + src), D);
+                store_row(v_cache, 1, dst / 2, (const float *)((const char *)v + src_v), D);
+            } else {
+                memcpy((char *)k_cache + dst, (const char *)k + src, row_bytes);
+                memcpy((char *)v_cache + dst, (const char *)v + src_v, row_bytes);
+            }
         }
     return 0;
 }

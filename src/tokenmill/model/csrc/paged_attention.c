@@ -534,21 +534,24 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
 TM_ENTRY(tm_paged_decode_f32, float, 0)
 TM_ENTRY(tm_paged_decode_bf16, uint16_t, 1)
 
-/* A quantized pool (kv_fmt KV_I8 or KV_FP8: one byte a code) with its per-block
- * scales [kv_heads, num_blocks]; q and out float32, or bf16 when io_bf16. */
-int tm_paged_decode_quant(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                          const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
-                          const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
-                          int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
-                          int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads) {
-    if ((kv_fmt != KV_I8 && kv_fmt != KV_FP8) || !k_scale || !v_scale) return 1;
+/* A pool in another format than q, its rows widened to float32 as they are read: a
+ * quantized pool (kv_fmt KV_I8 or KV_FP8: one byte a code) with its per-block scales
+ * [kv_heads, num_blocks], q and out float32, or bf16 when io_bf16; or a bf16 pool
+ * (KV_BF16, no scales) under float32 q and out. */
+int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                            const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
+                            const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
+                            int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
+                            int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads) {
+    const int quant = kv_fmt == KV_I8 || kv_fmt == KV_FP8;
+    if (!(quant && k_scale && v_scale) && !(kv_fmt == KV_BF16 && !io_bf16)) return 1;
     Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,
               heads, kv_heads, head_dim, num_blocks, block_size, scale, k_scale, v_scale};
     return run(&a, num_seqs, bt_width, num_threads, kv_fmt, io_bf16 ? 1 : 0);
 }
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 4; }
+int tm_kernels_abi_version(void) { return 5; }
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }

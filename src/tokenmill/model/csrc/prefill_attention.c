@@ -311,14 +311,15 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
 TM_PREFILL_ENTRY(tm_paged_prefill_f32, float, 0)
 TM_PREFILL_ENTRY(tm_paged_prefill_bf16, uint16_t, 1)
 
-/* A quantized pool (kv_fmt KV_I8 or KV_FP8) with its per-block scales
- * [kv_heads, num_blocks]; q and out float32, or bf16 when io_bf16. */
-int tm_paged_prefill_quant(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                           const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16, const int32_t *table,
-                           int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, void *out,
-                           int64_t out_stride, int num_threads) {
-    if (kv_fmt != KV_I8 && kv_fmt != KV_FP8) return 1;
+/* A pool in another format than q (as tm_paged_decode_convert): a quantized pool
+ * (kv_fmt KV_I8 or KV_FP8) with its per-block scales [kv_heads, num_blocks], q and out
+ * float32, or bf16 when io_bf16; or a bf16 pool under float32 q and out. */
+int tm_paged_prefill_convert(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                             const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
+                             const int32_t *table, int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
+                             void *out, int64_t out_stride, int num_threads) {
+    if (kv_fmt != KV_I8 && kv_fmt != KV_FP8 && !(kv_fmt == KV_BF16 && !io_bf16)) return 1;
     PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,
                      num_blocks, block_size, seq_len, q_len, scale, k_scale, v_scale};
     return prefill_run(&a, table_len, num_threads, kv_fmt, io_bf16 ? 1 : 0);
