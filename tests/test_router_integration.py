@@ -29,8 +29,10 @@ CACHE_BLOCKS = 40  # room for three prefixes plus the running requests' own bloc
 def _cache_args() -> list[str]:
     """--kv-cache-memory-bytes for a pool of exactly CACHE_BLOCKS blocks of 16 tokens.
 
-    SmolLM2-135M in float32: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes per token."""
-    return ["--kv-cache-memory-bytes", str(CACHE_BLOCKS * 16 * 46080), "--block-size", "16", "--dtype", "float32"]
+    SmolLM2-135M with a float32 pool: 30 layers x 3 KV heads x 64 dims x (K, V) x 4 bytes = 46,080 bytes
+    per token."""
+    return ["--kv-cache-memory-bytes", str(CACHE_BLOCKS * 16 * 46080), "--block-size", "16", "--dtype", "float32",
+            "--kv-cache-dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
