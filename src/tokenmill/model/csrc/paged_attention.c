@@ -88,10 +88,29 @@ TM_INLINE vf vload_bf16(const uint16_t *p) {
     return f;
 }
 
-/* Vector c / VW of a row: float32, or bf16 widened in registers (bf16: a compile-time
- * constant where it is called). */
-TM_INLINE vf vload_row(const void *row, int64_t c, int bf16) {
-    return bf16 ? vload_bf16((const uint16_t *)row + c) : vload((const float *)row + c);
+typedef uint8_t vb __attribute__((vector_size(VW)));
+
+/* VW int8 codes as float32 lanes. gcc 12 scalarizes a signed byte -> int conversion of a
+ * whole vector; flipping the sign bit makes it an unsigned one (one vpmovzxbd), undone by
+ * the - 128. */
+TM_INLINE vf vload_i8(const int8_t *p) {
+    vb q;
+    memcpy(&q, p, sizeof q);
+    return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, vi) - 128, vf);
+}
+
+/* How attention reads a chunk's rows (a compile-time constant where it is used): float32
+ * rows in place; bf16 rows in place, widened in registers; int8 codes in place, widened in
+ * registers, their block's scale applied to the row's score and to its softmax weight
+ * (q . (s k) = s (q . k), sum p (s v) = sum (p s) v); rows of other formats widened into a
+ * buffer first (fp8). */
+enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_I8 = 2, ROWS_CONV = 3 };
+
+/* Vector c / VW of a row read in place. */
+TM_INLINE vf vload_row(const void *row, int64_t c, int kind) {
+    if (kind == ROWS_BF16) return vload_bf16((const uint16_t *)row + c);
+    if (kind == ROWS_I8) return vload_i8((const int8_t *)row + c);
+    return vload((const float *)row + c);
 }
 
 TM_INLINE float bf16_to_f32(uint16_t x) {
@@ -241,27 +260,30 @@ typedef struct {
 } Scratch;
 
 /* Addresses of the chunk's rows (positions pos0 .. pos0 + n - 1) in one kv
- * head's part of the pool: float32 rows, and with bf16_rows the bf16 rows in place
- * (widened in registers as they are loaded); rows of the quantized formats are
- * converted into conv as float32 (scales: this head's per-block scales). Rows
- * past n point at a zero row (zero bytes: 0.0 in either format). Also prefetches
- * the next chunk's rows. */
+ * head's part of the pool, read as `kind` says (ROWS_*): in place, with each int8
+ * row's block scale in rscale; or converted into conv as float32 (scales: this head's
+ * per-block scales). Rows past n point at a zero row (zero bytes: 0 in any format,
+ * scale 0). Also prefetches the next chunk's rows. */
 TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *table, int64_t pos0, int64_t n,
-                          int64_t L, int64_t prefetched, int64_t BS, int64_t D, int fmt, int bf16_rows,
-                          float *conv, const float *zero, const void *rows[VW]) {
+                          int64_t L, int64_t prefetched, int64_t BS, int64_t D, int fmt, int kind,
+                          float *conv, const float *zero, const void *rows[VW], float rscale[VW]) {
     const size_t esize = kv_esize(fmt);
     int64_t b = pos0 / BS, o = pos0 % BS;
     for (int64_t t = 0; t < n; t++) {
         const char *row = base + ((size_t)table[b] * BS + o) * D * esize;
-        if (fmt == KV_F32 || bf16_rows) {
+        if (kind != ROWS_CONV) {
             rows[t] = row;
+            if (kind == ROWS_I8) rscale[t] = scales[table[b]];
         } else {
             widen_row(row, fmt, fmt >= KV_I8 ? scales[table[b]] : 1.0f, D, conv + t * D);
             rows[t] = conv + t * D;
         }
         if (++o == BS) o = 0, b++;
     }
-    for (int64_t t = n; t < VW; t++) rows[t] = zero;
+    for (int64_t t = n; t < VW; t++) {
+        rows[t] = zero;
+        if (kind == ROWS_I8) rscale[t] = 0.0f;
+    }
     /* Prefetch the rows PF_DIST chunks ahead, into L2, past those the item asked for
      * when it started (rows 0 .. prefetched - 1). */
     const int64_t start = pos0 + PF_DIST * VW;
@@ -295,12 +317,12 @@ TM_INLINE void prefetch_rows(const char *base, const int32_t *table, int64_t n, 
 #define PV_VECS (VW == 16 ? 4 : 2) /* output vectors per head kept in registers over a chunk in pass 2 */
 
 /* scale * q_g . row_t for NG heads (queries q, NG x D) against a chunk's VW rows
- * (float32, or bf16 with bf16_rows), into s[g * ldS + t] for t < cnt. Positions go in
- * two halves of VW / 2, each reduced by the first levels of transpose_sum's tree, and
- * the halves by its last level: the same sums, in the same order, as transpose_sum
- * over the whole chunk. */
+ * (read as `kind` says; int8 rows times their scale rscale[t]), into s[g * ldS + t]
+ * for t < cnt. Positions go in two halves of VW / 2, each reduced by the first levels
+ * of transpose_sum's tree, and the halves by its last level: the same sums, in the
+ * same order, as transpose_sum over the whole chunk. */
 TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t D, const int NG, float scale,
-                            float *s, int64_t ldS, int64_t cnt, const int bf16_rows) {
+                            float *s, int64_t ldS, int64_t cnt, const int kind, const float rscale[VW]) {
     enum { P = VW / 2 };
     vf half[2][HEADS_PER_PASS];
     for (int h = 0; h < 2; h++) {
@@ -311,7 +333,7 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
             vf qc[HEADS_PER_PASS];
             for (int g = 0; g < NG; g++) qc[g] = vload(q + g * D + c);
             for (int t = 0; t < P; t++) {
-                const vf r = vload_row(rows[h * P + t], c, bf16_rows);
+                const vf r = vload_row(rows[h * P + t], c, kind);
                 for (int g = 0; g < NG; g++) part[g][t] += qc[g] * r;
             }
         }
@@ -325,9 +347,10 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
         }
     }
     for (int g = 0; g < NG; g++) {
-        const vf sv = (__builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
-                       __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1])) *
-                      scale;
+        vf sv = __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
+                __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1]);
+        if (kind == ROWS_I8) sv *= vload(rscale);
+        sv *= scale;
         if (cnt == VW) {
             vstore(s + g * ldS, sv);
         } else {
@@ -339,10 +362,10 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
 }
 
 /* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
- * over a chunk's cnt rows (float32, or bf16 with bf16_rows), PV_VECS vectors of each
- * head's output at a time. */
+ * over a chunk's cnt rows (read as `kind` says; an int8 row's scale rscale[t] folded
+ * into its weight), PV_VECS vectors of each head's output at a time. */
 TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
-                            const int NG, float *acc, const int bf16_rows) {
+                            const int NG, float *acc, const int kind, const float rscale[VW]) {
     float pw[HEADS_PER_PASS][VW];
     for (int g = 0; g < NG; g++) {
         if (cnt == VW) { /* a constant size: a vector copy, not a string move */
@@ -351,6 +374,7 @@ TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void
             memset(pw[g], 0, sizeof pw[g]);
             memcpy(pw[g], p + g * ldP, cnt * sizeof(float));
         }
+        if (kind == ROWS_I8) vstore(pw[g], vload(pw[g]) * vload(rscale));
     }
     for (int64_t c0 = 0; c0 < D; c0 += PV_VECS * VW) {
         const int64_t nv = (D - c0) / VW < PV_VECS ? (D - c0) / VW : PV_VECS;
@@ -359,7 +383,7 @@ TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void
             for (int64_t j = 0; j < nv; j++) o[g][j] = vload(acc + g * D + c0 + j * VW);
         for (int t = 0; t < VW; t++) {
             vf r[PV_VECS];
-            for (int64_t j = 0; j < nv; j++) r[j] = vload_row(rows[t], c0 + j * VW, bf16_rows);
+            for (int64_t j = 0; j < nv; j++) r[j] = vload_row(rows[t], c0 + j * VW, kind);
             for (int g = 0; g < NG; g++) {
                 const float pt = pw[g][t];
                 for (int64_t j = 0; j < nv; j++) o[g][j] += pt * r[j];
@@ -372,9 +396,9 @@ TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void
 
 /* One (sequence, kv head) item; D % VW == 0. ``fmt``: the pool's format (KV_*);
  * ``io_bf16``: q and out are bf16 (the fused decode step passes float32 q/out
- * over a pool of any format); ``bf16_rows``: fmt is KV_BF16 and its rows are read
- * in place (a compile-time constant: attend_dispatch). */
-TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, const int bf16_rows,
+ * over a pool of any format); ``kind``: how rows are read (ROWS_*, a compile-time
+ * constant: attend_dispatch). */
+TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, const int kind,
                            const int64_t D, Scratch *sc) {
     const int64_t BS = a->block_size;
     const int64_t G = a->heads / a->kv_heads;
@@ -388,6 +412,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     const float *vscales = fmt >= KV_I8 ? a->v_scale + kvh * a->num_blocks : NULL;
     float *restrict s = sc->s;
     const void *rows[VW];
+    float rscale[VW];
 
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->q_stride + (kvh * G + g) * D;
@@ -408,13 +433,14 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     /* Pass 1: scores, VW positions at a time, up to HEADS_PER_PASS query heads per row load. */
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(kbase, kscales, table, pos0, cnt, L, ahead, BS, D, fmt, bf16_rows, sc->rows, sc->zero, rows);
+        chunk_rows(kbase, kscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             float *sg = s + g0 * L + pos0;
+            const float *qg = sc->q + g0 * D;
             switch (G - g0) {
-            case 1: chunk_scores(sc->q + g0 * D, rows, D, 1, a->scale, sg, L, cnt, bf16_rows); break;
-            case 2: chunk_scores(sc->q + g0 * D, rows, D, 2, a->scale, sg, L, cnt, bf16_rows); break;
-            default: chunk_scores(sc->q + g0 * D, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt, bf16_rows); break;
+            case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale); break;
+            case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale); break;
+            default: chunk_scores(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt, kind, rscale); break;
             }
         }
     }
@@ -439,14 +465,14 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     memset(sc->acc, 0, G * D * sizeof(float));
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
-        chunk_rows(vbase, vscales, table, pos0, cnt, L, ahead, BS, D, fmt, bf16_rows, sc->rows, sc->zero, rows);
+        chunk_rows(vbase, vscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             const float *pg = s + g0 * L + pos0;
             float *ag = sc->acc + g0 * D;
             switch (G - g0) {
-            case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, bf16_rows); break;
-            case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, bf16_rows); break;
-            default: chunk_values(pg, L, cnt, rows, D, HEADS_PER_PASS, ag, bf16_rows); break;
+            case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale); break;
+            case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale); break;
+            default: chunk_values(pg, L, cnt, rows, D, HEADS_PER_PASS, ag, kind, rscale); break;
             }
         }
     }
@@ -468,31 +494,32 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 }
 
 /* Head sizes with a compiled-in trip count (accumulators stay in registers). */
-TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, int bf16_rows,
-                          Scratch *sc) {
+TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, int kind, Scratch *sc) {
     switch (a->head_dim) {
-    case 64: attend_item(a, n, kvh, fmt, io_bf16, bf16_rows, 64, sc); break;
-    case 128: attend_item(a, n, kvh, fmt, io_bf16, bf16_rows, 128, sc); break;
-    default: attend_item(a, n, kvh, fmt, io_bf16, bf16_rows, a->head_dim, sc); break;
+    case 64: attend_item(a, n, kvh, fmt, io_bf16, kind, 64, sc); break;
+    case 128: attend_item(a, n, kvh, fmt, io_bf16, kind, 128, sc); break;
+    default: attend_item(a, n, kvh, fmt, io_bf16, kind, a->head_dim, sc); break;
     }
 }
 
 /* attend_any with the q/out dtype and how rows are read as compile-time constants:
- * float32 and bf16 pools in place (bf16 widened in registers), the quantized formats
- * in one shared copy that widens each row into a buffer by a runtime switch (a
- * predictable branch per row; a copy per format made the library several times
- * slower to compile). */
+ * float32, bf16 and (under float32 q, as the fused step and float32 models read it) int8
+ * pools in place, widened in registers; the other quantized cases in one shared copy that
+ * widens each row into a buffer by a runtime switch (a predictable branch per row; a copy
+ * per format made the library several times slower to compile). */
 TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
     if (fmt == KV_F32)
-        attend_any(a, n, kvh, KV_F32, 0, 0, sc); /* a float32 pool with bf16 q is refused by the entry points */
+        attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc); /* a float32 pool with bf16 q is refused by the entry points */
     else if (fmt == KV_BF16 && io_bf16)
-        attend_any(a, n, kvh, KV_BF16, 1, 1, sc);
+        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc);
     else if (fmt == KV_BF16)
-        attend_any(a, n, kvh, KV_BF16, 0, 1, sc);
+        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16, sc);
+    else if (fmt == KV_I8 && !io_bf16)
+        attend_any(a, n, kvh, KV_I8, 0, ROWS_I8, sc);
     else if (io_bf16)
-        attend_any(a, n, kvh, fmt, 1, 0, sc);
+        attend_any(a, n, kvh, fmt, 1, ROWS_CONV, sc);
     else
-        attend_any(a, n, kvh, fmt, 0, 0, sc);
+        attend_any(a, n, kvh, fmt, 0, ROWS_CONV, sc);
 }
 
 /* Checks every table entry a sequence uses and returns the longest length,
