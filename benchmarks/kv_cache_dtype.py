@@ -1,6 +1,7 @@
 """Decode step time at many streams, per KV pool dtype, in one process.
 
-Each engine (``--kv`` dtypes, the same ``--dtype`` compute and bundled model)
+Each engine (``--kv`` dtypes, the same ``--dtype`` compute, ``--quantization`` and
+bundled model)
 is given ``--streams`` requests of ``--input-len``-token prompts that share no
 prefix, and steps until every request has its first token (prefill done).
 Then the engines take turns, ``--rounds`` times: each runs ``--steps`` pure
@@ -13,6 +14,8 @@ the context length the steps ran at and the pool's blocks for the same
 
     .venv/bin/python benchmarks/kv_cache_dtype.py [--kv auto,int8,fp8] [--dtype bfloat16] [--streams 64]
         [--input-len 256] [--steps 16] [--rounds 5]
+    .venv/bin/python benchmarks/kv_cache_dtype.py --dtype auto --quantization auto --kv float32,bfloat16,int8
+        # the default configuration with each pool
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from tokenmill.engine.request import SamplingParams
 
 def start(kv: str, args: argparse.Namespace) -> LLMEngine:
     engine = LLMEngine(EngineConfig.from_options(
-        dtype=args.dtype, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False,
+        dtype=args.dtype, quantization=args.quantization, kv_cache_dtype=kv, kv_cache_memory=args.kv_cache_memory,
+        enable_prefix_caching=False,
         max_num_seqs=args.streams, max_num_batched_tokens=512))
     rng = random.Random(7)
     vocab = engine.tokenizer.vocab_size
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--kv", default="auto,int8")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="as `tokenmill serve --quantization` (auto: the default)")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=16)
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(engines.values()))
     end = statistics.mean(r.num_tokens for r in first.scheduler.running)
     span = args.rounds * args.steps
-    print(f"# kv_cache_dtype: dtype {args.dtype}, {args.streams} streams, prompts {args.input_len} tokens "
+    print(f"# kv_cache_dtype: dtype {args.dtype}, quantization {args.quantization}, {args.streams} streams, prompts {args.input_len} tokens "
           f"(mean context {end - span:.0f}-{end:.0f} tokens while measured), {args.rounds} rounds x {args.steps} "
           f"steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
     print("| KV pool | blocks in the budget | best step ms | median step ms | best tok/s | median tok/s |")
