@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(engines.values()))
     end = statistics.mean(r.num_tokens for r in first.scheduler.running)
     span = args.rounds * args.steps
-    print(f"# kv_cache_dtype: dtype {args.dtype}, quantization {args.quantization}, {args.streams} streams, prompts {args.input_len} tokens "
-          f"(mean context {end - span:.0f}-{end:.0f} tokens while measured), {args.rounds} rounds x {args.steps} "
+    print(f"# kv_cache_dtype: dtype {args.dtype}, quantization {args.quantization}, {args.streams} streams, "
+          f"prompts {args.input_len} tokens (mean context {end - span:.0f}-{end:.0f} tokens while measured), {args.rounds} rounds x {args.steps} "
           f"steps, load {os.getloadavg()[0]:.2f}, cpus {os.cpu_count()}")
     print("| KV pool | blocks in the budget | best step ms | median step ms | best tok/s | median tok/s |")
     print("|---|---|---|---|---|---|")

@@ -284,8 +284,9 @@ def _usable_library(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """The library to run an attention kernel on these tensors with, or None when it
     cannot take them. Both kernels want: q and out [tokens, heads, head_dim] in the
     pool's dtype (float32 or bf16; over a quantized pool, float32 or bf16; over a bf16
-    pool, float32 too), each head's row contiguous (token rows may be strided); contiguous K and V pools [kv_heads,
-    num_blocks, block_size, head_dim] (with their scales when quantized); everything,
+    pool, float32 too), each head's row contiguous (token rows may be strided);
+    contiguous K and V pools [kv_heads, num_blocks, block_size, head_dim] (with their
+    scales when quantized); everything,
     the int32 tables included, on the CPU; a head size that is a multiple of the vector
     width. ``library``: a specific build (tests); by default the cached one for the
     process's options."""

@@ -720,9 +720,10 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
     # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
-    # weight-only (16-bit integer activations with the C kernels): the last layers' output goes (almost) straight to the logits, and the
-    # down projections' input has the widest outliers, so rounding there moves the logits
-    # most (measured on the bundled model: docs/quantization.md, "w8a8").
+    # weight-only (16-bit integer activations with the C kernels): the last layers' output
+    # goes (almost) straight to the logits, and the down projections' input has the widest
+    # outliers, so rounding there moves the logits most (measured on the bundled model:
+    # docs/quantization.md, "w8a8").
     num_layers = len(model.layers)  # type: ignore[arg-type]
     weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
