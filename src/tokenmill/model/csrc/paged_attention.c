@@ -12,9 +12,11 @@
  * contiguous, float32 or bfloat16 (bf16 passed as raw uint16 bits), or
  * quantized: int8 or fp8 (e4m3) codes with one float32 scale per block and kv
  * head ([kv_heads, num_blocks]); a row's value is code * its block's scale.
- * Quantized rows are widened to float32 (scale applied) as bf16 rows are, so
- * the arithmetic after the load is the same for every format; fp8 codes go
- * through a 256-entry table (these CPUs have no fp8 instructions).
+ * Rows are read in place and widened to float32 in registers as they are loaded
+ * (bf16; int8 under float32 q, its block's scale applied to the row's score and
+ * folded into its softmax weight), or widened into a buffer first (fp8, by bit
+ * moves: these CPUs have no fp8 instructions; int8 under bf16 q, scale applied),
+ * so the arithmetic after the load is float32 for every format (ROWS_*).
  *
  * One work item is a (sequence, kv head) pair and it handles the head's whole
  * query group, so every K and V row comes from memory once and is used
