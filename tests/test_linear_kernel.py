@@ -238,18 +238,20 @@ def test_int8_with_a_scale_per_32_inputs_matches_its_float_product(lib, rows: in
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 13, 30])
 @pytest.mark.parametrize("n", [16, 48, 70])
-def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: int) -> None:
+@pytest.mark.parametrize("dynamic", [False, True], ids=["a16", "a8g32"])
+def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: int, dynamic: bool) -> None:
     """Where the build has VNNI, prepare_kernels moves an int8g layer into the VNNI
     packing: lookups read the same codes back, and the product is the exact one of
-    16-bit (per row) activations with the grouped weights, within float32 rounding.
-    A shape that does not pack (70 rows) keeps the row-major codes and the float tile."""
+    16-bit (per row) activations, or with ``dynamic`` 8-bit ones with a scale per row
+    and 32 inputs, with the grouped weights, within float32 rounding. A shape that does
+    not pack (70 rows) keeps the row-major codes and the float tile."""
     from tokenmill.model.ops import ModelOps
     from tokenmill.model.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, 128, generator=g) * 0.05
     w[:, 5] *= 30  # a column of large weights sets its groups' scales
-    layer = Int8GroupLinear.from_float(w)
+    layer = Int8GroupLinear.from_float(w, dynamic=dynamic)
     codes, scales, table = layer.qweight.clone(), layer.scales.clone(), layer.dequantized_weight()
     layer.ops = ModelOps(library=lib)
     layer.prepare_kernels()
@@ -261,7 +263,12 @@ def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: 
     x = torch.randn(rows, 128, generator=g) * 3
     x[:, 7] *= 20
     got = cpu_kernels.linear(layer.kernel_description(), x, library=lib)
-    if packs:
+    if packs and dynamic:  # a scale per row and 32 inputs (llama.cpp's Q8_0 activations)
+        d = x.view(rows, 4, 32).abs().amax(dim=2, keepdim=True) / 127.0
+        xq = torch.round(x.view(rows, 4, 32) / d).double()
+        want = torch.einsum("bgi,ngi,ng,bg->bn", xq, codes.double().view(n, 4, 32), scales.double(),
+                            d[..., 0].double())
+    elif packs:
         d = x.double().abs().amax(dim=1, keepdim=True).float() / 32767.0
         xq = torch.round(x / d).double()
         want = torch.einsum("bgi,ngi,ng->bn", xq.view(rows, 4, 32), codes.double().view(n, 4, 32),

@@ -44,12 +44,22 @@ log = logging.getLogger("tokenmill.quant")
 
 MODES = ("none", "int8", "int4", "gguf", "w8a8")
 W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float activations
-# w8a8: these projections keep float activations in every layer. The down projection's
-# input, SiLU(gate) * up, has the widest outliers, and rounding it to 8 bits per token
-# cost most of w8a8's next-token agreement on the bundled model (docs/quantization.md).
+# w8a8: these projections never take 8-bit activations with one scale per token. The down
+# projection's input, SiLU(gate) * up, has the widest outliers, and rounding it so cost most
+# of w8a8's next-token agreement on the bundled model (docs/quantization.md). Where the
+# kernels have VNNI (one process) they are Int8GroupLinear with 8-bit activations per 32
+# inputs, which kept the agreement and halves their integer work; elsewhere weight-only.
 W8A8_WEIGHT_ONLY_PROJECTIONS = ("mlp.down_proj",)
 INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
+
+
+def _vnni(options: Any) -> bool:
+    """Whether the engine's C kernels (built for ``options``) multiply int8 by int8 with VNNI."""
+    from . import cpu_kernels
+
+    library = cpu_kernels.load(options)
+    return library is not None and library.int8_dot
 
 
 @dataclass
@@ -411,21 +421,26 @@ class Int8GroupLinear(_VnniCodes, _QuantLinear):
 
     Where the engine's C kernels have VNNI, ``prepare_kernels`` moves the codes into the
     VNNI packing, as :class:`Int8Linear` does, and the kernels multiply them by 16-bit
-    activations (two byte planes), scaling each group's int32 sum in float32; elsewhere
-    they widen the codes to float32.
+    activations (two byte planes, a scale per row), or with ``dynamic`` by 8-bit ones with
+    a scale per 32 inputs (as llama.cpp quantizes activations for Q8_0; w8a8's down
+    projections), scaling each group's int32 sum in float32; elsewhere they widen the codes
+    to float32.
     """
 
     GROUP = 32
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 dynamic: bool = False) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
         self.register_buffer("qweight", q.contiguous())  # None once the VNNI packing holds the codes
         self.register_buffer("vnni_packed", None, persistent=False)
         self.register_buffer("scales", scale.float().contiguous())  # [N, K / 32]
+        self.dynamic = dynamic  # VNNI: 8-bit activations with a scale per 32 inputs (else 16 bits per row)
         self._desc: Any = None  # (TmLinear, buffers it points into), made on first use or by prepare_kernels
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8GroupLinear":
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   dynamic: bool = False) -> "Int8GroupLinear":
         w = w.detach().float()
         n, k = w.shape
         if k % cls.GROUP:
@@ -433,7 +448,7 @@ class Int8GroupLinear(_VnniCodes, _QuantLinear):
         blocks = w.view(n, k // cls.GROUP, cls.GROUP)
         scale = (blocks.abs().amax(dim=2) / 127.0).clamp_min(1e-30)
         q = torch.round(blocks / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(n, k)
-        return cls(q, scale, bias)
+        return cls(q, scale, bias, dynamic)
 
     def _expand(self, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return (q.float().view(q.shape[0], -1, self.GROUP) * scales[..., None]).view(q.shape[0], -1)
@@ -485,7 +500,7 @@ class Int8GroupLinear(_VnniCodes, _QuantLinear):
         d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT8G, n, k, 1, 0
         d.w, d.scale, d.row_sums, d.packed = None, scales.data_ptr(), offsets.data_ptr(), packed.data_ptr()
         d.bias = None  # forward adds it (the fused step sets its own)
-        d.a8_rows, d.a16_rows = 0, 1
+        d.a8_rows, d.a16_rows = (1 if self.dynamic else 0), 1
         self.vnni_packed = packed
         self.qweight = None
         self._desc = (d, (scales, offsets))
@@ -728,12 +743,17 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
     embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
+    grouped_activations = mode == "w8a8" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1 and _vnni(
+        getattr(config, "kernel_options", None))
     for name, mod, sources in targets:
         dev = mod.weight.device
         bias = mod.bias
         new: nn.Module
         if name == "lm_head" and group_head:
             new, fmt = Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"
+        elif (grouped_activations and dev.type == "cpu" and name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS)
+              and not name.startswith(weight_only) and mod.in_features % Int8GroupLinear.GROUP == 0):
+            new, fmt = Int8GroupLinear.from_float(mod.weight, bias, dynamic=True), "w8a8 g32"
         elif mode in ("int8", "w8a8"):
             dynamic = (mode == "w8a8" and not name.startswith(weight_only) and name != "lm_head"
                        and not name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS))

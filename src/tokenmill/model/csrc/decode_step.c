@@ -553,8 +553,8 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
  * llama.cpp's Q8_0 product takes them, were ~4x but cost the bundled model's head
  * 0.4 points of next-token agreement.) out[b] lane i: row i of the tile . x_b in
  * the row's quantized units (the caller applies the row scale). */
-TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint8_t *xl, const int NB, int64_t tile,
-                                vf out[VNNI_G_ROWS]) {
+TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint8_t *xl, const float *xdg,
+                                const int two, const int NB, int64_t tile, vf out[VNNI_G_ROWS]) {
     const int64_t K = L->k, G = K / 32;
     const int8_t *w = L->packed + tile * K * VW;
     const int32_t *offsets = L->row_sums + tile * G * VW;
@@ -571,16 +571,21 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
                 int32_t four;
                 memcpy(&four, xh + b * K + c, sizeof four);
                 h[b] = dot_acc(h[b], dot_set1(four), wv);
-                memcpy(&four, xl + b * K + c, sizeof four);
-                l[b] = dot_acc(l[b], dot_set1(four), wv);
+                if (two) {
+                    memcpy(&four, xl + b * K + c, sizeof four);
+                    l[b] = dot_acc(l[b], dot_set1(four), wv);
+                }
             }
         }
         const vf dsv = vload(ds + g * VW);
         for (int b = 0; b < NB; b++) {
-            vi hi, lo;
-            memcpy(&hi, &h[b], sizeof hi);
-            memcpy(&lo, &l[b], sizeof lo);
-            f[b] += __builtin_convertvector((hi << 8) + lo, vf) * dsv;
+            vi v, lo;
+            memcpy(&v, &h[b], sizeof v);
+            if (two) {
+                memcpy(&lo, &l[b], sizeof lo);
+                v = (v << 8) + lo;
+            }
+            f[b] += __builtin_convertvector(v, vf) * (two ? dsv : dsv * xdg[b * G + g]);
         }
     }
     for (int b = 0; b < NB; b++) out[b] = f[b];
@@ -589,8 +594,8 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
 /* int8_vnni_rows for an int8g layer (TmLinear.packed set: scale and row_sums in the
  * grouped packing), from 16-bit activation planes. One tile at a time, up to
  * VNNI_G_ROWS activation rows a pass. */
-static void int8g_vnni_rows(const TmLinear *L, const uint8_t *xq, const float *xd, int64_t B, int64_t n0, int64_t n1,
-                            float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
+                            int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4;
     vf acc[VNNI_G_ROWS];
     for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
@@ -598,16 +603,26 @@ static void int8g_vnni_rows(const TmLinear *L, const uint8_t *xq, const float *x
             const int64_t left = B - b0;
             const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : left <= 2 ? (int)left : left <= 4 ? 4 : 8;
             const uint8_t *xh = xq + b0 * K, *xl = xq + (Bp + b0) * K;
-            switch (NB) {
-                case 1: int8g_vnni_block(L, xh, xl, 1, tile, acc); break;
-                case 2: int8g_vnni_block(L, xh, xl, 2, tile, acc); break;
-                case 4: int8g_vnni_block(L, xh, xl, 4, tile, acc); break;
-                default: int8g_vnni_block(L, xh, xl, 8, tile, acc); break;
+            const float *xdg = xd + b0 * (K / 32);
+            if (bits == 16) {
+                switch (NB) {
+                    case 1: int8g_vnni_block(L, xh, xl, xdg, 1, 1, tile, acc); break;
+                    case 2: int8g_vnni_block(L, xh, xl, xdg, 1, 2, tile, acc); break;
+                    case 4: int8g_vnni_block(L, xh, xl, xdg, 1, 4, tile, acc); break;
+                    default: int8g_vnni_block(L, xh, xl, xdg, 1, 8, tile, acc); break;
+                }
+            } else {
+                switch (NB) {
+                    case 1: int8g_vnni_block(L, xh, xl, xdg, 0, 1, tile, acc); break;
+                    case 2: int8g_vnni_block(L, xh, xl, xdg, 0, 2, tile, acc); break;
+                    case 4: int8g_vnni_block(L, xh, xl, xdg, 0, 4, tile, acc); break;
+                    default: int8g_vnni_block(L, xh, xl, xdg, 0, 8, tile, acc); break;
+                }
             }
             const int64_t row = tile * VW;
             const vf bias = L->bias ? vload(L->bias + row) : (vf){0};
             for (int64_t b = 0; b < left && b < VNNI_G_ROWS; b++) {
-                const vf v = acc[b] * xd[b0 + b] + bias;
+                const vf v = (bits == 16 ? acc[b] * xd[b0 + b] : acc[b]) + bias;
                 float *yb = y + (b0 + b) * ldy - y_col0 + row;
                 vstore(yb, accumulate ? vload(yb) + v : v);
             }
@@ -648,6 +663,31 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int
         }
         xd[b] = d;
     }
+}
+
+/* Rows of x as 8-bit codes x / d + 128 with a scale d = amax / 127 per 32 columns (round
+ * to nearest), as llama.cpp quantizes activations for its Q8_0 product, for
+ * int8g_vnni_rows: xq [Bp, K] (rows past B up to a multiple of 4 hold the zero code),
+ * xd [B, K / 32]. A scale per group keeps one large input from flattening the rest of
+ * its row. */
+static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t K, uint8_t *xq, float *xd) {
+    const int64_t Bp = (B + 3) / 4 * 4;
+    memset(xq + B * K, 128, (size_t)(Bp - B) * K);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c0 = 0; c0 < K; c0 += 32) {
+            const float *xs = x + b * ldx + c0;
+            float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+            for (int i = 0; i < 32; i++) {
+                const float v = fabsf(xs[i]);
+                amax = v > amax ? v : amax;
+            }
+            const float d = amax > 1e-30f ? amax / 127.0f : 1.0f;
+            uint8_t *q = xq + b * K + c0;
+#pragma omp simd
+            for (int i = 0; i < 32; i++) q[i] = (uint8_t)((int)nearbyintf(xs[i] / d) + 128);
+            xd[b * (K / 32) + c0 / 32] = amax > 1e-30f ? d : 0.0f;
+        }
 }
 
 #endif
@@ -720,8 +760,13 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
     is->int_bits = 0;
 #ifdef TM_VNNI_DOT
     if ((L->kind == W_INT8 || L->kind == W_INT8G) && L->packed) {
-        const int a8 = L->kind == W_INT8 && L->a8_rows > 0 && B >= L->a8_rows; /* int8g: 16 bits only */
+        const int a8 = L->a8_rows > 0 && B >= L->a8_rows;
         const int bits = a8 ? 8 : L->a16_rows > 0 && B >= L->a16_rows ? 16 : 0;
+        if (bits == 8 && L->kind == W_INT8G) { /* 8 bits with a scale per 32 inputs */
+            quantize_group_rows(x, ldx, B, L->k, (uint8_t *)is->xq, is->xd);
+            is->int_bits = bits;
+            return x;
+        }
         if (bits) {
             quantize_rows(x, ldx, B, L->k, bits, (uint8_t *)is->xq, is->xd);
             is->int_bits = bits;
@@ -816,7 +861,7 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
 #ifdef TM_VNNI_DOT
     if (is->int_bits) {
         if (L->kind == W_INT8G)
-            int8g_vnni_rows(L, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
+            int8g_vnni_rows(L, is->int_bits, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         else
             int8_vnni_rows(L, is->int_bits, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
