@@ -7,10 +7,11 @@ what the model file holds:
   (``KernelLibrary.int8_dot``): ``w8a8``, int8 weights with a scale per output
   channel (a GGUF's blocks are dequantized, then requantized), 8-bit activations
   per token (int8 x int8 products) at every batch size, so that a request's
-  tokens do not depend on what shares its steps; the down projections and the
-  last decoder layers take 16-bit activations and the LM head is int8 with a
-  scale per 32 inputs (GGUF Q8_0's layout), which keeps it within the quality
-  gate in docs/quantization.md (a test holds the default to it). The KV pool is bf16, widened to float32 as
+  tokens do not depend on what shares its steps; the down projections are int8
+  with a scale per 32 inputs and take 8-bit activations with a scale per 32
+  inputs, the last decoder layers 16-bit activations, and the LM head is int8
+  with a scale per 32 inputs (GGUF Q8_0's layout), which keeps it within the
+  quality gate in docs/quantization.md (a test holds the default to it). The KV pool is bf16, widened to float32 as
   attention reads it (``resolve_kv_cache_dtype``); with int8 codes there the
   pair passed the gate's figures but answered the bundled model's plainest
   question wrongly (docs/quantization.md).
