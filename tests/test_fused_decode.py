@@ -307,6 +307,9 @@ def test_w8a8_fused_step_matches_the_eager_w8a8_model(batch: int, monkeypatch) -
     if lib.int8_dot:  # 8-bit activations at every batch size; the last layers keep 16-bit ones
         assert (first.qkv.a8_rows, first.qkv.a16_rows) == (1, 1)
         assert (last.qkv.a8_rows, last.qkv.a16_rows) == (0, 1)
+        # the down projections: int8 per 32 inputs, 8-bit activations per 32 inputs
+        assert (first.down.kind, first.down.a8_rows) == (fused_decode.W_INT8G, 1)
+        assert isinstance(engine.model.layers[0].mlp.down_proj, quant.Int8GroupLinear)
     reqs = _requests(engine, _prompts(batch, seed=20 + batch))
     _prefill_all_but_last(engine, reqs)
     got = _decode(engine, reqs, True, monkeypatch)
