@@ -667,12 +667,14 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int
 
 /* Rows of x as 8-bit codes x / d + 128 with a scale d = amax / 127 per 32 columns (round
  * to nearest), as llama.cpp quantizes activations for its Q8_0 product, for
- * int8g_vnni_rows: xq [Bp, K] (rows past B up to a multiple of 4 hold the zero code),
- * xd [B, K / 32]. A scale per group keeps one large input from flattening the rest of
+ * int8g_vnni_rows: xq [Bp, K] and xd [Bp, K / 32], rows past B up to a multiple of 4
+ * holding the zero code and scale 0 (the kernel runs 4 rows where 3 are asked for, and
+ * reads theirs). A scale per group keeps one large input from flattening the rest of
  * its row. */
 static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t K, uint8_t *xq, float *xd) {
     const int64_t Bp = (B + 3) / 4 * 4;
     memset(xq + B * K, 128, (size_t)(Bp - B) * K);
+    memset(xd + B * (K / 32), 0, (size_t)(Bp - B) * (K / 32) * sizeof(float));
     for (int64_t b = 0; b < B; b++)
         for (int64_t c0 = 0; c0 < K; c0 += 32) {
             const float *xs = x + b * ldx + c0;
@@ -988,8 +990,9 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         int sense = 0;
         const int64_t KM = max_k(m);
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
-        /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales */
-        const size_t q8_floats = ((size_t)2 * (B + 3) * KM + 3) / 4 + (size_t)B * KM / 32;
+        /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales
+         * (per 32 columns for up to B + 3 rows: int8g_vnni_rows reads its padding rows' too) */
+        const size_t q8_floats = ((size_t)2 * (B + 3) * KM + 3) / 4 + (size_t)(B + 3) * KM / 32;
         const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
@@ -1121,7 +1124,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     {
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
         const size_t q8 = ((size_t)2 * (B + 3) * kp + 3) / 4; /* the quantized input: two planes, padded */
-        const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)B * kp / 32;
+        const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)(B + 3) * kp / 32;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         if (buf) {
             float *q8_at = buf + B * kp + B * G + VW * kp;
