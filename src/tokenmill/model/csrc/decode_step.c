@@ -54,7 +54,8 @@ typedef struct {
     int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32 */
     int32_t repeat;        /* int4: 2 when each row holds [hi | lo] codes of one input fed twice (GGUF Q8_0) */
     int32_t a8_rows;       /* int8 with packed: from this many activation rows, activations quantized
-                              per row to 8 bits (w8a8 layers; 0: never); int8g: unused */
+                              per row to 8 bits (w8a8 layers; 0: never); int8g: to 8 bits
+                              with a scale per 32 inputs */
     int64_t n, k;          /* output rows, input features */
     const void *w;         /* f32 / bf16 / int8 / int8g: [n, k]; int4: [n, k * repeat / 2] bytes */
     const float *scale;    /* int8: [n]; int8g: [n, k / 32] (GGUF Q8_0's layout), with packed
@@ -544,15 +545,16 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
 #define VNNI_G_ROWS 8 /* activation rows per pass of the grouped kernel: 3 accumulators a row */
 
 /* One tile (VW output rows) of an int8g layer (a scale per 32 inputs) in the VNNI
- * packing against NB activation rows quantized per row to 16 bits by quantize_rows
- * (xh the high byte plane, xl the low one). Per group of 32 inputs the int32 sums
- * start at the group's -128 x code sum (the offset of the high plane) and become
- * float32 scaled by the group's weight scales before the next group: the per-group
- * scales keep a Q8_0 table exact, and the integer products make it about twice the
- * float32 tile's speed at many rows. (8-bit activations, a scale per 32 inputs as
- * llama.cpp's Q8_0 product takes them, were ~4x but cost the bundled model's head
- * 0.4 points of next-token agreement.) out[b] lane i: row i of the tile . x_b in
- * the row's quantized units (the caller applies the row scale). */
+ * packing against NB activation rows: with `two`, quantized per row to 16 bits by
+ * quantize_rows (xh the high byte plane, xl the low one); else to 8 bits (xh) with a
+ * scale per row and 32 inputs (xdg, [NB, k / 32]) by quantize_group_rows, as
+ * llama.cpp's Q8_0 product takes them (w8a8's down projections; for the bundled
+ * model's head they cost 0.4 points of next-token agreement, so the head keeps 16
+ * bits). Per group of 32 inputs the int32 sums start at the group's -128 x code sum
+ * (the offset of the high plane) and become float32 scaled by the group's weight
+ * scales (and 8-bit activation scales) before the next group: the per-group scales
+ * keep a Q8_0 table exact. out[b] lane i: row i of the tile . x_b, at 16 bits in the
+ * row's quantized units (the caller applies the row scale). */
 TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint8_t *xl, const float *xdg,
                                 const int two, const int NB, int64_t tile, vf out[VNNI_G_ROWS]) {
     const int64_t K = L->k, G = K / 32;
@@ -592,8 +594,8 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
 }
 
 /* int8_vnni_rows for an int8g layer (TmLinear.packed set: scale and row_sums in the
- * grouped packing), from 16-bit activation planes. One tile at a time, up to
- * VNNI_G_ROWS activation rows a pass. */
+ * grouped packing), from 16-bit activation planes or (bits 8) 8-bit activations with a
+ * scale per 32 inputs. One tile at a time, up to VNNI_G_ROWS activation rows a pass. */
 static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
                             int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4;
