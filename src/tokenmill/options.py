@@ -10,7 +10,7 @@ what every step does.
 | variable | field | default |
 |---|---|---|
 | ``TOKENMILL_CPU_KERNELS=0`` | ``cpu_kernels`` | on: the C kernels (attention, elementwise, quantized matmuls) |
-| ``TOKENMILL_KERNEL_ISA`` | ``kernel_isa`` | ``native``; follows ``ATEN_CPU_CAPABILITY=avx2/default`` |
+| ``TOKENMILL_KERNEL_ISA`` | ``kernel_isa`` | ``native``; ``avx512`` (native without AMX), ``avx2``, ``portable``; follows ``ATEN_CPU_CAPABILITY=avx2/default`` |
 | ``TOKENMILL_KERNEL_CACHE`` | ``kernel_cache`` | ``~/.cache/tokenmill/kernels`` |
 | ``TOKENMILL_ATTENTION=reference`` | ``attention`` | ``auto``: the fastest backend for the device |
 | ``TOKENMILL_BATCHED_PREFILL=0`` | ``batched_prefill`` | on (GPU: prefill chunks in one padded call) |
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ISAS = ("native", "avx2", "portable")
+ISAS = ("native", "avx512", "avx2", "portable")
 ATTENTION_BACKENDS = ("auto", "reference")
 DEFAULT_CUDA_GRAPH_MAX_BATCH = 256
 DEFAULT_TP_STEP_TIMEOUT_S = 60.0

@@ -63,13 +63,16 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, one translation unit
 SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
-           SOURCE)  # what the cache key hashes
+           CSRC / "amx_int8.c", SOURCE)  # what the cache key hashes
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-# Instruction-set builds: "native" takes everything this CPU has; "avx2" leaves
-# AVX-512 out, so a wide machine runs (and tests) what an AVX2-only one runs;
-# "portable" targets baseline x86-64 (SSE2) and runs anywhere.
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 5
+# Instruction-set builds: "native" takes everything this CPU has; "avx512" leaves
+# AMX out, so a machine with tiles runs (and tests, and measures against) what an
+# AVX-512 one without them runs; "avx2" leaves AVX-512 out, the same for an
+# AVX2-only one; "portable" targets baseline x86-64 (SSE2) and runs anywhere.
+NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
+ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
+             "portable": ("-march=x86-64", "-mtune=generic")}
+_ABI_VERSION = 6
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -85,6 +88,7 @@ class KernelLibrary:
     vector_width: int  # floats per vector register; head_dim must be a multiple of it
     q8_activations: bool = False  # int4/int8 matmuls of few rows quantize activations to int8 (AVX2 builds)
     int8_dot: bool = False  # int8 layers in the VNNI packing multiply integer activations (TmLinear.a8/a16_rows)
+    amx: bool = False  # those products run on AMX tiles from 16 activation rows (csrc/amx_int8.c)
 
 
 _lock = threading.Lock()
@@ -120,7 +124,7 @@ def native_bf16(options: KernelOptions | None = None) -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     flags = _cpu_flags()
-    return bool({"avx512_bf16", "amx_bf16"} & flags) and isa(options) == "native" and \
+    return bool({"avx512_bf16", "amx_bf16"} & flags) and isa(options) in ("native", "avx512") and \
         torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
@@ -219,10 +223,15 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
+    cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
+    cdll.tm_kernels_amx_init.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {cdll.tm_kernels_abi_version()}, expected {_ABI_VERSION}")
+    int8_dot = bool(cdll.tm_kernels_int8_dot())
+    # The tiles' permission is the process's: asked for once, here, where the library is bound.
+    amx = int8_dot and bool(cdll.tm_kernels_amx_init(1))
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
-                         bool(cdll.tm_kernels_int8_dot()))
+                         int8_dot, amx)
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:
@@ -240,9 +249,10 @@ def load(options: KernelOptions | None = None) -> KernelLibrary | None:
             lib: KernelLibrary | None
             try:
                 lib = build(options=options)
-                log.info("CPU kernels: %s build, %d-float vectors%s%s (%s)", options.kernel_isa, lib.vector_width,
+                log.info("CPU kernels: %s build, %d-float vectors%s%s%s (%s)", options.kernel_isa, lib.vector_width,
                          ", int4/int8 x int8 integer dot products" if lib.q8_activations else "",
-                         ", w8a8 x VNNI dot products" if lib.int8_dot else "", lib.path)
+                         ", w8a8 x VNNI dot products" if lib.int8_dot else "",
+                         ", AMX int8 tiles from 16 rows" if lib.amx else "", lib.path)
             except Exception as exc:  # any failure: the engine keeps the torch path
                 lib = None
                 log.warning("CPU kernels unavailable (%s); using the torch ops and attention", exc)

@@ -458,6 +458,45 @@ typedef __m256i vdot;
 #ifdef TM_VNNI_DOT
 #define VNNI_ROWS 12 /* activation rows per pass: 2 tiles x 12 rows = 24 accumulators */
 
+/* The float epilogue of one activation row against one tile (VW output rows, from
+ * `row`) of an int8 layer, from its int32 sums: hi the 8-bit plane's (or the 16-bit
+ * input's high plane's), lo the low plane's when planes is 2. Less 128 x the weight
+ * row's code sum (the u8 offset), times the activation row's scale xd and the weight
+ * rows' scales, plus the bias; into yb[row ..] (=, or += when accumulate). One
+ * function for every unit that computes the sums, so they agree bit for bit. */
+TM_INLINE void int8_store_row(const TmLinear *L, int planes, int64_t row, vi hi, vi lo, float xd, float *yb,
+                              int accumulate) {
+    vi comp;
+    memcpy(&comp, L->row_sums + row, sizeof comp);
+    const vf ws = vload(L->scale + row), bias = L->bias ? vload(L->bias + row) : (vf){0};
+    vf dot = __builtin_convertvector(hi - 128 * comp, vf);
+    if (planes == 2) dot = dot * 256.0f + __builtin_convertvector(lo, vf);
+    const vf v = dot * (ws * xd) + bias;
+    vstore(yb + row, accumulate ? vload(yb + row) + v : v);
+}
+
+/* One scale group's step of an int8g row: f plus the group's sums (h from the
+ * group's -128 x code-sum offset; with `two` the 16-bit input's high plane, lo its low
+ * one) times the weight rows' group scales dsv (and, at 8 bits, the activations'
+ * group scale xdg). */
+TM_INLINE vf int8g_add_group(vf f, vi h, vi lo, int two, vf dsv, float xdg) {
+    const vi v = two ? (h << 8) + lo : h;
+    return f + __builtin_convertvector(v, vf) * (two ? dsv : dsv * xdg);
+}
+
+/* An int8g row's result: at 16 bits times the activation row's scale xd, plus the
+ * bias, into yb[row ..]. */
+TM_INLINE void int8g_store_row(const TmLinear *L, int bits, int64_t row, vf acc, float xd, float *yb, int accumulate) {
+    const vf bias = L->bias ? vload(L->bias + row) : (vf){0};
+    const vf v = (bits == 16 ? acc * xd : acc) + bias;
+    vstore(yb + row, accumulate ? vload(yb + row) + v : v);
+}
+
+#if VW == 16 && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define TM_AMX_INT8 1
+#include "amx_int8.c"
+#endif
+
 /* Tiles [tile, tile + NT) of an int8 layer (VW output rows each, NT 1 or 2) against NB
  * activation rows: acc[t][b] lane i = w_(row i of tile t) . xq_b, offset-128 inputs
  * included. The weights are in the VNNI packing ([n / VW][k / 4][VW][4] bytes,
@@ -494,10 +533,15 @@ TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int N
 static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
                            int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4, planes = bits == 16 ? 2 : 1;
+#ifdef TM_AMX_INT8
+    const int64_t first = int8_amx_rows(L, bits, xq, xd, B, n0, n1, y, ldy, accumulate, y_col0);
+#else
+    const int64_t first = 0;
+#endif
     vdot acc[2][2][VNNI_ROWS]; /* [plane][tile][row] */
     for (int64_t tile = n0 / VW; tile < n1 / VW;) {
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
-        for (int64_t b0 = 0; b0 < B; b0 += VNNI_ROWS) {
+        for (int64_t b0 = first; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
             /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
             const int NB = left >= VNNI_ROWS ? VNNI_ROWS : left <= 2 ? (int)left : (int)((left + 3) / 4 * 4);
@@ -520,23 +564,14 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
 #undef VNNI_BLOCKS
 #undef VNNI_BLOCK
             }
-            for (int t = 0; t < NT; t++) {
-                const int64_t row = (tile + t) * VW;
-                vi comp, sums, lo;
-                memcpy(&comp, L->row_sums + row, sizeof comp);
-                const vf ws = vload(L->scale + row), bias = L->bias ? vload(L->bias + row) : (vf){0};
+            for (int t = 0; t < NT; t++)
                 for (int64_t b = 0; b < left && b < VNNI_ROWS; b++) {
-                    memcpy(&sums, &acc[0][t][b], sizeof sums);
-                    vf dot = __builtin_convertvector(sums - 128 * comp, vf);
-                    if (planes == 2) {
-                        memcpy(&lo, &acc[1][t][b], sizeof lo);
-                        dot = dot * 256.0f + __builtin_convertvector(lo, vf);
-                    }
-                    const vf v = dot * (ws * xd[b0 + b]) + bias;
-                    float *yb = y + (b0 + b) * ldy - y_col0 + row;
-                    vstore(yb, accumulate ? vload(yb) + v : v);
+                    vi hi, lo = {0};
+                    memcpy(&hi, &acc[0][t][b], sizeof hi);
+                    if (planes == 2) memcpy(&lo, &acc[1][t][b], sizeof lo);
+                    int8_store_row(L, (int)planes, (tile + t) * VW, hi, lo, xd[b0 + b], y + (b0 + b) * ldy - y_col0,
+                                   accumulate);
                 }
-            }
         }
         tile += NT;
     }
@@ -581,13 +616,10 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
         }
         const vf dsv = vload(ds + g * VW);
         for (int b = 0; b < NB; b++) {
-            vi v, lo;
+            vi v, lo = {0};
             memcpy(&v, &h[b], sizeof v);
-            if (two) {
-                memcpy(&lo, &l[b], sizeof lo);
-                v = (v << 8) + lo;
-            }
-            f[b] += __builtin_convertvector(v, vf) * (two ? dsv : dsv * xdg[b * G + g]);
+            if (two) memcpy(&lo, &l[b], sizeof lo);
+            f[b] = int8g_add_group(f[b], v, lo, two, dsv, two ? 0.0f : xdg[b * G + g]);
         }
     }
     for (int b = 0; b < NB; b++) out[b] = f[b];
@@ -599,9 +631,14 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
 static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
                             int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4;
+#ifdef TM_AMX_INT8
+    const int64_t first = int8g_amx_rows(L, bits, xq, xd, B, n0, n1, y, ldy, accumulate, y_col0);
+#else
+    const int64_t first = 0;
+#endif
     vf acc[VNNI_G_ROWS];
     for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
-        for (int64_t b0 = 0; b0 < B; b0 += VNNI_G_ROWS) {
+        for (int64_t b0 = first; b0 < B; b0 += VNNI_G_ROWS) {
             const int64_t left = B - b0;
             const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : left <= 2 ? (int)left : left <= 4 ? 4 : 8;
             const uint8_t *xh = xq + b0 * K, *xl = xq + (Bp + b0) * K;
@@ -621,13 +658,8 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, cons
                     default: int8g_vnni_block(L, xh, xl, xdg, 0, 8, tile, acc); break;
                 }
             }
-            const int64_t row = tile * VW;
-            const vf bias = L->bias ? vload(L->bias + row) : (vf){0};
-            for (int64_t b = 0; b < left && b < VNNI_G_ROWS; b++) {
-                const vf v = (bits == 16 ? acc[b] * xd[b0 + b] : acc[b]) + bias;
-                float *yb = y + (b0 + b) * ldy - y_col0 + row;
-                vstore(yb, accumulate ? vload(yb) + v : v);
-            }
+            for (int64_t b = 0; b < left && b < VNNI_G_ROWS; b++)
+                int8g_store_row(L, bits, tile * VW, acc[b], xd[b0 + b], y + (b0 + b) * ldy - y_col0, accumulate);
         }
     }
 }
@@ -705,6 +737,11 @@ int tm_kernels_int8_dot(void) {
     return 0;
 #endif
 }
+
+#ifndef TM_AMX_INT8
+/* Builds without AMX-INT8 never use tiles (amx_int8.c has the real one). */
+int tm_kernels_amx_init(int want) { return 0 * want; }
+#endif
 
 /* Whether this build multiplies int4 weights by int8-quantized activations (tests
  * compare it within activation-quantization error instead of float rounding). */
