@@ -2,7 +2,7 @@
  * activation rows.
  *
  * Included by decode_step.c after its VNNI kernels' definitions (TmLinear, the
- * VNNI packing, the shared epilogues int8_store_rows / int8g_add_group) and only
+ * VNNI packing, the shared epilogues int8_store_row, int8g_add_group and int8g_store_row) and only
  * in builds whose compiler targets AMX-INT8 (-march=native on such a CPU).
  *
  * Why: a VNNI dot product does 64 multiply-adds per instruction; one tdpbusd
