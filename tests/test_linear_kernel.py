@@ -210,13 +210,65 @@ def test_int8_rows_use_integer_products_from_the_thresholds(lib, rows: int, n: i
 
 
 def test_native_build_has_vnni_products_where_the_cpu_does() -> None:
+    """Integer products wherever the build has AVX2: VNNI's where the CPU has it, else 16-bit
+    ones; the portable build has none."""
     flags = cpu_kernels._cpu_flags()
     native = cpu_kernels.build(cpu_kernels.ISA_FLAGS["native"])
-    if cpu_kernels.isa() != "native":  # TOKENMILL_KERNEL_ISA narrows every build of this process
-        assert not native.int8_dot or "avx_vnni" in flags
+    isa = cpu_kernels.isa()  # TOKENMILL_KERNEL_ISA narrows every build of this process
+    if isa == "portable" or not X86:
+        assert not native.int8_dot
         return
-    assert native.int8_dot == (X86 and "avx512_vnni" in flags and "avx512bw" in flags or "avx_vnni" in flags)
+    vnni = "avx_vnni" in flags or isa in ("native", "avx512") and "avx512_vnni" in flags and "avx512bw" in flags
+    assert native.int8_dot == (vnni or "avx2" in flags)
+    assert native.int8_dot_unit == ("VNNI" if vnni else "AVX2 16-bit" if native.int8_dot else "")
     assert not cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"]).int8_dot
+
+
+def _int8_layer_outputs(library: cpu_kernels.KernelLibrary, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each integer-activation kind of int8 layer, packed for ``library``: per-channel int8
+    at 8 and at 16 bits (two planes), int8g at 16 bits (the head's) and at 8 bits per 32
+    inputs (the down projections'), with a bias."""
+    from tokenmill.model.ops import ModelOps
+    from tokenmill.model.quant import Int8GroupLinear
+
+    g = torch.Generator().manual_seed(7)
+    n, k = 48, 160
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale, bias = torch.rand(n, generator=g) * 0.01 + 1e-3, torch.randn(n, generator=g)
+    packed, sums = cpu_kernels.pack_vnni(q, library.vector_width), q.sum(dim=1, dtype=torch.int32)
+    outs = []
+    for a8, a16 in ((1, 1), (0, 1)):  # 8 bits at every row count; 16 bits
+        d = TmLinear()
+        d.kind, d.n, d.k, d.repeat, d.group, d.a8_rows, d.a16_rows = cpu_kernels.W_INT8, n, k, 1, 0, a8, a16
+        d.w, d.scale, d.bias, d.packed, d.row_sums = (None, scale.data_ptr(), bias.data_ptr(), packed.data_ptr(),
+                                                      sums.data_ptr())
+        outs.append(cpu_kernels.linear(d, x, library=library))
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 5] *= 30
+    for dynamic in (False, True):
+        layer = Int8GroupLinear.from_float(w, dynamic=dynamic)
+        layer.ops = ModelOps(library=library)
+        layer.prepare_kernels()
+        assert layer.qweight is None  # in the packing
+        outs.append(cpu_kernels.linear(layer.kernel_description(), x, library=library))
+    return outs
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 13, 64])
+def test_avx2_integer_products_equal_vnni_bit_for_bit(rows: int) -> None:
+    """The AVX2 build (no VNNI) computes the VNNI path's int32 sums with 16-bit products and
+    runs the same float epilogue, so every int8 layer kind gives the same bits on both:
+    w8a8 means the same tokens on an AVX2 CPU as on one with VNNI."""
+    flags = cpu_kernels._cpu_flags()
+    if not (X86 and "avx512_vnni" in flags and "avx512bw" in flags) or cpu_kernels.isa() != "native":
+        pytest.skip("needs a CPU with AVX512-VNNI, whose native build is the VNNI one")
+    vnni = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx512"])
+    avx2 = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])
+    assert vnni.int8_dot and avx2.int8_dot and avx2.vector_width == 8
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows)) * 3
+    x[:, 7] *= 20
+    for got_vnni, got_avx2 in zip(_int8_layer_outputs(vnni, x), _int8_layer_outputs(avx2, x)):
+        assert torch.equal(got_vnni, got_avx2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 13, 30])

@@ -72,7 +72,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
              "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -89,6 +89,7 @@ class KernelLibrary:
     q8_activations: bool = False  # int4/int8 matmuls of few rows quantize activations to int8 (AVX2 builds)
     int8_dot: bool = False  # int8 layers in the VNNI packing multiply integer activations (TmLinear.a8/a16_rows)
     amx: bool = False  # those products run on AMX tiles from 16 activation rows (csrc/amx_int8.c)
+    int8_dot_unit: str = ""  # what computes those sums: "VNNI", or "AVX2 16-bit" products (the same sums)
 
 
 _lock = threading.Lock()
@@ -227,11 +228,12 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_amx_init.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{path} has ABI {cdll.tm_kernels_abi_version()}, expected {_ABI_VERSION}")
-    int8_dot = bool(cdll.tm_kernels_int8_dot())
+    int8_dot_code = cdll.tm_kernels_int8_dot()
+    int8_dot = int8_dot_code > 0
     # The tiles' permission is the process's: asked for once, here, where the library is bound.
     amx = int8_dot and bool(cdll.tm_kernels_amx_init(1))
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
-                         int8_dot, amx)
+                         int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:
@@ -251,7 +253,7 @@ def load(options: KernelOptions | None = None) -> KernelLibrary | None:
                 lib = build(options=options)
                 log.info("CPU kernels: %s build, %d-float vectors%s%s%s (%s)", options.kernel_isa, lib.vector_width,
                          ", int4/int8 x int8 integer dot products" if lib.q8_activations else "",
-                         ", w8a8 x VNNI dot products" if lib.int8_dot else "",
+                         f", int8 x int8 {lib.int8_dot_unit} products" if lib.int8_dot else "",
                          ", AMX int8 tiles from 16 rows" if lib.amx else "", lib.path)
             except Exception as exc:  # any failure: the engine keeps the torch path
                 lib = None

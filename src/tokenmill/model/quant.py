@@ -55,7 +55,8 @@ COMPUTE_DTYPE = torch.bfloat16
 
 
 def _vnni(options: Any) -> bool:
-    """Whether the engine's C kernels (built for ``options``) multiply int8 by int8 with VNNI."""
+    """Whether the engine's C kernels (built for ``options``) multiply int8 by int8 activations
+    (VNNI, or AVX2's 16-bit products of the same sums)."""
     from . import cpu_kernels
 
     library = cpu_kernels.load(options)

@@ -453,10 +453,28 @@ typedef __m256i vdot;
 #define dot_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define dot_acc(acc, x, w) _mm256_dpbusd_avx_epi32(acc, x, w)
 #define dot_set1(v) _mm256_set1_epi32(v)
+#elif VW == 8 && defined(__AVX2__)
+/* AVX2 without VNNI: the same integer products, the same packing, the same exact int32
+ * sums, from 16-bit multiplies (i16_dot_step): vpmaddubsw would saturate on u8 x s8 pairs,
+ * vpmaddwd on the codes widened to 16 bits cannot. Two vpmaddwd per 32 multiply-adds
+ * against one FMA per 8 for float32: about twice the float32 tile's rate. */
+#define TM_VNNI_DOT 1
+#define TM_I16_DOT 1
+typedef __m256i vdot;
+#define dot_zero() _mm256_setzero_si256()
+#define dot_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #endif
 
 #ifdef TM_VNNI_DOT
+#ifdef TM_I16_DOT
+/* Activation codes as the kernels read them: u8 codes widened to 16 bits on AVX2 (a
+ * 16-bit activation row of an int8g layer holds its signed value in one plane). */
+typedef int16_t tm_act;
+#define VNNI_ROWS 6 /* activation rows per pass: two 16-bit half-tile accumulators each */
+#else
+typedef uint8_t tm_act;
 #define VNNI_ROWS 12 /* activation rows per pass: 2 tiles x 12 rows = 24 accumulators */
+#endif
 
 /* The float epilogue of one activation row against one tile (VW output rows, from
  * `row`) of an int8 layer, from its int32 sums: hi the 8-bit plane's (or the 16-bit
@@ -479,9 +497,9 @@ TM_INLINE void int8_store_row(const TmLinear *L, int planes, int64_t row, vi hi,
  * group's -128 x code-sum offset; with `two` the 16-bit input's high plane, lo its low
  * one) times the weight rows' group scales dsv (and, at 8 bits, the activations'
  * group scale xdg). */
+TM_INLINE vf int8g_add_sum(vf f, vi v, vf scale) { return f + __builtin_convertvector(v, vf) * scale; }
 TM_INLINE vf int8g_add_group(vf f, vi h, vi lo, int two, vf dsv, float xdg) {
-    const vi v = two ? (h << 8) + lo : h;
-    return f + __builtin_convertvector(v, vf) * (two ? dsv : dsv * xdg);
+    return int8g_add_sum(f, two ? (h << 8) + lo : h, two ? dsv : dsv * xdg);
 }
 
 /* An int8g row's result: at 16 bits times the activation row's scale xd, plus the
@@ -497,13 +515,55 @@ TM_INLINE void int8g_store_row(const TmLinear *L, int bits, int64_t row, vf acc,
 #include "amx_int8.c"
 #endif
 
+#ifdef TM_I16_DOT
+/* What vpdpbusd does for one tile (VW = 8 rows, 4 inputs each in a 32-byte vector of the
+ * VNNI packing), split in halves: rows 0-3 and 4-7 widened to 16 bits (wl, wh), each
+ * multiplied by the 4 activation codes (x, 16 bits, in every 64-bit lane) into 2 pair
+ * sums per row (lo, hi += ...). i16_rows adds the pairs and puts the rows in order. */
+TM_INLINE void i16_dot_step(const int8_t *w, vdot *wl, vdot *wh) {
+    *wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
+    *wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+}
+TM_INLINE vdot i16_broadcast(const tm_act *x) {
+    int64_t four;
+    memcpy(&four, x, sizeof four);
+    return _mm256_set1_epi64x(four);
+}
+TM_INLINE vdot i16_rows(vdot lo, vdot hi) {
+    /* hadd: [r0 r1 r4 r5 | r2 r3 r6 r7]; the 64-bit permute puts them in order */
+    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8);
+}
+
+/* Tiles [tile, tile + NT) of an int8 layer against NB activation rows of 16-bit codes:
+ * acc[t][b] lane i = w_(row i of tile t) . xq_b, as int8_vnni_block's. One tile at a
+ * time: two accumulators a row fill the 16 registers at 6 rows. */
+TM_INLINE void int8_vnni_block(const TmLinear *L, const tm_act *xq, const int NT, const int NB, int64_t tile,
+                               vdot acc[2][VNNI_ROWS]) {
+    const int64_t K = L->k;
+    for (int t = 0; t < NT; t++) {
+        const int8_t *w = L->packed + (tile + t) * K * VW;
+        vdot lo[VNNI_ROWS], hi[VNNI_ROWS];
+        for (int b = 0; b < NB; b++) lo[b] = dot_zero(), hi[b] = dot_zero();
+        for (int64_t c = 0; c < K; c += 4) {
+            vdot wl, wh;
+            i16_dot_step(w + c * VW, &wl, &wh);
+            for (int b = 0; b < NB; b++) {
+                const vdot xv = i16_broadcast(xq + b * K + c);
+                lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(wl, xv));
+                hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(wh, xv));
+            }
+        }
+        for (int b = 0; b < NB; b++) acc[t][b] = i16_rows(lo[b], hi[b]);
+    }
+}
+#else
 /* Tiles [tile, tile + NT) of an int8 layer (VW output rows each, NT 1 or 2) against NB
  * activation rows: acc[t][b] lane i = w_(row i of tile t) . xq_b, offset-128 inputs
  * included. The weights are in the VNNI packing ([n / VW][k / 4][VW][4] bytes,
  * TmLinear.packed), so one vector holds 4 columns of VW rows, each activation row
  * gives 4 bytes broadcast to every lane, and the sums land in output order: no
  * horizontal reduction, unlike the row-major tiles above (measured ~2x faster). */
-TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int NT, const int NB, int64_t tile,
+TM_INLINE void int8_vnni_block(const TmLinear *L, const tm_act *xq, const int NT, const int NB, int64_t tile,
                                vdot acc[2][VNNI_ROWS]) {
     const int64_t K = L->k;
     const int8_t *w0 = L->packed + tile * K * VW, *w1 = w0 + K * VW;
@@ -522,6 +582,7 @@ TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int N
     }
     for (int b = 0; b < NB; b++) acc[0][b] = a0[b], acc[1][b] = a1[b];
 }
+#endif
 
 /* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an
  * int8 layer, from activations quantized by quantize_rows (B rows, padded with
@@ -530,7 +591,7 @@ TM_INLINE void int8_vnni_block(const TmLinear *L, const uint8_t *xq, const int N
  * 0..B-1 high, then the low ones, each padded), each multiplied as above:
  * 256 (hi . w - 128 sum w) + lo . w. Then times the activation row's scale and the
  * weight row's, plus the bias. */
-static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
+static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const float *xd, int64_t B, int64_t n0,
                            int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4, planes = bits == 16 ? 2 : 1;
 #ifdef TM_AMX_INT8
@@ -543,11 +604,25 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = first; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
-            /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
+#ifdef TM_I16_DOT /* rows per pass: up to 6, each count compiled */
+            const int NB = left >= VNNI_ROWS ? VNNI_ROWS : (int)left;
+#else /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
             const int NB = left >= VNNI_ROWS ? VNNI_ROWS : left <= 2 ? (int)left : (int)((left + 3) / 4 * 4);
+#endif
             for (int64_t p = 0; p < planes; p++) {
-                const uint8_t *xb = xq + (p * Bp + b0) * K;
+                const tm_act *xb = xq + (p * Bp + b0) * K;
 #define VNNI_BLOCK(T, N) int8_vnni_block(L, xb, T, N, tile, acc[p])
+#ifdef TM_I16_DOT
+#define VNNI_BLOCKS(T)                                                                                  \
+    switch (NB) {                                                                                       \
+        case 1: VNNI_BLOCK(T, 1); break;                                                                \
+        case 2: VNNI_BLOCK(T, 2); break;                                                                \
+        case 3: VNNI_BLOCK(T, 3); break;                                                                \
+        case 4: VNNI_BLOCK(T, 4); break;                                                                \
+        case 5: VNNI_BLOCK(T, 5); break;                                                                \
+        default: VNNI_BLOCK(T, 6); break;                                                               \
+    }
+#else
 #define VNNI_BLOCKS(T)                                                                                  \
     switch (NB) {                                                                                       \
         case 1: VNNI_BLOCK(T, 1); break;                                                                \
@@ -556,6 +631,7 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
         case 8: VNNI_BLOCK(T, 8); break;                                                                \
         default: VNNI_BLOCK(T, 12); break;                                                              \
     }
+#endif
                 if (NT == 2) {
                     VNNI_BLOCKS(2)
                 } else {
@@ -577,6 +653,53 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
     }
 }
 
+#ifdef TM_I16_DOT
+#define VNNI_G_ROWS 4 /* activation rows per pass of the grouped kernel: 3 accumulators a row */
+
+/* int8g_vnni_block from 16-bit codes: at 8 bits (xh, u8 codes widened, a scale per
+ * 32 inputs in xdg) each group's sums start at its -128 x code-sum offset, as there; at
+ * 16 bits (`two`) xh holds each row's signed 16-bit value in one plane, whose products
+ * vpmaddwd takes whole: the group's sum is the high and low planes' (h << 8) + lo of the
+ * VNNI path, exactly (|sum| < 2^27 for 32 inputs), at half the work. */
+TM_INLINE void int8g_vnni_block(const TmLinear *L, const tm_act *xh, const tm_act *xl, const float *xdg,
+                                const int two, const int NB, int64_t tile, vf out[VNNI_G_ROWS]) {
+    (void)xl;
+    const int64_t K = L->k, G = K / 32;
+    const int8_t *w = L->packed + tile * K * VW;
+    const int32_t *offsets = L->row_sums + tile * G * VW;
+    const float *ds = L->scale + tile * G * VW;
+    vf f[VNNI_G_ROWS];
+    for (int b = 0; b < NB; b++) f[b] = (vf){0};
+    for (int64_t g = 0; g < G; g++) {
+        vdot lo[VNNI_G_ROWS], hi[VNNI_G_ROWS];
+        for (int b = 0; b < NB; b++) lo[b] = dot_zero(), hi[b] = dot_zero();
+        for (int64_t c = g * 32; c < g * 32 + 32; c += 4) {
+            vdot wl, wh;
+            i16_dot_step(w + c * VW, &wl, &wh);
+            for (int b = 0; b < NB; b++) {
+                const vdot xv = i16_broadcast(xh + b * K + c);
+                lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(wl, xv));
+                hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(wh, xv));
+            }
+        }
+        const vf dsv = vload(ds + g * VW);
+        const vdot start = dot_load(offsets + g * VW);
+        for (int b = 0; b < NB; b++) {
+            const vdot sums = i16_rows(lo[b], hi[b]);
+            vi v;
+            if (two) {
+                memcpy(&v, &sums, sizeof v);
+                f[b] = int8g_add_sum(f[b], v, dsv);
+            } else {
+                const vdot h = _mm256_add_epi32(sums, start);
+                memcpy(&v, &h, sizeof v);
+                f[b] = int8g_add_group(f[b], v, (vi){0}, 0, dsv, xdg[b * G + g]);
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++) out[b] = f[b];
+}
+#else
 #define VNNI_G_ROWS 8 /* activation rows per pass of the grouped kernel: 3 accumulators a row */
 
 /* One tile (VW output rows) of an int8g layer (a scale per 32 inputs) in the VNNI
@@ -590,7 +713,7 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const
  * scales (and 8-bit activation scales) before the next group: the per-group scales
  * keep a Q8_0 table exact. out[b] lane i: row i of the tile . x_b, at 16 bits in the
  * row's quantized units (the caller applies the row scale). */
-TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint8_t *xl, const float *xdg,
+TM_INLINE void int8g_vnni_block(const TmLinear *L, const tm_act *xh, const tm_act *xl, const float *xdg,
                                 const int two, const int NB, int64_t tile, vf out[VNNI_G_ROWS]) {
     const int64_t K = L->k, G = K / 32;
     const int8_t *w = L->packed + tile * K * VW;
@@ -624,11 +747,12 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const uint8_t *xh, const uint
     }
     for (int b = 0; b < NB; b++) out[b] = f[b];
 }
+#endif
 
 /* int8_vnni_rows for an int8g layer (TmLinear.packed set: scale and row_sums in the
  * grouped packing), from 16-bit activation planes or (bits 8) 8-bit activations with a
  * scale per 32 inputs. One tile at a time, up to VNNI_G_ROWS activation rows a pass. */
-static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, const float *xd, int64_t B, int64_t n0,
+static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const float *xd, int64_t B, int64_t n0,
                             int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t K = L->k, Bp = (B + 3) / 4 * 4;
 #ifdef TM_AMX_INT8
@@ -640,40 +764,66 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const uint8_t *xq, cons
     for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
         for (int64_t b0 = first; b0 < B; b0 += VNNI_G_ROWS) {
             const int64_t left = B - b0;
+#ifdef TM_I16_DOT
+            const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : (int)left;
+#else
             const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : left <= 2 ? (int)left : left <= 4 ? 4 : 8;
-            const uint8_t *xh = xq + b0 * K, *xl = xq + (Bp + b0) * K;
+#endif
+            const tm_act *xh = xq + b0 * K, *xl = xq + (Bp + b0) * K;
             const float *xdg = xd + b0 * (K / 32);
+#define G_BLOCK(TWO, N) int8g_vnni_block(L, xh, xl, xdg, TWO, N, tile, acc)
+#ifdef TM_I16_DOT
+#define G_BLOCKS(TWO)                                                                                   \
+    switch (NB) {                                                                                       \
+        case 1: G_BLOCK(TWO, 1); break;                                                                 \
+        case 2: G_BLOCK(TWO, 2); break;                                                                 \
+        case 3: G_BLOCK(TWO, 3); break;                                                                 \
+        default: G_BLOCK(TWO, 4); break;                                                                \
+    }
+#else
+#define G_BLOCKS(TWO)                                                                                   \
+    switch (NB) {                                                                                       \
+        case 1: G_BLOCK(TWO, 1); break;                                                                 \
+        case 2: G_BLOCK(TWO, 2); break;                                                                 \
+        case 4: G_BLOCK(TWO, 4); break;                                                                 \
+        default: G_BLOCK(TWO, 8); break;                                                                \
+    }
+#endif
             if (bits == 16) {
-                switch (NB) {
-                    case 1: int8g_vnni_block(L, xh, xl, xdg, 1, 1, tile, acc); break;
-                    case 2: int8g_vnni_block(L, xh, xl, xdg, 1, 2, tile, acc); break;
-                    case 4: int8g_vnni_block(L, xh, xl, xdg, 1, 4, tile, acc); break;
-                    default: int8g_vnni_block(L, xh, xl, xdg, 1, 8, tile, acc); break;
-                }
+                G_BLOCKS(1)
             } else {
-                switch (NB) {
-                    case 1: int8g_vnni_block(L, xh, xl, xdg, 0, 1, tile, acc); break;
-                    case 2: int8g_vnni_block(L, xh, xl, xdg, 0, 2, tile, acc); break;
-                    case 4: int8g_vnni_block(L, xh, xl, xdg, 0, 4, tile, acc); break;
-                    default: int8g_vnni_block(L, xh, xl, xdg, 0, 8, tile, acc); break;
-                }
+                G_BLOCKS(0)
             }
+#undef G_BLOCKS
+#undef G_BLOCK
             for (int64_t b = 0; b < left && b < VNNI_G_ROWS; b++)
                 int8g_store_row(L, bits, tile * VW, acc[b], xd[b0 + b], y + (b0 + b) * ldy - y_col0, accumulate);
         }
     }
 }
 
+static void fill_codes(tm_act *q, int64_t n, int code) {
+    for (int64_t i = 0; i < n; i++) q[i] = (tm_act)code;
+}
+
 /* Rows of x quantized with one scale per row, round to nearest (as the eager w8a8
  * layer does), for int8_vnni_rows: 8 bits as x / d + 128 (d = amax / 127), or 16 bits
  * as x / d + 32768 (d = amax / 32767) split into a high and a low byte plane; xd[b]
- * the row's scale. Rows past B up to a multiple of 4 are zeros. */
-static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int bits, uint8_t *xq, float *xd) {
+ * the row's scale. Rows past B up to a multiple of 4 are zeros. With one_plane, on
+ * AVX2 builds (an int8g layer's 16 bits), the signed value x / d in one plane instead. */
+
+static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int bits, int one_plane, tm_act *xq,
+                          float *xd) {
     const int64_t Bp = (B + 3) / 4 * 4;
     const float qmax = bits == 16 ? 32767.0f : 127.0f;
-    uint8_t *hi = xq, *lo = xq + Bp * K;
-    memset(hi + B * K, 128, (size_t)(Bp - B) * K);
-    if (bits == 16) memset(lo + B * K, 0, (size_t)(Bp - B) * K);
+    tm_act *hi = xq, *lo = xq + Bp * K;
+#ifdef TM_I16_DOT
+    one_plane = one_plane && bits == 16;
+#else
+    one_plane = 0;
+#endif
+    fill_codes(hi + B * K, (Bp - B) * K, one_plane ? 0 : 128);
+    if (bits == 16 && !one_plane) fill_codes(lo + B * K, (Bp - B) * K, 0);
     for (int64_t b = 0; b < B; b++) {
         const float *xs = x + b * ldx;
         float amax = 0.0f;
@@ -683,17 +833,20 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int
             amax = v > amax ? v : amax;
         }
         const float d = amax > 1e-12f ? amax / qmax : 1e-12f / qmax;
-        uint8_t *qh = hi + b * K, *ql = lo + b * K;
-        if (bits == 16) {
+        tm_act *qh = hi + b * K, *ql = lo + b * K;
+        if (one_plane) {
+#pragma omp simd
+            for (int64_t c = 0; c < K; c++) qh[c] = (tm_act)(int)nearbyintf(xs[c] / d);
+        } else if (bits == 16) {
 #pragma omp simd
             for (int64_t c = 0; c < K; c++) {
                 const int v = (int)nearbyintf(xs[c] / d) + 32768;
-                qh[c] = (uint8_t)(v >> 8);
-                ql[c] = (uint8_t)(v & 255);
+                qh[c] = (tm_act)(v >> 8);
+                ql[c] = (tm_act)(v & 255);
             }
         } else {
 #pragma omp simd
-            for (int64_t c = 0; c < K; c++) qh[c] = (uint8_t)((int)nearbyintf(xs[c] / d) + 128);
+            for (int64_t c = 0; c < K; c++) qh[c] = (tm_act)((int)nearbyintf(xs[c] / d) + 128);
         }
         xd[b] = d;
     }
@@ -705,9 +858,9 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t K, int
  * holding the zero code and scale 0 (the kernel runs 4 rows where 3 are asked for, and
  * reads theirs). A scale per group keeps one large input from flattening the rest of
  * its row. */
-static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t K, uint8_t *xq, float *xd) {
+static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t K, tm_act *xq, float *xd) {
     const int64_t Bp = (B + 3) / 4 * 4;
-    memset(xq + B * K, 128, (size_t)(Bp - B) * K);
+    fill_codes(xq + B * K, (Bp - B) * K, 128);
     memset(xd + B * (K / 32), 0, (size_t)(Bp - B) * (K / 32) * sizeof(float));
     for (int64_t b = 0; b < B; b++)
         for (int64_t c0 = 0; c0 < K; c0 += 32) {
@@ -719,19 +872,28 @@ static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t 
                 amax = v > amax ? v : amax;
             }
             const float d = amax > 1e-30f ? amax / 127.0f : 1.0f;
-            uint8_t *q = xq + b * K + c0;
+            tm_act *q = xq + b * K + c0;
 #pragma omp simd
-            for (int i = 0; i < 32; i++) q[i] = (uint8_t)((int)nearbyintf(xs[i] / d) + 128);
+            for (int i = 0; i < 32; i++) q[i] = (tm_act)((int)nearbyintf(xs[i] / d) + 128);
             xd[b * (K / 32) + c0 / 32] = amax > 1e-30f ? d : 0.0f;
         }
 }
 
 #endif
 
-/* Whether this build multiplies int8 weights by int8 activations with integer dot
- * products when a layer has the VNNI packing (a8_rows, a16_rows). */
-int tm_kernels_int8_dot(void) {
 #ifdef TM_VNNI_DOT
+#define TM_ACT_BYTES sizeof(tm_act) /* bytes per quantized activation in the scratch */
+#else
+#define TM_ACT_BYTES 1
+#endif
+
+/* Whether this build multiplies int8 weights by int8 activations with integer dot
+ * products when a layer has the VNNI packing (a8_rows, a16_rows): 1 with VNNI, 2 with
+ * AVX2's 16-bit products (the same sums), 0 not at all. */
+int tm_kernels_int8_dot(void) {
+#if defined(TM_I16_DOT)
+    return 2;
+#elif defined(TM_VNNI_DOT)
     return 1;
 #else
     return 0;
@@ -804,12 +966,12 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         const int a8 = L->a8_rows > 0 && B >= L->a8_rows;
         const int bits = a8 ? 8 : L->a16_rows > 0 && B >= L->a16_rows ? 16 : 0;
         if (bits == 8 && L->kind == W_INT8G) { /* 8 bits with a scale per 32 inputs */
-            quantize_group_rows(x, ldx, B, L->k, (uint8_t *)is->xq, is->xd);
+            quantize_group_rows(x, ldx, B, L->k, (tm_act *)is->xq, is->xd);
             is->int_bits = bits;
             return x;
         }
         if (bits) {
-            quantize_rows(x, ldx, B, L->k, bits, (uint8_t *)is->xq, is->xd);
+            quantize_rows(x, ldx, B, L->k, bits, L->kind == W_INT8G, (tm_act *)is->xq, is->xd);
             is->int_bits = bits;
             return x;
         }
@@ -902,9 +1064,9 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
 #ifdef TM_VNNI_DOT
     if (is->int_bits) {
         if (L->kind == W_INT8G)
-            int8g_vnni_rows(L, is->int_bits, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
+            int8g_vnni_rows(L, is->int_bits, (const tm_act *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         else
-            int8_vnni_rows(L, is->int_bits, (const uint8_t *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
+            int8_vnni_rows(L, is->int_bits, (const tm_act *)is->xq, is->xd, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
     }
 #endif
@@ -1031,7 +1193,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
         /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales
          * (per 32 columns for up to B + 3 rows: int8g_vnni_rows reads its padding rows' too) */
-        const size_t q8_floats = ((size_t)2 * (B + 3) * KM + 3) / 4 + (size_t)(B + 3) * KM / 32;
+        const size_t q8_floats = ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4 + (size_t)(B + 3) * KM / 32;
         const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
@@ -1042,7 +1204,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         float *att = up + B * VW;
         is.wtile = att + att_floats;
         is.xq = (int8_t *)(is.wtile + VW * KM);
-        is.xd = is.wtile + VW * KM + ((size_t)2 * (B + 3) * KM + 3) / 4;
+        is.xd = is.wtile + VW * KM + ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4;
         Scratch sc = {0};
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
@@ -1162,7 +1324,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         const int T = omp_get_num_threads(), t = omp_get_thread_num();
-        const size_t q8 = ((size_t)2 * (B + 3) * kp + 3) / 4; /* the quantized input: two planes, padded */
+        const size_t q8 = ((size_t)2 * (B + 3) * kp * TM_ACT_BYTES + 3) / 4; /* the quantized input: two planes */
         const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)(B + 3) * kp / 32;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         if (buf) {

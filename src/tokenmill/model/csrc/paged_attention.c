@@ -613,7 +613,7 @@ int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache
 }
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 6; }
+int tm_kernels_abi_version(void) { return 7; }
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }
