@@ -53,11 +53,11 @@ KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_prefill_kernel.py tests/tes
 	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py tests/test_kv_quant.py
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(MAKE) --no-print-directory test-avx2
 
 test-avx2: $(TEST_STAMP)
-	ATEN_CPU_CAPABILITY=avx2 TOKENMILL_KERNEL_ISA=avx2 $(BIN)/python -m pytest -q -m "not slow" $(KERNEL_TESTS)
+	ATEN_CPU_CAPABILITY=avx2 TOKENMILL_KERNEL_ISA=avx2 $(BIN)/python -m pytest -q --durations=10 -m "not slow" $(KERNEL_TESTS)
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -3,8 +3,9 @@
 Decided once, when the engine is built, from the device, the CPU's features and
 what the model file holds:
 
-* quantization, on a CPU whose kernel build multiplies int8 by int8 with VNNI
-  (``KernelLibrary.int8_dot``): ``w8a8``, int8 weights with a scale per output
+* quantization, on a CPU whose kernel build multiplies int8 by int8 activations
+  (``KernelLibrary.int8_dot``: VNNI, or on AVX2 without it 16-bit products of the
+  same exact sums, so the same results at about twice float32's rate): ``w8a8``, int8 weights with a scale per output
   channel (a GGUF's blocks are dequantized, then requantized), 8-bit activations
   per token (int8 x int8 products) at every batch size, so that a request's
   tokens do not depend on what shares its steps; the down projections are int8
@@ -20,7 +21,7 @@ what the model file holds:
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
   matmuls are emulated and slower than float32.
 * on CUDA, dense (``none``, with bf16 below): the configuration measured there.
-* elsewhere, a GGUF file whose linear layers are stored in Q4_0 / Q4_1 / Q8_0
+* elsewhere (no AVX2, or the C kernels off), a GGUF file whose linear layers are stored in Q4_0 / Q4_1 / Q8_0
   blocks keeps them (``gguf``), as llama.cpp serves them: the same weights the
   float path would dequantize, read at a quarter to half of the bytes by the
   int4 kernels; anything else stays dense (``none``).
@@ -41,7 +42,7 @@ log = logging.getLogger("tokenmill.engine")
 
 def int8_compute(quantization: str, device: torch.device, options: KernelOptions | None = None) -> bool:
     """Whether the model will multiply int8 activations: ``w8a8`` asked for, or ``auto`` on
-    a CPU whose kernel build has VNNI dot products."""
+    a CPU whose kernel build has integer dot products (VNNI, or AVX2's 16-bit ones)."""
     mode = str(quantization or "none").lower()
     if mode == "w8a8":
         return True
@@ -80,7 +81,11 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     if device is not None and device.type == "cuda":
         return "none", "dense bf16 is what was measured fastest on CUDA; a file's blocks are dequantized"
     if device is not None and int8_compute(name, device, options):
-        return "w8a8", ("int8 x int8 VNNI products are this CPU's fastest kernel for batches and as fast as any "
+        from ..model.cpu_kernels import load
+
+        lib = load(options)
+        unit = lib.int8_dot_unit if lib is not None and lib.int8_dot_unit else "integer"
+        return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
                         "per 32 inputs")
     raw = getattr(loaded, "raw_quantized", None) or {}

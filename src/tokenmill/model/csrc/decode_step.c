@@ -470,7 +470,7 @@ typedef __m256i vdot;
 /* Activation codes as the kernels read them: u8 codes widened to 16 bits on AVX2 (a
  * 16-bit activation row of an int8g layer holds its signed value in one plane). */
 typedef int16_t tm_act;
-#define VNNI_ROWS 6 /* activation rows per pass: two 16-bit half-tile accumulators each */
+#define VNNI_ROWS 8 /* activation rows per pass: one accumulator each */
 #else
 typedef uint8_t tm_act;
 #define VNNI_ROWS 12 /* activation rows per pass: 2 tiles x 12 rows = 24 accumulators */
@@ -517,43 +517,46 @@ TM_INLINE void int8g_store_row(const TmLinear *L, int bits, int64_t row, vf acc,
 
 #ifdef TM_I16_DOT
 /* What vpdpbusd does for one tile (VW = 8 rows, 4 inputs each in a 32-byte vector of the
- * VNNI packing), split in halves: rows 0-3 and 4-7 widened to 16 bits (wl, wh), each
- * multiplied by the 4 activation codes (x, 16 bits, in every 64-bit lane) into 2 pair
- * sums per row (lo, hi += ...). i16_rows adds the pairs and puts the rows in order. */
-TM_INLINE void i16_dot_step(const int8_t *w, vdot *wl, vdot *wh) {
-    *wl = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w));
-    *wh = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
+ * VNNI packing), in 16-bit products: the codes widened (rows 0-3 and 4-7) and regrouped
+ * by pairs of inputs, so that one vpmaddwd of *w01 against inputs 0-1 of an activation
+ * row (as a 16-bit pair in every 32-bit lane) and one of *w23 against inputs 2-3 add
+ * each row's four products into its own lane. The lanes hold rows in the order
+ * 0 1 4 5 2 3 6 7 (the 128-bit halves of the regrouping); i16_rows puts them back.
+ * One accumulator a row, no spills: 8 rows and the two weight vectors fit the 16
+ * registers. */
+TM_INLINE void i16_dot_step(const int8_t *w, vdot *w01, vdot *w23) {
+    const __m256 lo = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)));
+    const __m256 hi = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16))));
+    *w01 = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0)));
+    *w23 = _mm256_castps_si256(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1)));
 }
-TM_INLINE vdot i16_broadcast(const tm_act *x) {
-    int64_t four;
-    memcpy(&four, x, sizeof four);
-    return _mm256_set1_epi64x(four);
+TM_INLINE vdot i16_pair(const tm_act *x) {
+    int32_t two;
+    memcpy(&two, x, sizeof two);
+    return _mm256_set1_epi32(two);
 }
-TM_INLINE vdot i16_rows(vdot lo, vdot hi) {
-    /* hadd: [r0 r1 r4 r5 | r2 r3 r6 r7]; the 64-bit permute puts them in order */
-    return _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo, hi), 0xD8);
+TM_INLINE vdot i16_madd2(vdot acc, vdot w01, vdot w23, const tm_act *x) {
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w01, i16_pair(x)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w23, i16_pair(x + 2)));
 }
+TM_INLINE vdot i16_rows(vdot acc) { return _mm256_permute4x64_epi64(acc, 0xD8); }
 
 /* Tiles [tile, tile + NT) of an int8 layer against NB activation rows of 16-bit codes:
  * acc[t][b] lane i = w_(row i of tile t) . xq_b, as int8_vnni_block's. One tile at a
- * time: two accumulators a row fill the 16 registers at 6 rows. */
+ * time. */
 TM_INLINE void int8_vnni_block(const TmLinear *L, const tm_act *xq, const int NT, const int NB, int64_t tile,
                                vdot acc[2][VNNI_ROWS]) {
     const int64_t K = L->k;
     for (int t = 0; t < NT; t++) {
         const int8_t *w = L->packed + (tile + t) * K * VW;
-        vdot lo[VNNI_ROWS], hi[VNNI_ROWS];
-        for (int b = 0; b < NB; b++) lo[b] = dot_zero(), hi[b] = dot_zero();
+        vdot a[VNNI_ROWS];
+        for (int b = 0; b < NB; b++) a[b] = dot_zero();
         for (int64_t c = 0; c < K; c += 4) {
-            vdot wl, wh;
-            i16_dot_step(w + c * VW, &wl, &wh);
-            for (int b = 0; b < NB; b++) {
-                const vdot xv = i16_broadcast(xq + b * K + c);
-                lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(wl, xv));
-                hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(wh, xv));
-            }
+            vdot w01, w23;
+            i16_dot_step(w + c * VW, &w01, &w23);
+            for (int b = 0; b < NB; b++) a[b] = i16_madd2(a[b], w01, w23, xq + b * K + c);
         }
-        for (int b = 0; b < NB; b++) acc[t][b] = i16_rows(lo[b], hi[b]);
+        for (int b = 0; b < NB; b++) acc[t][b] = i16_rows(a[b]);
     }
 }
 #else
@@ -604,7 +607,7 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const 
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = first; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
-#ifdef TM_I16_DOT /* rows per pass: up to 6, each count compiled */
+#ifdef TM_I16_DOT /* rows per pass: up to 8, each count compiled */
             const int NB = left >= VNNI_ROWS ? VNNI_ROWS : (int)left;
 #else /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
             const int NB = left >= VNNI_ROWS ? VNNI_ROWS : left <= 2 ? (int)left : (int)((left + 3) / 4 * 4);
@@ -620,7 +623,9 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const 
         case 3: VNNI_BLOCK(T, 3); break;                                                                \
         case 4: VNNI_BLOCK(T, 4); break;                                                                \
         case 5: VNNI_BLOCK(T, 5); break;                                                                \
-        default: VNNI_BLOCK(T, 6); break;                                                               \
+        case 6: VNNI_BLOCK(T, 6); break;                                                                \
+        case 7: VNNI_BLOCK(T, 7); break;                                                                \
+        default: VNNI_BLOCK(T, 8); break;                                                               \
     }
 #else
 #define VNNI_BLOCKS(T)                                                                                  \
@@ -654,7 +659,7 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const 
 }
 
 #ifdef TM_I16_DOT
-#define VNNI_G_ROWS 4 /* activation rows per pass of the grouped kernel: 3 accumulators a row */
+#define VNNI_G_ROWS 6 /* activation rows per pass of the grouped kernel: 2 accumulators a row */
 
 /* int8g_vnni_block from 16-bit codes: at 8 bits (xh, u8 codes widened, a scale per
  * 32 inputs in xdg) each group's sums start at its -128 x code-sum offset, as there; at
@@ -671,21 +676,17 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const tm_act *xh, const tm_ac
     vf f[VNNI_G_ROWS];
     for (int b = 0; b < NB; b++) f[b] = (vf){0};
     for (int64_t g = 0; g < G; g++) {
-        vdot lo[VNNI_G_ROWS], hi[VNNI_G_ROWS];
-        for (int b = 0; b < NB; b++) lo[b] = dot_zero(), hi[b] = dot_zero();
+        vdot a[VNNI_G_ROWS];
+        for (int b = 0; b < NB; b++) a[b] = dot_zero();
         for (int64_t c = g * 32; c < g * 32 + 32; c += 4) {
-            vdot wl, wh;
-            i16_dot_step(w + c * VW, &wl, &wh);
-            for (int b = 0; b < NB; b++) {
-                const vdot xv = i16_broadcast(xh + b * K + c);
-                lo[b] = _mm256_add_epi32(lo[b], _mm256_madd_epi16(wl, xv));
-                hi[b] = _mm256_add_epi32(hi[b], _mm256_madd_epi16(wh, xv));
-            }
+            vdot w01, w23;
+            i16_dot_step(w + c * VW, &w01, &w23);
+            for (int b = 0; b < NB; b++) a[b] = i16_madd2(a[b], w01, w23, xh + b * K + c);
         }
         const vf dsv = vload(ds + g * VW);
         const vdot start = dot_load(offsets + g * VW);
         for (int b = 0; b < NB; b++) {
-            const vdot sums = i16_rows(lo[b], hi[b]);
+            const vdot sums = i16_rows(a[b]);
             vi v;
             if (two) {
                 memcpy(&v, &sums, sizeof v);
@@ -778,7 +779,9 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
         case 1: G_BLOCK(TWO, 1); break;                                                                 \
         case 2: G_BLOCK(TWO, 2); break;                                                                 \
         case 3: G_BLOCK(TWO, 3); break;                                                                 \
-        default: G_BLOCK(TWO, 4); break;                                                                \
+        case 4: G_BLOCK(TWO, 4); break;                                                                 \
+        case 5: G_BLOCK(TWO, 5); break;                                                                 \
+        default: G_BLOCK(TWO, 6); break;                                                                \
     }
 #else
 #define G_BLOCKS(TWO)                                                                                   \
