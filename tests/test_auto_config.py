@@ -37,16 +37,19 @@ def test_quantization_auto_keeps_gguf_blocks_only_when_there_are_some() -> None:
     assert auto.resolve_quantization("int8", with_blocks) == ("int8", "as asked")
 
 
-def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_vnni(monkeypatch) -> None:
+def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_integer_products(monkeypatch) -> None:
     cpu = torch.device("cpu")
     with_blocks = SimpleNamespace(raw_quantized={"a.weight": ("Q4_1", None, (4, 32))})
-    vnni = SimpleNamespace(int8_dot=True)
-    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: vnni)
+    lib = SimpleNamespace(int8_dot=True, int8_dot_unit="VNNI")
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: lib)
     name, why = auto.resolve_quantization("auto", with_blocks, cpu)
     assert name == "w8a8" and "VNNI" in why
+    lib.int8_dot_unit = "AVX2 16-bit"  # AVX2 without VNNI: the same sums from 16-bit products
+    name, why = auto.resolve_quantization("auto", with_blocks, cpu)
+    assert name == "w8a8" and "AVX2 16-bit" in why
     assert auto.resolve_quantization("auto", with_blocks, torch.device("cuda"))[0] == "none"
     assert auto.resolve_quantization("none", with_blocks, cpu) == ("none", "as asked")
-    vnni.int8_dot = False  # an AVX2 CPU: the GGUF's blocks stay
+    lib.int8_dot = False  # a build without integer products (portable): the GGUF's blocks stay
     assert auto.resolve_quantization("auto", with_blocks, cpu)[0] == "gguf"
     monkeypatch.setattr(cpu_kernels, "load", lambda options=None: None)  # kernels off
     assert auto.resolve_quantization("auto", SimpleNamespace(raw_quantized={}), cpu)[0] == "none"

@@ -83,8 +83,7 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     if device is not None and int8_compute(name, device, options):
         from ..model.cpu_kernels import load
 
-        lib = load(options)
-        unit = lib.int8_dot_unit if lib is not None and lib.int8_dot_unit else "integer"
+        unit = getattr(load(options), "int8_dot_unit", "") or "integer"
         return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
                         "per 32 inputs")

@@ -471,9 +471,36 @@ typedef __m256i vdot;
  * 16-bit activation row of an int8g layer holds its signed value in one plane). */
 typedef int16_t tm_act;
 #define VNNI_ROWS 8 /* activation rows per pass: one accumulator each */
+#define VNNI_G_ROWS 8 /* the grouped kernel's: two accumulators a row (the float one spills cheaply) */
+/* Activation rows in a pass of at most MAX with `left` to go: all of them, each count
+ * compiled (ROWS_SWITCH), so no padding rows are read. */
+#define PASS_ROWS(left, MAX) ((left) >= (MAX) ? (MAX) : (int)(left))
+#define ROWS_SWITCH(NB, MAX, CALL)                                                                      \
+    switch (NB) {                                                                                       \
+        case 1: CALL(1); break;                                                                         \
+        case 2: CALL(2); break;                                                                         \
+        case 3: CALL(3); break;                                                                         \
+        case 4: CALL(4); break;                                                                         \
+        case 5: CALL(5); break;                                                                         \
+        case 6: CALL(6); break;                                                                         \
+        case 7: CALL(7); break;                                                                         \
+        default: CALL(MAX); break;                                                                      \
+    }
 #else
 typedef uint8_t tm_act;
 #define VNNI_ROWS 12 /* activation rows per pass: 2 tiles x 12 rows = 24 accumulators */
+#define VNNI_G_ROWS 8 /* the grouped kernel's: 3 accumulators a row */
+/* Activation rows in a pass of at most MAX with `left` to go: the rest rounded up to 1,
+ * 2, 4, 8 or MAX (the padding rows are zeros), so few counts are compiled. */
+#define PASS_ROWS(left, MAX) ((left) >= (MAX) ? (MAX) : (left) <= 2 ? (int)(left) : (int)(((left) + 3) / 4 * 4))
+#define ROWS_SWITCH(NB, MAX, CALL)                                                                      \
+    switch (NB) {                                                                                       \
+        case 1: CALL(1); break;                                                                         \
+        case 2: CALL(2); break;                                                                         \
+        case 4: CALL(4); break;                                                                         \
+        case 8: CALL(8); break;                                                                         \
+        default: CALL(MAX); break;                                                                      \
+    }
 #endif
 
 /* The float epilogue of one activation row against one tile (VW output rows, from
@@ -607,43 +634,18 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const 
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = first; b0 < B; b0 += VNNI_ROWS) {
             const int64_t left = B - b0;
-#ifdef TM_I16_DOT /* rows per pass: up to 8, each count compiled */
-            const int NB = left >= VNNI_ROWS ? VNNI_ROWS : (int)left;
-#else /* rows per pass: 12, else the rest rounded up to 1, 2, 4 or 8 (the padding rows are zeros) */
-            const int NB = left >= VNNI_ROWS ? VNNI_ROWS : left <= 2 ? (int)left : (int)((left + 3) / 4 * 4);
-#endif
+            const int NB = PASS_ROWS(left, VNNI_ROWS);
             for (int64_t p = 0; p < planes; p++) {
                 const tm_act *xb = xq + (p * Bp + b0) * K;
-#define VNNI_BLOCK(T, N) int8_vnni_block(L, xb, T, N, tile, acc[p])
-#ifdef TM_I16_DOT
-#define VNNI_BLOCKS(T)                                                                                  \
-    switch (NB) {                                                                                       \
-        case 1: VNNI_BLOCK(T, 1); break;                                                                \
-        case 2: VNNI_BLOCK(T, 2); break;                                                                \
-        case 3: VNNI_BLOCK(T, 3); break;                                                                \
-        case 4: VNNI_BLOCK(T, 4); break;                                                                \
-        case 5: VNNI_BLOCK(T, 5); break;                                                                \
-        case 6: VNNI_BLOCK(T, 6); break;                                                                \
-        case 7: VNNI_BLOCK(T, 7); break;                                                                \
-        default: VNNI_BLOCK(T, 8); break;                                                               \
-    }
-#else
-#define VNNI_BLOCKS(T)                                                                                  \
-    switch (NB) {                                                                                       \
-        case 1: VNNI_BLOCK(T, 1); break;                                                                \
-        case 2: VNNI_BLOCK(T, 2); break;                                                                \
-        case 4: VNNI_BLOCK(T, 4); break;                                                                \
-        case 8: VNNI_BLOCK(T, 8); break;                                                                \
-        default: VNNI_BLOCK(T, 12); break;                                                              \
-    }
-#endif
+#define VNNI_BLOCK_1(N) int8_vnni_block(L, xb, 1, N, tile, acc[p])
+#define VNNI_BLOCK_2(N) int8_vnni_block(L, xb, 2, N, tile, acc[p])
                 if (NT == 2) {
-                    VNNI_BLOCKS(2)
+                    ROWS_SWITCH(NB, VNNI_ROWS, VNNI_BLOCK_2)
                 } else {
-                    VNNI_BLOCKS(1)
+                    ROWS_SWITCH(NB, VNNI_ROWS, VNNI_BLOCK_1)
                 }
-#undef VNNI_BLOCKS
-#undef VNNI_BLOCK
+#undef VNNI_BLOCK_2
+#undef VNNI_BLOCK_1
             }
             for (int t = 0; t < NT; t++)
                 for (int64_t b = 0; b < left && b < VNNI_ROWS; b++) {
@@ -659,7 +661,6 @@ static void int8_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const 
 }
 
 #ifdef TM_I16_DOT
-#define VNNI_G_ROWS 6 /* activation rows per pass of the grouped kernel: 2 accumulators a row */
 
 /* int8g_vnni_block from 16-bit codes: at 8 bits (xh, u8 codes widened, a scale per
  * 32 inputs in xdg) each group's sums start at its -128 x code-sum offset, as there; at
@@ -701,7 +702,6 @@ TM_INLINE void int8g_vnni_block(const TmLinear *L, const tm_act *xh, const tm_ac
     for (int b = 0; b < NB; b++) out[b] = f[b];
 }
 #else
-#define VNNI_G_ROWS 8 /* activation rows per pass of the grouped kernel: 3 accumulators a row */
 
 /* One tile (VW output rows) of an int8g layer (a scale per 32 inputs) in the VNNI
  * packing against NB activation rows: with `two`, quantized per row to 16 bits by
@@ -765,40 +765,18 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
     for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
         for (int64_t b0 = first; b0 < B; b0 += VNNI_G_ROWS) {
             const int64_t left = B - b0;
-#ifdef TM_I16_DOT
-            const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : (int)left;
-#else
-            const int NB = left >= VNNI_G_ROWS ? VNNI_G_ROWS : left <= 2 ? (int)left : left <= 4 ? 4 : 8;
-#endif
+            const int NB = PASS_ROWS(left, VNNI_G_ROWS);
             const tm_act *xh = xq + b0 * K, *xl = xq + (Bp + b0) * K;
             const float *xdg = xd + b0 * (K / 32);
-#define G_BLOCK(TWO, N) int8g_vnni_block(L, xh, xl, xdg, TWO, N, tile, acc)
-#ifdef TM_I16_DOT
-#define G_BLOCKS(TWO)                                                                                   \
-    switch (NB) {                                                                                       \
-        case 1: G_BLOCK(TWO, 1); break;                                                                 \
-        case 2: G_BLOCK(TWO, 2); break;                                                                 \
-        case 3: G_BLOCK(TWO, 3); break;                                                                 \
-        case 4: G_BLOCK(TWO, 4); break;                                                                 \
-        case 5: G_BLOCK(TWO, 5); break;                                                                 \
-        default: G_BLOCK(TWO, 6); break;                                                                \
-    }
-#else
-#define G_BLOCKS(TWO)                                                                                   \
-    switch (NB) {                                                                                       \
-        case 1: G_BLOCK(TWO, 1); break;                                                                 \
-        case 2: G_BLOCK(TWO, 2); break;                                                                 \
-        case 4: G_BLOCK(TWO, 4); break;                                                                 \
-        default: G_BLOCK(TWO, 8); break;                                                                \
-    }
-#endif
+#define G_BLOCK_16(N) int8g_vnni_block(L, xh, xl, xdg, 1, N, tile, acc)
+#define G_BLOCK_8(N) int8g_vnni_block(L, xh, xl, xdg, 0, N, tile, acc)
             if (bits == 16) {
-                G_BLOCKS(1)
+                ROWS_SWITCH(NB, VNNI_G_ROWS, G_BLOCK_16)
             } else {
-                G_BLOCKS(0)
+                ROWS_SWITCH(NB, VNNI_G_ROWS, G_BLOCK_8)
             }
-#undef G_BLOCKS
-#undef G_BLOCK
+#undef G_BLOCK_8
+#undef G_BLOCK_16
             for (int64_t b = 0; b < left && b < VNNI_G_ROWS; b++)
                 int8g_store_row(L, bits, tile * VW, acc[b], xd[b0 + b], y + (b0 + b) * ldy - y_col0, accumulate);
         }
