@@ -549,8 +549,8 @@ TM_INLINE void int8g_store_row(const TmLinear *L, int bits, int64_t row, vf acc,
  * row (as a 16-bit pair in every 32-bit lane) and one of *w23 against inputs 2-3 add
  * each row's four products into its own lane. The lanes hold rows in the order
  * 0 1 4 5 2 3 6 7 (the 128-bit halves of the regrouping); i16_rows puts them back.
- * One accumulator a row, no spills: 8 rows and the two weight vectors fit the 16
- * registers. */
+ * One accumulator a row (two, one per half tile, left gcc spilling 9 of 12 to the
+ * stack at 6 rows); at 8 rows a pass it keeps all but two in registers. */
 TM_INLINE void i16_dot_step(const int8_t *w, vdot *w01, vdot *w23) {
     const __m256 lo = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)));
     const __m256 hi = _mm256_castsi256_ps(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16))));
