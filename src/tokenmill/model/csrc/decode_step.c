@@ -43,6 +43,7 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#include <pthread.h>
 #include <sched.h>
 
 #define TM_MAX_ROWS 6 /* activation rows per pass over a weight tile */
@@ -1284,18 +1285,42 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
 
 /* This thread's scratch for tm_linear, at least `floats` long, kept from call to call: a
  * prefill's projections each want megabytes, and a buffer freed after every call came
- * back from the system page by page on the next (zeroed page faults took ~15% of a
- * 512-row int8 projection). Grows to the largest call a thread has served; OpenMP's
- * threads live as long as the process. */
+ * back from the system page by page on the next (the page faults took about as long as
+ * the arithmetic of a 512-row int8 projection). It grows to the largest call the thread
+ * has served and is freed when the thread ends (a thread-specific key's destructor), so
+ * engines that come and go with their threads leave nothing behind. */
+typedef struct {
+    float *buf;
+    size_t cap;
+} LinearScratch;
+
+static pthread_key_t linear_scratch_key;
+static pthread_once_t linear_scratch_once = PTHREAD_ONCE_INIT;
+
+static void linear_scratch_free(void *p) {
+    LinearScratch *s = (LinearScratch *)p;
+    free(s->buf);
+    free(s);
+}
+
+static void linear_scratch_key_init(void) { pthread_key_create(&linear_scratch_key, linear_scratch_free); }
+
 static float *linear_scratch(size_t floats) {
-    static __thread float *buf;
-    static __thread size_t cap;
-    if (floats > cap) {
-        free(buf);
-        buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
-        cap = buf ? floats : 0;
+    pthread_once(&linear_scratch_once, linear_scratch_key_init);
+    LinearScratch *s = (LinearScratch *)pthread_getspecific(linear_scratch_key);
+    if (!s) {
+        s = (LinearScratch *)calloc(1, sizeof *s);
+        if (!s || pthread_setspecific(linear_scratch_key, s)) {
+            free(s);
+            return NULL;
+        }
     }
-    return buf;
+    if (floats > s->cap) {
+        free(s->buf);
+        s->buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        s->cap = s->buf ? floats : 0;
+    }
+    return s->buf;
 }
 
 /* One projection y = L(x) outside the fused step: the eager model's int4 layers
