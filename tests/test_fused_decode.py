@@ -93,6 +93,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
+def test_fused_step_gives_the_same_bits_whatever_the_thread_count(quantization: str) -> None:
+    """Inside the step, threads claim projection rows and attention items as they come
+    free, so which thread did what differs from step to step: logits and the K/V written
+    must not."""
+    engine = _engine(tiny_loaded(seed=6, num_hidden_layers=3), dtype="float32", quantization=quantization)
+    reqs = _requests(engine, _prompts(11, seed=8))
+    _prefill_all_but_last(engine, reqs)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            logits = _decode(engine, reqs, True)  # rewrites the same slots each time
+            results.append((logits, _new_kv(engine, reqs)))
+    finally:
+        torch.set_num_threads(before)
+    for logits, kv in results[1:]:
+        assert torch.equal(logits, results[0][0]) and torch.equal(kv, results[0][1])
+
+
 @pytest.mark.parametrize("batch", [1, 2, 5, 19])
 @pytest.mark.parametrize("overrides", [{}, {"attention_bias": True}, {"qk_norm": True}])
 def test_float32_fused_step_matches_eager_logits_and_cache_writes(batch: int, overrides: dict, monkeypatch) -> None:

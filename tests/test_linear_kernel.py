@@ -117,6 +117,29 @@ def test_int4_split_and_groups(lib, rows: int, group: int) -> None:
     _check(lib, d, w, rows, seed=rows)
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=["f32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 9, 70])
+def test_output_does_not_depend_on_how_many_threads_share_it(lib, kind: int, rows: int) -> None:
+    """Threads claim chunks of output rows as they go (whoever is free takes the next), so
+    which thread computes a row changes from call to call: its values must not. Every
+    thread count, each a different chunking, gives the same bits; a chunk computed twice
+    or left out would not."""
+    keep: list[torch.Tensor] = []
+    d, _ = _desc(kind, 37 * 16 + 5, 128, keep, seed=rows, bias=True)
+    x = torch.randn(rows, d.k, generator=torch.Generator().manual_seed(rows))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            outs.append(cpu_kernels.linear(d, x, library=lib))
+    finally:
+        torch.set_num_threads(before)
+    assert all(o is not None for o in outs)
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+
+
 @settings(max_examples=25, deadline=None)
 @given(n=st.integers(1, 70), k_chunks=st.integers(1, 6), rows=st.integers(1, 30),
        kind=st.sampled_from(KINDS), seed=st.integers(0, 10_000))

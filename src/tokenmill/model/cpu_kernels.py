@@ -64,7 +64,14 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, one translation unit
 SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
            CSRC / "amx_int8.c", SOURCE)  # what the cache key hashes
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# -fno-trapping-math: no floating-point trap is ever enabled here, and under gcc's default
+# (traps possible) a loop whose body selects between float results (exp_nonpos's range
+# check, SiLU's sign cases, the softmax's causal mask) is vectorized only where the ISA has
+# masked operations: AVX-512 builds vectorized them, AVX2 and portable builds ran them one
+# float at a time. The flag only lets gcc compute both sides of such a select and keep
+# the one chosen; it rounds nothing differently (a vectorized sum adds in lanes, as the
+# AVX-512 build's always did).
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-trapping-math")
 # Instruction-set builds: "native" takes everything this CPU has; "avx512" leaves
 # AMX out, so a machine with tiles runs (and tests, and measures against) what an
 # AVX-512 one without them runs; "avx2" leaves AVX-512 out, the same for an

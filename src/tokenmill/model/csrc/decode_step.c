@@ -4,9 +4,9 @@
  * rotary, splits, casts, residuals, the quantized matmuls and their wrappers),
  * and on a small CPU their fixed costs took most of an int4 step, far more
  * than reading the weights (docs/performance.md). Here every layer runs in one
- * OpenMP parallel region: each thread owns a slice of every matmul's output
- * rows and one set of (sequence, kv head) attention items, and the threads
- * meet at six spin barriers per layer (libgomp's own barriers sleep under the
+ * OpenMP parallel region: the threads claim chunks of every matmul's output
+ * rows and of the (sequence, kv head) attention items as they come free
+ * (claim_chunk), and meet at six spin barriers per layer (libgomp's own barriers sleep under the
  * OMP_WAIT_POLICY=PASSIVE that tokenmill sets, and a futex wake-up per barrier
  * would cost more than the work between them).
  *
@@ -1107,22 +1107,48 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     }
 }
 
-/* This thread's share [*n0, *n1) of n rows, in whole tiles of VW. */
-TM_INLINE void split_rows(int64_t n, int t, int T, int64_t *n0, int64_t *n1) {
-    const int64_t tiles = (n + VW - 1) / VW;
-    *n0 = tiles * t / T * VW;
-    *n1 = tiles * (t + 1) / T * VW;
-    if (*n1 > n) *n1 = n;
-    if (*n0 > n) *n0 = n;
+/* Output rows are handed out by claiming, not split in fixed shares: on a machine
+ * whose cores the server's other threads (HTTP, the load it answers) also use, a thread
+ * the system deschedules for a moment would otherwise hold every other thread at the
+ * next barrier with its whole share undone. A claim takes a guided chunk: half of what
+ * is left over the thread count, whole pairs of tiles (the int8 kernels' step), at least
+ * one pair; so equal threads end within a pair of tiles of each other and a slow one
+ * leaves its tail to the rest. Which thread computes a tile never changes its values. */
+#define CLAIM_TILES 2
+
+/* Claims the next chunk of `total` work units from *next: returns its first unit and
+ * sets *end, or returns -1 when all are taken. */
+TM_INLINE int64_t claim_chunk(int64_t *next, int64_t total, int T, int64_t step, int64_t *end) {
+    int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), stop;
+    do {
+        if (cur >= total) return -1;
+        int64_t size = (total - cur) / (2 * T);
+        size = (size + step - 1) / step * step;
+        if (size < step) size = step;
+        stop = cur + size < total ? cur + size : total;
+    } while (!__atomic_compare_exchange_n(next, &cur, stop, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *end = stop;
+    return cur;
 }
 
-/* This thread's share of y = L(in) (or y += L(in)): its whole tiles of L's rows. */
-static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int64_t B, InputScratch *is, int t,
-                          int T, float *y, int64_t ldy, int accumulate) {
+/* Rows [*n0, *n1) of L's n output rows claimed from *next (in tiles of VW); 0 when none
+ * are left. */
+TM_INLINE int claim_rows(int64_t *next, int64_t n, int T, int64_t *n0, int64_t *n1) {
+    int64_t end;
+    const int64_t first = claim_chunk(next, (n + VW - 1) / VW, T, CLAIM_TILES, &end);
+    if (first < 0) return 0;
+    *n0 = first * VW;
+    *n1 = end * VW < n ? end * VW : n;
+    return 1;
+}
+
+/* This thread's part of y = L(in) (or y += L(in)): the tiles of L's rows it claims from
+ * *next, a counter at 0 that every thread of the call shares. */
+static void thread_linear(const TmLinear *L, const float *in, int64_t ld_in, int64_t B, InputScratch *is,
+                          int64_t *next, int T, float *y, int64_t ldy, int accumulate) {
     int64_t ldx, n0, n1;
     const float *x = prepare_input(L, in, ld_in, B, is, &ldx);
-    split_rows(L->n, t, T, &n0, &n1);
-    linear_rows(L, x, ldx, is, B, n0, n1, y, ldy, accumulate, 0);
+    while (claim_rows(next, L->n, T, &n0, &n1)) linear_rows(L, x, ldx, is, B, n0, n1, y, ldy, accumulate, 0);
 }
 
 /* ------------------------------------------------------------------ the step */
@@ -1161,6 +1187,13 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
     float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I) * 4 + 63) / 64 * 64);
     if (!qkv) return 2;
     float *attn = qkv + B * NQKV, *act = attn + B * NQ;
+    /* Per layer, the claim counters of its five phases (see claim_chunk), then the head's. */
+    enum { PH_QKV, PH_ATTEND, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
+    int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
+    if (!work) {
+        free(qkv);
+        return 2;
+    }
     if (num_threads < 1) num_threads = 1;
     SpinBarrier bar = {0, 0, num_threads};
     int failed = 0;
@@ -1198,10 +1231,10 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
 
         for (int64_t li = 0; li < m->num_layers; li++) {
             const TmLayer *L = &m->layers[li];
-            /* 1. q/k/v projection of the normed input; each thread its rows. */
+            /* 1. q/k/v projection of the normed input; the threads claim its rows. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
-                thread_linear(&L->qkv, h, H, B, &is, t, T, qkv, NQKV, 0);
+                thread_linear(&L->qkv, h, H, B, &is, &work[li * PHASES + PH_QKV], T, qkv, NQKV, 0);
             }
             barrier_wait(&bar, &sense);
             /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
@@ -1244,41 +1277,45 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             /* Every row's K/V is in the pool before anyone attends: rows of one sequence
              * at consecutive positions (a speculative verify) see each other's keys. */
             barrier_wait(&bar, &sense);
-            if (ok)
-                for (int64_t it = t; it < B * m->kv_heads; it += T)
-                    attend_dispatch(&a, it / m->kv_heads, it % m->kv_heads, m->cache_fmt, 0, &sc);
+            if (ok) {
+                int64_t it, end;
+                while ((it = claim_chunk(&work[li * PHASES + PH_ATTEND], B * m->kv_heads, T, 1, &end)) >= 0)
+                    for (; it < end; it++)
+                        attend_dispatch(&a, it / m->kv_heads, it % m->kv_heads, m->cache_fmt, 0, &sc);
+            }
             barrier_wait(&bar, &sense);
             /* 3. o projection, added into the residual stream. */
-            if (ok) thread_linear(&L->o, attn, NQ, B, &is, t, T, x, H, 1);
+            if (ok) thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);
             barrier_wait(&bar, &sense);
             /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
                 int64_t ldx, n0, n1;
                 const float *xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
-                split_rows(I, t, T, &n0, &n1);
-                for (int64_t c0 = n0; c0 < n1; c0 += VW) {
-                    const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
-                    /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
-                    linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, VW, 0, c0);
-                    linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, VW, 0, I + c0);
-                    for (int64_t b = 0; b < B; b++)
-                        silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
-                }
+                while (claim_rows(&work[li * PHASES + PH_GATE_UP], I, T, &n0, &n1))
+                    for (int64_t c0 = n0; c0 < n1; c0 += VW) {
+                        const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
+                        /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
+                        linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, VW, 0, c0);
+                        linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, VW, 0, I + c0);
+                        for (int64_t b = 0; b < B; b++)
+                            silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
+                    }
             }
             barrier_wait(&bar, &sense);
             /* 5. down projection, added into the residual stream. */
-            if (ok) thread_linear(&L->down, act, I, B, &is, t, T, x, H, 1);
+            if (ok) thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, x, H, 1);
             barrier_wait(&bar, &sense);
         }
         /* Final norm (every thread its own copy) and the head. */
         if (ok) {
             for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
-            thread_linear(&m->head, h, H, B, &is, t, T, logits, m->head.n, 0);
+            thread_linear(&m->head, h, H, B, &is, &work[m->num_layers * PHASES], T, logits, m->head.n, 0);
         }
         free(buf);
         failed = !ok;
     }
+    free(work);
     free(qkv);
     return failed ? 2 : 0;
 }
@@ -1327,7 +1364,7 @@ static float *linear_scratch(size_t floats) {
  * (and tests) use it, so that int4 weights are read in the project's own nibble
  * order on every CPU instead of a library's instruction-set-dependent packing.
  * x: [B, k] float32 rows ldx apart; y: [B, n] float32 rows ldy apart. Threads
- * split the output rows in whole tiles, as in the step. Returns 0, 1 for a
+ * claim the output rows in whole tiles, as in the step. Returns 0, 1 for a
  * layer description the kernel cannot take (nothing written), 2 when scratch
  * memory could not be allocated. */
 int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy, int num_threads) {
@@ -1343,16 +1380,17 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     if (num_threads < 1) num_threads = 1;
     const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / L->group : 0;
     int failed = 0;
+    int64_t next = 0; /* the threads' claim counter (claim_chunk) */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const int T = omp_get_num_threads(), t = omp_get_thread_num();
+        const int T = omp_get_num_threads();
         const size_t q8 = ((size_t)2 * (B + 3) * kp * TM_ACT_BYTES + 3) / 4; /* the quantized input: two planes */
         const size_t floats = (size_t)B * kp + (size_t)B * G + (size_t)VW * kp + q8 + (size_t)(B + 3) * kp / 32;
         float *buf = linear_scratch(floats);
         if (buf) {
             float *q8_at = buf + B * kp + B * G + VW * kp;
             InputScratch is = {buf, buf + B * kp, NULL, buf + B * kp + B * G, (int8_t *)q8_at, q8_at + q8};
-            thread_linear(L, x, ldx, B, &is, t, T, y, ldy, 0);
+            thread_linear(L, x, ldx, B, &is, &next, T, y, ldy, 0);
         }
         failed = buf == NULL;
     }
