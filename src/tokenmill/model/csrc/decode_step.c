@@ -1119,6 +1119,17 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
 /* Claims the next chunk of `total` work units from *next: returns its first unit and
  * sets *end, or returns -1 when all are taken. */
 TM_INLINE int64_t claim_chunk(int64_t *next, int64_t total, int T, int64_t step, int64_t *end) {
+#ifdef TM_STATIC_SHARES
+    /* The fixed shares the kernels used before (benchmarks/thread_claims.py builds this to
+     * compare): thread t's one chunk, its t-th of total in whole steps; *next records who
+     * has taken theirs. */
+    const int t = omp_get_thread_num();
+    if (__atomic_fetch_or(next, (int64_t)1 << t, __ATOMIC_RELAXED) & ((int64_t)1 << t)) return -1;
+    const int64_t steps = (total + step - 1) / step, first = steps * t / T * step;
+    const int64_t last = steps * (t + 1) / T * step;
+    *end = last < total ? last : total;
+    return first < *end ? first : -1;
+#else
     int64_t cur = __atomic_load_n(next, __ATOMIC_RELAXED), stop;
     do {
         if (cur >= total) return -1;
@@ -1129,6 +1140,7 @@ TM_INLINE int64_t claim_chunk(int64_t *next, int64_t total, int T, int64_t step,
     } while (!__atomic_compare_exchange_n(next, &cur, stop, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
     *end = stop;
     return cur;
+#endif
 }
 
 /* Rows [*n0, *n1) of L's n output rows claimed from *next (in tiles of VW); 0 when none
