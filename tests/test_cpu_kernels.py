@@ -110,11 +110,24 @@ def test_kernel_handles_peaked_and_flat_scores(lib) -> None:
         assert_matches(run_kernel(lib, q, k, v, tables, lens, scale), plain_attention(q, k, v, tables, lens, scale))
 
 
+def test_a_narrowed_process_builds_what_a_full_one_builds_with_the_same_flags() -> None:
+    """``make test`` runs the kernel tests again with the kernels narrowed to AVX2: its
+    native, AVX2 and portable builds have the flags (and so the cache key) of the full
+    run's AVX2 and portable builds, and are not compiled twice."""
+    def flags(isa: str, extra: tuple[str, ...]) -> tuple[str, ...]:
+        return cpu_kernels.CFLAGS + cpu_kernels._isa_flags(isa, extra) + extra
+
+    avx2, portable = cpu_kernels.ISA_FLAGS["avx2"], cpu_kernels.ISA_FLAGS["portable"]
+    assert flags("avx2", ()) == flags("native", avx2) == flags("avx2", avx2)
+    assert flags("avx2", portable) == flags("native", portable)
+    assert flags("avx2", ("-O0",)) == cpu_kernels.CFLAGS + avx2 + ("-O0",)  # extra flags alone keep the narrowing
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_eight_lane_build_matches(dtype) -> None:
     """The build for machines without AVX-512 (8-float vectors, another shuffle tree)."""
-    narrow = cpu_kernels.build(("-mno-avx512f",))
+    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])  # the AVX2 build the other kernel tests compile
     assert narrow.vector_width == 8
     q, k, v, tables, lens = make_pool([1, 9, 40, 123], 9, 3, 64, 16, dtype, seed=8, strided_q=True)
     assert_matches(run_kernel(narrow, q, k, v, tables, lens, 0.125), plain_attention(q, k, v, tables, lens, 0.125))

@@ -183,12 +183,22 @@ def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
             os.unlink(tmp)
 
 
+def _isa_flags(kernel_isa: str, extra_flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The process's instruction-set flags, unless the extra flags already carry them or name
+    a target of their own (``-march=``): the same library then has the same flags, so one
+    compile serves a narrowed process and a full one (the cache key hashes the flags)."""
+    isa = ISA_FLAGS[kernel_isa]
+    if any(f.startswith("-march=") for f in extra_flags) or set(isa) <= set(extra_flags):
+        return ()
+    return isa
+
+
 def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = None) -> KernelLibrary:
     """Compile (unless cached) and load the kernel library; raises on failure.
     ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
     options = options or process_options()
     cc = _compiler()
-    flags = CFLAGS + ISA_FLAGS[options.kernel_isa] + tuple(extra_flags)
+    flags = CFLAGS + _isa_flags(options.kernel_isa, tuple(extra_flags)) + tuple(extra_flags)
     path = _library_path(cc, flags, options.kernel_cache_dir)
     if not path.exists():
         _compile(cc, flags, path)
