@@ -59,12 +59,29 @@ def make_pool(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_s
     return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
 
 
-def plain_attention(q, k, v, tables, lens, scale) -> torch.Tensor:
-    """float64, one sequence and head at a time, keys gathered position by position."""
+def bf16_product_bound(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, scale: float) -> torch.Tensor:
+    """How far one head's output (float64 q [d], keys and vals [len, d]) may move when the
+    kernel multiplies bf16-rounded q and softmax weights (vdpbf16ps; ``lib.bf16_attention``):
+    rounding q moves score t by at most 2^-9 scale sum|q k_t|, so a normalised weight by a
+    factor within exp(+-2 of the largest such move); rounding a weight moves it by 2^-9 of
+    itself. With every weight within a relative delta, the output moves by at most
+    delta / (1 - delta) * sum_t p_t |v_t - out|."""
+    scores = keys @ q * scale
+    moved = 2.0**-9 * scale * (keys.abs() @ q.abs()).max()
+    delta = 2.0**-9 + float(torch.expm1(2 * moved))
+    probs = torch.softmax(scores, dim=0)
+    out = probs @ vals
+    return delta / (1 - delta) * (probs @ (vals - out).abs())
+
+
+def plain_attention(q, k, v, tables, lens, scale, bounds: list | None = None) -> torch.Tensor:
+    """float64, one sequence and head at a time, keys gathered position by position. With
+    ``bounds`` (a list), also appends the tensor of bf16_product_bound per output element."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads, _, block_size, _ = k.shape
     group = heads // kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
+    bound = torch.empty(q.shape, dtype=torch.float64)
     for n, length in enumerate(lens.tolist()):
         rows = [(int(tables[n, p // block_size]), p % block_size) for p in range(length)]
         for h in range(heads):
@@ -73,7 +90,16 @@ def plain_attention(q, k, v, tables, lens, scale) -> torch.Tensor:
             vals = torch.stack([v[kv, b, o] for b, o in rows]).double()
             probs = torch.softmax(keys @ q[n, h].double() * scale, dim=0)
             out[n, h] = probs @ vals
+            if bounds is not None:
+                bound[n, h] = bf16_product_bound(q[n, h].double(), keys, vals, scale)
+    if bounds is not None:
+        bounds.append(bound)
     return out
+
+
+def bf16_products(lib: cpu_kernels.KernelLibrary, pool_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this build's decode attention multiplies bf16-rounded q and weights here."""
+    return lib.bf16_attention and pool_dtype == torch.bfloat16 and head_dim % 32 == 0
 
 
 def run_kernel(lib, q, k, v, tables, lens, scale) -> torch.Tensor:
@@ -82,8 +108,14 @@ def run_kernel(lib, q, k, v, tables, lens, scale) -> torch.Tensor:
     return out
 
 
-def assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
-    if got.dtype == torch.float32:
+def assert_matches(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor | None = None) -> None:
+    """float32 math: float32 outputs to 1e-5, bf16 ones within half a bf16 ulp (2^-9
+    relative, one rounding). ``bound``: bf16 products (bf16_product_bound) on top of that."""
+    if bound is not None:
+        err = (got.double() - want).abs()
+        allowed = bound + 1e-5 + (want.abs() * 2.0**-8 if got.dtype == torch.bfloat16 else 0)
+        assert bool((err <= allowed).all()), float((err - allowed).max())
+    elif got.dtype == torch.float32:
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     else:  # fp32 math, one bf16 rounding of the output: within half a bf16 ulp (2^-9 relative)
         err = (got.double() - want).abs()
@@ -99,7 +131,28 @@ def test_kernel_matches_float64_attention(lib, dtype, heads, kv_heads, block_siz
                                           seed=heads * 100 + block_size + head_dim, strided_q=heads == 9)
     scale = head_dim**-0.5
     got = run_kernel(lib, q, k, v, tables, seq_lens, scale)
-    assert_matches(got, plain_attention(q, k, v, tables, seq_lens, scale))
+    bounds: list = []
+    want = plain_attention(q, k, v, tables, seq_lens, scale, bounds)
+    assert_matches(got, want, bounds[0] if bf16_products(lib, dtype, head_dim) else None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_products_stay_within_their_bound_and_near_the_float32_math(lib, head_dim) -> None:
+    """A bf16 pool under float32 queries (the fused step's and the w8a8 default's case): with
+    bf16 products, within bf16_product_bound of the float64 attention, and on random data
+    well inside it (a bound that a broken kernel would also meet would be no test)."""
+    if not lib.bf16_attention:
+        pytest.skip("this build's attention is float32 arithmetic (no AVX512-BF16)")
+    q, k, v, tables, lens = make_pool([1, 16, 300, 77], 9, 3, head_dim, 16, torch.bfloat16, seed=head_dim)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))  # float32 queries
+    out = torch.full(q.shape, float("nan"))
+    assert cpu_kernels.paged_decode_attention(q, k, v, tables, lens, head_dim**-0.5, out, library=lib)
+    bounds: list = []
+    want = plain_attention(q, k.float(), v.float(), tables, lens, head_dim**-0.5, bounds)
+    err = (out.double() - want).abs()
+    assert bool((err <= bounds[0] + 1e-5).all())
+    assert float(err.max()) > 0  # the products are bf16: not the float32 result
+    assert float(err.mean()) < 0.25 * float(bounds[0].mean())
 
 
 def test_kernel_handles_peaked_and_flat_scores(lib) -> None:

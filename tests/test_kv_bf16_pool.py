@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llm, tiny_config
+from test_cpu_kernels import bf16_product_bound, bf16_products
 from tokenmill import SamplingParams
 from tokenmill.engine.runner import num_blocks_for_budget
 from tokenmill.model import cpu_kernels, kv_quant
@@ -88,6 +89,18 @@ def test_every_backend_reads_the_pool_as_its_widened_values(lib) -> None:
             assert step.padded is not None
         got = step.attend(q, k_pool, v_pool, 0.2)
         assert got.dtype == torch.float32
+        if isinstance(backend, CpuKernelAttention) and bf16_products(lib, torch.bfloat16, d):
+            # The two decode rows' products are bf16 (test_cpu_kernels.bf16_product_bound);
+            # the prefill chunks' arithmetic is float32.
+            torch.testing.assert_close(got[2:], want[2:], atol=2e-5, rtol=2e-5, msg=backend.name)
+            for row in range(2):
+                keys = torch.stack([k_pool[:, tables[row, p // bs], p % bs] for p in range(lens[row])], 1).double()
+                vals = torch.stack([v_pool[:, tables[row, p // bs], p % bs] for p in range(lens[row])], 1).double()
+                for h in range(heads):
+                    kv = h // (heads // kv_heads)
+                    bound = bf16_product_bound(q[row, h].double(), keys[kv], vals[kv], 0.2)
+                    assert bool(((got[row, h].double() - want[row, h].double()).abs() <= bound + 2e-5).all())
+            continue
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=backend.name)
 
 

@@ -79,7 +79,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
              "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -97,6 +97,7 @@ class KernelLibrary:
     int8_dot: bool = False  # int8 layers in the VNNI packing multiply integer activations (TmLinear.a8/a16_rows)
     amx: bool = False  # those products run on AMX tiles from 16 activation rows (csrc/amx_int8.c)
     int8_dot_unit: str = ""  # what computes those sums: "VNNI", or "AVX2 16-bit" products (the same sums)
+    bf16_attention: bool = False  # decode attention over a bf16 pool multiplies bf16-rounded q and weights (vdpbf16ps)
 
 
 _lock = threading.Lock()
@@ -241,6 +242,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
+    cdll.tm_kernels_bf16_attention.restype = ctypes.c_int
     cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
     cdll.tm_kernels_amx_init.restype = ctypes.c_int
     if cdll.tm_kernels_abi_version() != _ABI_VERSION:
@@ -250,7 +252,8 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     # The tiles' permission is the process's: asked for once, here, where the library is bound.
     amx = int8_dot and bool(cdll.tm_kernels_amx_init(1))
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
-                         int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""))
+                         int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""),
+                         bool(cdll.tm_kernels_bf16_attention()))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:

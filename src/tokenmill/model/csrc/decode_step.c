@@ -1236,7 +1236,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         if (ok) {
             float *zero = att + 2 * G * D + G + VW * D;
             memset(zero, 0, D * sizeof(float));
-            sc = (Scratch){att, att + G * D, att + 2 * G * D, att + 2 * G * D + G, zero, zero + D};
+            sc = (Scratch){att, att + G * D, att + 2 * G * D, att + 2 * G * D + G, zero, zero + D, -1, -1};
         }
         Args a = {qkv, NULL, NULL, block_tables, seq_lens, attn, NQKV, NQ, bt_stride,
                   m->heads, m->kv_heads, D, m->num_blocks, BS, m->scale};
@@ -1292,8 +1292,10 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
             if (ok) {
                 int64_t it, end;
                 while ((it = claim_chunk(&work[li * PHASES + PH_ATTEND], B * m->kv_heads, T, 1, &end)) >= 0)
-                    for (; it < end; it++)
+                    for (; it < end; it++) {
+                        sc.next_item = it + 1 < end ? it + 1 : -1;
                         attend_dispatch(&a, it / m->kv_heads, it % m->kv_heads, m->cache_fmt, 0, &sc);
+                    }
             }
             barrier_wait(&bar, &sense);
             /* 3. o projection, added into the residual stream. */

@@ -52,6 +52,7 @@
  * Longer contexts rely on the rolling prefetch past that.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -106,7 +107,18 @@ TM_INLINE vf vload_i8(const int8_t *p) {
  * registers, their block's scale applied to the row's score and to its softmax weight
  * (q . (s k) = s (q . k), sum p (s v) = sum (p s) v); rows of other formats widened into a
  * buffer first (fp8). */
-enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_I8 = 2, ROWS_CONV = 3 };
+enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_I8 = 2, ROWS_CONV = 3, ROWS_BF16_DOT = 4 };
+
+/* On a CPU with AVX512-BF16, bf16 rows meet bf16-rounded queries and softmax weights in
+ * vdpbf16ps (ROWS_BF16_DOT): a row is used as loaded, where widening it took a shuffle
+ * per vector, and one instruction multiplies twice the pairs an FMA does. The products
+ * are exact and the sums float32, so the rounding of q and of the weights (8 bits of
+ * mantissa, as the pool's rows already have) is the only change; the weights are
+ * rounded before they are summed, so they still add up to one. */
+#if defined(__AVX512BF16__) && VW == 16
+#define TM_ATTN_BF16_DOT 1
+#include <immintrin.h>
+#endif
 
 /* Vector c / VW of a row read in place. */
 TM_INLINE vf vload_row(const void *row, int64_t c, int kind) {
@@ -259,6 +271,10 @@ typedef struct {
     float *rows; /* VW * head_dim: a chunk of bf16 rows in float32 */
     float *zero; /* head_dim zeros: the rows of a chunk past the context's end */
     float *s;    /* group * len: scores, then exp(score - max) */
+    /* The thread's item pipeline (item = sequence * kv_heads + kv head; -1: none): the item
+     * it runs after this one, whose first rows this one prefetches as it goes, and the item
+     * whose rows the previous one prefetched (so they need no bulk request at its start). */
+    int64_t next_item, warm_item;
 } Scratch;
 
 /* Addresses of the chunk's rows (positions pos0 .. pos0 + n - 1) in one kv
@@ -308,6 +324,31 @@ TM_INLINE void prefetch_rows(const char *base, const int32_t *table, int64_t n, 
         const size_t bytes = (size_t)(n - b * BS < BS ? n - b * BS : BS) * row_bytes;
         for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, PF_HINT);
     }
+}
+
+/* Prefetch rows r0 .. r1 - 1 of one kv head's part of the pool into L2, a block's
+ * contiguous part at a time. */
+TM_INLINE void prefetch_range(const char *base, const int32_t *table, int64_t r0, int64_t r1, int64_t BS,
+                              size_t row_bytes) {
+    while (r0 < r1) {
+        const int64_t b = r0 / BS, o = r0 % BS, n = r1 - r0 < BS - o ? r1 - r0 : BS - o;
+        const char *row = base + ((size_t)table[b] * BS + o) * row_bytes;
+        for (size_t off = 0; off < (size_t)n * row_bytes; off += 64) __builtin_prefetch(row + off, 0, PF_HINT);
+        r0 += n;
+    }
+}
+
+/* Where an item's K and V rows lie: its kv head's part of each pool and its block table. */
+typedef struct {
+    const char *k, *v;
+    const int32_t *table;
+    int64_t len;
+} ItemRows;
+
+TM_INLINE ItemRows item_rows(const Args *a, int64_t n, int64_t kvh, size_t esize) {
+    const size_t head_bytes = (size_t)a->num_blocks * a->block_size * a->head_dim * esize;
+    return (ItemRows){(const char *)a->k_cache + kvh * head_bytes, (const char *)a->v_cache + kvh * head_bytes,
+                      a->block_tables + n * a->bt_stride, a->seq_lens[n]};
 }
 
 /* Query heads of one kv head handled per load of a K or V row: each row vector
@@ -396,6 +437,115 @@ TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void
     }
 }
 
+/* x rounded to the nearest bf16 (ties to even), as a float; x finite. */
+TM_INLINE float round_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+#ifdef TM_ATTN_BF16_DOT
+/* chunk_scores for bf16 rows and bf16 queries qh (NG x D, D % 32 == 0): a row's 32 values
+ * a load, each multiplied pairwise into its heads' partial sums, then the same shuffle tree. */
+TM_INLINE void chunk_scores_bf16(const uint16_t *qh, const void *rows[VW], const int64_t D, const int NG,
+                                 float scale, float *s, int64_t ldS, int64_t cnt) {
+    enum { P = VW / 2 };
+    vf half[2][HEADS_PER_PASS];
+    for (int h = 0; h < 2; h++) {
+        __m512 part[HEADS_PER_PASS][P];
+        for (int g = 0; g < NG; g++)
+            for (int t = 0; t < P; t++) part[g][t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D; c += 32) {
+            __m512bh qc[HEADS_PER_PASS];
+            for (int g = 0; g < NG; g++) qc[g] = (__m512bh)_mm512_loadu_si512(qh + g * D + c);
+            for (int t = 0; t < P; t++) {
+                const __m512bh r = (__m512bh)_mm512_loadu_si512((const uint16_t *)rows[h * P + t] + c);
+                for (int g = 0; g < NG; g++) part[g][t] = _mm512_dpbf16_ps(part[g][t], qc[g], r);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            vf v[P];
+            for (int t = 0; t < P; t++) v[t] = (vf)part[g][t];
+            int n = P;
+            for (int lev = 0; lev < TRANSPOSE_LEVELS - 1; lev++, n /= 2)
+                for (int i = 0; i < n / 2; i++)
+                    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], TRANSPOSE_LO[lev]) +
+                           __builtin_shuffle(v[2 * i], v[2 * i + 1], TRANSPOSE_HI[lev]);
+            half[h][g] = v[0];
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        vf sv = __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
+                __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1]);
+        sv *= scale;
+        if (cnt == VW) {
+            vstore(s + g * ldS, sv);
+        } else {
+            float tmp[VW];
+            vstore(tmp, sv);
+            memcpy(s + g * ldS, tmp, cnt * sizeof(float));
+        }
+    }
+}
+
+/* chunk_values for bf16 rows and bf16-exact weights p: rows t and t + 1 interleaved
+ * (vpunpck{l,h}wd: within each 128-bit lane, columns 8k + j and 8k + 4 + j, j < 4, of
+ * both rows), so one vdpbf16ps against the broadcast weight pair (p_t, p_t+1) adds both
+ * rows into 16 columns. acc holds each 32-column block in that order, lo half then hi
+ * half (bf16_acc_columns puts it back). */
+TM_INLINE void chunk_values_bf16(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
+                                 const int NG, float *acc) {
+    /* The weights as bf16 (exact: they are bf16 values already), so dword j holds the
+     * pair (p_2j, p_2j+1); positions past cnt weigh 0. */
+    uint32_t pair[HEADS_PER_PASS][VW / 2];
+    for (int g = 0; g < NG; g++) {
+        __m512 pv;
+        if (cnt == VW) {
+            pv = _mm512_loadu_ps(p + g * ldP);
+        } else {
+            float tmp[VW] = {0};
+            memcpy(tmp, p + g * ldP, cnt * sizeof(float));
+            pv = _mm512_loadu_ps(tmp);
+        }
+        _mm256_storeu_si256((__m256i *)pair[g], (__m256i)_mm512_cvtneps_pbh(pv));
+    }
+    for (int64_t c = 0; c < D; c += 32) {
+        __m512 o[HEADS_PER_PASS][2];
+        for (int g = 0; g < NG; g++) {
+            o[g][0] = _mm512_loadu_ps(acc + g * D + c);
+            o[g][1] = _mm512_loadu_ps(acc + g * D + c + 16);
+        }
+        for (int j = 0; j < VW / 2; j++) {
+            const __m512i a = _mm512_loadu_si512((const uint16_t *)rows[2 * j] + c);
+            const __m512i b = _mm512_loadu_si512((const uint16_t *)rows[2 * j + 1] + c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int g = 0; g < NG; g++) {
+                const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair[g][j]);
+                o[g][0] = _mm512_dpbf16_ps(o[g][0], lo, w);
+                o[g][1] = _mm512_dpbf16_ps(o[g][1], hi, w);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            _mm512_storeu_ps(acc + g * D + c, o[g][0]);
+            _mm512_storeu_ps(acc + g * D + c + 16, o[g][1]);
+        }
+    }
+}
+
+/* acc's 32-column blocks from chunk_values_bf16's order back to column order. */
+TM_INLINE void bf16_acc_columns(float *acc, int64_t n) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < n; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+        _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(lo, first, hi));
+        _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+#endif
+
 /* One (sequence, kv head) item; D % VW == 0. ``fmt``: the pool's format (KV_*);
  * ``io_bf16``: q and out are bf16 (the fused decode step passes float32 q/out
  * over a pool of any format); ``kind``: how rows are read (ROWS_*, a compile-time
@@ -404,12 +554,11 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
                            const int64_t D, Scratch *sc) {
     const int64_t BS = a->block_size;
     const int64_t G = a->heads / a->kv_heads;
-    const int64_t L = a->seq_lens[n];
-    const int32_t *table = a->block_tables + n * a->bt_stride;
     const size_t esize = kv_esize(fmt);
-    const size_t head_bytes = (size_t)a->num_blocks * BS * D * esize;
-    const char *kbase = (const char *)a->k_cache + kvh * head_bytes;
-    const char *vbase = (const char *)a->v_cache + kvh * head_bytes;
+    const ItemRows me = item_rows(a, n, kvh, esize);
+    const int64_t L = me.len;
+    const int32_t *table = me.table;
+    const char *kbase = me.k, *vbase = me.v;
     const float *kscales = fmt >= KV_I8 ? a->k_scale + kvh * a->num_blocks : NULL;
     const float *vscales = fmt >= KV_I8 ? a->v_scale + kvh * a->num_blocks : NULL;
     float *restrict s = sc->s;
@@ -419,7 +568,16 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->q_stride + (kvh * G + g) * D;
         float *restrict qg = sc->q + g * D;
-        if (io_bf16) {
+        if (kind == ROWS_BF16_DOT) { /* bf16 queries, G x D of them, at the start of sc->q */
+            uint16_t *restrict qh = (uint16_t *)sc->q + g * D;
+            if (io_bf16) {
+                memcpy(qh, (const uint16_t *)a->q + off, D * sizeof(uint16_t));
+            } else {
+                const float *restrict src = (const float *)a->q + off;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) qh[d] = f32_to_bf16(src[d]);
+            }
+        } else if (io_bf16) {
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) qg[d] = bf16_to_f32(((const uint16_t *)a->q)[off + d]);
         } else {
@@ -427,18 +585,49 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         }
     }
 
-    /* The item's first rows of K and V, all requested now (see the top of the file). */
-    const int64_t ahead = L < (int64_t)(PF_ITEM_BYTES / (D * esize)) ? L : (int64_t)(PF_ITEM_BYTES / (D * esize));
-    prefetch_rows(kbase, table, ahead, BS, D * esize);
-    prefetch_rows(vbase, table, ahead, BS, D * esize);
+    /* The item's first rows of K and V, all requested now (see the top of the file), unless
+     * the previous item requested them while it computed. */
+    const int64_t cap = (int64_t)(PF_ITEM_BYTES / (D * esize));
+    const int64_t ahead = L < cap ? L : cap;
+    const int64_t item = n * a->kv_heads + kvh;
+    if (sc->warm_item != item) {
+        prefetch_rows(kbase, table, ahead, BS, D * esize);
+        prefetch_rows(vbase, table, ahead, BS, D * esize);
+    }
+    /* The next item's first rows, spread over this item's chunks: its K during pass 1, its
+     * V during pass 2, a share per chunk. */
+    ItemRows nx = {0};
+    int64_t nx_step = 0;
+    if (sc->next_item >= 0) {
+        nx = item_rows(a, sc->next_item / a->kv_heads, sc->next_item % a->kv_heads, esize);
+        const int64_t chunks = (L + VW - 1) / VW, rows = nx.len < cap ? nx.len : cap;
+        nx_step = (rows + chunks - 1) / chunks;
+        nx.len = rows;
+    }
+    sc->warm_item = sc->next_item;
 
     /* Pass 1: scores, VW positions at a time, up to HEADS_PER_PASS query heads per row load. */
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
         chunk_rows(kbase, kscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
+        if (nx_step) {
+            const int64_t r0 = pos0 / VW * nx_step, r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
+            prefetch_range(nx.k, nx.table, r0, r1, BS, D * esize);
+        }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             float *sg = s + g0 * L + pos0;
             const float *qg = sc->q + g0 * D;
+#ifdef TM_ATTN_BF16_DOT
+            if (kind == ROWS_BF16_DOT) {
+                const uint16_t *qh = (const uint16_t *)sc->q + g0 * D;
+                switch (G - g0) {
+                case 1: chunk_scores_bf16(qh, rows, D, 1, a->scale, sg, L, cnt); break;
+                case 2: chunk_scores_bf16(qh, rows, D, 2, a->scale, sg, L, cnt); break;
+                default: chunk_scores_bf16(qh, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt); break;
+                }
+                continue;
+            }
+#endif
             switch (G - g0) {
             case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale); break;
             case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale); break;
@@ -456,7 +645,8 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < L; i++) {
-            const float e = exp_nonpos(sg[i] - m);
+            float e = exp_nonpos(sg[i] - m);
+            if (kind == ROWS_BF16_DOT) e = round_bf16(e);
             sg[i] = e;
             sum += e;
         }
@@ -468,9 +658,23 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
         chunk_rows(vbase, vscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
+        if (nx_step) {
+            const int64_t r0 = pos0 / VW * nx_step, r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
+            prefetch_range(nx.v, nx.table, r0, r1, BS, D * esize);
+        }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             const float *pg = s + g0 * L + pos0;
             float *ag = sc->acc + g0 * D;
+#ifdef TM_ATTN_BF16_DOT
+            if (kind == ROWS_BF16_DOT) {
+                switch (G - g0) {
+                case 1: chunk_values_bf16(pg, L, cnt, rows, D, 1, ag); break;
+                case 2: chunk_values_bf16(pg, L, cnt, rows, D, 2, ag); break;
+                default: chunk_values_bf16(pg, L, cnt, rows, D, HEADS_PER_PASS, ag); break;
+                }
+                continue;
+            }
+#endif
             switch (G - g0) {
             case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale); break;
             case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale); break;
@@ -479,6 +683,9 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         }
     }
 
+#ifdef TM_ATTN_BF16_DOT
+    if (kind == ROWS_BF16_DOT) bf16_acc_columns(sc->acc, G * D);
+#endif
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->out_stride + (kvh * G + g) * D;
         const float w = sc->inv[g];
@@ -512,6 +719,12 @@ TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io
 TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
     if (fmt == KV_F32)
         attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc); /* a float32 pool with bf16 q is refused by the entry points */
+#ifdef TM_ATTN_BF16_DOT
+    else if (fmt == KV_BF16 && a->head_dim % 32 == 0 && io_bf16)
+        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16_DOT, sc);
+    else if (fmt == KV_BF16 && a->head_dim % 32 == 0)
+        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16_DOT, sc);
+#endif
     else if (fmt == KV_BF16 && io_bf16)
         attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc);
     else if (fmt == KV_BF16)
@@ -570,10 +783,15 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
         } else {
             float *rows = buf + 2 * G * D + G, *zero = rows + VW * D;
             memset(zero, 0, D * sizeof(float));
-            Scratch sc = {buf, buf + G * D, buf + 2 * G * D, rows, zero, zero + D};
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < items; it++)
+            Scratch sc = {buf, buf + G * D, buf + 2 * G * D, rows, zero, zero + D, -1, -1};
+            /* Runs of a few consecutive items per claim, so an item knows the next one (its
+             * rows to prefetch); single items when there are few to share. */
+            const int64_t run_len = items >= 8 * omp_get_num_threads() ? 4 : 1;
+#pragma omp for schedule(dynamic, run_len)
+            for (int64_t it = 0; it < items; it++) {
+                sc.next_item = (it + 1) % run_len && it + 1 < items ? it + 1 : -1;
                 attend_dispatch(a, it / a->kv_heads, it % a->kv_heads, fmt, io_bf16, &sc);
+            }
             free(buf);
         }
     }
@@ -613,7 +831,17 @@ int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache
 }
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 7; }
+int tm_kernels_abi_version(void) { return 8; }
+
+/* 1 when decode attention over a bf16 pool multiplies bf16-rounded queries and softmax
+ * weights (ROWS_BF16_DOT), 0 when its arithmetic is float32. */
+int tm_kernels_bf16_attention(void) {
+#ifdef TM_ATTN_BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 /* Head sizes must be a multiple of this. */
 int tm_kernels_vector_width(void) { return VW; }
