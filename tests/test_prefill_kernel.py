@@ -21,7 +21,8 @@ from tokenmill.model import cpu_kernels
 from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention, kv_cache_shape,
                                       paged_attention_reference)
 
-from test_cpu_kernels import assert_matches  # float32 to 1e-5, bf16 within half a bf16 ulp
+# float32 to 1e-5, bf16 within half a bf16 ulp; bf16 products within their bound
+from test_cpu_kernels import assert_matches, bf16_product_bound, bf16_products
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 
@@ -49,8 +50,9 @@ def make_chunk(seq_len: int, q_len: int, heads: int, kv_heads: int, head_dim: in
     return q, k, v, table
 
 
-def plain_causal(q, k, v, table, seq_len, scale) -> torch.Tensor:
-    """float64; query j at position seq_len - q_len + j sees keys 0 .. that position."""
+def plain_causal(q, k, v, table, seq_len, scale, bounds: list | None = None) -> torch.Tensor:
+    """float64; query j at position seq_len - q_len + j sees keys 0 .. that position. With
+    ``bounds`` (a list), also appends each output element's bf16_product_bound."""
     q_len, heads, head_dim = q.shape
     kv_heads, _, block_size, _ = k.shape
     group = heads // kv_heads
@@ -58,11 +60,19 @@ def plain_causal(q, k, v, table, seq_len, scale) -> torch.Tensor:
     keys = torch.stack([k[:, b, o] for b, o in rows], dim=1).double()  # [kv, seq, d]
     vals = torch.stack([v[:, b, o] for b, o in rows], dim=1).double()
     out = torch.empty(q.shape, dtype=torch.float64)
+    bound = torch.empty(q.shape, dtype=torch.float64)
     for h in range(heads):
         scores = q[:, h].double() @ keys[h // group].T * scale  # [q_len, seq]
         pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         scores = scores.masked_fill(torch.arange(seq_len)[None] > pos, float("-inf"))
         out[:, h] = torch.softmax(scores, dim=-1) @ vals[h // group]
+        if bounds is not None:
+            for j in range(q_len):
+                seen = seq_len - q_len + j + 1
+                bound[j, h] = bf16_product_bound(q[j, h].double(), keys[h // group, :seen],
+                                                 vals[h // group, :seen], scale)
+    if bounds is not None:
+        bounds.append(bound)
     return out
 
 
@@ -85,7 +95,25 @@ def test_kernel_matches_float64_causal_attention(lib, dtype, heads, kv_heads, he
     for i, (seq_len, q_len) in enumerate(CASES):
         q, k, v, table = make_chunk(seq_len, q_len, heads, kv_heads, head_dim, block_size, dtype, seed=i + heads)
         scale = head_dim**-0.5
-        assert_matches(run(lib, q, k, v, table, seq_len, scale), plain_causal(q, k, v, table, seq_len, scale))
+        bounds: list = []
+        want = plain_causal(q, k, v, table, seq_len, scale, bounds)
+        assert_matches(run(lib, q, k, v, table, seq_len, scale), want,
+                       bounds[0] if bf16_products(lib, dtype, head_dim) else None)
+
+
+def test_bf16_products_under_float32_queries(lib) -> None:
+    """A bf16 pool under float32 queries, the w8a8 default's prefill: within
+    bf16_product_bound of float64, well inside it, and not the float32 result."""
+    if not lib.bf16_attention:
+        pytest.skip("this build's attention is float32 arithmetic (no AVX512-BF16)")
+    q, k, v, table = make_chunk(300, 120, 9, 3, 64, 16, torch.bfloat16, seed=9)
+    q = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    bounds: list = []
+    want = plain_causal(q, k.float(), v.float(), table, 300, 0.125, bounds)
+    err = (run(lib, q, k, v, table, 300, 0.125).double() - want).abs()
+    assert bool((err <= bounds[0] + 1e-5).all())
+    assert float(err.max()) > 0
+    assert float(err.mean()) < 0.25 * float(bounds[0].mean())
 
 
 def test_peaked_and_flat_scores(lib) -> None:
@@ -109,7 +137,7 @@ def test_peaked_and_flat_scores(lib) -> None:
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx512f is an x86 flag")
 def test_eight_lane_build_matches() -> None:
-    narrow = cpu_kernels.build(("-mno-avx512f",))
+    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])  # the AVX2 build the other kernel tests compile
     assert narrow.vector_width == 8
     for seq_len, q_len in ((97, 97), (300, 44)):
         q, k, v, table = make_chunk(seq_len, q_len, 9, 3, 64, 16, torch.float32, seed=q_len)

@@ -13,7 +13,8 @@ what the model file holds:
   inputs, the last decoder layers 16-bit activations, and the LM head is int8
   with a scale per 32 inputs (GGUF Q8_0's layout), which keeps it within the
   quality gate in docs/quantization.md (a test holds the default to it). The KV pool is bf16, widened to float32 as
-  attention reads it (``resolve_kv_cache_dtype``); with int8 codes there the
+  attention reads it, or met by bf16-rounded queries and weights where the CPU multiplies
+  bf16 natively (``resolve_kv_cache_dtype``); with int8 codes there the
   pair passed the gate's figures but answered the bundled model's plainest
   question wrongly (docs/quantization.md).
 * dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs

@@ -19,9 +19,11 @@ a w8a8 decode row comes out bit for bit as in the eager model.
 The fused step is the model's math in float32 (the eager bf16 / quantized
 paths round activations to bf16 between ops), so its logits match the float32
 torch forward to rounding; tests check it against the torch model for every
-weight kind. One exception: bf16 weights at batch > 1 on a CPU with
-AVX512-BF16 meet bf16-rounded activations (vdpbf16ps), like the eager bf16
-matmuls, at ~1.3x the speed of widening the weights.
+weight kind. Two exceptions, both on a CPU with AVX512-BF16: bf16 weights at
+batch > 1 meet bf16-rounded activations (vdpbf16ps), like the eager bf16
+matmuls, at ~1.3x the speed of widening the weights; and attention over a bf16
+pool multiplies bf16-rounded queries and softmax weights with the pool's rows
+(``KernelLibrary.bf16_attention``), as the eager path's attention kernels do.
 
 It takes pure decode batches of up to a measured size per weight kind
 (``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;

@@ -295,7 +295,8 @@ def attention_dtype_ok(dtype: torch.dtype) -> bool:
 
 def widens(pool: torch.Tensor | torch.dtype, compute: torch.dtype) -> bool:
     """A bf16 pool under float32 compute: rows rounded to bf16 when stored, widened back
-    when read (half the bytes of a float32 pool, float32 arithmetic)."""
+    when read (half the bytes of a float32 pool, float32 arithmetic; with
+    ``KernelLibrary.bf16_attention`` the C kernels multiply bf16 pairs instead)."""
     dtype = pool if isinstance(pool, torch.dtype) else pool.dtype
     return dtype == torch.bfloat16 and compute == torch.float32
 

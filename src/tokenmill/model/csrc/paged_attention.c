@@ -16,7 +16,9 @@
  * (bf16; int8 under float32 q, its block's scale applied to the row's score and
  * folded into its softmax weight), or widened into a buffer first (fp8, by bit
  * moves: these CPUs have no fp8 instructions; int8 under bf16 q, scale applied),
- * so the arithmetic after the load is float32 for every format (ROWS_*).
+ * so the arithmetic after the load is float32 for every format (ROWS_*); except
+ * a bf16 pool on a CPU with AVX512-BF16, whose rows meet bf16-rounded queries and
+ * softmax weights in vdpbf16ps (ROWS_BF16_DOT: exact products, float32 sums).
  *
  * One work item is a (sequence, kv head) pair and it handles the head's whole
  * query group, so every K and V row comes from memory once and is used
@@ -26,8 +28,8 @@
  *
  * Two passes over the context, in chunks of VW positions (VW = floats per
  * vector register): scores into a per-thread buffer; then max, exp and sum;
- * then the exp-weighted sum of V rows, divided by the sum at the end. All
- * arithmetic is float32. (A one-pass online softmax measured slower.)
+ * then the exp-weighted sum of V rows, divided by the sum at the end. The sums
+ * are float32. (A one-pass online softmax measured slower.)
  *
  * Why vector types and not only auto-vectorized loops: a dot product per key
  * row ends in a horizontal sum, which gcc 12 emits (even under `omp simd
@@ -49,7 +51,10 @@
  * each item also asks for its first PF_ITEM_BYTES of K and of V at once when
  * it starts: the misses overlap, and V arrives in L2 while pass 1 computes
  * scores (a measurable gain at 64 sequences from memory; docs/performance.md).
- * Longer contexts rely on the rolling prefetch past that.
+ * Longer contexts rely on the rolling prefetch past that. A thread that knows
+ * the item it runs next (items are claimed in runs) spreads the requests for
+ * that item's first rows over the current item's chunks instead, so its rows
+ * arrive while this one computes and the next starts without waiting on memory.
  */
 #include <math.h>
 #include <omp.h>
@@ -598,6 +603,9 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
      * V during pass 2, a share per chunk. */
     ItemRows nx = {0};
     int64_t nx_step = 0;
+#ifdef TM_NO_ITEM_PIPELINE /* benchmarks/attention_products.py's baseline: no look-ahead */
+    sc->next_item = -1;
+#endif
     if (sc->next_item >= 0) {
         nx = item_rows(a, sc->next_item / a->kv_heads, sc->next_item % a->kv_heads, esize);
         const int64_t chunks = (L + VW - 1) / VW, rows = nx.len < cap ? nx.len : cap;
@@ -720,10 +728,8 @@ TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, i
     if (fmt == KV_F32)
         attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc); /* a float32 pool with bf16 q is refused by the entry points */
 #ifdef TM_ATTN_BF16_DOT
-    else if (fmt == KV_BF16 && a->head_dim % 32 == 0 && io_bf16)
-        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16_DOT, sc);
-    else if (fmt == KV_BF16 && a->head_dim % 32 == 0)
-        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16_DOT, sc);
+    else if (fmt == KV_BF16 && a->head_dim % 32 == 0) /* q's dtype a runtime flag: one copy, not two */
+        attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc);
 #endif
     else if (fmt == KV_BF16 && io_bf16)
         attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc);

@@ -29,7 +29,10 @@
  * - output: TR rows x 4 vectors of head_dim, one broadcast of p[r][key] per
  *   row and 4 loads of V per key.
  * Key blocks past a tile's last position are skipped (causal), and only blocks
- * that cross a row's own position are masked. All arithmetic is float32.
+ * that cross a row's own position are masked. All arithmetic is float32, except
+ * over a bf16 pool on a CPU with AVX512-BF16, which multiplies bf16 pairs as
+ * decode attention does (ROWS_BF16_DOT): K transposed into pairs of dimensions,
+ * V into pairs of keys, q and the softmax weights rounded to bf16, sums float32.
  */
 
 #if VW == 16
@@ -102,11 +105,63 @@ TM_INLINE void prefill_output(float *restrict o, const float *restrict p, const 
     }
 }
 
+#ifdef TM_ATTN_BF16_DOT
+/* prefill_scores with bf16 products (ROWS_BF16_DOT in paged_attention.c): kt2 holds the
+ * key block as [D / 2][PF_KB] pairs (K[key][2i], K[key][2i + 1]), q2 each row's query as
+ * D / 2 such pairs; one vdpbf16ps per pair of dimensions does two FMAs' work. */
+TM_INLINE void prefill_scores_bf16(const uint32_t *restrict q2, const uint32_t *restrict kt2, int64_t D, int NR,
+                                   float *s) {
+    __m512 acc[PF_TR][PF_NV];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < PF_NV; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t d2 = 0; d2 < D / 2; d2++) {
+        __m512bh k[PF_NV];
+        for (int c = 0; c < PF_NV; c++) k[c] = (__m512bh)_mm512_loadu_si512(kt2 + d2 * PF_KB + c * VW);
+        for (int r = 0; r < NR; r++) {
+            const __m512bh qv = (__m512bh)_mm512_set1_epi32((int)q2[r * (D / 2) + d2]);
+            for (int c = 0; c < PF_NV; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], k[c], qv);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < PF_NV; c++) _mm512_storeu_ps(s + r * PF_KB + c * VW, acc[r][c]);
+}
+
+/* prefill_output with bf16 products: vs2 holds the block's values as [PF_KB / 2][D]
+ * pairs (V[2j][d], V[2j + 1][d]); p's rows are bf16 values already (prefill_softmax
+ * rounded them), paired up (p[r][2j], p[r][2j + 1]) by one conversion per 16. */
+TM_INLINE void prefill_output_bf16(float *restrict o, const float *restrict p, const float *restrict alpha,
+                                   const uint32_t *restrict vs2, int64_t D, int64_t nk, int NR) {
+    uint32_t pp[PF_TR][PF_KB / 2];
+    for (int r = 0; r < NR; r++)
+        for (int c = 0; c < PF_NV; c++)
+            _mm256_storeu_si256((__m256i *)(pp[r] + c * VW / 2),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * PF_KB + c * VW)));
+    const int64_t pairs = (nk + 1) / 2;
+    for (int64_t c0 = 0; c0 < D; c0 += PF_NV * VW) {
+        const int nv = (D - c0) / VW < PF_NV ? (int)((D - c0) / VW) : PF_NV;
+        __m512 acc[PF_TR][PF_NV];
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nv; c++)
+                acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + c * VW), _mm512_set1_ps(alpha[r]));
+        for (int64_t j2 = 0; j2 < pairs; j2++) {
+            __m512bh v[PF_NV];
+            for (int c = 0; c < nv; c++) v[c] = (__m512bh)_mm512_loadu_si512(vs2 + j2 * D + c0 + c * VW);
+            for (int r = 0; r < NR; r++) {
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32((int)pp[r][j2]);
+                for (int c = 0; c < nv; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pv);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + r * D + c0 + c * VW, acc[r][c]);
+    }
+}
+#endif
+
 /* Scores -> probabilities for NR rows, in place in s, updating
  * the running max and sum. Row r's query is at absolute position pos[r]; key j
  * of the block at kb0 + j is visible when kb0 + j <= pos[r] and j < nk. */
 TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
-                               const int64_t *pos, int64_t kb0, int64_t nk, float scale, int NR) {
+                               const int64_t *pos, int64_t kb0, int64_t nk, float scale, int NR, const int dot) {
     for (int r = 0; r < NR; r++) {
         float *restrict sr = s + r * PF_KB;
         int64_t visible = pos[r] - kb0 + 1;
@@ -125,7 +180,8 @@ TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *rest
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < PF_KB; j++) {
-            const float e = j < visible ? exp_nonpos(sr[j] - mx) : 0.0f;
+            float e = j < visible ? exp_nonpos(sr[j] - mx) : 0.0f;
+            if (dot) e = round_bf16(e); /* bf16 products: the weights summed are those multiplied */
             sr[j] = e;
             sum += e;
         }
@@ -173,9 +229,44 @@ TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0
     }
 }
 
-/* One item: kv head kvh, query positions p0 .. p0 + np - 1 of the chunk. */
+#ifdef TM_ATTN_BF16_DOT
+/* prefill_load_block for a bf16 pool under bf16 products: K as [D / 2][PF_KB] pairs of
+ * dimensions (a transpose of 32-bit words), V as [PF_KB / 2][D] pairs of keys, zeros
+ * past nk. */
+TM_INLINE void prefill_load_block_bf16(const PrefillArgs *a, int64_t kvh, int64_t kb0, int64_t nk,
+                                       PrefillScratch *sc) {
+    static const uint16_t zeros[512] = {0};
+    const int64_t D = a->head_dim, BS = a->block_size;
+    const size_t head_bytes = (size_t)a->num_blocks * BS * D * 2;
+    const char *kbase = (const char *)a->k_cache + kvh * head_bytes;
+    const char *vbase = (const char *)a->v_cache + kvh * head_bytes;
+    uint32_t *restrict kt2 = (uint32_t *)sc->kt, *restrict vs2 = (uint32_t *)sc->vs;
+    const uint16_t *vrows[PF_KB];
+    for (int64_t j = 0; j < PF_KB; j++) {
+        if (j >= nk) {
+            for (int64_t d2 = 0; d2 < D / 2; d2++) kt2[d2 * PF_KB + j] = 0;
+            vrows[j] = zeros;
+            continue;
+        }
+        const int64_t key = kb0 + j;
+        const size_t off = ((size_t)a->table[key / BS] * BS + key % BS) * D * 2;
+        const uint32_t *krow = (const uint32_t *)(kbase + off);
+        for (int64_t d2 = 0; d2 < D / 2; d2++) kt2[d2 * PF_KB + j] = krow[d2];
+        vrows[j] = (const uint16_t *)(vbase + off);
+    }
+    for (int64_t j2 = 0; j2 < PF_KB / 2; j2++) {
+        const uint16_t *restrict v0 = vrows[2 * j2], *restrict v1 = vrows[2 * j2 + 1];
+        uint32_t *restrict dst = vs2 + j2 * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) dst[d] = (uint32_t)v0[d] | (uint32_t)v1[d] << 16;
+    }
+}
+#endif
+
+/* One item: kv head kvh, query positions p0 .. p0 + np - 1 of the chunk. ``dot``: a
+ * bf16 pool read with bf16 products (prefill_*_bf16), else float32 arithmetic. */
 TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
-                            int64_t D, PrefillScratch *sc) {
+                            int64_t D, const int dot, PrefillScratch *sc) {
     const int64_t G = a->heads / a->kv_heads;
     const int64_t R = np * G;
     const int64_t first_abs = a->seq_len - a->q_len; /* absolute position of the chunk's query 0 */
@@ -184,7 +275,16 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
         const int64_t p = p0 + r / G, h = kvh * G + r % G;
         pos[r] = first_abs + p;
         float *restrict qr = sc->q + r * D;
-        if (bf16) {
+        if (dot) { /* the query as bf16, rows of D at the start of sc->q */
+            uint16_t *restrict qh = (uint16_t *)sc->q + r * D;
+            if (bf16) {
+                memcpy(qh, (const uint16_t *)a->q + p * a->q_stride + h * D, D * sizeof(uint16_t));
+            } else {
+                const float *src = (const float *)a->q + p * a->q_stride + h * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) qh[d] = f32_to_bf16(src[d]);
+            }
+        } else if (bf16) {
             const uint16_t *src = (const uint16_t *)a->q + p * a->q_stride + h * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) qr[d] = bf16_to_f32(src[d]);
@@ -200,16 +300,36 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     const int64_t keys = pos[R - 1] + 1; /* the last row sees the most */
     for (int64_t kb0 = 0; kb0 < keys; kb0 += PF_KB) {
         const int64_t nk = keys - kb0 < PF_KB ? keys - kb0 : PF_KB;
-        prefill_load_block(a, kvh, kb0, nk, fmt, sc);
+#ifdef TM_ATTN_BF16_DOT
+        if (dot)
+            prefill_load_block_bf16(a, kvh, kb0, nk, sc);
+        else
+#endif
+            prefill_load_block(a, kvh, kb0, nk, fmt, sc);
         for (int64_t r0 = 0; r0 < R; r0 += PF_TR) {
             const int nr = R - r0 < PF_TR ? (int)(R - r0) : PF_TR;
             if (pos[r0 + nr - 1] < kb0) continue; /* every row of the tile is before this block */
             float *s = sc->p;
+#ifdef TM_ATTN_BF16_DOT
+            if (dot) {
+                const uint32_t *q2 = (const uint32_t *)sc->q + r0 * (D / 2);
+                if (nr == PF_TR)
+                    prefill_scores_bf16(q2, (const uint32_t *)sc->kt, D, PF_TR, s);
+                else
+                    prefill_scores_bf16(q2, (const uint32_t *)sc->kt, D, nr, s);
+                prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 1);
+                if (nr == PF_TR)
+                    prefill_output_bf16(sc->o + r0 * D, s, sc->alpha, (const uint32_t *)sc->vs, D, nk, PF_TR);
+                else
+                    prefill_output_bf16(sc->o + r0 * D, s, sc->alpha, (const uint32_t *)sc->vs, D, nk, nr);
+                continue;
+            }
+#endif
             if (nr == PF_TR)
                 prefill_scores(sc->q + r0 * D, sc->kt, D, PF_TR, s);
             else
                 prefill_scores(sc->q + r0 * D, sc->kt, D, nr, s);
-            prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr);
+            prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 0);
             if (nr == PF_TR)
                 prefill_output(sc->o + r0 * D, s, sc->alpha, sc->vs, D, nk, PF_TR);
             else
@@ -236,16 +356,25 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
  * pool format is a runtime switch in prefill_load_block (once per key row). */
 TM_INLINE void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
                                 PrefillScratch *sc) {
+#ifdef TM_ATTN_BF16_DOT
+    if (fmt == KV_BF16 && a->head_dim % 32 == 0 && a->head_dim <= 512) { /* bf16 products, as in decode */
+        if (a->head_dim == 64)
+            prefill_item(a, kvh, p0, np, fmt, bf16, 64, 1, sc);
+        else
+            prefill_item(a, kvh, p0, np, fmt, bf16, a->head_dim, 1, sc);
+        return;
+    }
+#endif
     if (bf16) {
         if (a->head_dim == 64)
-            prefill_item(a, kvh, p0, np, fmt, 1, 64, sc);
+            prefill_item(a, kvh, p0, np, fmt, 1, 64, 0, sc);
         else
-            prefill_item(a, kvh, p0, np, fmt, 1, a->head_dim, sc);
+            prefill_item(a, kvh, p0, np, fmt, 1, a->head_dim, 0, sc);
     } else {
         if (a->head_dim == 64)
-            prefill_item(a, kvh, p0, np, fmt, 0, 64, sc);
+            prefill_item(a, kvh, p0, np, fmt, 0, 64, 0, sc);
         else
-            prefill_item(a, kvh, p0, np, fmt, 0, a->head_dim, sc);
+            prefill_item(a, kvh, p0, np, fmt, 0, a->head_dim, 0, sc);
     }
 }
 
