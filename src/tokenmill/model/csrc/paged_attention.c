@@ -364,6 +364,36 @@ TM_INLINE ItemRows item_rows(const Args *a, int64_t n, int64_t kvh, size_t esize
 #define HEADS_PER_PASS 3
 #define PV_VECS (VW == 16 ? 4 : 2) /* output vectors per head kept in registers over a chunk in pass 2 */
 
+/* The first levels of transpose_sum's tree over half a chunk's VW / 2 vectors of partial
+ * sums (one per row): a vector whose lanes hold the half's row sums in pairs of halves. */
+TM_INLINE vf half_tree(vf part[VW / 2]) {
+    int n = VW / 2;
+    for (int lev = 0; lev < TRANSPOSE_LEVELS - 1; lev++, n /= 2)
+        for (int i = 0; i < n / 2; i++)
+            part[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], TRANSPOSE_LO[lev]) +
+                      __builtin_shuffle(part[2 * i], part[2 * i + 1], TRANSPOSE_HI[lev]);
+    return part[0];
+}
+
+/* The tree's last level over both halves (lane t: row t's sum), times the rows' scales
+ * (int8 rows) and `scale`, into s[g * ldS + t] for t < cnt. */
+TM_INLINE void store_chunk_scores(vf half[2][HEADS_PER_PASS], const int NG, float scale, float *s, int64_t ldS,
+                                  int64_t cnt, const int kind, const float rscale[VW]) {
+    for (int g = 0; g < NG; g++) {
+        vf sv = __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
+                __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1]);
+        if (kind == ROWS_I8) sv *= vload(rscale);
+        sv *= scale;
+        if (cnt == VW) {
+            vstore(s + g * ldS, sv);
+        } else {
+            float tmp[VW];
+            vstore(tmp, sv);
+            memcpy(s + g * ldS, tmp, cnt * sizeof(float));
+        }
+    }
+}
+
 /* scale * q_g . row_t for NG heads (queries q, NG x D) against a chunk's VW rows
  * (read as `kind` says; int8 rows times their scale rscale[t]), into s[g * ldS + t]
  * for t < cnt. Positions go in two halves of VW / 2, each reduced by the first levels
@@ -385,28 +415,9 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
                 for (int g = 0; g < NG; g++) part[g][t] += qc[g] * r;
             }
         }
-        for (int g = 0; g < NG; g++) {
-            int n = P;
-            for (int lev = 0; lev < TRANSPOSE_LEVELS - 1; lev++, n /= 2)
-                for (int i = 0; i < n / 2; i++)
-                    part[g][i] = __builtin_shuffle(part[g][2 * i], part[g][2 * i + 1], TRANSPOSE_LO[lev]) +
-                                 __builtin_shuffle(part[g][2 * i], part[g][2 * i + 1], TRANSPOSE_HI[lev]);
-            half[h][g] = part[g][0];
-        }
+        for (int g = 0; g < NG; g++) half[h][g] = half_tree(part[g]);
     }
-    for (int g = 0; g < NG; g++) {
-        vf sv = __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
-                __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1]);
-        if (kind == ROWS_I8) sv *= vload(rscale);
-        sv *= scale;
-        if (cnt == VW) {
-            vstore(s + g * ldS, sv);
-        } else {
-            float tmp[VW];
-            vstore(tmp, sv);
-            memcpy(s + g * ldS, tmp, cnt * sizeof(float));
-        }
-    }
+    store_chunk_scores(half, NG, scale, s, ldS, cnt, kind, rscale);
 }
 
 /* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
@@ -473,26 +484,10 @@ TM_INLINE void chunk_scores_bf16(const uint16_t *qh, const void *rows[VW], const
         for (int g = 0; g < NG; g++) {
             vf v[P];
             for (int t = 0; t < P; t++) v[t] = (vf)part[g][t];
-            int n = P;
-            for (int lev = 0; lev < TRANSPOSE_LEVELS - 1; lev++, n /= 2)
-                for (int i = 0; i < n / 2; i++)
-                    v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], TRANSPOSE_LO[lev]) +
-                           __builtin_shuffle(v[2 * i], v[2 * i + 1], TRANSPOSE_HI[lev]);
-            half[h][g] = v[0];
+            half[h][g] = half_tree(v);
         }
     }
-    for (int g = 0; g < NG; g++) {
-        vf sv = __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_LO[TRANSPOSE_LEVELS - 1]) +
-                __builtin_shuffle(half[0][g], half[1][g], TRANSPOSE_HI[TRANSPOSE_LEVELS - 1]);
-        sv *= scale;
-        if (cnt == VW) {
-            vstore(s + g * ldS, sv);
-        } else {
-            float tmp[VW];
-            vstore(tmp, sv);
-            memcpy(s + g * ldS, tmp, cnt * sizeof(float));
-        }
-    }
+    store_chunk_scores(half, NG, scale, s, ldS, cnt, ROWS_BF16_DOT, NULL);
 }
 
 /* chunk_values for bf16 rows and bf16-exact weights p: rows t and t + 1 interleaved
