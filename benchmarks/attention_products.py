@@ -53,6 +53,16 @@ def scattered_pool(blocks_used: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16(), order
 
 
+def layer_calls(call: Callable[[cpu_kernels.KernelLibrary], bool]) -> Callable[[cpu_kernels.KernelLibrary], float]:
+    """Seconds for LAYERS calls of one attention entry point on a build (each must run)."""
+    def run(lib: cpu_kernels.KernelLibrary) -> float:
+        start = time.perf_counter()
+        for _ in range(LAYERS):
+            assert call(lib)
+        return time.perf_counter() - start
+    return run
+
+
 def decode_case(context: int) -> Callable[[cpu_kernels.KernelLibrary], float]:
     width = -(-context // BLOCK)
     k, v, order = scattered_pool(64 * width, seed=1)
@@ -61,12 +71,8 @@ def decode_case(context: int) -> Callable[[cpu_kernels.KernelLibrary], float]:
     q = torch.randn(64, HEADS + KV_HEADS, HEAD_DIM)[:, :HEADS]  # strided, as the model slices it
     out = torch.empty(64, HEADS, HEAD_DIM)
 
-    def run(lib: cpu_kernels.KernelLibrary) -> float:
-        start = time.perf_counter()
-        for _ in range(LAYERS):
-            assert cpu_kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, out, library=lib)
-        return time.perf_counter() - start
-    return run
+    return layer_calls(lambda lib: cpu_kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5, out,
+                                                                      library=lib))
 
 
 def prefill_case(tokens: int = 512) -> Callable[[cpu_kernels.KernelLibrary], float]:
@@ -76,12 +82,8 @@ def prefill_case(tokens: int = 512) -> Callable[[cpu_kernels.KernelLibrary], flo
     q = torch.randn(tokens, HEADS + KV_HEADS, HEAD_DIM)[:, :HEADS]
     out = torch.empty(tokens, HEADS, HEAD_DIM)
 
-    def run(lib: cpu_kernels.KernelLibrary) -> float:
-        start = time.perf_counter()
-        for _ in range(LAYERS):
-            assert cpu_kernels.paged_prefill_attention(q, k, v, table, tokens, HEAD_DIM**-0.5, out, library=lib)
-        return time.perf_counter() - start
-    return run
+    return layer_calls(lambda lib: cpu_kernels.paged_prefill_attention(q, k, v, table, tokens, HEAD_DIM**-0.5, out,
+                                                                       library=lib))
 
 
 def fused_case(context: int) -> Callable[[cpu_kernels.KernelLibrary], float] | None:

@@ -320,19 +320,9 @@ TM_INLINE void chunk_rows(const char *base, const float *scales, const int32_t *
     }
 }
 
-/* Prefetch rows 0 .. n - 1 of one kv head's part of the pool into L2, a block's
+/* Prefetch rows r0 .. r1 - 1 of one kv head's part of the pool into L2, a block's
  * contiguous rows at a time (an address per row, with its division, cost as much
  * as the prefetches themselves when the rows were already cached). */
-TM_INLINE void prefetch_rows(const char *base, const int32_t *table, int64_t n, int64_t BS, size_t row_bytes) {
-    for (int64_t b = 0; b * BS < n; b++) {
-        const char *block = base + (size_t)table[b] * BS * row_bytes;
-        const size_t bytes = (size_t)(n - b * BS < BS ? n - b * BS : BS) * row_bytes;
-        for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(block + off, 0, PF_HINT);
-    }
-}
-
-/* Prefetch rows r0 .. r1 - 1 of one kv head's part of the pool into L2, a block's
- * contiguous part at a time. */
 TM_INLINE void prefetch_range(const char *base, const int32_t *table, int64_t r0, int64_t r1, int64_t BS,
                               size_t row_bytes) {
     while (r0 < r1) {
@@ -591,8 +581,8 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     const int64_t ahead = L < cap ? L : cap;
     const int64_t item = n * a->kv_heads + kvh;
     if (sc->warm_item != item) {
-        prefetch_rows(kbase, table, ahead, BS, D * esize);
-        prefetch_rows(vbase, table, ahead, BS, D * esize);
+        prefetch_range(kbase, table, 0, ahead, BS, D * esize);
+        prefetch_range(vbase, table, 0, ahead, BS, D * esize);
     }
     /* The next item's first rows, spread over this item's chunks: its K during pass 1, its
      * V during pass 2, a share per chunk. */
