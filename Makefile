@@ -46,11 +46,13 @@ install-test: $(TEST_STAMP)
 serve: $(BASE_STAMP)
 	$(BIN)/tokenmill serve --host $(HOST) --port $(PORT)
 
-# The kernel and quantization tests again as an AVX2-only CPU runs them: torch's
-# ISA dispatch narrowed to AVX2 and the C kernels built without AVX-512.
+# The kernel and quantization tests, and the tiny engine's (whose results must not depend on
+# what shares a step), again as an AVX2-only CPU runs them: torch's ISA dispatch narrowed to
+# AVX2 and the C kernels built without AVX-512.
 KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_prefill_kernel.py tests/test_elementwise_kernels.py \
 	tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_fused_decode.py tests/test_quant.py \
-	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py tests/test_kv_quant.py
+	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py tests/test_kv_quant.py \
+	tests/test_engine_tiny.py
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=15

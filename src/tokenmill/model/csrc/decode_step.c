@@ -205,7 +205,7 @@ TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int
             for (int b = 0; b < NB; b++) {
                 vf xv = vload(x + b * ldx + c);
                 keep_in_register(&xv);
-                for (int i = 0; i < TM_ROW_BLOCK; i++) tot[i][b] += w[i] * xv;
+                for (int i = 0; i < TM_ROW_BLOCK; i++) tot[i][b] = vfma(w[i], xv, tot[i][b]);
             }
         }
         for (int i = 0; i < TM_ROW_BLOCK; i++)
@@ -217,7 +217,7 @@ TM_INLINE void dense_tile(const TmLinear *L, const int kind, const float *x, int
         if (r < nr)
             for (int64_t c = 0; c < K; c += VW) {
                 const vf w = load_dense_w(L, kind, r0 + r, c);
-                for (int b = 0; b < NB; b++) tot[b] += w * vload(x + b * ldx + c);
+                for (int b = 0; b < NB; b++) tot[b] = vfma(w, vload(x + b * ldx + c), tot[b]);
             }
         for (int b = 0; b < NB; b++) acc[b][r] = tot[b];
     }
@@ -516,8 +516,8 @@ TM_INLINE void int8_store_row(const TmLinear *L, int planes, int64_t row, vi hi,
     memcpy(&comp, L->row_sums + row, sizeof comp);
     const vf ws = vload(L->scale + row), bias = L->bias ? vload(L->bias + row) : (vf){0};
     vf dot = __builtin_convertvector(hi - 128 * comp, vf);
-    if (planes == 2) dot = dot * 256.0f + __builtin_convertvector(lo, vf);
-    const vf v = dot * (ws * xd) + bias;
+    if (planes == 2) dot = vfma(dot, (vf){0} + 256.0f, __builtin_convertvector(lo, vf));
+    const vf v = vfma(dot, ws * xd, bias);
     vstore(yb + row, accumulate ? vload(yb + row) + v : v);
 }
 
@@ -525,7 +525,7 @@ TM_INLINE void int8_store_row(const TmLinear *L, int planes, int64_t row, vi hi,
  * group's -128 x code-sum offset; with `two` the 16-bit input's high plane, lo its low
  * one) times the weight rows' group scales dsv (and, at 8 bits, the activations'
  * group scale xdg). */
-TM_INLINE vf int8g_add_sum(vf f, vi v, vf scale) { return f + __builtin_convertvector(v, vf) * scale; }
+TM_INLINE vf int8g_add_sum(vf f, vi v, vf scale) { return vfma(__builtin_convertvector(v, vf), scale, f); }
 TM_INLINE vf int8g_add_group(vf f, vi h, vi lo, int two, vf dsv, float xdg) {
     return int8g_add_sum(f, two ? (h << 8) + lo : h, two ? dsv : dsv * xdg);
 }
@@ -534,7 +534,7 @@ TM_INLINE vf int8g_add_group(vf f, vi h, vi lo, int two, vf dsv, float xdg) {
  * bias, into yb[row ..]. */
 TM_INLINE void int8g_store_row(const TmLinear *L, int bits, int64_t row, vf acc, float xd, float *yb, int accumulate) {
     const vf bias = L->bias ? vload(L->bias + row) : (vf){0};
-    const vf v = (bits == 16 ? acc * xd : acc) + bias;
+    const vf v = bits == 16 ? vfma(acc, (vf){0} + xd, bias) : acc + bias;
     vstore(yb + row, accumulate ? vload(yb + row) + v : v);
 }
 

@@ -83,6 +83,22 @@ TM_INLINE vf vload(const float *p) {
 
 TM_INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* a * b + c, fused where the CPU has FMA, spelled out: left to -ffp-contract, gcc fuses the
+ * same expression in some inlined copies of a kernel and not in others (one per activation
+ * row count), and a row's result must not depend on which copy computed it. */
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+TM_INLINE vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return a * b + c; /* no FMA instruction to contract into */
+#endif
+}
+
 typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
 
