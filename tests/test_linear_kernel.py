@@ -180,6 +180,54 @@ def test_avx2_build_uses_integer_dot_products_for_int4() -> None:
     assert 1e-6 < err < 3e-2, err
 
 
+def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as the AVX2 kernels quantize it: int8 per 32 columns, d = amax / 127, rounded half to
+    even (lrintf), returned dequantized in float64."""
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    d = amax / 127.0
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(xb * inv).double() * d.double()).view(rows, k)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 13, 70])
+@pytest.mark.parametrize("group,repeat", [(32, 1), (64, 2), (128, 1)])
+def test_int4_nibble_packing_multiplies_int8_activations_exactly(rows: int, group: int, repeat: int) -> None:
+    """AVX2 builds multiply an int4 layer given in the nibble packing (pack_int4_q8) by int8
+    activations at every row count, adding each block's products in 16 bits. Against the float64 product of the same quantized activations the
+    error is float rounding only (codes at 15 and activations at +-127 are the sums' worst
+    case); the float32 input itself is ~1% away."""
+    if not X86 or "avx2" not in cpu_kernels._cpu_flags():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])
+    keep: list[torch.Tensor] = []
+    n, k = 48, 256
+    d, (_, b) = _desc(cpu_kernels.W_INT4, n, k, keep, seed=rows, repeat=repeat, group=group, bias=True)
+    codes = cpu_kernels.unpack_int4(keep[0])
+    codes[: n // 2, : 2 * group] = 15  # the 16-bit sums' largest magnitude, on both signs of x
+    keep[0].copy_(pack_int4(codes))
+    kp = k * repeat
+    scale, zero = keep[1], keep[2]
+    wide = (codes.view(n, kp // group, group).double() * scale[..., None].double()
+            + zero[..., None].double()).view(n, kp)  # [n, kp]: what the input fed `repeat` times meets
+    packed = cpu_kernels.pack_int4_q8(codes, narrow.vector_width)
+    scales, zeros = cpu_kernels.tile_major(scale, narrow.vector_width), cpu_kernels.tile_major(zero, narrow.vector_width)
+    keep += [packed, scales, zeros]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 7))
+    x[0, :32] = torch.linspace(-1, 1, 32)  # a block whose ends quantize to -127 and +127
+    plain = cpu_kernels.linear(d, x, library=narrow)
+    d.packed, d.packed_scale, d.packed_zero = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()
+    got = cpu_kernels.linear(d, x, library=narrow)
+    want = _q8_blocks(torch.cat([x] * repeat, 1)) @ wide.t() + b
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < 1e-5, err
+    exact = torch.cat([x] * repeat, 1).double() @ wide.t() + b
+    if rows >= 8:  # without the packing: float32 tiles (below 8 rows, int4_q8_tile's int8 activations)
+        assert float((plain.double() - exact).norm() / exact.norm()) < 1e-5
+    assert 1e-4 < float((got.double() - exact).norm() / exact.norm()) < 5e-2
+
+
 def test_isa_follows_torch_capability(monkeypatch) -> None:
     """ATEN_CPU_CAPABILITY=avx2 narrows the kernels too, unless TOKENMILL_KERNEL_ISA says otherwise."""
     monkeypatch.delenv("TOKENMILL_KERNEL_ISA", raising=False)

@@ -79,7 +79,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
              "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -608,7 +608,8 @@ class TmLinear(ctypes.Structure):
                 ("a8_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p),
-                ("a16_rows", ctypes.c_int32), ("pad2", ctypes.c_int32)]
+                ("a16_rows", ctypes.c_int32), ("pad2", ctypes.c_int32),
+                ("packed_scale", ctypes.c_void_p), ("packed_zero", ctypes.c_void_p)]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -630,6 +631,27 @@ def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
     if n % vector_width or k % 4:
         return None
     return q.reshape(n // vector_width, vector_width, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def pack_int4_q8(codes: torch.Tensor, vector_width: int) -> torch.Tensor | None:
+    """uint8 int4 codes [N, K'] -> the nibble packing AVX2 builds multiply against int8
+    activations at many rows (decode_step.c's int4_q8_rows), [N / VW, K' / 32, 4, 32]
+    bytes: per output tile and 32-input block, four steps of VW rows x 4 inputs, byte
+    4r + i of step s holding input 4s + i of row r (low nibble) and input 16 + 4s + i
+    (high nibble). None when N or K' does not divide."""
+    n, kp = codes.shape
+    if n % vector_width or kp % 32:
+        return None
+    c = codes.to(torch.uint8).reshape(n // vector_width, vector_width, kp // 32, 2, 4, 4)
+    both = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [tiles, row, block, step, input]
+    return both.permute(0, 2, 3, 1, 4).reshape(n // vector_width, kp // 32, 4, vector_width * 4).contiguous()
+
+
+def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
+    """[N, G] per-row values (an int4 layer's group scales or zeros) -> [N / VW, G, VW], the
+    order int4_q8_rows loads them: one vector per tile and group."""
+    n, g = per_row.shape
+    return per_row.float().reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

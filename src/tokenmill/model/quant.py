@@ -8,7 +8,10 @@ AVX2 several times slower than float32). int4 on the CPU uses the project's
 own packing and C kernel (``cpu_kernels.pack_int4``, ``tm_linear``), the same
 on every instruction set: torch's CPU int4pack changes layout with its ISA
 dispatch, so weights packed for it could not be read back (for a tied
-embedding, or by the fused decode step) on every machine. int8 uses torch's
+embedding, or by the fused decode step) on every machine; where the build
+multiplies int4 codes by int8 activations (AVX2) the layer also hands it a
+tile-major copy of the codes (``cpu_kernels.pack_int4_q8``) and the kernel
+takes every row count, no dense matmul. int8 uses torch's
 weight-only kernel with bf16 activations. Dynamic int8 activations are the
 fastest at large batch but cost accuracy, so they are a separate mode,
 ``w8a8``. docs/performance.md has the measurements behind these choices.
@@ -523,7 +526,9 @@ class Int4Linear(_QuantLinear):
     project's own packing (:func:`cpu_kernels.pack_int4`), identical on every CPU,
     multiplied by the C kernel (``tm_linear``, float32 activations) up to
     ``POLICY.int4_kernel_max_rows`` rows and unpacked into one dense matmul above
-    that (or everywhere when the C kernels are off); "tinygemm" on CUDA, torch's
+    that (or everywhere when the C kernels are off); on AVX2 builds the kernel
+    multiplies int8 activations at every row count, from a second, tile-major copy
+    of the codes (``kernel_description``); "tinygemm" on CUDA, torch's
     packed int4 kernel where it agrees with the dequantized weight.
     """
 
@@ -582,15 +587,34 @@ class Int4Linear(_QuantLinear):
         fused decode step takes the same one)."""
         from . import cpu_kernels
 
-        if self._desc is None:
+        library = self.ops.library
+        many_rows = library is not None and library.q8_activations
+        if self._desc is None or (many_rows and self._desc[0].packed is None):
             d = cpu_kernels.TmLinear()
             zero = (self.zeros - 8.0 * self.scales).contiguous()  # w = code * s + (z - 8 s)
             d.kind, d.group, d.repeat = cpu_kernels.W_INT4, self.group_size, self.repeat
             d.n, d.k = self.out_features, self.in_features
             d.w, d.scale, d.zero = self.packed.data_ptr(), self.scales.data_ptr(), zero.data_ptr()
             d.bias = None
-            self._desc = (d, zero)  # keep the derived zeros alive with the description
+            keep: tuple[torch.Tensor, ...] = (zero,)  # the derived buffers live as long as the description
+            if many_rows:  # AVX2: int8 activations at every row count, in the nibble packing
+                vw = library.vector_width
+                packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
+                if packed is not None:
+                    scales, zeros = cpu_kernels.tile_major(self.scales, vw), cpu_kernels.tile_major(zero, vw)
+                    d.packed, d.packed_scale, d.packed_zero = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()
+                    keep += (packed, scales, zeros)
+            self._desc = (d, keep)
         return self._desc[0]
+
+    def _kernel_rows(self, rows: int) -> bool:
+        """Whether the C kernel multiplies ``rows`` activation rows (else: unpack + dense matmul):
+        up to the policy's limit, and at any count where the build multiplies int4 codes by
+        int8 activations in the nibble packing (AVX2)."""
+        lib = self.ops.library
+        if lib is None:
+            return False
+        return rows <= POLICY.int4_kernel_max_rows or bool(lib.q8_activations and self.kernel_description().packed)
 
     def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
@@ -623,7 +647,7 @@ class Int4Linear(_QuantLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "tinygemm":
             return self._kernel_matmul(x)
-        if self.ops.library is not None and x.shape[0] <= POLICY.int4_kernel_max_rows:
+        if self._kernel_rows(x.shape[0]):
             from .cpu_kernels import linear
 
             y = linear(self.kernel_description(), x.float().contiguous(), self.ops.library)

@@ -70,6 +70,8 @@ typedef struct {
     int32_t a16_rows;        /* int8, int8g with packed: from this many rows (below a8_rows), 16-bit activations
                                 as two u8 planes (0: never); w may be NULL when this is 1 */
     int32_t pad2;
+    const float *packed_scale; /* int4 with packed (AVX2 builds): [n / VW][groups][VW] scales */
+    const float *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows) */
 } TmLinear;
 
 typedef struct {
@@ -418,18 +420,30 @@ TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
  * the input's rounding into a large error. */
 static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp, int64_t group, int8_t *xq, float *xd,
                              float *xsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < B; b++)
         for (int64_t c0 = 0; c0 < kp; c0 += 32) {
+            /* One block in vectors: vcvtps2dq rounds half to even, as lrintf does. */
             const float *xs = x + b * ldx + c0;
-            float amax = 0.0f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xs[i]));
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xs + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float amax = _mm_cvtss_f32(m4);
             const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            int8_t *q = xq + b * kp + c0;
-            int32_t qsum = 0;
-            for (int i = 0; i < 32; i++) {
-                q[i] = (int8_t)lrintf(xs[i] * id);
-                qsum += q[i];
-            }
+            const __m256 idv = _mm256_set1_ps(id);
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+            const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+            const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
+            _mm256_storeu_si256((__m256i *)(xq + b * kp + c0), q8);
+            const __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(q16a, q16b), ones);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+            const int32_t qsum = _mm_cvtsi128_si32(s4);
             xd[b * (kp / 32) + c0 / 32] = d;
             if (xsum) {
                 float *gs = xsum + b * (kp / group) + c0 / group;
@@ -784,6 +798,82 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
     }
 }
 
+#ifdef TM_Q8_DOT
+/* int4 against int8 activations, on AVX2 (TmLinear.packed set for an int4 layer): the codes in a nibble form of the VNNI packing, [n / VW][kp / 32][4][32] bytes,
+ * where byte 4r + i of step s holds input 4s + i of row r (low nibble) and input
+ * 16 + 4s + i (high nibble). vpmaddubsw multiplies a step's unsigned codes (0..15) by
+ * four broadcast activation bytes (|x| <= 127): each 16-bit lane is one row's sum of two
+ * products, at most 2 x 15 x 127, so the eight products of a 32-input block add up in
+ * 16 bits without overflow (30480 < 32767), and one vpmaddwd per block widens them.
+ * That is 9 multiplies per 256 products where 8-bit weights need 16 (i16_dot_step).
+ * A block's exact sum is scaled by its weight scale (packed_scale, [n / VW][groups][VW])
+ * and the row's activation scale, then the zero term (packed_zero, z - 8 s) is added on
+ * the quantized inputs' group sums, as int4_q8_tile does. The sums land in output order,
+ * with no horizontal reduction: at every row count it beats int4_q8_tile (row-major codes,
+ * one row at a time) and dequantizing tiles to float32 (measured in docs/performance.md).
+ * out[b] lane i: row i of the tile . x_b. */
+#define Q4_ROWS 8 /* activation rows per pass: a 16-bit and a float accumulator each */
+TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NB,
+                             int64_t tile, vf out[Q4_ROWS]) {
+    const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
+    const uint8_t *w = (const uint8_t *)L->packed + tile * C * 128;
+    const float *ps = L->packed_scale + tile * G * VW, *pz = L->packed_zero + tile * G * VW;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 f[Q4_ROWS];
+    for (int b = 0; b < NB; b++) f[b] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m256i a[Q4_ROWS];
+        for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            const __m256i p = _mm256_loadu_si256((const __m256i *)(w + c * 128 + s * 32));
+            const __m256i lo = _mm256_and_si256(p, low4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xb = xq + b * kp + c * 32 + 4 * s;
+                int32_t x0, x1;
+                memcpy(&x0, xb, sizeof x0);
+                memcpy(&x1, xb + 16, sizeof x1);
+                a[b] = _mm256_add_epi16(a[b], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                a[b] = _mm256_add_epi16(a[b], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+            }
+        }
+        const __m256 sv = _mm256_loadu_ps(ps + (c / per) * VW);
+        for (int b = 0; b < NB; b++)
+            f[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[b], ones)),
+                                   _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[b]);
+    }
+    for (int64_t j = 0; j < G; j++) {
+        const __m256 zv = _mm256_loadu_ps(pz + j * VW);
+        for (int b = 0; b < NB; b++) f[b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xsum[b * G + j]), f[b]);
+    }
+    for (int b = 0; b < NB; b++) memcpy(&out[b], &f[b], sizeof(vf));
+}
+
+/* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an int4
+ * layer in the nibble packing, from the input as quantize_q8_rows left it. */
+static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
+                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group;
+    vf acc[Q4_ROWS];
+    for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
+        const vf bias = L->bias ? vload(L->bias + tile * VW) : (vf){0};
+        for (int64_t b0 = 0; b0 < B; b0 += Q4_ROWS) {
+            const int64_t left = B - b0;
+            const int NB = PASS_ROWS(left, Q4_ROWS);
+            const int8_t *xb = xq + b0 * kp;
+            const float *xdb = xd + b0 * C, *xsb = xsum + b0 * G;
+#define Q4_BLOCK(N) int4_q8_block(L, xb, xdb, xsb, N, tile, acc)
+            ROWS_SWITCH(NB, Q4_ROWS, Q4_BLOCK)
+#undef Q4_BLOCK
+            for (int64_t b = 0; b < left && b < Q4_ROWS; b++) {
+                float *yb = y + (b0 + b) * ldy - y_col0 + tile * VW;
+                const vf v = acc[b] + bias;
+                vstore(yb, accumulate ? vload(yb) + v : v);
+            }
+        }
+    }
+}
+#endif
+
 static void fill_codes(tm_act *q, int64_t n, int code) {
     for (int64_t i = 0; i < n; i++) q[i] = (tm_act)code;
 }
@@ -935,6 +1025,17 @@ static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *
     }
 }
 
+/* Whether an int4 layer's products run int4_q8_rows (AVX2 builds, the nibble packing
+ * given) rather than int4_q8_tile or dequantized float32 tiles. */
+TM_INLINE int int4_q8_packed(const TmLinear *L) {
+#ifdef TM_Q8_DOT
+    return L->kind == W_INT4 && L->packed && L->packed_scale && L->packed_zero && L->n % VW == 0;
+#else
+    (void)L;
+    return 0;
+#endif
+}
+
 /* What a matmul over input x reads: x itself, or for int4 the per-group sums
  * (and for repeat 2 the doubled input) in this thread's scratch; for bf16
  * weights and several rows, also a bf16 copy of x (is->xh). */
@@ -982,7 +1083,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         x = is->xext;
         *ldx_out = kp;
     }
-    if (B >= TM_INT4_DEQUANT_ROWS) return x; /* dequantized tiles (linear_rows) need no group sums */
+    if (B >= TM_INT4_DEQUANT_ROWS && !int4_q8_packed(L)) return x; /* dequantized tiles: no group sums */
 #ifndef TM_Q8_DOT
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < G; j++) {
@@ -1043,6 +1144,12 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     const uint16_t *xh = is->xh;
     const int dequant = L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS;
     float out[TM_MAX_ROWS][VW];
+#ifdef TM_Q8_DOT
+    if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
+        int4_q8_rows(L, is->xq, is->xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
+        return;
+    }
+#endif
 #ifdef TM_VNNI_DOT
     if (is->int_bits) {
         if (L->kind == W_INT8G)
