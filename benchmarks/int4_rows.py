@@ -22,28 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import torch
+from int8_products import SHAPES, best_of  # the same layer shapes and timing
 
 from tokenmill.model import cpu_kernels
 from tokenmill.model.ops import ModelOps
 from tokenmill.model.quant import Int4Linear
-
-SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer's projections
-
-
-def _best(fn, repeats: int) -> float:
-    """Best of ``repeats`` timed calls, after untimed ones for at least 0.3 s."""
-    start = time.perf_counter()
-    while time.perf_counter() - start < 0.3:
-        fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
@@ -77,9 +62,9 @@ def main() -> None:
         dense = [layer.dequantized_weight() for layer in nibble]
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k, generator=g) for _, k in SHAPES]
-            t_new = _best(lambda: [m(x) for m, x in zip(nibble, xs)], args.repeats)
-            t_old = _best(lambda: [m(x) for m, x in zip(before, xs)], args.repeats)
-            t_ref = _best(lambda: [torch.nn.functional.linear(x, w) for w, x in zip(dense, xs)], args.repeats)
+            t_new = best_of(lambda: [m(x) for m, x in zip(nibble, xs)], args.repeats)
+            t_old = best_of(lambda: [m(x) for m, x in zip(before, xs)], args.repeats)
+            t_ref = best_of(lambda: [torch.nn.functional.linear(x, w) for w, x in zip(dense, xs)], args.repeats)
             macs = rows * sum(n * k for n, k in SHAPES)
             print(f"| {build} | {rows} | {t_new * 1e3:.3f} | {macs / t_new / 1e9:.0f} | {t_old * 1e3:.3f} | "
                   f"{t_ref * 1e3:.3f} | {t_old / t_new:.2f}x | {t_ref / t_new:.2f}x |")

@@ -45,7 +45,7 @@ def _layers(lib: cpu_kernels.KernelLibrary) -> list[tuple[TmLinear, TmLinear, to
     return out
 
 
-def _best(fn, repeats: int) -> float:
+def best_of(fn, repeats: int) -> float:
     """Best of ``repeats`` timed calls, after untimed ones for at least 0.3 s (the first
     case measured otherwise ran several times slower: threads and clocks waking up)."""
     start = time.perf_counter()
@@ -80,11 +80,11 @@ def main() -> None:
         layers = _layers(lib)
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k) for _, k in SHAPES]
-            int8 = _best(lambda: [cpu_kernels.linear(d, x, library=lib)
+            int8 = best_of(lambda: [cpu_kernels.linear(d, x, library=lib)
                                   for (d, _, _, _), x in zip(layers, xs)], args.repeats)
-            tile = _best(lambda: [cpu_kernels.linear(f, x, library=lib)
+            tile = best_of(lambda: [cpu_kernels.linear(f, x, library=lib)
                                   for (_, f, _, _), x in zip(layers, xs)], args.repeats)
-            ref = _best(lambda: [torch.nn.functional.linear(x, w) for (_, _, w, _), x in zip(layers, xs)],
+            ref = best_of(lambda: [torch.nn.functional.linear(x, w) for (_, _, w, _), x in zip(layers, xs)],
                         args.repeats)
             macs = rows * sum(n * k for n, k in SHAPES)
             print(f"| {build} | {lib.int8_dot_unit} | {rows} | {int8 * 1e3:.3f} | {macs / int8 / 1e9:.0f} | "
