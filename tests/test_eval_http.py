@@ -16,6 +16,7 @@ import pytest
 from fake_eval_server import EvalServer, Script
 from test_eval_cli import EVAL_SET, TEXT, data_files, tiny_folder  # noqa: F401  (fixtures)
 from tokenmill.entrypoints.cli import main
+from tokenmill.model import cpu_kernels
 from tokenmill.evaluate.evalset import EvalItem, check_json, check_tool_call, load_eval_set
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -111,7 +112,12 @@ def test_http_eval_reproduces_offline(tiny_folder, data_files, tmp_path, capsys)
         assert math.isclose(pa["perplexity"], pb["perplexity"], rel_tol=tol)
     ka, kb = off["comparisons"][0], on["comparisons"][0]
     assert ka["agreement"] == kb["agreement"] and ka["accuracy_drop"] == kb["accuracy_drop"]
-    assert ka["token_agreement"] == pytest.approx(kb["token_agreement"])
+    # On AVX2 builds int4 layers round their inputs to int8 and the float kernels are AVX2's: the
+    # packed offline run and one request at a time can flip one greedy token at a near tie of the
+    # tiny random model (one position of the sixteen compared).
+    library = cpu_kernels.load()
+    near_tie = 0.07 if library is not None and library.q8_activations else 1e-6
+    assert ka["token_agreement"] == pytest.approx(kb["token_agreement"], abs=near_tie)
     # Over HTTP the top-1 tokens are compared as text (OpenAI reports strings), so byte tokens that
     # decode alike count as agreeing: close, not equal.
     assert kb["next_token_agreement"] == pytest.approx(ka["next_token_agreement"], abs=0.1)

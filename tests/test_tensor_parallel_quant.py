@@ -28,7 +28,7 @@ from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _agreement, record_lo
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.distributed import startup_problem
-from tokenmill.model import parallel
+from tokenmill.model import cpu_kernels, parallel
 from tokenmill.model.loader import dequantize, load_gguf
 
 # Logits of the tiny model are of order 10. float32 activations through the same int4
@@ -39,6 +39,19 @@ from tokenmill.model.loader import dequantize, load_gguf
 # also quantizes each rank's slice of the o/down inputs on its own scale, and smooths
 # with factors taken over each rank's rows (measured: 0.94).
 LOGIT_TOLERANCE = {"gguf": 5e-4, "int4": 5e-4, "int8": 0.5, "w8a8": 2.0}
+INT8_INPUT_TOLERANCE = 0.5  # int4 / gguf where the kernels round their input to int8 (AVX2 builds)
+
+
+def _int8_inputs(mode: str) -> bool:
+    """Whether ``mode``'s layers multiply activations rounded to integers on this machine:
+    int8 and w8a8 everywhere, int4 and gguf where the kernel build multiplies int4 codes by
+    int8 activations (AVX2). A rank's input then differs from one device's by float rounding
+    (partial sums reduced in another order), which can move a value across a rounding
+    boundary: TP=2 agrees with TP=1 up to a first near tie, not bit for bit."""
+    if mode in ("int8", "w8a8"):
+        return True
+    library = cpu_kernels.load()
+    return library is not None and library.q8_activations
 
 
 def write_tiny_gguf(path: str, qtype: str = "Q4_1", tied: bool = True, **overrides) -> str:
@@ -205,7 +218,9 @@ def test_two_ranks_with_quantized_weights_match_one(tiny_gguf, mode, caplog):
     assert one["preemptions"] > 0 and two["preemptions"] > 0
     assert max(two["cached"]) >= 32 and one["cached"] == two["cached"]
     steps = list(zip(one["logits"], two["logits"]))
-    if mode in ("int8", "w8a8"):  # once a near tie flips, later steps differ by more than rounding: first step only
+    tolerance = LOGIT_TOLERANCE[mode]
+    if _int8_inputs(mode):  # once a near tie flips, later steps differ by more than rounding: first step only
+        tolerance = max(tolerance, INT8_INPUT_TOLERANCE)
         agreement = _agreement(two["tokens"], one["tokens"])
         print(f"{mode}: {100 * agreement:.1f}% of tokens before a first difference")
         assert agreement >= 0.9
@@ -215,7 +230,7 @@ def test_two_ranks_with_quantized_weights_match_one(tiny_gguf, mode, caplog):
         assert len(one["logits"]) == len(two["logits"])
     worst = max(float((a - b).abs().max()) for a, b in steps if a.numel())
     print(f"{mode}: logits max |TP=2 - TP=1| {worst:.2e}")
-    assert worst < LOGIT_TOLERANCE[mode], worst
+    assert worst < tolerance, worst
     # each rank holds half the quantized weights (norms replicated, one padded vocab row)
     total = one["weights"][0]
     print(f"{mode}: weights TP=1 {total} B, TP=2 per rank {two['weights']} B")
@@ -227,7 +242,9 @@ def test_two_ranks_with_quantized_weights_match_one(tiny_gguf, mode, caplog):
 @pytest.mark.slow
 def test_bundled_smollm2_keeps_its_q4_1_blocks_on_three_ranks(real_loaded, real_tokenizer):
     """The default model as served by default on one device (its own Q4_1 blocks, Q8_0
-    embedding), split over 3 ranks: each reads a third of the blocks; greedy text as on one."""
+    embedding), split over 3 ranks: each reads a third of the blocks; greedy text as on one
+    (where the kernels round int4 layers' inputs to int8, the same first token and most of
+    the text: see _int8_inputs)."""
     prompts = ["The capital of France is", "Write a haiku about the sea:"]
     params = SamplingParams(temperature=0.0, max_tokens=12)
     one = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, num_threads=1, num_blocks=64, quantization="gguf")
@@ -236,7 +253,11 @@ def test_bundled_smollm2_keeps_its_q4_1_blocks_on_three_ranks(real_loaded, real_
         got = [o.outputs[0].token_ids for o in three.generate(prompts, params)]
         memory = three.engine.parallel.memory
         assert three.engine.model.quant_report.summary() == one.engine.model.quant_report.summary()
-    assert got == want
+    if _int8_inputs("gguf"):
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert _agreement(got, want) >= 0.5, (got, want)
+    else:
+        assert got == want
     total = one.engine.weight_bytes
     print(f"SmolLM2 gguf: weights TP=1 {total / 2**20:.1f} MiB, TP=3 per rank "
           f"{[round(m.weight_bytes / 2**20, 1) for m in memory]} MiB")
