@@ -589,7 +589,9 @@ class Int4Linear(_QuantLinear):
 
         library = self.ops.library
         many_rows = library is not None and library.q8_activations
-        if self._desc is None or (many_rows and self._desc[0].packed is None):
+        # Made again only when the bound library first wants the nibble copy; a layer whose shape
+        # does not pack is not retried on every call.
+        if self._desc is None or (many_rows and not self._desc[2]):
             d = cpu_kernels.TmLinear()
             zero = (self.zeros - 8.0 * self.scales).contiguous()  # w = code * s + (z - 8 s)
             d.kind, d.group, d.repeat = cpu_kernels.W_INT4, self.group_size, self.repeat
@@ -604,7 +606,7 @@ class Int4Linear(_QuantLinear):
                     scales, zeros = cpu_kernels.tile_major(self.scales, vw), cpu_kernels.tile_major(zero, vw)
                     d.packed, d.packed_scale, d.packed_zero = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()
                     keep += (packed, scales, zeros)
-            self._desc = (d, keep)
+            self._desc = (d, keep, many_rows)
         return self._desc[0]
 
     def _kernel_rows(self, rows: int) -> bool:
