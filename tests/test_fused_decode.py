@@ -278,11 +278,11 @@ def test_switch_and_batch_limit_send_steps_to_the_eager_model(monkeypatch) -> No
     """The options, read when the engine is built, set the fused executor's batch limit
     (larger steps go eager) or leave the executor out."""
     engine = _engine(kernel_options=KernelOptions.from_env({"TOKENMILL_FUSED_DECODE_MAX_BATCH": "2"}))
+    reqs = _requests(engine, _prompts(3, seed=2))
+    _prefill_all_but_last(engine, reqs)  # prefill chunks: the fused prefill executor, whatever the limit
     calls = []
     real = engine.runner.fused.run
     monkeypatch.setattr(engine.runner.fused, "run", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    reqs = _requests(engine, _prompts(3, seed=2))
-    _prefill_all_but_last(engine, reqs)
     engine.runner.execute([(r, 1) for r in reqs])  # 3 > 2: eager
     engine.runner.execute([(r, 1) for r in reqs[:2]])
     assert calls == [2]

@@ -16,6 +16,7 @@ what every step does.
 | ``TOKENMILL_BATCHED_PREFILL=0`` | ``batched_prefill`` | on (GPU: prefill chunks in one padded call) |
 | ``TOKENMILL_FUSED_DECODE=0`` | ``fused_decode`` | on (CPU: a decode step in one native call) |
 | ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` | ``fused_decode_max_batch`` | per weight kind |
+| ``TOKENMILL_FUSED_PREFILL=0`` | ``fused_prefill`` | on (CPU: steps with prefill chunks through the same native call, when the fused decode step is on and the KV pool is not quantized) |
 | ``TOKENMILL_ONEDNN_LINEAR=0`` | ``onednn_linear`` | on (float32 CPU linears through oneDNN) |
 | ``TOKENMILL_CUDA_GRAPHS=0`` | ``cuda_graphs`` | on (CUDA: decode steps replay graphs) |
 | ``TOKENMILL_CUDA_GRAPH_MAX_BATCH`` | ``cuda_graph_max_batch`` | 256 |
@@ -47,6 +48,7 @@ class KernelOptions:
     batched_prefill: bool = True
     fused_decode: bool = True
     fused_decode_max_batch: int | None = None
+    fused_prefill: bool = True
     onednn_linear: bool = True
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = DEFAULT_CUDA_GRAPH_MAX_BATCH
@@ -85,6 +87,7 @@ class KernelOptions:
             batched_prefill=_switch(env, "TOKENMILL_BATCHED_PREFILL"),
             fused_decode=_switch(env, "TOKENMILL_FUSED_DECODE"),
             fused_decode_max_batch=_int(env, "TOKENMILL_FUSED_DECODE_MAX_BATCH", None),
+            fused_prefill=_switch(env, "TOKENMILL_FUSED_PREFILL"),
             onednn_linear=_switch(env, "TOKENMILL_ONEDNN_LINEAR"),
             cuda_graphs=_switch(env, "TOKENMILL_CUDA_GRAPHS"),
             cuda_graph_max_batch=_int(env, "TOKENMILL_CUDA_GRAPH_MAX_BATCH", DEFAULT_CUDA_GRAPH_MAX_BATCH) or 1,

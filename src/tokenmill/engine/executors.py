@@ -9,6 +9,9 @@ ops. The runner then builds its step executors, in order of preference:
 * ``FusedDecodeExecutor``: decode steps of up to a few dozen sequences (and
   their speculative proposals), every layer in one native call
   (``fused_decode.py``), on CPU with the kernels;
+* ``FusedPrefillExecutor``: steps with prefill chunks (and the decodes sharing
+  them) through the same native call, unless a request scores its prompt or
+  the KV pool is quantized;
 * ``EagerExecutor``: everything, through the model's forward and the
   engine's attention backend.
 
@@ -27,7 +30,7 @@ from ..model import cpu_kernels
 from ..model.ops import ModelOps, select_ops
 from ..options import KernelOptions
 from . import fused_decode
-from .request import Request, decode_rows
+from .request import Request
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphRunner
@@ -89,6 +92,48 @@ class EagerExecutor:
         return self.runner.run_eager(items)
 
 
+def _is_decode(request: Request, num_new: int) -> bool:
+    """One new token, or one plus the request's speculative proposals (one row each)."""
+    return num_new == 1 + len(request.spec_token_ids)
+
+
+def fused_step_inputs(items: StepItems) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
+                                                 torch.Tensor, list[Request]]:
+    """A step's rows as the fused native step takes them: token ids, each row's block table
+    ([rows, width] int32, -1 past a table's end: a table shorter than its sequence needs is
+    refused by the kernel, never read as block 0) and context length, the prefill chunks
+    ([C, 2] int32: first row and row count of every item that is not a decode), the rows
+    whose logits are sampled and their requests (a proposing request once per row: all its
+    rows are checked; a prefill chunk's last row when it reaches the prompt's end)."""
+    ids: list[int] = []
+    seq_lens: list[int] = []
+    counts: list[int] = []
+    chunks: list[tuple[int, int]] = []
+    rows: list[int] = []
+    sampled: list[Request] = []
+    for request, num_new in items:
+        start, first = request.num_computed_tokens, len(ids)
+        ids.extend(request.step_token_ids(start, num_new))
+        seq_lens.extend(range(start + 1, start + num_new + 1))
+        counts.append(num_new)
+        if request.spec_token_ids:
+            rows.extend(range(first, first + num_new))
+            sampled.extend([request] * num_new)
+        else:
+            if num_new > 1:
+                chunks.append((first, num_new))
+            if start + num_new == request.num_tokens and request.samples:
+                rows.append(len(ids) - 1)
+                sampled.append(request)
+    width = max(len(request.block_table) for request, _ in items)
+    tables = torch.tensor([request.block_table + [-1] * (width - len(request.block_table)) for request, _ in items],
+                          dtype=torch.int32)
+    if any(n > 1 for n in counts):
+        tables = tables.repeat_interleave(torch.tensor(counts), dim=0)
+    return (ids, tables.contiguous(), torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2), torch.tensor(rows, dtype=torch.int32), sampled)
+
+
 class FusedDecodeExecutor:
     """A decode step (one new token per sequence, plus its speculative proposals, one row
     each) of up to ``decoder.max_batch`` rows, through the fused native step."""
@@ -101,22 +146,40 @@ class FusedDecodeExecutor:
 
     def accepts(self, items: StepItems) -> bool:
         return (sum(n for _, n in items) <= self.decoder.max_batch and _samples_every_row(items)
-                and all(n == 1 + len(r.spec_token_ids) for r, n in items))
+                and all(_is_decode(r, n) for r, n in items))
 
     def run(self, items: StepItems) -> StepResult:
-        ids, positions, owners, rows, sampled = decode_rows(items)
-        seq_lens = [position + 1 for position in positions]
-        width = max(len(request.block_table) for request, _ in items)
-        # -1 padding: a table shorter than its sequence needs is refused by the kernel
-        # (ValueError before anything is written), never read as block 0.
-        tables = [request.block_table + [-1] * (width - len(request.block_table)) for request in owners]
-        model = self.runner.model
-        embeddings = model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
-        logits = self.decoder.run(embeddings, torch.tensor(tables, dtype=torch.int32),
-                                  torch.tensor(seq_lens, dtype=torch.int32))
-        if len(rows) != len(ids):
-            logits = logits[rows]
-        return logits, sampled
+        return _run_fused(self.runner, self.decoder, items)
+
+
+class FusedPrefillExecutor:
+    """A step with prefill chunks (and the decodes that share it) through the same fused
+    native step: every layer in one call, the chunks attended by the prefill kernel the
+    eager model's attention uses, logits only for the rows that sample. Saves the eager
+    forward's per-op dispatch and its passes over whole-step intermediates (SiLU runs on
+    each gate/up tile as it is made). Steps that score their prompt (prompt logprobs)
+    need every row's hidden state and stay eager."""
+
+    name = "fused CPU prefill"
+
+    def __init__(self, runner: "ModelRunner", decoder: fused_decode.FusedDecoder) -> None:
+        self.runner = runner
+        self.decoder = decoder
+
+    def accepts(self, items: StepItems) -> bool:
+        return (any(not _is_decode(r, n) for r, n in items)
+                and not any(r.wants_prompt_logprobs for r, _ in items))
+
+    def run(self, items: StepItems) -> StepResult:
+        return _run_fused(self.runner, self.decoder, items)
+
+
+def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, items: StepItems) -> StepResult:
+    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(items)
+    embeddings = runner.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
+    logits = decoder.run(embeddings, tables, seq_lens, chunks if chunks.shape[0] else None,
+                         rows if len(rows) != len(ids) else None)
+    return logits, sampled
 
 
 class CudaGraphExecutor:

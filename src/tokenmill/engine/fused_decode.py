@@ -1,4 +1,4 @@
-"""A whole decode step in one native call, for small batches on CPU.
+"""A whole step in one native call on CPU: decode batches, and prefill chunks.
 
 At batch 1 the eager model dispatches thousands of ATen ops per step and, on a
 small CPU, their fixed costs outweigh the arithmetic (an int4 step of
@@ -27,10 +27,15 @@ pool multiplies bf16-rounded queries and softmax weights with the pool's rows
 
 It takes pure decode batches of up to a measured size per weight kind
 (``MAX_BATCH_BY_KIND``; beyond it the eager path's matrix-matrix products win;
-``KernelOptions.fused_decode_max_batch`` overrides it); its step executor
-(``executors.FusedDecodeExecutor``) says so, and the runner gives everything
-else to the eager executor: prefill chunks, other devices, the fused step
-switched off, or a model it cannot take (``build`` logs why).
+``KernelOptions.fused_decode_max_batch`` overrides it), and steps with prefill
+chunks (``chunks``: each attended by the prefill kernel the eager attention
+backend calls, so a w8a8 chunk comes out bit for bit as in the eager model; logits
+only for the rows that sample). Its step executors
+(``executors.FusedDecodeExecutor``, ``executors.FusedPrefillExecutor``) say which
+steps; the runner gives everything else to the eager executor: steps that score
+their prompt, a quantized pool's prefill chunks (its store requantizes a block's
+rows together), other devices, the fused step switched off, or a model it cannot
+take (``build`` logs why).
 """
 from __future__ import annotations
 
@@ -91,28 +96,43 @@ class FusedDecoder:
     hidden_size: int = 0
     max_batch: int = 1  # from the weight kinds (see MAX_BATCH_BY_KIND) or the options
 
-    def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] (float32) for B decode tokens. ``embeddings`` [B, hidden]
-        float32 (overwritten: it is the residual stream), ``block_tables`` [B, W] int32,
-        ``seq_lens`` [B] int32: context length including the new token."""
+    def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            chunks: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) of a step's B rows. ``embeddings`` [B, hidden] float32
+        (overwritten: it is the residual stream), ``block_tables`` [B, W] int32 (each row's
+        sequence's table), ``seq_lens`` [B] int32: context length including the row's token.
+        ``chunks`` [C, 2] int32: (first row, row count) of the prefill chunks among the rows,
+        attended as the eager model attends a chunk; other rows are attended one by one.
+        ``logit_rows`` [R] int32: the rows whose logits are returned, [R, vocab]; None:
+        every row's, [B, vocab]."""
         b = embeddings.shape[0]
         if not (embeddings.dtype == torch.float32 and embeddings.is_contiguous()
                 and embeddings.shape == (b, self.hidden_size)):
-            raise ValueError(f"fused decode: embeddings must be contiguous float32 [B, {self.hidden_size}]")
+            raise ValueError(f"fused step: embeddings must be contiguous float32 [B, {self.hidden_size}]")
         if not (block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == b
                 and block_tables.is_contiguous()):
-            raise ValueError("fused decode: block tables must be contiguous int32 [B, width]")
+            raise ValueError("fused step: block tables must be contiguous int32 [B, width]")
         if not (seq_lens.dtype == torch.int32 and seq_lens.is_contiguous() and seq_lens.shape == (b,)):
-            raise ValueError("fused decode: seq_lens must be contiguous int32 [B]")
-        logits = torch.empty((b, self.vocab_size), dtype=torch.float32)
-        rc = self.lib.cdll.tm_decode_step(
+            raise ValueError("fused step: seq_lens must be contiguous int32 [B]")
+        for name, t, dims in (("chunks", chunks, 2), ("logit rows", logit_rows, 1)):
+            if t is not None and not (t.dtype == torch.int32 and t.is_contiguous() and t.dim() == dims
+                                      and (dims == 1 or t.shape[1] == 2)):
+                raise ValueError(f"fused step: {name} must be contiguous int32")
+        out_rows = b if logit_rows is None else logit_rows.shape[0]
+        if logit_rows is not None and out_rows == 0:  # no logits wanted: a pointer all the same (NULL means all)
+            logit_rows = torch.zeros(1, dtype=torch.int32)
+        logits = torch.empty((out_rows, self.vocab_size), dtype=torch.float32)
+        rc = self.lib.cdll.tm_model_step(
             ctypes.addressof(self.struct), embeddings.data_ptr(), b, block_tables.data_ptr(),
-            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(), logits.data_ptr(),
+            block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+            None if chunks is None else chunks.data_ptr(), 0 if chunks is None else chunks.shape[0],
+            None if logit_rows is None else logit_rows.data_ptr(), out_rows, logits.data_ptr(),
             torch.get_num_threads())
         if rc == 1:
-            raise ValueError("fused decode: a sequence length or block id lies outside the tables, pool or rotary range")
+            raise ValueError("fused step: a sequence length or block id lies outside the tables, pool or rotary "
+                             "range, or a chunk's rows are not one sequence's consecutive positions")
         if rc != 0:
-            raise MemoryError("fused decode: the kernel could not allocate its scratch memory")
+            raise MemoryError("fused step: the kernel could not allocate its scratch memory")
         return logits
 
 

@@ -201,30 +201,6 @@ def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], lis
     return ids, positions, rows, sampled
 
 
-def decode_rows(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[Request], list[int],
-                                                               list[Request]]:
-    """Inputs of a step run as decode rows: every item one token, or one token plus its
-    speculative proposals (one row each, at consecutive positions of the same sequence).
-    Returns each row's token id, position and request, the rows whose logits are used,
-    and their requests (a proposing request once per row: all its rows are checked)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    owners: list[Request] = []
-    rows: list[int] = []
-    sampled: list[Request] = []
-    for request, num_new in items:
-        start = request.num_computed_tokens
-        checks = bool(request.spec_token_ids)
-        for position in range(start, start + num_new):
-            if checks or position + 1 == request.num_tokens:
-                rows.append(len(ids))
-                sampled.append(request)
-            ids.append(request.token_at(position))
-            positions.append(position)
-            owners.append(request)
-    return ids, positions, owners, rows, sampled
-
-
 @dataclass
 class CompletionOutput:
     index: int

@@ -25,8 +25,8 @@ from ..model.attention import (StepAttention, StepLayout, kernel_attention_fits,
 from ..model import kv_quant
 from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs, fused_decode, prompt_logprobs
-from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, Kernels, StepExecutor,
-                        StepItems, StepResult)
+from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, FusedPrefillExecutor, Kernels,
+                        StepExecutor, StepItems, StepResult)
 from .host_memory import kv_pool_tensors
 from .request import Request
 
@@ -102,6 +102,8 @@ class ModelRunner:
             self.executors.append(CudaGraphExecutor(self.graphs))
         if self.fused is not None:
             self.executors.append(FusedDecodeExecutor(self, self.fused))
+            if options.fused_prefill and not quantized:  # a quantized pool's store requantizes a chunk's rows together
+                self.executors.append(FusedPrefillExecutor(self, self.fused))
         self.executors.append(EagerExecutor(self))
 
     @property

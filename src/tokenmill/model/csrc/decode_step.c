@@ -1,4 +1,5 @@
-/* One whole decode step of a Llama-family model in one native call (CPU, OpenMP).
+/* One whole step of a Llama-family model in one native call (CPU, OpenMP): decode rows,
+ * and prefill chunks with the decodes that share their step (tm_model_step).
  *
  * Why: at batch 1 an eager torch decode step dispatches ~4,000 ATen ops (norms,
  * rotary, splits, casts, residuals, the quantized matmuls and their wrappers),
@@ -14,11 +15,18 @@
  * fused q/k/v projection (+ bias), optional per-head q/k RMSNorm (Qwen3),
  * rotate-half rotary from the model's cos/sin tables, the new K/V written into
  * the paged pool, attention over the pool in place (paged_attention.c's item
- * routine; all rows store their K/V before any attends, so several rows of one
- * sequence at consecutive positions, a speculative verify, run as one step;
- * a quantized pool's rows go through elementwise.c's requantizing store),
+ * routine per row, prefill_attention.c's per block of a prefill chunk's query
+ * positions; all rows store their K/V before any attends, so several rows of one
+ * sequence at consecutive positions, a speculative verify or a chunk, run as one
+ * step; a quantized pool's rows go through elementwise.c's requantizing store),
  * o projection + residual, RMSNorm, gate/up, SiLU(gate) * up, down
- * projection + residual, the final norm and (optionally) the LM head.
+ * projection + residual, the final norm and the LM head of the rows that sample.
+ *
+ * Prefill chunks through here rather than the eager forward: a 512-row step of the
+ * eager model spends a good part of its time between kernels (Python and torch
+ * dispatch, threads waking and meeting per op) and on whole-step intermediates
+ * (gate/up written out, then read back by SiLU); here SiLU runs on each gate/up tile
+ * while it is in cache (docs/performance.md has the measured step times).
  *
  * Weights stay in their stored precision and are widened to float32 in
  * registers: float32, bfloat16, int8 with a scale per output row, and int4
@@ -1222,6 +1230,10 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
  * one pair; so equal threads end within a pair of tiles of each other and a slow one
  * leaves its tail to the rest. Which thread computes a tile never changes its values. */
 #define CLAIM_TILES 2
+/* Gate and up rows the fused step computes per pass before SiLU(gate) * up: a claim's pair
+ * of tiles, so the int8 kernels run their two-tile step (one broadcast activation feeds two
+ * tiles' products) rather than one tile at a time. */
+#define GU_COLS (CLAIM_TILES * VW)
 
 /* Claims the next chunk of `total` work units from *next: returns its first unit and
  * sets *end, or returns -1 when all are taken. */
@@ -1278,21 +1290,104 @@ static int64_t max_k(const TmModel *m) {
     return 2 * k; /* room for a repeat-2 input */
 }
 
-/* x: [B, hidden] float32 token embeddings (the residual stream, overwritten);
- * on return logits [B, vocab]. block_tables [B, bt_stride] int32, seq_lens [B]
- * int32: each sequence's context length including the new token (its position
- * is seq_len - 1). Returns 0, 1 when an input lies outside the
- * pool/tables/rotary range (nothing written), 2 when memory could not be
- * allocated. */
-int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_tables, int64_t bt_stride,
-                   int64_t bt_width, const int32_t *seq_lens, float *logits, int num_threads) {
+/* One attention work item of a step: a decode row's (chunk -1, its row, a kv head), or
+ * a prefill chunk's (its index, a block of its query positions, a kv head). */
+typedef struct {
+    int32_t chunk, index, kvh;
+} AttnItem;
+
+/* Checks the prefill chunks of a step: pairs (first row, row count), in row order, apart,
+ * inside [0, B); each chunk's rows at consecutive positions of one sequence (same block
+ * table, seq_lens one apart). Returns 0 when they are sound. */
+static int check_chunks(const int32_t *chunks, int64_t n_chunks, int64_t B, const int32_t *block_tables,
+                        int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens) {
+    int64_t next_free = 0;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const int64_t first = chunks[2 * c], count = chunks[2 * c + 1];
+        if (first < next_free || count < 1 || first + count > B) return 1;
+        next_free = first + count;
+        const int64_t last = first + count - 1;
+        const int32_t *table = block_tables + last * bt_stride;
+        for (int64_t r = first; r < last; r++) {
+            if (seq_lens[r] != seq_lens[last] - (last - r)) return 1;
+            if (memcmp(block_tables + r * bt_stride, table, (size_t)bt_width * sizeof(int32_t))) return 1;
+        }
+    }
+    return 0;
+}
+
+/* The step's attention items: the chunks' first (the prefill kernel's larger items; later
+ * query blocks, which see more keys, before earlier ones), then every other row's, one per
+ * kv head. NULL when out of memory. */
+static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *chunks, int64_t n_chunks,
+                                 int64_t *count) {
+    const int64_t KVH = m->kv_heads, per_block = PF_ROWS / (m->heads / m->kv_heads);
+    int64_t n = 0, chunk_rows = 0;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        n += (chunks[2 * c + 1] + per_block - 1) / per_block * KVH;
+        chunk_rows += chunks[2 * c + 1];
+    }
+    n += (B - chunk_rows) * KVH;
+    AttnItem *items = (AttnItem *)malloc((size_t)(n > 0 ? n : 1) * sizeof(AttnItem));
+    if (!items) return NULL;
+    int64_t i = 0;
+    for (int64_t c = 0; c < n_chunks; c++)
+        for (int64_t blk = (chunks[2 * c + 1] + per_block - 1) / per_block - 1; blk >= 0; blk--)
+            for (int64_t kvh = 0; kvh < KVH; kvh++) items[i++] = (AttnItem){(int32_t)c, (int32_t)blk, (int32_t)kvh};
+    int64_t c = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (c < n_chunks && b == chunks[2 * c]) {
+            b += chunks[2 * c + 1] - 1, c++;
+            continue;
+        }
+        for (int64_t kvh = 0; kvh < KVH; kvh++) items[i++] = (AttnItem){-1, (int32_t)b, (int32_t)kvh};
+    }
+    *count = i;
+    return items;
+}
+
+/* The prefill kernel's scratch (as prefill_run lays it out) in `buf`. */
+static PrefillScratch prefill_scratch(float *buf, int64_t D) {
+    PrefillScratch ps;
+    ps.q = buf;
+    ps.o = ps.q + PF_ROWS * D;
+    ps.m = ps.o + PF_ROWS * D;
+    ps.l = ps.m + PF_ROWS;
+    ps.kt = ps.l + PF_ROWS;
+    ps.vs = ps.kt + D * PF_KB;
+    ps.p = ps.vs + PF_KB * D;
+    ps.alpha = ps.p + PF_TR * PF_KB;
+    return ps;
+}
+#define PREFILL_SCRATCH_FLOATS(D) (2 * PF_ROWS * (D) + 2 * PF_ROWS + 2 * (D) * PF_KB + PF_TR * PF_KB + PF_TR)
+
+/* One step of the model over B rows, every layer, the final norm and the head in one
+ * OpenMP region.
+ *
+ * x: [B, hidden] float32 token embeddings (the residual stream, overwritten).
+ * block_tables [B, bt_stride] int32, seq_lens [B] int32: each row's sequence's table and
+ * its context length including the row's token (the row's position is seq_len - 1).
+ * Every row's K/V is stored before any row attends, so rows of one sequence at
+ * consecutive positions see each other's keys.
+ * chunks [n_chunks, 2] int32: (first row, row count) of the prefill chunks, whose rows the
+ * prefill kernel attends as one chunk, as the eager model's attention does; every other
+ * row is attended by the decode kernel on its own (a decode, or a speculative proposal).
+ * A quantized pool takes no chunks (its store requantizes a block's rows together).
+ * logit_rows [n_logits] int32: the rows whose logits are wanted, into logits
+ * [n_logits, vocab]; NULL: every row, logits [B, vocab].
+ * Returns 0, 1 when an input lies outside the pool/tables/rotary range or the chunks are
+ * not sound (nothing written), 2 when memory could not be allocated. */
+int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_tables, int64_t bt_stride,
+                  int64_t bt_width, const int32_t *seq_lens, const int32_t *chunks, int64_t n_chunks,
+                  const int32_t *logit_rows, int64_t n_logits, float *logits, int num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NKV = m->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = m->inter, BS = m->block_size;
     const int64_t G = m->heads / m->kv_heads;
     if (B <= 0 || D % VW || D > 512 || D % 2 || m->heads % m->kv_heads || m->cache_fmt < KV_F32 ||
-        m->cache_fmt > KV_FP8)
+        m->cache_fmt > KV_FP8 || n_chunks < 0 || (n_chunks && !chunks) || G > PF_ROWS)
         return 1;
     const int quant = m->cache_fmt >= KV_I8;
+    if (quant && n_chunks) return 1;
     if (quant)
         for (int64_t li = 0; li < m->num_layers; li++)
             if (!m->layers[li].k_scale || !m->layers[li].v_scale) return 1;
@@ -1302,17 +1397,25 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
     check.num_blocks = m->num_blocks, check.block_size = BS;
     const int64_t max_len = check_args(&check, B, bt_width);
     if (max_len < 0 || max_len > m->max_positions) return 1;
+    if (check_chunks(chunks, n_chunks, B, block_tables, bt_stride, bt_width, seq_lens)) return 1;
+    const int64_t n_out = logit_rows ? n_logits : B;
+    if (n_out < 0 || n_out > B) return 1;
+    for (int64_t i = 0; logit_rows && i < n_out; i++)
+        if (logit_rows[i] < 0 || logit_rows[i] >= B) return 1;
 
+    int64_t n_items = 0;
+    AttnItem *items = attention_items(m, B, chunks, n_chunks, &n_items);
     float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I) * 4 + 63) / 64 * 64);
-    if (!qkv) return 2;
-    float *attn = qkv + B * NQKV, *act = attn + B * NQ;
     /* Per layer, the claim counters of its five phases (see claim_chunk), then the head's. */
     enum { PH_QKV, PH_ATTEND, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
     int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
-    if (!work) {
+    if (!items || !qkv || !work) {
+        free(items);
         free(qkv);
+        free(work);
         return 2;
     }
+    float *attn = qkv + B * NQKV, *act = attn + B * NQ;
     if (num_threads < 1) num_threads = 1;
     SpinBarrier bar = {0, 0, num_threads};
     int failed = 0;
@@ -1328,14 +1431,18 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
         /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales
          * (per 32 columns for up to B + 3 rows: int8g_vnni_rows reads its padding rows' too) */
         const size_t q8_floats = ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4 + (size_t)(B + 3) * KM / 32;
-        const size_t floats = (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * VW + att_floats + VW * KM + q8_floats;
+        const size_t pf_floats = n_chunks ? ((size_t)PREFILL_SCRATCH_FLOATS(D) + 15) / 16 * 16 : 0;
+        const size_t floats = pf_floats + (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * GU_COLS + att_floats +
+                              VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
         int ok = buf != NULL;
         /* Every thread must reach every barrier: a failed allocation only skips the work. */
-        float *h = buf; /* [B, H]: this thread's normed copy of the residual stream */
+        PrefillScratch ps = {0};
+        if (ok && n_chunks) ps = prefill_scratch(buf, D);
+        float *h = buf + pf_floats; /* [B, H]: this thread's normed copy of the residual stream */
         InputScratch is = {h + B * H, h + B * H + B * KM};
-        float *gate = is.xsum + B * KM, *up = gate + B * VW; /* [B, VW]: one tile of gate / up rows */
-        float *att = up + B * VW;
+        float *gate = is.xsum + B * KM, *up = gate + B * GU_COLS; /* [B, GU_COLS]: gate / up rows */
+        float *att = up + B * GU_COLS;
         is.wtile = att + att_floats;
         is.xq = (int8_t *)(is.wtile + VW * KM);
         is.xd = is.wtile + VW * KM + ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4;
@@ -1356,7 +1463,7 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                 thread_linear(&L->qkv, h, H, B, &is, &work[li * PHASES + PH_QKV], T, qkv, NQKV, 0);
             }
             barrier_wait(&bar, &sense);
-            /* 2. per (sequence, kv head): norms, rotary, K/V into the pool, attention. */
+            /* 2. per (row, kv head): norms, rotary, K/V into the pool. */
             if (ok) {
                 a.k_cache = L->k_cache, a.v_cache = L->v_cache;
                 a.k_scale = L->k_scale, a.v_scale = L->v_scale;
@@ -1393,49 +1500,65 @@ int tm_decode_step(const TmModel *m, float *x, int64_t B, const int32_t *block_t
                     store_row(L->v_cache, m->cache_fmt == KV_BF16, off, v, D);
                 }
             }
-            /* Every row's K/V is in the pool before anyone attends: rows of one sequence
-             * at consecutive positions (a speculative verify) see each other's keys. */
+            /* Every row's K/V is in the pool before anyone attends. */
             barrier_wait(&bar, &sense);
+            /* 3. attention: the threads claim the step's items (attention_items). */
             if (ok) {
                 int64_t it, end;
-                while ((it = claim_chunk(&work[li * PHASES + PH_ATTEND], B * m->kv_heads, T, 1, &end)) >= 0)
+                while ((it = claim_chunk(&work[li * PHASES + PH_ATTEND], n_items, T, 1, &end)) >= 0)
                     for (; it < end; it++) {
-                        sc.next_item = it + 1 < end ? it + 1 : -1;
-                        attend_dispatch(&a, it / m->kv_heads, it % m->kv_heads, m->cache_fmt, 0, &sc);
+                        const AttnItem *ai = &items[it];
+                        if (ai->chunk < 0) {
+                            const AttnItem *nx = it + 1 < end && items[it + 1].chunk < 0 ? &items[it + 1] : NULL;
+                            sc.next_item = nx ? (int64_t)nx->index * m->kv_heads + nx->kvh : -1;
+                            attend_dispatch(&a, ai->index, ai->kvh, m->cache_fmt, 0, &sc);
+                            continue;
+                        }
+                        const int64_t first = chunks[2 * ai->chunk], count = chunks[2 * ai->chunk + 1];
+                        const int64_t last = first + count - 1, per_block = PF_ROWS / G;
+                        const int64_t p0 = (int64_t)ai->index * per_block;
+                        const PrefillArgs pa = {qkv + first * NQKV, L->k_cache, L->v_cache,
+                                                block_tables + last * bt_stride, attn + first * NQ, NQKV, NQ,
+                                                m->heads, m->kv_heads, D, m->num_blocks, BS, seq_lens[last], count,
+                                                m->scale, L->k_scale, L->v_scale};
+                        prefill_dispatch(&pa, ai->kvh, p0, count - p0 < per_block ? count - p0 : per_block,
+                                         m->cache_fmt, 0, &ps);
                     }
             }
             barrier_wait(&bar, &sense);
-            /* 3. o projection, added into the residual stream. */
+            /* 4. o projection, added into the residual stream. */
             if (ok) thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);
             barrier_wait(&bar, &sense);
-            /* 4. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
+            /* 5. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
                 int64_t ldx, n0, n1;
                 const float *xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
                 while (claim_rows(&work[li * PHASES + PH_GATE_UP], I, T, &n0, &n1))
-                    for (int64_t c0 = n0; c0 < n1; c0 += VW) {
-                        const int64_t c1 = c0 + VW < n1 ? c0 + VW : n1;
-                        /* rows c0..c1 of gate, and of up (I rows further), as [B, VW] */
-                        linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, VW, 0, c0);
-                        linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, VW, 0, I + c0);
+                    for (int64_t c0 = n0; c0 < n1; c0 += GU_COLS) {
+                        const int64_t c1 = c0 + GU_COLS < n1 ? c0 + GU_COLS : n1;
+                        /* rows c0..c1 of gate, and of up (I rows further), as [B, GU_COLS] */
+                        linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, GU_COLS, 0, c0);
+                        linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, GU_COLS, 0, I + c0);
                         for (int64_t b = 0; b < B; b++)
-                            silu_mul(gate + b * VW, up + b * VW, act + b * I + c0, c1 - c0);
+                            silu_mul(gate + b * GU_COLS, up + b * GU_COLS, act + b * I + c0, c1 - c0);
                     }
             }
             barrier_wait(&bar, &sense);
-            /* 5. down projection, added into the residual stream. */
+            /* 6. down projection, added into the residual stream. */
             if (ok) thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, x, H, 1);
             barrier_wait(&bar, &sense);
         }
-        /* Final norm (every thread its own copy) and the head. */
-        if (ok) {
-            for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, m->final_norm, H, m->eps, h + b * H);
-            thread_linear(&m->head, h, H, B, &is, &work[m->num_layers * PHASES], T, logits, m->head.n, 0);
+        /* Final norm of the rows whose logits are wanted (every thread its own copy) and the head. */
+        if (ok && n_out > 0) {
+            for (int64_t i = 0; i < n_out; i++)
+                rms_norm(x + (logit_rows ? logit_rows[i] : i) * H, m->final_norm, H, m->eps, h + i * H);
+            thread_linear(&m->head, h, H, n_out, &is, &work[m->num_layers * PHASES], T, logits, m->head.n, 0);
         }
         free(buf);
         failed = !ok;
     }
+    free(items);
     free(work);
     free(qkv);
     return failed ? 2 : 0;
