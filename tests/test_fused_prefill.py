@@ -22,8 +22,12 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compil
 
 
 def _prefill_executor(engine) -> FusedPrefillExecutor:
+    """The engine's fused prefill executor; for dense layers, which the runner leaves
+    eager, one made here on its fused decoder (the step takes them all the same)."""
     found = [e for e in engine.runner.executors if isinstance(e, FusedPrefillExecutor)]
-    assert found, "the engine has no fused prefill executor"
+    if not found:
+        assert not engine.runner.fused.prefill_on_kernels
+        return FusedPrefillExecutor(engine.runner, engine.runner.fused)
     return found[0]
 
 
@@ -122,15 +126,20 @@ def test_the_decoder_refuses_chunks_that_are_not_one_sequence() -> None:
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, engine.runner.kv_caches))
 
 
-def test_prompt_logprobs_and_quantized_pools_keep_the_eager_prefill() -> None:
+def test_prompt_logprobs_quantized_pools_and_dense_layers_keep_the_eager_prefill() -> None:
     engine = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8")
     req = Request("p", [5] * 20, SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert not _prefill_executor(engine).accepts([(req, 20)])
-    quantized = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", kv_cache_dtype="int8")
+    assert [e.name for e in engine.runner.executors] == ["fused CPU decode", "fused CPU prefill", "eager"]
+    quantized = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8",
+                        kv_cache_dtype="int8")
     assert not any(isinstance(e, FusedPrefillExecutor) for e in quantized.runner.executors)
-    off = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32",
+    off = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8",
                   kernel_options=KernelOptions(fused_prefill=False))
     assert [e.name for e in off.runner.executors] == ["fused CPU decode", "eager"]
+    dense = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32")  # torch's matmuls stay eager
+    assert dense.runner.fused is not None and not dense.runner.fused.prefill_on_kernels
+    assert [e.name for e in dense.runner.executors] == ["fused CPU decode", "eager"]
 
 
 def executed_prefill(engine) -> bool:

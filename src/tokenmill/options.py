@@ -16,7 +16,7 @@ what every step does.
 | ``TOKENMILL_BATCHED_PREFILL=0`` | ``batched_prefill`` | on (GPU: prefill chunks in one padded call) |
 | ``TOKENMILL_FUSED_DECODE=0`` | ``fused_decode`` | on (CPU: a decode step in one native call) |
 | ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` | ``fused_decode_max_batch`` | per weight kind |
-| ``TOKENMILL_FUSED_PREFILL=0`` | ``fused_prefill`` | on (CPU: steps with prefill chunks through the same native call, when the fused decode step is on and the KV pool is not quantized) |
+| ``TOKENMILL_FUSED_PREFILL=0`` | ``fused_prefill`` | on (CPU: steps with prefill chunks through the same native call, for int8 layers (int4 on AVX2) and an unquantized KV pool) |
 | ``TOKENMILL_ONEDNN_LINEAR=0`` | ``onednn_linear`` | on (float32 CPU linears through oneDNN) |
 | ``TOKENMILL_CUDA_GRAPHS=0`` | ``cuda_graphs`` | on (CUDA: decode steps replay graphs) |
 | ``TOKENMILL_CUDA_GRAPH_MAX_BATCH`` | ``cuda_graph_max_batch`` | 256 |

@@ -95,6 +95,13 @@ class FusedDecoder:
     vocab_size: int = 0
     hidden_size: int = 0
     max_batch: int = 1  # from the weight kinds (see MAX_BATCH_BY_KIND) or the options
+    # Whether the eager forward runs every decoder projection of a prefill chunk on the
+    # same C kernels as this step: int8 kinds always; int4 where the build multiplies it
+    # against int8 activations at every row count (AVX2), not where large batches go to
+    # torch's float32 matmuls. Then a chunk here gains the eager forward's dispatch;
+    # dense float32 / bf16 layers run torch's matmuls there (oneDNN / MKL), which the
+    # dense tiles here only match (measured slower on AVX2).
+    prefill_on_kernels: bool = False
 
     def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
             chunks: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -256,4 +263,8 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     limit = min(MAX_BATCH_BY_KIND[k] for k in kinds) if max_batch is None else max_batch
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)
-    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit)
+    layer_kinds = {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
+                   for p in ("qkv", "o", "gate_up", "down")}
+    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit,
+                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q8_activations
+                                                            else {W_INT8, W_INT8G}))

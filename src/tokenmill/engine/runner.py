@@ -102,7 +102,10 @@ class ModelRunner:
             self.executors.append(CudaGraphExecutor(self.graphs))
         if self.fused is not None:
             self.executors.append(FusedDecodeExecutor(self, self.fused))
-            if options.fused_prefill and not quantized:  # a quantized pool's store requantizes a chunk's rows together
+            # Prefill chunks too where the eager forward would run the same kernels (the
+            # saved dispatch is the gain; FusedDecoder.prefill_on_kernels) and the pool is
+            # not quantized (its store requantizes a chunk's rows together).
+            if options.fused_prefill and self.fused.prefill_on_kernels and not quantized:
                 self.executors.append(FusedPrefillExecutor(self, self.fused))
         self.executors.append(EagerExecutor(self))
 
