@@ -353,8 +353,10 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
 }
 
 /* prefill_item with the q/out dtype and head size 64 as compile-time constants; the
- * pool format is a runtime switch in prefill_load_block (once per key row). */
-TM_INLINE void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
+ * pool format is a runtime switch in prefill_load_block (once per key row). Not inlined:
+ * prefill_run and the fused step (decode_step.c) share one copy of its variants, each
+ * call an item's worth of work. */
+static __attribute__((noinline)) void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
                                 PrefillScratch *sc) {
 #ifdef TM_ATTN_BF16_DOT
     if (fmt == KV_BF16 && a->head_dim % 32 == 0 && a->head_dim <= 512) { /* bf16 products, as in decode */
