@@ -1346,20 +1346,6 @@ static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *chu
     return items;
 }
 
-/* The prefill kernel's scratch (as prefill_run lays it out) in `buf`. */
-static PrefillScratch prefill_scratch(float *buf, int64_t D) {
-    PrefillScratch ps;
-    ps.q = buf;
-    ps.o = ps.q + PF_ROWS * D;
-    ps.m = ps.o + PF_ROWS * D;
-    ps.l = ps.m + PF_ROWS;
-    ps.kt = ps.l + PF_ROWS;
-    ps.vs = ps.kt + D * PF_KB;
-    ps.p = ps.vs + PF_KB * D;
-    ps.alpha = ps.p + PF_TR * PF_KB;
-    return ps;
-}
-#define PREFILL_SCRATCH_FLOATS(D) (2 * PF_ROWS * (D) + 2 * PF_ROWS + 2 * (D) * PF_KB + PF_TR * PF_KB + PF_TR)
 
 /* One step of the model over B rows, every layer, the final norm and the head in one
  * OpenMP region.
@@ -1431,7 +1417,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
         /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales
          * (per 32 columns for up to B + 3 rows: int8g_vnni_rows reads its padding rows' too) */
         const size_t q8_floats = ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4 + (size_t)(B + 3) * KM / 32;
-        const size_t pf_floats = n_chunks ? ((size_t)PREFILL_SCRATCH_FLOATS(D) + 15) / 16 * 16 : 0;
+        const size_t pf_floats = n_chunks ? (PREFILL_SCRATCH_FLOATS(D) + 15) / 16 * 16 : 0;
         const size_t floats = pf_floats + (size_t)B * H + 2 * (size_t)B * KM + 2 * (size_t)B * GU_COLS + att_floats +
                               VW * KM + q8_floats;
         float *buf = (float *)aligned_alloc(64, (floats * 4 + 63) / 64 * 64);

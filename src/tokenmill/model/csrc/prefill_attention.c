@@ -380,6 +380,22 @@ static __attribute__((noinline)) void prefill_dispatch(const PrefillArgs *a, int
     }
 }
 
+/* A thread's scratch for prefill items (PREFILL_SCRATCH_FLOATS(D) floats, 64-byte aligned
+ * at `buf`), laid out. */
+#define PREFILL_SCRATCH_FLOATS(D) ((size_t)(2 * PF_ROWS * (D) + 2 * PF_ROWS + 2 * (D) * PF_KB + PF_TR * PF_KB + PF_TR))
+static PrefillScratch prefill_scratch(float *buf, int64_t D) {
+    PrefillScratch sc;
+    sc.q = buf;
+    sc.o = sc.q + PF_ROWS * D;
+    sc.m = sc.o + PF_ROWS * D;
+    sc.l = sc.m + PF_ROWS;
+    sc.kt = sc.l + PF_ROWS;
+    sc.vs = sc.kt + D * PF_KB;
+    sc.p = sc.vs + PF_KB * D;
+    sc.alpha = sc.p + PF_TR * PF_KB;
+    return sc;
+}
+
 /* fmt: the pool's format (KV_*); bf16: q and out are bf16. */
 static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads, int fmt, int bf16) {
     const int64_t D = a->head_dim;
@@ -395,7 +411,7 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
     const int64_t per_item = PF_ROWS / G; /* query positions per item */
     const int64_t blocks = (a->q_len + per_item - 1) / per_item;
     const int64_t items = blocks * a->kv_heads;
-    const size_t floats = (size_t)(2 * PF_ROWS * D + 2 * PF_ROWS + 2 * D * PF_KB + PF_TR * PF_KB + PF_TR);
+    const size_t floats = PREFILL_SCRATCH_FLOATS(D);
     int failed = 0;
 #pragma omp parallel num_threads(threads_for(num_threads, items)) reduction(| : failed)
     {
@@ -403,15 +419,7 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
         if (!buf) {
             failed = 1;
         } else {
-            PrefillScratch sc;
-            sc.q = buf;
-            sc.o = sc.q + PF_ROWS * D;
-            sc.m = sc.o + PF_ROWS * D;
-            sc.l = sc.m + PF_ROWS;
-            sc.kt = sc.l + PF_ROWS;
-            sc.vs = sc.kt + D * PF_KB;
-            sc.p = sc.vs + PF_KB * D;
-            sc.alpha = sc.p + PF_TR * PF_KB;
+            PrefillScratch sc = prefill_scratch(buf, D);
             /* Later query blocks see more keys: hand them out first. */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < items; it++) {
