@@ -10,8 +10,9 @@ ops. The runner then builds its step executors, in order of preference:
   their speculative proposals), every layer in one native call
   (``fused_decode.py``), on CPU with the kernels;
 * ``FusedPrefillExecutor``: steps with prefill chunks (and the decodes sharing
-  them) through the same native call, unless a request scores its prompt or
-  the KV pool is quantized;
+  them) through the same native call, where the eager forward would run the
+  same C kernels for the layers (``FusedDecoder.prefill_on_kernels``) and the KV
+  pool is not quantized, unless a request scores its prompt;
 * ``EagerExecutor``: everything, through the model's forward and the
   engine's attention backend.
 
@@ -134,25 +135,31 @@ def fused_step_inputs(items: StepItems) -> tuple[list[int], torch.Tensor, torch.
             torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2), torch.tensor(rows, dtype=torch.int32), sampled)
 
 
-class FusedDecodeExecutor:
-    """A decode step (one new token per sequence, plus its speculative proposals, one row
-    each) of up to ``decoder.max_batch`` rows, through the fused native step."""
+class _FusedExecutor:
+    """Runs a step through the fused native step (``fused_decode.FusedDecoder``)."""
 
-    name = "fused CPU decode"
+    name = "fused"
 
     def __init__(self, runner: "ModelRunner", decoder: fused_decode.FusedDecoder) -> None:
         self.runner = runner
         self.decoder = decoder
 
-    def accepts(self, items: StepItems) -> bool:
-        return (sum(n for _, n in items) <= self.decoder.max_batch and _samples_every_row(items)
-                and all(_is_decode(r, n) for r, n in items))
-
     def run(self, items: StepItems) -> StepResult:
         return _run_fused(self.runner, self.decoder, items)
 
 
-class FusedPrefillExecutor:
+class FusedDecodeExecutor(_FusedExecutor):
+    """A decode step (one new token per sequence, plus its speculative proposals, one row
+    each) of up to ``decoder.max_batch`` rows, through the fused native step."""
+
+    name = "fused CPU decode"
+
+    def accepts(self, items: StepItems) -> bool:
+        return (sum(n for _, n in items) <= self.decoder.max_batch and _samples_every_row(items)
+                and all(_is_decode(r, n) for r, n in items))
+
+
+class FusedPrefillExecutor(_FusedExecutor):
     """A step with prefill chunks (and the decodes that share it) through the same fused
     native step: every layer in one call, the chunks attended by the prefill kernel the
     eager model's attention uses, logits only for the rows that sample. Saves the eager
@@ -162,16 +169,9 @@ class FusedPrefillExecutor:
 
     name = "fused CPU prefill"
 
-    def __init__(self, runner: "ModelRunner", decoder: fused_decode.FusedDecoder) -> None:
-        self.runner = runner
-        self.decoder = decoder
-
     def accepts(self, items: StepItems) -> bool:
         return (any(not _is_decode(r, n) for r, n in items)
                 and not any(r.wants_prompt_logprobs for r, _ in items))
-
-    def run(self, items: StepItems) -> StepResult:
-        return _run_fused(self.runner, self.decoder, items)
 
 
 def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, items: StepItems) -> StepResult:

@@ -258,13 +258,11 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     m.head = _linear(model.lm_head, keep, "lm_head", lib)
     if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
         raise Unsupported(f"lm_head: {m.head.k} input features")
-    kinds = {m.head.kind} | {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
-                             for p in ("qkv", "o", "gate_up", "down")}
-    limit = min(MAX_BATCH_BY_KIND[k] for k in kinds) if max_batch is None else max_batch
-    log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
-             limit, cfg.num_hidden_layers)
     layer_kinds = {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
                    for p in ("qkv", "o", "gate_up", "down")}
+    limit = min(MAX_BATCH_BY_KIND[k] for k in layer_kinds | {m.head.kind}) if max_batch is None else max_batch
+    log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
+             limit, cfg.num_hidden_layers)
     return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit,
                         prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q8_activations
                                                             else {W_INT8, W_INT8G}))
