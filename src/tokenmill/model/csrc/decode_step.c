@@ -820,40 +820,58 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * with no horizontal reduction: at every row count it beats int4_q8_tile (row-major codes,
  * one row at a time) and dequantizing tiles to float32 (measured in docs/performance.md).
  * out[b] lane i: row i of the tile . x_b. */
-#define Q4_ROWS 8 /* activation rows per pass: a 16-bit and a float accumulator each */
-TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NB,
-                             int64_t tile, vf out[Q4_ROWS]) {
+#define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
+/* Tiles [tile, tile + NT) (NT 1 or 2) against NB rows: both tiles share each broadcast
+ * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. The
+ * step loop stays rolled: unrolled, gcc computed a block's 32 products first and spilled
+ * them to the stack before adding them up, at two thirds of this loop's rate. */
+TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NT,
+                             const int NB, int64_t tile, vf out[2][Q4_ROWS]) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
-    const uint8_t *w = (const uint8_t *)L->packed + tile * C * 128;
+    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 128, *w1 = w0 + C * 128;
     const float *ps = L->packed_scale + tile * G * VW, *pz = L->packed_zero + tile * G * VW;
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    __m256 f[Q4_ROWS];
-    for (int b = 0; b < NB; b++) f[b] = _mm256_setzero_ps();
+    __m256 f[2][Q4_ROWS];
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) f[t][b] = _mm256_setzero_ps();
     for (int64_t c = 0; c < C; c++) {
-        __m256i a[Q4_ROWS];
-        for (int b = 0; b < NB; b++) a[b] = _mm256_setzero_si256();
+        __m256i a[2][Q4_ROWS];
+        for (int t = 0; t < NT; t++)
+            for (int b = 0; b < NB; b++) a[t][b] = _mm256_setzero_si256();
+#pragma GCC unroll 1
         for (int s = 0; s < 4; s++) {
-            const __m256i p = _mm256_loadu_si256((const __m256i *)(w + c * 128 + s * 32));
-            const __m256i lo = _mm256_and_si256(p, low4), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+            __m256i lo[2], hi[2];
+            for (int t = 0; t < NT; t++) {
+                const __m256i p = _mm256_loadu_si256((const __m256i *)((t ? w1 : w0) + c * 128 + s * 32));
+                lo[t] = _mm256_and_si256(p, low4);
+                hi[t] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+            }
             for (int b = 0; b < NB; b++) {
                 const int8_t *xb = xq + b * kp + c * 32 + 4 * s;
                 int32_t x0, x1;
                 memcpy(&x0, xb, sizeof x0);
                 memcpy(&x1, xb + 16, sizeof x1);
-                a[b] = _mm256_add_epi16(a[b], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
-                a[b] = _mm256_add_epi16(a[b], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
+                for (int t = 0; t < NT; t++) {
+                    a[t][b] = _mm256_add_epi16(a[t][b], _mm256_maddubs_epi16(lo[t], v0));
+                    a[t][b] = _mm256_add_epi16(a[t][b], _mm256_maddubs_epi16(hi[t], v1));
+                }
             }
         }
-        const __m256 sv = _mm256_loadu_ps(ps + (c / per) * VW);
-        for (int b = 0; b < NB; b++)
-            f[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[b], ones)),
-                                   _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[b]);
+        for (int t = 0; t < NT; t++) {
+            const __m256 sv = _mm256_loadu_ps(ps + t * G * VW + (c / per) * VW);
+            for (int b = 0; b < NB; b++)
+                f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[t][b], ones)),
+                                          _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
+        }
     }
-    for (int64_t j = 0; j < G; j++) {
-        const __m256 zv = _mm256_loadu_ps(pz + j * VW);
-        for (int b = 0; b < NB; b++) f[b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xsum[b * G + j]), f[b]);
-    }
-    for (int b = 0; b < NB; b++) memcpy(&out[b], &f[b], sizeof(vf));
+    for (int64_t j = 0; j < G; j++)
+        for (int t = 0; t < NT; t++) {
+            const __m256 zv = _mm256_loadu_ps(pz + t * G * VW + j * VW);
+            for (int b = 0; b < NB; b++) f[t][b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xsum[b * G + j]), f[t][b]);
+        }
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
 
 /* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an int4
@@ -861,23 +879,39 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
 static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
                          int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group;
-    vf acc[Q4_ROWS];
-    for (int64_t tile = n0 / VW; tile < n1 / VW; tile++) {
-        const vf bias = L->bias ? vload(L->bias + tile * VW) : (vf){0};
+    vf acc[2][Q4_ROWS];
+    for (int64_t tile = n0 / VW; tile < n1 / VW;) {
+        const int NT = tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = 0; b0 < B; b0 += Q4_ROWS) {
             const int64_t left = B - b0;
-            const int NB = PASS_ROWS(left, Q4_ROWS);
+            const int NB = left >= Q4_ROWS ? Q4_ROWS : (int)left;
             const int8_t *xb = xq + b0 * kp;
             const float *xdb = xd + b0 * C, *xsb = xsum + b0 * G;
-#define Q4_BLOCK(N) int4_q8_block(L, xb, xdb, xsb, N, tile, acc)
-            ROWS_SWITCH(NB, Q4_ROWS, Q4_BLOCK)
+#define Q4_BLOCK(T, N) int4_q8_block(L, xb, xdb, xsb, T, N, tile, acc)
+#define Q4_SWITCH(T)                                                                                    \
+    switch (NB) {                                                                                       \
+        case 1: Q4_BLOCK(T, 1); break;                                                                  \
+        case 2: Q4_BLOCK(T, 2); break;                                                                  \
+        case 3: Q4_BLOCK(T, 3); break;                                                                  \
+        default: Q4_BLOCK(T, Q4_ROWS); break;                                                           \
+    }
+            if (NT == 2) {
+                Q4_SWITCH(2)
+            } else {
+                Q4_SWITCH(1)
+            }
+#undef Q4_SWITCH
 #undef Q4_BLOCK
-            for (int64_t b = 0; b < left && b < Q4_ROWS; b++) {
-                float *yb = y + (b0 + b) * ldy - y_col0 + tile * VW;
-                const vf v = acc[b] + bias;
-                vstore(yb, accumulate ? vload(yb) + v : v);
+            for (int t = 0; t < NT; t++) {
+                const vf bias = L->bias ? vload(L->bias + (tile + t) * VW) : (vf){0};
+                for (int64_t b = 0; b < NB; b++) {
+                    float *yb = y + (b0 + b) * ldy - y_col0 + (tile + t) * VW;
+                    const vf v = acc[t][b] + bias;
+                    vstore(yb, accumulate ? vload(yb) + v : v);
+                }
             }
         }
+        tile += NT;
     }
 }
 #endif
