@@ -47,12 +47,38 @@ def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_integer_product
     lib.int8_dot_unit = "AVX2 16-bit"  # AVX2 without VNNI: the same sums from 16-bit products
     name, why = auto.resolve_quantization("auto", with_blocks, cpu)
     assert name == "w8a8" and "AVX2 16-bit" in why
+    # ... unless the decoder's projections are in Q4 blocks and the build has the nibble kernel
+    lib.q8_activations = True
+    q4_layers = SimpleNamespace(raw_quantized={
+        "model.layers.0.self_attn.q_proj.weight": ("Q4_1", None, (4, 32)),
+        "model.layers.0.mlp.down_proj.weight": ("Q4_0", None, (4, 32)),
+        "model.embed_tokens.weight": ("Q8_0", None, (4, 32))})
+    name, why = auto.resolve_quantization("auto", q4_layers, cpu)
+    assert name == "gguf" and "no VNNI" in why
+    q8_layer = SimpleNamespace(raw_quantized={**q4_layers.raw_quantized,
+                                              "model.layers.1.mlp.up_proj.weight": ("Q8_0", None, (4, 32))})
+    assert auto.resolve_quantization("auto", q8_layer, cpu)[0] == "w8a8"  # two nibble passes: slower
+    assert auto.resolve_quantization("auto", with_blocks, cpu)[0] == "w8a8"  # no decoder layers in blocks
+    lib.int8_dot_unit = "VNNI"
+    assert auto.resolve_quantization("auto", q4_layers, cpu)[0] == "w8a8"
     assert auto.resolve_quantization("auto", with_blocks, torch.device("cuda"))[0] == "none"
     assert auto.resolve_quantization("none", with_blocks, cpu) == ("none", "as asked")
     lib.int8_dot = False  # a build without integer products (portable): the GGUF's blocks stay
     assert auto.resolve_quantization("auto", with_blocks, cpu)[0] == "gguf"
     monkeypatch.setattr(cpu_kernels, "load", lambda options=None: None)  # kernels off
     assert auto.resolve_quantization("auto", SimpleNamespace(raw_quantized={}), cpu)[0] == "none"
+
+
+def test_kv_pool_auto_is_bf16_around_quantized_cpu_layers_in_float32() -> None:
+    cpu, f32 = torch.device("cpu"), torch.float32
+    for mode in ("w8a8", "gguf"):
+        name, why = auto.resolve_kv_cache_dtype("auto", mode, f32, cpu)
+        assert name == "bfloat16" and mode in why
+        assert auto.resolve_kv_cache_dtype("auto", mode, f32, cpu, tensor_parallel=True)[0] == "auto"
+        assert auto.resolve_kv_cache_dtype("auto", mode, torch.bfloat16, cpu)[0] == "auto"
+    assert auto.resolve_kv_cache_dtype("auto", "none", f32, cpu)[0] == "auto"  # the exact reference
+    assert auto.resolve_kv_cache_dtype("auto", "gguf", f32, torch.device("cuda"))[0] == "auto"
+    assert auto.resolve_kv_cache_dtype("int8", "gguf", f32, cpu) == ("int8", "as asked")
 
 
 def test_engine_resolves_auto_once_at_build(monkeypatch, caplog) -> None:

@@ -220,3 +220,12 @@ def test_dequantize_path_is_safe_across_threads() -> None:
     for t in threads:
         t.join()
     assert not bad
+
+
+def test_q8_0_blocks_become_int8_groups_bit_for_bit() -> None:
+    w = _weights(48, 96, seed=4).numpy()
+    raw = gguf_quantize(w, QT.Q8_0)
+    q, d = quant.int8g_from_gguf(raw, w.shape)
+    assert q.dtype == torch.int8 and q.shape == (48, 96) and d.shape == (48, 3)
+    layer = quant.Int8GroupLinear(q, d)
+    assert torch.equal(layer.dequantized_weight(), torch.from_numpy(dequantize(raw, "Q8_0", w.shape)))

@@ -134,3 +134,26 @@ def test_gguf_blocks_served_natively_match_the_dequantized_model(tmp_path, qtype
     assert _rel(got, ref) < 0.05
     # the dense engine's greedy choice is kept at nearly every position
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_gguf_keeps_a_q8_0_head_as_its_exact_int8_groups(tmp_path) -> None:
+    """Without --quantize-lm-head, a head (here the tied token table) stored as Q8_0 keeps
+    the file's codes and scales in an Int8GroupLinear, not a float32 matmul."""
+    cfg = tiny_config(tie_word_embeddings=True)
+    weights = tiny_weights(cfg, seed=7)
+    weights.pop("lm_head.weight")
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(path, weights, cfg, {"embed_tokens": "Q8_0", "": "Q4_1"})
+    loaded = load_model(path)
+    dense = _engine(loaded)
+    native = _engine(loaded, quantization="gguf")
+    head = native.model.lm_head
+    assert isinstance(head, quant.Int8GroupLinear) and not head.dynamic
+    assert torch.equal(head.dequantized_weight(), dense.model.lm_head.weight.float())  # no re-quantization
+    assert isinstance(native.model.embed_tokens, quant.QuantizedEmbedding)  # one copy of the table
+    assert "Q8_0 (int8 g32)" in native.model.quant_report.quantized["lm_head"]
+    assert _rel(_logits(native, IDS), _logits(dense, IDS)) < 0.05
+    # a head in Q4 blocks has no int8 form to keep: it stays dense unless asked for
+    _write_gguf(path, weights, cfg, {"": "Q4_1"})
+    q4 = _engine(load_model(path), quantization="gguf")
+    assert not isinstance(q4.model.lm_head, quant.Int8GroupLinear)

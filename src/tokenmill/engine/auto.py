@@ -17,6 +17,13 @@ what the model file holds:
   bf16 natively (``resolve_kv_cache_dtype``); with int8 codes there the
   pair passed the gate's figures but answered the bundled model's plainest
   question wrongly (docs/quantization.md).
+* except on such a CPU without VNNI (AVX2's 16-bit products), when the file stores its
+  decoder projections in Q4_0 / Q4_1 blocks: ``gguf``, those blocks as they are, multiplied
+  by int8 activations (a scale per 32 inputs) in 8-bit products, whose 4-bit codes let
+  eight products add up in 16 bits (9 multiplies per 256 products, where int8 weights
+  need 16 there); its Q8_0 LM head stays int8 with a scale per 32 inputs, and the KV
+  pool is bf16 as above. The weights are the file's, so it is closer to the float32
+  model than w8a8 (docs/quantization.md).
 * dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs
   next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
@@ -65,12 +72,12 @@ def resolve_dtype(name: str, device: torch.device, int8_activations: bool = Fals
     if device.type == "cpu":
         from ..model.cpu_kernels import native_bf16
 
+        if not native_bf16():
+            return "float32", "this CPU has no native bf16 (it would be emulated, slower than float32)"
         if int8_activations:
             return "float32", ("w8a8 layers; float32 for the rest, where bf16 would cost next-token agreement "
                                "with the float32 model (docs/quantization.md)")
-        if native_bf16():
-            return "bfloat16", "this CPU multiplies bf16 natively"
-        return "float32", "this CPU has no native bf16 (it would be emulated, slower than float32)"
+        return "bfloat16", "this CPU multiplies bf16 natively"
     return "float32", f"{device.type} device"
 
 
@@ -81,18 +88,30 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
         return name, "as asked"
     if device is not None and device.type == "cuda":
         return "none", "dense bf16 is what was measured fastest on CUDA; a file's blocks are dequantized"
+    raw = getattr(loaded, "raw_quantized", None) or {}
     if device is not None and int8_compute(name, device, options):
         from ..model.cpu_kernels import load
 
-        unit = getattr(load(options), "int8_dot_unit", "") or "integer"
+        lib = load(options)
+        unit = getattr(lib, "int8_dot_unit", "") or "integer"
+        if unit != "VNNI" and getattr(lib, "q8_activations", False) and _layers_in_int4_blocks(raw):
+            return "gguf", ("no VNNI here: the file's Q4 blocks, multiplied by int8 activations in 8-bit products "
+                            "(9 multiplies per 256 products, where int8 weights need 16), are this CPU's fastest "
+                            "kernel; its Q8_0 LM head kept as int8 with a scale per 32 inputs")
         return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
                         "per 32 inputs")
-    raw = getattr(loaded, "raw_quantized", None) or {}
     if raw:
         kinds = sorted({entry[0] for entry in raw.values()})
         return "gguf", f"the file stores {len(raw)} tensors as {'/'.join(kinds)} blocks, kept as they are"
     return "none", "the file holds no quantized blocks with a kernel here"
+
+
+def _layers_in_int4_blocks(raw: dict[str, Any]) -> bool:
+    """Whether every decoder projection the file stores quantized is in Q4_0 / Q4_1 blocks
+    (the nibble kernel's; Q8_0 layers there would take two passes of it)."""
+    kinds = [entry[0] for key, entry in raw.items() if ".layers." in key]
+    return bool(kinds) and all(kind in ("Q4_0", "Q4_1") for kind in kinds)
 
 
 def resolve_kv_cache_dtype(name: str | None, quantization: str, compute: torch.dtype,
@@ -104,9 +123,9 @@ def resolve_kv_cache_dtype(name: str | None, quantization: str, compute: torch.d
     (docs/quantization.md). Tensor-parallel ranks keep their pool in the compute dtype."""
     if str(name or "auto").lower() != "auto":
         return str(name), "as asked"
-    if (str(quantization).lower() == "w8a8" and device.type == "cpu" and compute == torch.float32
-            and not tensor_parallel):
-        return "bfloat16", "w8a8: rows stored in bf16 and widened as attention reads them, half the bytes"
+    mode = str(quantization).lower()
+    if mode in ("w8a8", "gguf") and device.type == "cpu" and compute == torch.float32 and not tensor_parallel:
+        return "bfloat16", f"{mode}: rows stored in bf16 and widened as attention reads them, half the bytes"
     return "auto", "the compute dtype"
 
 

@@ -217,6 +217,14 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
     raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1 do)")
 
 
+def int8g_from_gguf(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q8_0 rows -> (int8 codes [rows, k], float32 scales [rows, k / 32]): the
+    block's own codes and scale, for :class:`Int8GroupLinear` (no re-quantization)."""
+    rows, k = shape
+    b = _gguf_blocks(blocks, rows, k, 34)
+    return b[..., 2:].contiguous().view(torch.int8).reshape(rows, k), _f16(b, 0)
+
+
 # --------------------------------------------------------------------------- layers
 
 
@@ -750,11 +758,17 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     group = int(getattr(config, "quant_group_size", 32))
     quantize_head = bool(getattr(config, "quantize_lm_head", False))
     # w8a8 on the CPU: an LM head left unquantized is stored as Q8_0-style int8 (Int8GroupLinear)
-    group_head = (mode == "w8a8" and not quantize_head and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+    raw = getattr(loaded, "raw_quantized", None) or {}
+    head_source = "model.embed_tokens.weight" if model.lm_head.weight is model.embed_tokens.weight else "lm_head.weight"  # type: ignore[attr-defined]
+    # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
+    # layout exactly), rather than being dequantized to a float32 matmul that costs a
+    # many-stream decode step as much as a decoder layer's projections.
+    gguf_head = mode == "gguf" and raw.get(head_source, ("",))[0] == "Q8_0"
+    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head
+                  and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
                   and model.lm_head.in_features % Int8GroupLinear.GROUP == 0  # type: ignore[attr-defined]
                   and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
     targets = _targets(model, quantize_head or group_head)
-    raw = getattr(loaded, "raw_quantized", None) or {}
     if mode == "int4":
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
@@ -776,7 +790,10 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         dev = mod.weight.device
         bias = mod.bias
         new: nn.Module
-        if name == "lm_head" and group_head:
+        if name == "lm_head" and group_head and gguf_head:
+            q, d = int8g_from_gguf(raw[head_source][1], tuple(raw[head_source][2]))
+            new, fmt = Int8GroupLinear(q.to(dev), d.to(dev), bias), "Q8_0 (int8 g32)"
+        elif name == "lm_head" and group_head:
             new, fmt = Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"
         elif (grouped_activations and dev.type == "cpu" and name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS)
               and not name.startswith(weight_only) and mod.in_features % Int8GroupLinear.GROUP == 0):
