@@ -587,7 +587,10 @@ TM_INLINE vdot i16_pair(const tm_act *x) {
 }
 TM_INLINE vdot i16_madd2(vdot acc, vdot w01, vdot w23, const tm_act *x) {
     acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w01, i16_pair(x)));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(w23, i16_pair(x + 2)));
+    __asm__("" : "+x"(acc)); /* each sum in its register, as int4_q8_block's */
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(w23, i16_pair(x + 2)));
+    __asm__("" : "+x"(acc));
+    return acc;
 }
 TM_INLINE vdot i16_rows(vdot acc) { return _mm256_permute4x64_epi64(acc, 0xD8); }
 
@@ -822,9 +825,10 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * out[b] lane i: row i of the tile . x_b. */
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 /* Tiles [tile, tile + NT) (NT 1 or 2) against NB rows: both tiles share each broadcast
- * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. The
- * step loop stays rolled: unrolled, gcc computed a block's 32 products first and spilled
- * them to the stack before adding them up, at two thirds of this loop's rate. */
+ * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. Each
+ * 16-bit sum is pinned to its register after every add (an empty asm): left free, gcc
+ * reassociated the unrolled step loop's adds, computed a block's products first and
+ * spilled them to the stack, at two thirds of this loop's rate. */
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS]) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
@@ -838,7 +842,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
         __m256i a[2][Q4_ROWS];
         for (int t = 0; t < NT; t++)
             for (int b = 0; b < NB; b++) a[t][b] = _mm256_setzero_si256();
-#pragma GCC unroll 1
+#pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             __m256i lo[2], hi[2];
             for (int t = 0; t < NT; t++) {
@@ -854,7 +858,9 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
                 for (int t = 0; t < NT; t++) {
                     a[t][b] = _mm256_add_epi16(a[t][b], _mm256_maddubs_epi16(lo[t], v0));
+                    __asm__("" : "+x"(a[t][b]));
                     a[t][b] = _mm256_add_epi16(a[t][b], _mm256_maddubs_epi16(hi[t], v1));
+                    __asm__("" : "+x"(a[t][b]));
                 }
             }
         }
