@@ -117,10 +117,10 @@ def _layers_in_int4_blocks(raw: dict[str, Any]) -> bool:
 def resolve_kv_cache_dtype(name: str | None, quantization: str, compute: torch.dtype,
                            device: torch.device, tensor_parallel: bool = False) -> tuple[str, str]:
     """(KV pool dtype name, why) for ``--kv-cache-dtype name``: ``auto`` is the compute
-    dtype, except under w8a8 on a CPU (float32 around int8 layers), whose pool is bf16:
-    the kernels widen its rows as they read them, so decode attention, the largest part of
-    a many-stream step there, reads half the bytes, for 0.3 points of next-token agreement
-    (docs/quantization.md). Tensor-parallel ranks keep their pool in the compute dtype."""
+    dtype, except under w8a8 or gguf on a CPU in float32 (around int8 or int4 layers), whose
+    pool is bf16: the kernels widen its rows as they read them, so decode attention, a large
+    part of a many-stream step there, reads half the bytes, for 0.3 points of next-token
+    agreement under w8a8 (docs/quantization.md). Tensor-parallel ranks keep their pool in the compute dtype."""
     if str(name or "auto").lower() != "auto":
         return str(name), "as asked"
     mode = str(quantization).lower()
