@@ -256,9 +256,11 @@ def make_llm(folder: str, tp: int, threads: int, device: str, dtype: str, kv_blo
     from cuda_check_support import synthetic_tokenizer
 
     cfg = parallel.read_config(folder)
+    # gguf: the head quantized on both sides alike (one device would otherwise keep a Q8_0
+    # head as int8 groups, which ranks do not), so TP=1 and TP=N hold the same weights
     return LLM(folder, dtype=dtype, device=device, tensor_parallel_size=tp, num_threads=threads,
                tokenizer=synthetic_tokenizer(cfg.vocab_size), num_blocks=kv_blocks, enable_prefix_caching=False,
-               quantization=quantization)
+               quantization=quantization, quantize_lm_head=quantization == "gguf")
 
 
 def executor(llm: LLM, fused_allowed: bool) -> str:
