@@ -195,6 +195,14 @@ def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     return b[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1).float()
 
 
+def int8g_from_gguf(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q8_0 rows -> (int8 codes [rows, k], float32 scales [rows, k / 32]): the
+    block's own codes and scale, for :class:`Int8GroupLinear` (no re-quantization)."""
+    rows, k = shape
+    b = _gguf_blocks(blocks, rows, k, 34)
+    return b[..., 2:].contiguous().view(torch.int8).reshape(rows, k), _f16(b, 0)
+
+
 def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
     """Raw GGUF Q4_0 / Q4_1 / Q8_0 rows ``[rows, bytes_per_row]`` -> int4 codes, group 32."""
     rows, k = shape
@@ -207,22 +215,13 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
     if type_name == "Q8_0":
-        b = _gguf_blocks(blocks, rows, k, 34)
-        d = _f16(b, 0)
-        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16)  # [rows, k/32, 32]
+        codes, d = int8g_from_gguf(blocks, shape)
+        q = codes.view(rows, k // 32, 32).to(torch.int16)
         hi = (torch.div(q, 16, rounding_mode="floor") + 8).to(torch.uint8).reshape(rows, k)
         lo = (q & 15).to(torch.uint8).reshape(rows, k)
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
                          torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
     raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1 do)")
-
-
-def int8g_from_gguf(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw GGUF Q8_0 rows -> (int8 codes [rows, k], float32 scales [rows, k / 32]): the
-    block's own codes and scale, for :class:`Int8GroupLinear` (no re-quantization)."""
-    rows, k = shape
-    b = _gguf_blocks(blocks, rows, k, 34)
-    return b[..., 2:].contiguous().view(torch.int8).reshape(rows, k), _f16(b, 0)
 
 
 # --------------------------------------------------------------------------- layers
@@ -737,9 +736,14 @@ def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tu
             mod = layer.get_submodule(path)
             out.append((f"layers.{i}.{path}", mod, tuple(f"model.layers.{i}.{s}.weight" for s in sources)))
     if with_head:
-        tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
-        out.append(("lm_head", model.lm_head, ("model.embed_tokens.weight" if tied else "lm_head.weight",)))
+        out.append(("lm_head", model.lm_head, (_head_source(model),)))
     return out
+
+
+def _head_source(model: nn.Module) -> str:
+    """The checkpoint weight the LM head reads: the token table when they are tied."""
+    tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
+    return "model.embed_tokens.weight" if tied else "lm_head.weight"
 
 
 @torch.no_grad()
@@ -759,7 +763,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     quantize_head = bool(getattr(config, "quantize_lm_head", False))
     # w8a8 on the CPU: an LM head left unquantized is stored as Q8_0-style int8 (Int8GroupLinear)
     raw = getattr(loaded, "raw_quantized", None) or {}
-    head_source = "model.embed_tokens.weight" if model.lm_head.weight is model.embed_tokens.weight else "lm_head.weight"  # type: ignore[attr-defined]
+    head_source = _head_source(model)
     # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
     # layout exactly), rather than being dequantized to a float32 matmul that costs a
     # many-stream decode step as much as a decoder layer's projections.
@@ -791,7 +795,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         bias = mod.bias
         new: nn.Module
         if name == "lm_head" and group_head and gguf_head:
-            q, d = int8g_from_gguf(raw[head_source][1], tuple(raw[head_source][2]))
+            q, d = int8g_from_gguf(raw[sources[0]][1], tuple(raw[sources[0]][2]))
             new, fmt = Int8GroupLinear(q.to(dev), d.to(dev), bias), "Q8_0 (int8 g32)"
         elif name == "lm_head" and group_head:
             new, fmt = Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"

@@ -822,7 +822,7 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * the quantized inputs' group sums, as int4_q8_tile does. The sums land in output order,
  * with no horizontal reduction: at every row count it beats int4_q8_tile (row-major codes,
  * one row at a time) and dequantizing tiles to float32 (measured in docs/performance.md).
- * out[b] lane i: row i of the tile . x_b. */
+ * out[t][b] lane i: row i of tile t . x_b. */
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 /* Tiles [tile, tile + NT) (NT 1 or 2) against NB rows: both tiles share each broadcast
  * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. Each
