@@ -17,7 +17,10 @@ openai = pytest.importorskip("openai")
 KEY = "test-key-123"
 MODEL = "smol"
 CONTEXT = 2048
-CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+# For this phrasing the bundled model's answer tokens lead their runners-up clearly in every
+# configuration (float32, gguf, int4, w8a8); for "What is the capital of France?" float32's first
+# token is a near tie, and a quantized default on another CPU may answer "L'Etoile..." instead.
+CAPITAL = [{"role": "user", "content": "Name the capital of France."}]
 
 
 @pytest.fixture(scope="module")
