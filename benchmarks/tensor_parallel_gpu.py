@@ -29,7 +29,10 @@ Sections, each in its own try/except, the JSON rewritten after each (and marked
   and speed of TP=N against TP=1, each rank's weights (about 1/N of TP=1's); gate
   ``quantized_parity``: first-step logits within ``--quant-rel-tolerance`` of their
   scale (default 2e-2: the kernels round activations and partial outputs to bf16,
-  each rank its own).
+  each rank its own; 5e-2 on a CPU whose kernels multiply int4 codes by 8-bit
+  activations (AVX2 builds): an input that differs by a rounding between the two
+  runs can move an activation code by a step, about 0.4% of its block's largest
+  value, and such steps add up over the layers).
 
 Every result names its decode executor: TP=1 replays CUDA graphs (or the fused
 CPU decode step), TP=N runs eager on every rank.
@@ -53,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tensor_parallel as tpb  # noqa: E402
 
+from tokenmill.model import cpu_kernels  # noqa: E402
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
@@ -61,7 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speed-dtype", default="bfloat16")
     p.add_argument("--rel-tolerance", type=float, default=1e-3)
     p.add_argument("--quantization", default="gguf", help="the quantized section's mode (gguf, int4, int8)")
-    p.add_argument("--quant-rel-tolerance", type=float, default=2e-2)
+    p.add_argument("--quant-rel-tolerance", type=float, default=None,
+                   help="default 2e-2, 5e-2 on a CPU with 8-bit activations for int4 (see above)")
     p.add_argument("--quick", action="store_true", help="a 4-layer model and a short workload")
     p.add_argument("--out", default="tp_gpu.json")
     return p.parse_args(argv)
@@ -137,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         scale = max((max(abs(x) for x in row) for row in one.first_logits), default=0.0)
         diff = result["first_step_max_abs_logit_diff"]
         result["logit_scale"] = scale
-        result["passed"] = diff is not None and diff <= args.quant_rel_tolerance * scale
+        tolerance = args.quant_rel_tolerance
+        if tolerance is None:
+            lib = cpu_kernels.load() if args.device == "cpu" else None
+            tolerance = 5e-2 if lib is not None and lib.q8_activations else 2e-2
+        result["rel_tolerance"] = tolerance
+        result["passed"] = diff is not None and diff <= tolerance * scale
         summary["gates"]["quantized_parity"] = result["passed"]
         print(tpb.report(results, result))
         return {**result, "ratio_tok_s": many.tok_s / one.tok_s,
