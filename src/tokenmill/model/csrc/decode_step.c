@@ -838,6 +838,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     __m256 f[2][Q4_ROWS];
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) f[t][b] = _mm256_setzero_ps();
+    int64_t group = 0, blocks_left = per; /* the block's weight-scale group, counted (no division a block) */
     for (int64_t c = 0; c < C; c++) {
         __m256i a[2][Q4_ROWS];
         for (int t = 0; t < NT; t++)
@@ -865,11 +866,12 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
             }
         }
         for (int t = 0; t < NT; t++) {
-            const __m256 sv = _mm256_loadu_ps(ps + t * G * VW + (c / per) * VW);
+            const __m256 sv = _mm256_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++)
                 f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[t][b], ones)),
                                           _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
         }
+        if (--blocks_left == 0) group++, blocks_left = per;
     }
     for (int64_t j = 0; j < G; j++)
         for (int t = 0; t < NT; t++) {
