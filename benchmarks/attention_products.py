@@ -1,17 +1,24 @@
-"""Attention over a bf16 KV pool: bf16 products and the look-ahead prefetch, each against
-the build without it, in one run.
+"""Attention over a bf16 KV pool: bf16 products, the look-ahead prefetch, and widening rows in
+pairs, each against the build without it, in one run.
 
 The default configuration on a CPU keeps its KV pool in bf16. On a CPU with
 AVX512-BF16 the C attention kernels multiply the pool's rows as they are with
 bf16-rounded queries and softmax weights (``vdpbf16ps``) instead of widening every
 row to float32, and decode attention prefetches the next item's rows while it
-computes the current one. This script builds the kernels three ways from the same
-source:
+computes the current one. On such a CPU this script builds the kernels three ways
+from the same source:
 
 * ``before``: ``-mno-avx512bf16 -DTM_NO_ITEM_PIPELINE``, float32 arithmetic and no
   look-ahead (the baseline);
 * ``look-ahead``: ``-mno-avx512bf16``, float32 arithmetic with the look-ahead;
-* ``bf16 products``: the default build (both);
+* ``bf16 products``: the default build (both).
+
+On a CPU without bf16 products (AVX2), decode attention widens a row's 2 x 8 values
+from one load, even and odd ones (the "pairs" order), where it widened each half of
+the block apart before; two builds:
+
+* ``halves widened``: ``-DTM_NO_BF16_PAIRS`` (the baseline);
+* ``pairs``: the default build.
 
 and times them alternately, round by round, on SmolLM2-135M's shapes (9 query heads,
 3 KV heads, head_dim 64, blocks of 16 scattered over the pool, float32 queries):
@@ -20,7 +27,7 @@ and times them alternately, round by round, on SmolLM2-135M's shapes (9 query he
 * ``prefill attention``: one 512-token chunk, 30 layer calls;
 * ``fused decode step``: the default model's whole batch-64 step at ``--context``.
 
-Printed: median ms per build and each build's speed-up over ``before``.
+Printed: median ms per build and each build's speed-up over the first (the baseline).
 
     .venv/bin/python benchmarks/attention_products.py [--rounds 6] [--context 300]
 """
@@ -118,20 +125,21 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=300)
     args = ap.parse_args()
     default = cpu_kernels.build()
-    if not default.bf16_attention:
-        print("this CPU's kernel build has no bf16 products in attention (no AVX512-BF16): nothing to compare")
-        return 1
-    builds = {"before": cpu_kernels.build(("-mno-avx512bf16", "-DTM_NO_ITEM_PIPELINE")),
-              "look-ahead": cpu_kernels.build(("-mno-avx512bf16",)), "bf16 products": default}
+    if default.bf16_attention:
+        builds = {"before": cpu_kernels.build(("-mno-avx512bf16", "-DTM_NO_ITEM_PIPELINE")),
+                  "look-ahead": cpu_kernels.build(("-mno-avx512bf16",)), "bf16 products": default}
+    else:  # no bf16 products: the rows are widened to float32, a block's two halves each or in pairs
+        builds = {"halves widened": cpu_kernels.build(("-DTM_NO_BF16_PAIRS",)), "pairs": default}
     cases = {f"decode attention (64 x {args.context}, {LAYERS} layers)": decode_case(args.context),
              f"prefill attention (512 tokens, {LAYERS} layers)": prefill_case()}
     fused = fused_case(args.context)
     if fused is not None:
         cases[f"fused decode step (default model, 64 x {args.context})"] = fused
+    names = list(builds)
     print(f"# attention_products: threads {torch.get_num_threads()}, cpus {os.cpu_count()}, rounds {args.rounds}, "
-          f"load {os.getloadavg()[0]:.2f}")
-    print("| case | before ms (baseline) | look-ahead ms | bf16 products ms | look-ahead | bf16 products |")
-    print("|---|---|---|---|---|---|")
+          f"load {os.getloadavg()[0]:.2f}, baseline: {names[0]}")
+    print("| case | " + " | ".join(f"{b} ms" for b in names) + " | " + " | ".join(names[1:]) + " |")
+    print("|---|" + "---|" * (2 * len(names) - 1))
     for name, run in cases.items():
         for lib in builds.values():
             run(lib)  # warm-up
@@ -139,9 +147,9 @@ def main() -> int:
         for _ in range(args.rounds):
             for build, lib in builds.items():
                 times[build].append(min(run(lib) for _ in range(3)))
-        base, ahead, dot = (statistics.median(times[b]) * 1e3 for b in builds)
-        print(f"| {name} | {base:.1f} | {ahead:.1f} | {dot:.1f} | {base / ahead:.2f}x | {base / dot:.2f}x |",
-              flush=True)
+        ms = [statistics.median(times[b]) * 1e3 for b in names]
+        print(f"| {name} | " + " | ".join(f"{m:.1f}" for m in ms) + " | "
+              + " | ".join(f"{ms[0] / m:.2f}x" for m in ms[1:]) + " |", flush=True)
     return 0
 
 

@@ -155,6 +155,23 @@ def test_bf16_products_stay_within_their_bound_and_near_the_float32_math(lib, he
     assert float(err.mean()) < 0.25 * float(bounds[0].mean())
 
 
+@pytest.mark.parametrize("vectors", [1, 2, 3, 4])
+def test_bf16_rows_widened_by_halves_and_in_pairs_match_float64(lib, vectors) -> None:
+    """Without bf16 products a bf16 row is widened to float32 in registers: a block of two
+    vectors' values from one load, even and odd values apart (head sizes an even number of
+    vectors), or each vector's values on their own (an odd number): both orders give the
+    float32 math, with float32 and with bf16 queries."""
+    head_dim = vectors * lib.vector_width
+    if bf16_products(lib, torch.bfloat16, head_dim):
+        pytest.skip("this build multiplies bf16 rows at this head size as they are (vdpbf16ps)")
+    for q_dtype in (torch.float32, torch.bfloat16):
+        q, k, v, tables, lens = make_pool([1, 8, 9, 70, 129], 6, 2, head_dim, 8, torch.bfloat16, seed=vectors,
+                                          strided_q=True)
+        q = q.to(q_dtype)
+        want = plain_attention(q, k, v, tables, lens, head_dim**-0.5)
+        assert_matches(run_kernel(lib, q, k, v, tables, lens, head_dim**-0.5), want)
+
+
 def test_kernel_handles_peaked_and_flat_scores(lib) -> None:
     """Large scale (one key dominates, the others' exp underflows to 0) and tiny scale
     (near-uniform weights over 500 keys)."""

@@ -141,6 +141,21 @@ enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_I8 = 2, ROWS_CONV = 3, ROWS_BF16_DOT = 
 #include <immintrin.h>
 #endif
 
+/* Values c .. c + 2 VW - 1 of a bf16 row as two float32 vectors, exactly: one load of VW
+ * 32-bit words, word i holding values c + 2i (low half) and c + 2i + 1 (high half); a
+ * shift moves the even values' bits to the top, a mask keeps the odd ones'. Two
+ * operations per 2 VW values, where widening each half (vload_bf16) takes four: on a CPU
+ * without bf16 products, widening was a third of the arithmetic per row (ROWS_BF16 with
+ * head_dim % (2 VW) == 0, the "pairs" order: queries and output sums kept with each
+ * 2 VW-value block's even values first, then its odd ones). */
+TM_INLINE void vload_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
+    vu u;
+    memcpy(&u, p, sizeof u);
+    const vu e = u << 16, o = u & 0xffff0000u;
+    memcpy(even, &e, sizeof e);
+    memcpy(odd, &o, sizeof o);
+}
+
 /* Vector c / VW of a row read in place. */
 TM_INLINE vf vload_row(const void *row, int64_t c, int kind) {
     if (kind == ROWS_BF16) return vload_bf16((const uint16_t *)row + c);
@@ -426,6 +441,67 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
     store_chunk_scores(half, NG, scale, s, ldS, cnt, kind, rscale);
 }
 
+/* chunk_scores for bf16 rows in the pairs order (vload_bf16_pairs): q (NG x D) holds each
+ * 2 VW-value block's even values, then its odd ones, so lane i of a block's two products
+ * covers values 2i and 2i + 1 of the row. */
+TM_INLINE void chunk_scores_pairs(const float *q, const void *rows[VW], const int64_t D, const int NG, float scale,
+                                  float *s, int64_t ldS, int64_t cnt) {
+    enum { P = VW / 2 };
+    vf half[2][HEADS_PER_PASS];
+    for (int h = 0; h < 2; h++) {
+        vf part[HEADS_PER_PASS][P];
+        for (int g = 0; g < NG; g++)
+            for (int t = 0; t < P; t++) part[g][t] = (vf){0};
+        for (int64_t c = 0; c < D; c += 2 * VW) {
+            for (int t = 0; t < P; t++) {
+                vf re, ro;
+                vload_bf16_pairs((const uint16_t *)rows[h * P + t] + c, &re, &ro);
+                for (int g = 0; g < NG; g++) {
+                    part[g][t] = vfma(vload(q + g * D + c), re, part[g][t]);
+                    part[g][t] = vfma(vload(q + g * D + c + VW), ro, part[g][t]);
+                }
+            }
+        }
+        for (int g = 0; g < NG; g++) half[h][g] = half_tree(part[g]);
+    }
+    store_chunk_scores(half, NG, scale, s, ldS, cnt, ROWS_BF16, NULL);
+}
+
+/* chunk_values for bf16 rows, acc (NG x D) in the pairs order: each 2 VW-column block's
+ * even columns, then its odd ones (pairs_acc_columns puts them back). */
+TM_INLINE void chunk_values_pairs(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
+                                  const int NG, float *acc) {
+    float pw[HEADS_PER_PASS][VW];
+    for (int g = 0; g < NG; g++) {
+        if (cnt == VW) {
+            memcpy(pw[g], p + g * ldP, VW * sizeof(float));
+        } else {
+            memset(pw[g], 0, sizeof pw[g]);
+            memcpy(pw[g], p + g * ldP, cnt * sizeof(float));
+        }
+    }
+    for (int64_t c = 0; c < D; c += 2 * VW) {
+        vf o[HEADS_PER_PASS][2];
+        for (int g = 0; g < NG; g++) {
+            o[g][0] = vload(acc + g * D + c);
+            o[g][1] = vload(acc + g * D + c + VW);
+        }
+        for (int t = 0; t < VW; t++) {
+            vf re, ro;
+            vload_bf16_pairs((const uint16_t *)rows[t] + c, &re, &ro);
+            for (int g = 0; g < NG; g++) {
+                const vf pt = (vf){0} + pw[g][t];
+                o[g][0] = vfma(pt, re, o[g][0]);
+                o[g][1] = vfma(pt, ro, o[g][1]);
+            }
+        }
+        for (int g = 0; g < NG; g++) {
+            vstore(acc + g * D + c, o[g][0]);
+            vstore(acc + g * D + c + VW, o[g][1]);
+        }
+    }
+}
+
 /* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
  * over a chunk's cnt rows (read as `kind` says; an int8 row's scale rscale[t] folded
  * into its weight), PV_VECS vectors of each head's output at a time. */
@@ -552,6 +628,25 @@ TM_INLINE void bf16_acc_columns(float *acc, int64_t n) {
 }
 #endif
 
+/* x (n values, n % (2 VW) == 0) into the pairs order of vload_bf16_pairs, in place:
+ * each 2 VW-value block's even values, then its odd ones. */
+TM_INLINE void to_pairs_order(float *x, int64_t n) {
+    float tmp[2 * VW];
+    for (int64_t c = 0; c < n; c += 2 * VW) {
+        memcpy(tmp, x + c, sizeof tmp);
+        for (int i = 0; i < VW; i++) x[c + i] = tmp[2 * i], x[c + VW + i] = tmp[2 * i + 1];
+    }
+}
+
+/* to_pairs_order undone. */
+TM_INLINE void from_pairs_order(float *x, int64_t n) {
+    float tmp[2 * VW];
+    for (int64_t c = 0; c < n; c += 2 * VW) {
+        memcpy(tmp, x + c, sizeof tmp);
+        for (int i = 0; i < VW; i++) x[c + 2 * i] = tmp[i], x[c + 2 * i + 1] = tmp[VW + i];
+    }
+}
+
 /* One (sequence, kv head) item; D % VW == 0. ``fmt``: the pool's format (KV_*);
  * ``io_bf16``: q and out are bf16 (the fused decode step passes float32 q/out
  * over a pool of any format); ``kind``: how rows are read (ROWS_*, a compile-time
@@ -570,6 +665,11 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     float *restrict s = sc->s;
     const void *rows[VW];
     float rscale[VW];
+#ifdef TM_NO_BF16_PAIRS /* benchmarks/attention_products.py's baseline: each half widened */
+    const int pairs = 0;
+#else
+    const int pairs = kind == ROWS_BF16 && D % (2 * VW) == 0; /* (constant where D is) */
+#endif
 
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->q_stride + (kvh * G + g) * D;
@@ -589,6 +689,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         } else {
             memcpy(qg, (const float *)a->q + off, D * sizeof(float));
         }
+        if (pairs) to_pairs_order(qg, D);
     }
 
     /* The item's first rows of K and V, all requested now (see the top of the file), unless
@@ -637,6 +738,14 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
                 continue;
             }
 #endif
+            if (pairs) {
+                switch (G - g0) {
+                case 1: chunk_scores_pairs(qg, rows, D, 1, a->scale, sg, L, cnt); break;
+                case 2: chunk_scores_pairs(qg, rows, D, 2, a->scale, sg, L, cnt); break;
+                default: chunk_scores_pairs(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt); break;
+                }
+                continue;
+            }
             switch (G - g0) {
             case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale); break;
             case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale); break;
@@ -684,6 +793,14 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
                 continue;
             }
 #endif
+            if (pairs) {
+                switch (G - g0) {
+                case 1: chunk_values_pairs(pg, L, cnt, rows, D, 1, ag); break;
+                case 2: chunk_values_pairs(pg, L, cnt, rows, D, 2, ag); break;
+                default: chunk_values_pairs(pg, L, cnt, rows, D, HEADS_PER_PASS, ag); break;
+                }
+                continue;
+            }
             switch (G - g0) {
             case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale); break;
             case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale); break;
@@ -695,6 +812,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 #ifdef TM_ATTN_BF16_DOT
     if (kind == ROWS_BF16_DOT) bf16_acc_columns(sc->acc, G * D);
 #endif
+    if (pairs) from_pairs_order(sc->acc, G * D);
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->out_stride + (kvh * G + g) * D;
         const float w = sc->inv[g];
