@@ -417,18 +417,30 @@ TM_INLINE void store_chunk_scores(vf half[2][HEADS_PER_PASS], const int NG, floa
 
 /* scale * q_g . row_t for NG heads (queries q, NG x D) against a chunk's VW rows
  * (read as `kind` says; int8 rows times their scale rscale[t]), into s[g * ldS + t]
- * for t < cnt. Positions go in two halves of VW / 2, each reduced by the first levels
+ * for t < cnt. With ``pairs`` (a constant; bf16 rows): q holds each 2 VW-value block's
+ * even values, then its odd ones, and a row's block is widened by vload_bf16_pairs, so
+ * lane i of the block's two products covers values 2i and 2i + 1. Positions go in two halves of VW / 2, each reduced by the first levels
  * of transpose_sum's tree, and the halves by its last level: the same sums, in the
  * same order, as transpose_sum over the whole chunk. */
 TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t D, const int NG, float scale,
-                            float *s, int64_t ldS, int64_t cnt, const int kind, const float rscale[VW]) {
+                            float *s, int64_t ldS, int64_t cnt, const int kind, const float rscale[VW],
+                            const int pairs) {
     enum { P = VW / 2 };
     vf half[2][HEADS_PER_PASS];
     for (int h = 0; h < 2; h++) {
         vf part[HEADS_PER_PASS][P];
         for (int g = 0; g < NG; g++)
             for (int t = 0; t < P; t++) part[g][t] = (vf){0};
-        for (int64_t c = 0; c < D; c += VW) {
+        for (int64_t c = 0; pairs && c < D; c += 2 * VW) /* bf16 rows, q in the pairs order */
+            for (int t = 0; t < P; t++) {
+                vf re, ro;
+                vload_bf16_pairs((const uint16_t *)rows[h * P + t] + c, &re, &ro);
+                for (int g = 0; g < NG; g++) {
+                    part[g][t] = vfma(vload(q + g * D + c), re, part[g][t]);
+                    part[g][t] = vfma(vload(q + g * D + c + VW), ro, part[g][t]);
+                }
+            }
+        for (int64_t c = 0; !pairs && c < D; c += VW) {
             vf qc[HEADS_PER_PASS];
             for (int g = 0; g < NG; g++) qc[g] = vload(q + g * D + c);
             for (int t = 0; t < P; t++) {
@@ -439,32 +451,6 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
         for (int g = 0; g < NG; g++) half[h][g] = half_tree(part[g]);
     }
     store_chunk_scores(half, NG, scale, s, ldS, cnt, kind, rscale);
-}
-
-/* chunk_scores for bf16 rows in the pairs order (vload_bf16_pairs): q (NG x D) holds each
- * 2 VW-value block's even values, then its odd ones, so lane i of a block's two products
- * covers values 2i and 2i + 1 of the row. */
-TM_INLINE void chunk_scores_pairs(const float *q, const void *rows[VW], const int64_t D, const int NG, float scale,
-                                  float *s, int64_t ldS, int64_t cnt) {
-    enum { P = VW / 2 };
-    vf half[2][HEADS_PER_PASS];
-    for (int h = 0; h < 2; h++) {
-        vf part[HEADS_PER_PASS][P];
-        for (int g = 0; g < NG; g++)
-            for (int t = 0; t < P; t++) part[g][t] = (vf){0};
-        for (int64_t c = 0; c < D; c += 2 * VW) {
-            for (int t = 0; t < P; t++) {
-                vf re, ro;
-                vload_bf16_pairs((const uint16_t *)rows[h * P + t] + c, &re, &ro);
-                for (int g = 0; g < NG; g++) {
-                    part[g][t] = vfma(vload(q + g * D + c), re, part[g][t]);
-                    part[g][t] = vfma(vload(q + g * D + c + VW), ro, part[g][t]);
-                }
-            }
-        }
-        for (int g = 0; g < NG; g++) half[h][g] = half_tree(part[g]);
-    }
-    store_chunk_scores(half, NG, scale, s, ldS, cnt, ROWS_BF16, NULL);
 }
 
 /* chunk_values for bf16 rows, acc (NG x D) in the pairs order: each 2 VW-column block's
@@ -738,18 +724,10 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
                 continue;
             }
 #endif
-            if (pairs) {
-                switch (G - g0) {
-                case 1: chunk_scores_pairs(qg, rows, D, 1, a->scale, sg, L, cnt); break;
-                case 2: chunk_scores_pairs(qg, rows, D, 2, a->scale, sg, L, cnt); break;
-                default: chunk_scores_pairs(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt); break;
-                }
-                continue;
-            }
             switch (G - g0) {
-            case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale); break;
-            case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale); break;
-            default: chunk_scores(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt, kind, rscale); break;
+            case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale, pairs); break;
+            case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale, pairs); break;
+            default: chunk_scores(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt, kind, rscale, pairs); break;
             }
         }
     }
