@@ -419,9 +419,10 @@ TM_INLINE void store_chunk_scores(vf half[2][HEADS_PER_PASS], const int NG, floa
  * (read as `kind` says; int8 rows times their scale rscale[t]), into s[g * ldS + t]
  * for t < cnt. With ``pairs`` (a constant; bf16 rows): q holds each 2 VW-value block's
  * even values, then its odd ones, and a row's block is widened by vload_bf16_pairs, so
- * lane i of the block's two products covers values 2i and 2i + 1. Positions go in two halves of VW / 2, each reduced by the first levels
- * of transpose_sum's tree, and the halves by its last level: the same sums, in the
- * same order, as transpose_sum over the whole chunk. */
+ * lane i of the block's two products covers values 2i and 2i + 1. Positions go in two
+ * halves of VW / 2, each reduced by the first levels of transpose_sum's tree, and the
+ * halves by its last level: the same sums, in the same order, as transpose_sum over the
+ * whole chunk. */
 TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t D, const int NG, float scale,
                             float *s, int64_t ldS, int64_t cnt, const int kind, const float rscale[VW],
                             const int pairs) {
@@ -453,20 +454,25 @@ TM_INLINE void chunk_scores(const float *q, const void *rows[VW], const int64_t 
     store_chunk_scores(half, NG, scale, s, ldS, cnt, kind, rscale);
 }
 
-/* chunk_values for bf16 rows, acc (NG x D) in the pairs order: each 2 VW-column block's
- * even columns, then its odd ones (pairs_acc_columns puts them back). */
-TM_INLINE void chunk_values_pairs(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
-                                  const int NG, float *acc) {
+/* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
+ * over a chunk's cnt rows (read as `kind` says; an int8 row's scale rscale[t] folded
+ * into its weight), PV_VECS vectors of each head's output at a time. With ``pairs`` (a
+ * constant; bf16 rows): acc holds each 2 VW-column block's even columns, then its odd
+ * ones (from_pairs_order puts them back), and a row's block is widened by
+ * vload_bf16_pairs. */
+TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
+                            const int NG, float *acc, const int kind, const float rscale[VW], const int pairs) {
     float pw[HEADS_PER_PASS][VW];
     for (int g = 0; g < NG; g++) {
-        if (cnt == VW) {
+        if (cnt == VW) { /* a constant size: a vector copy, not a string move */
             memcpy(pw[g], p + g * ldP, VW * sizeof(float));
         } else {
             memset(pw[g], 0, sizeof pw[g]);
             memcpy(pw[g], p + g * ldP, cnt * sizeof(float));
         }
+        if (kind == ROWS_I8) vstore(pw[g], vload(pw[g]) * vload(rscale));
     }
-    for (int64_t c = 0; c < D; c += 2 * VW) {
+    for (int64_t c = 0; pairs && c < D; c += 2 * VW) {
         vf o[HEADS_PER_PASS][2];
         for (int g = 0; g < NG; g++) {
             o[g][0] = vload(acc + g * D + c);
@@ -486,24 +492,7 @@ TM_INLINE void chunk_values_pairs(const float *p, int64_t ldP, int64_t cnt, cons
             vstore(acc + g * D + c + VW, o[g][1]);
         }
     }
-}
-
-/* acc_g += sum_t p_g[t] * row_t for NG heads (weights p, rows ldP apart; acc, NG x D)
- * over a chunk's cnt rows (read as `kind` says; an int8 row's scale rscale[t] folded
- * into its weight), PV_VECS vectors of each head's output at a time. */
-TM_INLINE void chunk_values(const float *p, int64_t ldP, int64_t cnt, const void *rows[VW], const int64_t D,
-                            const int NG, float *acc, const int kind, const float rscale[VW]) {
-    float pw[HEADS_PER_PASS][VW];
-    for (int g = 0; g < NG; g++) {
-        if (cnt == VW) { /* a constant size: a vector copy, not a string move */
-            memcpy(pw[g], p + g * ldP, VW * sizeof(float));
-        } else {
-            memset(pw[g], 0, sizeof pw[g]);
-            memcpy(pw[g], p + g * ldP, cnt * sizeof(float));
-        }
-        if (kind == ROWS_I8) vstore(pw[g], vload(pw[g]) * vload(rscale));
-    }
-    for (int64_t c0 = 0; c0 < D; c0 += PV_VECS * VW) {
+    for (int64_t c0 = 0; !pairs && c0 < D; c0 += PV_VECS * VW) {
         const int64_t nv = (D - c0) / VW < PV_VECS ? (D - c0) / VW : PV_VECS;
         vf o[HEADS_PER_PASS][PV_VECS];
         for (int g = 0; g < NG; g++)
@@ -771,18 +760,10 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
                 continue;
             }
 #endif
-            if (pairs) {
-                switch (G - g0) {
-                case 1: chunk_values_pairs(pg, L, cnt, rows, D, 1, ag); break;
-                case 2: chunk_values_pairs(pg, L, cnt, rows, D, 2, ag); break;
-                default: chunk_values_pairs(pg, L, cnt, rows, D, HEADS_PER_PASS, ag); break;
-                }
-                continue;
-            }
             switch (G - g0) {
-            case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale); break;
-            case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale); break;
-            default: chunk_values(pg, L, cnt, rows, D, HEADS_PER_PASS, ag, kind, rscale); break;
+            case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale, pairs); break;
+            case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale, pairs); break;
+            default: chunk_values(pg, L, cnt, rows, D, HEADS_PER_PASS, ag, kind, rscale, pairs); break;
             }
         }
     }
