@@ -466,8 +466,6 @@ def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
     """Turn a (meta-device) full-size decoder into one rank's shard, in place: local
     head/MLP counts, row-parallel o/down, vocab-parallel embedding and head.
     ``model.config`` becomes the local config (the runner sizes the KV pool from it)."""
-    from .llama import MLP, Attention
-
     full = model.config
     cfg = local_config(full, tp.size)
     device = model.embed_tokens.weight.device
@@ -475,10 +473,12 @@ def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
         model.embed_tokens = VocabParallelEmbedding(full.vocab_size, full.hidden_size, tp)
         model.lm_head = ParallelLMHead(full.vocab_size, full.hidden_size, tp)
         for layer in model.layers:
-            layer.self_attn = Attention(cfg)
+            whole = layer.self_attn
+            layer.self_attn = type(whole)(cfg)  # the family's own attention and MLP, with a shard's shapes
+            layer.self_attn.window, layer.self_attn.softcap, layer.self_attn.scale = whole.window, whole.softcap, whole.scale
             assert cfg.head_dim is not None
             layer.self_attn.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, full.hidden_size, tp)
-            layer.mlp = MLP(cfg)
+            layer.mlp = type(layer.mlp)(cfg)
             layer.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, full.hidden_size, tp)
     model.config = cfg
 
