@@ -195,3 +195,20 @@ def test_longrope_short_factors_within_the_original_context():
     prompts = _prompts(2, length=16)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert _tokens(_llm(loaded, max_model_len=32).generate(prompts, params)) == _reference(model, prompts, 8)
+
+
+def test_unsupported_architecture_one_line_exit_2(tmp_path, capsys):
+    import json
+
+    from tokenmill.entrypoints.cli import main
+    from tokenmill.model.support import UnsupportedModel
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "falcon", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2}))
+    assert main(["generate", "--model", str(tmp_path), "hello"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tokenmill generate: error: unsupported model_type 'falcon'")
+    assert "Traceback" not in "\n".join(err) and "gemma3" in err[-1]
+    with pytest.raises(UnsupportedModel, match="unsupported model_type 'falcon'"):
+        LLM(str(tmp_path))

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .attention import StepAttention
+from .support import UnsupportedModel
 from .llama import MLP, Attention, LlamaForCausalLM, RMSNorm, RotaryEmbedding, linear_add, set_windows
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3", "gemma3_text")
@@ -63,7 +64,7 @@ def hf_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
-        raise ValueError(f"Gemma hidden_activation {activation!r} is not supported; supported: gelu_pytorch_tanh, gelu")
+        raise UnsupportedModel(f"Gemma hidden_activation {activation!r} is not supported; supported: gelu_pytorch_tanh, gelu")
     rope = cfg.get("rope_parameters") or {}
     fields: dict[str, Any] = {}
     family: dict[str, Any] = {
@@ -78,14 +79,14 @@ def hf_settings(cfg: dict[str, Any]) -> dict[str, Any]:
         kind = full.get("rope_type", "default")
         fields["rope_scaling"] = None if kind == "default" else full
         if local.get("rope_type", "default") != "default":
-            raise ValueError(f"Gemma local-layer rope scaling {local.get('rope_type')!r} is not supported; "
+            raise UnsupportedModel(f"Gemma local-layer rope scaling {local.get('rope_type')!r} is not supported; "
                              "supported: default")
         if gemma3:
             family["rope_local_base_freq"] = float(local.get("rope_theta", 10000.0))
     elif gemma3:
         family["rope_local_base_freq"] = float(cfg.get("rope_local_base_freq", 10000.0))
     if cfg.get("use_bidirectional_attention"):
-        raise ValueError("Gemma with use_bidirectional_attention (an encoder) is not supported; "
+        raise UnsupportedModel("Gemma with use_bidirectional_attention (an encoder) is not supported; "
                          "supported: causal Gemma 2/3 decoders")
     window = cfg.get("sliding_window")
     fields.update(sliding_window=int(window) if window else None, layer_types=list(layer_types), family=family,

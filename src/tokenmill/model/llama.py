@@ -18,6 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import StepAttention
 from .ops import TORCH_OPS, ModelOps, rotate_half
+from .support import UnsupportedModel
 
 
 class Linear(nn.Linear):
@@ -102,7 +103,7 @@ def _rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> tuple[
 
         inv_freq, attention_factor = longrope_inv_freq(cfg, scaling, max_positions or cfg.max_position_embeddings)
     else:
-        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KINDS)}")
+        raise UnsupportedModel(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KINDS)}")
     return inv_freq, attention_factor
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.model.support import UnsupportedModel
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
 _GEMMA = ("gemma2", "gemma3", "gemma3_text")
@@ -121,7 +122,7 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
 
         out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
         return np.asarray(out, dtype=np.float32).reshape(shape)
-    raise ValueError(
+    raise UnsupportedModel(
         f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
         "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
     )
@@ -282,7 +283,7 @@ def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
         return f"model.layers.{m.group(1)}.{family[m.group(2)]}"
     if m and m.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
-    raise ValueError(f"unexpected tensor {name!r} in a {arch or 'llama'} GGUF file; tokenmill reads the decoder "
+    raise UnsupportedModel(f"unexpected tensor {name!r} in a {arch or 'llama'} GGUF file; tokenmill reads the decoder "
                      f"tensors of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -317,7 +318,8 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     kv_heads = meta("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer lists exist in some files; we need a uniform count
         if len(set(kv_heads)) != 1:
-            raise ValueError("GGUF with per-layer KV head counts is not supported")
+            raise UnsupportedModel("GGUF with per-layer KV head counts is not supported; supported: one KV head "
+                               "count for every layer")
         kv_heads = kv_heads[0]
     # The embedding's row count is what the model can emit; it equals the token list's
     # length in well-formed files, and wins when they disagree.
@@ -369,7 +371,7 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
 def check_architecture(arch: Any, what: str, where: str = "") -> None:
     """One line naming the architecture tokenmill cannot run and those it can."""
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported {what} {arch!r}{where}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise UnsupportedModel(f"unsupported {what} {arch!r}{where}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _phi3_gguf_rope(gguf_file: GGUFFile, config: ModelConfig) -> None:
@@ -470,7 +472,8 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     check_architecture(model_type, "model_type", " in config.json")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; use GGUF")
+        raise UnsupportedModel(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; supported: "
+                               "float safetensors folders, or a GGUF file")
     # transformers 5 moved rope_theta/rope_scaling into one "rope_parameters" dict.
     rope = dict(cfg.get("rope_parameters") or {})
     rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
@@ -494,7 +497,7 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
 
         kind = rope_scaling.get("rope_type")
         if kind not in ROPE_SCALING_KINDS:
-            raise ValueError(f"unsupported rope scaling type {kind!r} in config.json; supported: "
+            raise UnsupportedModel(f"unsupported rope scaling type {kind!r} in config.json; supported: "
                              f"{', '.join(ROPE_SCALING_KINDS)}")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])

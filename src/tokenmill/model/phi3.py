@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from .support import UnsupportedModel
 
 
 def longrope_inv_freq(cfg: ModelConfig, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
@@ -68,7 +69,7 @@ def hf_settings(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig fields a Phi-3 config.json sets beyond the Llama ones."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise ValueError("phi3 with partial_rotary_factor != 1 (Phi-4-mini) is not supported; "
+        raise UnsupportedModel("phi3 with partial_rotary_factor != 1 (Phi-4-mini) is not supported; "
                          "supported: Phi-3 and Phi-3.5 (full rotary)")
     window = cfg.get("sliding_window")
     return {"sliding_window": int(window) if window else None}
