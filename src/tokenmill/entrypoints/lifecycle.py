@@ -103,7 +103,7 @@ def _log_startup(args: argparse.Namespace, settings: ServerSettings, config: Eng
     url = f"{'https' if ssl else 'http'}://{args.host}:{args.port}{getattr(args, 'root_path', '') or ''}"
     log.info("tokenmill serving model=%s (%s) dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens "
              "max_model_len=%d prefix_caching=%s url=%s", settings.served_model_names[0],
-             args.model or "bundled SmolLM2-135M-Instruct", config.dtype, config.quantization,
+             args.model or "bundled SmolLM2-135M-Instruct", engine.config.dtype, engine.config.quantization,
              human_bytes(engine.weight_bytes), engine.pool.num_blocks, engine.block_size, state.pool_tokens,
              engine.max_model_len, engine.prefix_cache is not None, url)
 
