@@ -26,7 +26,7 @@ from . import auto
 from .block_pool import BlockPool
 from .detokenizer import IncrementalDetokenizer
 from .prefix_cache import PrefixCache
-from .request import Request, RequestStatus, SamplingParams
+from .request import DEFAULT_PLACEMENT, Placement, Request, RequestStatus, SamplingParams
 from .executors import Kernels, choose_kernels
 from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
@@ -182,8 +182,9 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> list[Request]:
-        """Queue a request (n sequences). Raises ValueError for what cannot run."""
+                    arrival_time: float | None = None, placement: Placement | None = None) -> list[Request]:
+        """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
+        (tenant, class, weight, priority) orders it under the priority and fair policies."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
@@ -208,7 +209,8 @@ class LLMEngine:
         group: list[_Sequence] = []
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
-                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
+                          placement=placement or DEFAULT_PLACEMENT)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
             if params.prompt_logprobs is not None:
