@@ -19,7 +19,7 @@ from ..model.sampler import Logprob, SampleResult, sample
 from ..tokenizer import Tokenizer
 from .builder import build_engine
 from .detokenizer import IncrementalDetokenizer
-from .request import Request, SamplingParams
+from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
 from .scheduler import ScheduledBatch
 from .stats import EngineStats, SpecSnapshot
 from .step_batch import StepBatch
@@ -108,8 +108,9 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> list[Request]:
-        """Queue a request (n sequences). Raises ValueError for what cannot run."""
+                    arrival_time: float | None = None, placement: Placement | None = None) -> list[Request]:
+        """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
+        (tenant, class, weight, priority) orders it under the priority and fair policies."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
@@ -134,7 +135,8 @@ class LLMEngine:
         group: list[_Sequence] = []
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
-                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
+                          placement=placement or DEFAULT_PLACEMENT)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
             if params.prompt_logprobs is not None:

@@ -91,6 +91,28 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a request stands among others when the scheduler is not FCFS
+    (engine/fairness.py): its tenant, the tenant's priority class (0 first) and
+    fair-share weight, and the request's own ``priority`` (vLLM's, lower first)
+    within them. FCFS ignores it."""
+
+    tenant: str = "default"
+    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, got {self.weight}")
+        if self.priority_class < 0:
+            raise ValueError(f"priority class must be non-negative, got {self.priority_class}")
+
+
+DEFAULT_PLACEMENT = Placement()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -107,6 +129,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
+    placement: Placement = DEFAULT_PLACEMENT
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

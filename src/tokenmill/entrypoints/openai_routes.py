@@ -150,7 +150,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
         params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
-        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
+        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     state.reserve(jobs)
@@ -190,7 +190,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
-    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
+    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)

@@ -98,6 +98,14 @@ def add_engine_arguments(p: Any) -> None:
                    help="token budget per engine step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "fair"],
+                   help="waiting-queue order: fcfs (arrival), priority (class, then the request's 'priority', "
+                        "then arrival), fair (class, then each tenant's weighted share of the tokens computed, "
+                        "then 'priority', then arrival); see docs/tenants.md (default fcfs; fair when "
+                        "--api-keys-file is given)")
+    p.add_argument("--starvation-bound", type=float, default=30.0, metavar="SECONDS",
+                   help="priority and fair: a request waiting this long goes first, whatever its class "
+                        "(default 30)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -80,8 +80,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     options = engine_options(args)
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0))
+                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
+                   scheduling_policy=scheduling_policy_from_args(args),
+                   starvation_bound_s=getattr(args, "starvation_bound", 30.0))
     return EngineConfig.from_options(**options)
+
+
+def scheduling_policy_from_args(args: argparse.Namespace) -> str:
+    """--scheduling-policy; tenants from --api-keys-file make fair the default."""
+    policy = getattr(args, "scheduling_policy", None)
+    if policy is None:
+        return "fair" if getattr(args, "api_keys_file", None) else "fcfs"
+    return policy
 
 
 def default_model_name(path: str | None) -> str:

@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
-from ..engine.request import SamplingParams
+from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
 from .errors import APIError
 
@@ -62,6 +62,16 @@ class Job:
     prompt_text: str | None = None
     arrival_unix: float = field(default_factory=time.time)
     reserved: bool = False
+    priority: int = 0  # the request's own (vLLM's field), within its tenant's class
+    # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
+    tenant: Any = None
+
+    @property
+    def placement(self) -> Placement:
+        """Where the scheduler places it: the tenant's class and weight, the request's priority."""
+        if self.tenant is None:
+            return Placement(priority=self.priority) if self.priority else DEFAULT_PLACEMENT
+        return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
 class ServerState:
@@ -264,7 +274,7 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement)
         self._live[job.request_id] = job
         failed = False
         # release() and the generator's first step (which submits to the engine)
