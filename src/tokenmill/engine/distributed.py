@@ -50,9 +50,10 @@ from ..model import parallel
 from ..model.llama import LlamaForCausalLM, RotaryEmbedding
 from ..model.attention import StepLayout
 from ..model.loader import LoadedModel
-from .executors import Kernels, choose_kernels
+from .executors import Kernels, StepItems, choose_kernels
 from .request import Request
 from .runner import ModelRunner
+from .step_batch import StepBatch
 
 log = logging.getLogger("tokenmill.tp")
 
@@ -201,11 +202,11 @@ class ParallelRunner(ModelRunner):
         self.group = group
         self.broadcast_s = 0.0  # driver: seconds spent handing layouts to the workers
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, step: StepBatch | StepItems) -> tuple[torch.Tensor, list[Request]]:
         if self.group is not None and self.group.failure is not None:
             raise TensorParallelError(self.group.failure)
         with torch.inference_mode():
-            inputs = self.prepare(items)
+            inputs = self.prepare(step)
             layout = _Layout(inputs.input_ids.cpu(), inputs.positions.cpu(),
                              inputs.attn.layout.to(torch.device("cpu")), inputs.logits_rows.cpu())
             try:

@@ -32,6 +32,7 @@ from .runner import ModelRunner, num_blocks_for_budget
 from .scheduler import Scheduler
 from .speculative import SpeculativeConfig, Speculator
 from .stats import EngineStats, SpecSnapshot
+from .step_batch import StepBatch
 from .structured import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -264,11 +265,11 @@ class LLMEngine:
             return []
         # Grammar masks depend only on tokens already accepted (and this step's proposals):
         # compute them while the forward pass runs.
-        constrained = [r for r, n in batch.items if r.grammar is not None
-                       and r.num_computed_tokens + n == r.num_tokens + len(r.spec_token_ids)]
+        step = StepBatch.build(batch.items)
+        constrained = step.constrained
         masks = self.structured.fill_step_async(constrained) if constrained else None
         try:
-            logits, sampled = self.runner.execute(batch.items)  # and prompt logprobs, for requests that ask
+            logits, sampled = self.runner.execute(step)  # and prompt logprobs, for requests that ask
         finally:
             mask = self.structured.wait(masks) if masks is not None else None
         self.scheduler.after_step(batch)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..model.sampler import Logprob
 
@@ -204,24 +204,6 @@ class Request:
         if start + count > len(tokens):
             tokens = tokens + self.spec_token_ids
         return tokens[start : start + count]
-
-
-def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
-    """Inputs of a step in which every item computes one token (decodes, and 1-token
-    prefill chunks): each item's token id and position, and the rows that sample with
-    their requests (a 1-token chunk short of its prompt's end samples nothing)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    rows: list[int] = []
-    sampled: list[Request] = []
-    for row, (request, _) in enumerate(items):
-        position = request.num_computed_tokens
-        ids.append(request.token_at(position))
-        positions.append(position)
-        if position + 1 == request.num_tokens and request.samples:
-            rows.append(row)
-            sampled.append(request)
-    return ids, positions, rows, sampled
 
 
 @dataclass
