@@ -391,7 +391,7 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason)
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name))
 
     def close(self) -> None:
         if self.capture is not None:
