@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -143,6 +144,8 @@ def run_server(args: argparse.Namespace) -> int:
     # what requests free every half minute (entrypoints/heap.py)
     trim_heap()
     trimmer = HeapTrimmer().start()
+    if settings.api_keys_file and hasattr(signal, "SIGHUP"):  # new keys and limits without a restart
+        signal.signal(signal.SIGHUP, lambda *_: state.tenants.reload())
     try:
         uv_server.run()
     finally:

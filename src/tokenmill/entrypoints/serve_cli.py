@@ -126,6 +126,9 @@ def add_server_arguments(p: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
                         "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
                         "it on a sign-in page and keeps a session cookie")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
+                        "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
