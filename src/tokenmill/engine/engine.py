@@ -121,6 +121,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        params.check_vocab(vocab)  # the sampler indexes the logits with these
         room = self.max_model_len - len(token_ids)
         if room < (0 if params.max_tokens == 0 else 1):
             raise ValueError(
