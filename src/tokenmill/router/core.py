@@ -98,7 +98,13 @@ class Router:
         # Ask the least-loaded candidate when tokenizing remotely.
         w = self.config.kv_usage_weight
         via = min(candidates, key=lambda b: b.load(w)).url if candidates else None
-        toks = await self.tokenizer.encode(text, model, via)
+        if (self.config.prefix_source == "events" and isinstance(self.tokenizer, RemoteTokenizer)
+                and path.endswith("/chat/completions") and isinstance(body.get("messages"), list)):
+            # Events name the blocks of the rendered prompt: tokenize it as the backend renders it.
+            toks = await self.tokenizer.encode_messages(body["messages"], body.get("add_generation_prompt", True)
+                                                        is not False, text, model, via)
+        else:
+            toks = await self.tokenizer.encode(text, model, via)
         if toks.mode != self.tokenizer.mode:
             self.metrics.tokenizer.labels(self.tokenizer.mode).set(0)
             self.metrics.tokenizer.labels(toks.mode).set(1)
