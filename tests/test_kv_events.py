@@ -219,3 +219,55 @@ def test_kv_events_config_is_vllms_and_refuses_unknown_keys():
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpont": "tcp://x:1"}')
     with pytest.raises(ValueError, match="buffer_steps"):
         KVEventsConfig.parse('{"enable_kv_cache_events": true, "buffer_steps": 0}')
+
+
+# -- session affinity -------------------------------------------------------------------------
+
+def test_session_keys_and_response_ids():
+    from tokenmill.router.sessions import response_id_in, session_key
+
+    assert session_key({"x-session-id": "abc"}, {"user": "u"}) == "session:abc"
+    assert session_key({}, {"previous_response_id": "resp_1", "user": "u"}) == "response:resp_1"
+    assert session_key({}, {"user": "u"}) == "user:u"
+    assert session_key({}, {"prompt": "x"}) is None and session_key({}, None) is None
+    assert response_id_in(b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_9f"') \
+        == "resp_9f"
+    assert response_id_in(b'{"id": "chatcmpl-1"}') is None
+
+
+def _router(urls):
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.core import Router
+
+    router = Router(RouterConfig(backends=urls, remote_tokenize=False))
+    for b in router.pool.backends.values():
+        b.healthy = True
+    return router
+
+
+def test_a_session_stays_home_until_its_replica_is_overloaded_or_gone_then_moves_once():
+    import asyncio
+
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(3)]
+    router = _router(urls)
+
+    async def send(session, text="hello there " * 20):
+        d = await router.route("/v1/completions", {"prompt": text}, session=session)
+        router.release(d.backend)
+        return d
+
+    async def go():
+        first = await send("session:a")
+        homes = {(await send("session:a", f"turn {i} " * 30)).backend.url for i in range(10)}
+        assert homes == {first.backend.url}  # every later turn, whatever its prompt, went home
+        assert router.sessions.kept == 10
+        home = router.pool.backends[first.backend.url]
+        home.in_flight = 50  # overloaded: the session moves ...
+        moved = await send("session:a")
+        assert moved.backend.url != home.url and router.sessions.moved == 1
+        home.in_flight = 0  # ... and stays at its new home, not back
+        assert (await send("session:a")).backend.url == moved.backend.url
+        router.pool.backends[moved.backend.url].healthy = False  # its replica leaves: it moves again
+        assert (await send("session:a")).backend.url != moved.backend.url
+
+    asyncio.run(go())
