@@ -212,3 +212,19 @@ def test_unsupported_architecture_one_line_exit_2(tmp_path, capsys):
     assert "Traceback" not in "\n".join(err) and "gemma3" in err[-1]
     with pytest.raises(UnsupportedModel, match="unsupported model_type 'falcon'"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3", "phi3"])
+def test_two_ranks_match_transformers(name, tmp_path):
+    """Tensor parallelism (two CPU ranks) on the family's own layers, read from the folder."""
+    torch.manual_seed(0)
+    model = FAMILIES[name]().float().eval()
+    _randomize(model, 1)
+    model.save_pretrained(tmp_path)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tmp_path), tokenizer=tiny_tokenizer(), tensor_parallel_size=2, num_threads=1, num_blocks=64,
+             block_size=4, max_model_len=128) as llm:
+        assert _tokens(llm.generate(prompts, params)) == _reference(model, prompts, 8)
