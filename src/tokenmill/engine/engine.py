@@ -210,6 +210,8 @@ class LLMEngine:
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
+                if params.structured_after:
+                    req.pending_grammar, req.grammar = req.grammar, None
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
@@ -351,7 +353,11 @@ class LLMEngine:
         stop_str = seq.detok.add_token(token)
         params = req.params
         grammar_done = False
-        if req.grammar is not None and token not in req.eos_token_ids:
+        if req.pending_grammar is not None and stop_str is None:
+            marker = params.structured_after or ""
+            if marker in seq.detok.text[-(len(marker) + 64):]:  # reasoning over: the format applies now
+                req.grammar, req.pending_grammar = req.pending_grammar, None
+        elif req.grammar is not None and token not in req.eos_token_ids:
             req.grammar.consume_token(token)
             # stopped: the grammar allows nothing more (not even more whitespace); error: cannot go on
             grammar_done = req.grammar.is_stopped() or req.grammar.is_error()

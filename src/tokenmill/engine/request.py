@@ -41,6 +41,9 @@ class SamplingParams:
     speculative: bool = True  # False: never decode this request speculatively
     # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
     structured: Any = None
+    # Text that ends the model's reasoning (e.g. "</think>"): the grammar applies only to
+    # the output after it, so a thinking model reasons freely and answers in the format.
+    structured_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +136,8 @@ class Request:
     spec_backoff_until: int = 0
     # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
     grammar: Any = None
+    # The grammar while the reasoning runs (params.structured_after not yet seen); then ``grammar``.
+    pending_grammar: Any = None
     # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
     # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)

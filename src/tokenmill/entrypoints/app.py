@@ -6,7 +6,8 @@ Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
 checks the API key (before the body is even parsed, so a bad key is a 401
 whatever the body), refuses new work with 503 while draining after SIGTERM,
 and counts requests in flight so shutdown can wait for them. The key is
-either ``Authorization: Bearer KEY`` or the web console's session cookie
+either ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send it) or the web
+console's session cookie
 (console_auth.py; cookie-authenticated writes must come from the server's
 own origin). Starting, draining and stopping a process around the app is
 lifecycle.py's job.
@@ -97,6 +98,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .responses_api import router as responses_router
 
     app.include_router(responses_router)
+    from .anthropic_api import AnthropicErrors, router as messages_router
+    from .response_store import ResponseStore
+
+    app.state.response_store = ResponseStore(settings.responses_store_size)
+    app.include_router(messages_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
@@ -108,6 +114,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
+    app.add_middleware(AnthropicErrors)  # /v1/messages errors in Anthropic's shape, whoever raised them
     return app
 
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.request import SamplingParams
 from .errors import APIError
+from .reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .serving import Job, ServerState
@@ -190,6 +191,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
+    params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
     return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
 
 
@@ -202,7 +204,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.reserve([job])
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
-                    prompt_logprobs=body.prompt_logprobs)
+                    prompt_logprobs=body.prompt_logprobs,
+                    reasoning=get_reasoning_parser(state.settings.reasoning_parser))
     if body.stream:
         return SSEResponse(chat_stream(state, spec, job), state, [job])
     try:

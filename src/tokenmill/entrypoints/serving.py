@@ -49,6 +49,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
     chat_template: str | None = None  # Jinja source replacing the model's chat template
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
+    responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
 
 
 @dataclass
