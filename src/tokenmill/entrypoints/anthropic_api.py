@@ -43,6 +43,7 @@ from .protocol import MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
 from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
 from .serving import Job, ServerState
 from .streaming import SSEResponse, _streams, _Tally
+from .tenants import tenant_of
 from .tool_calls import ToolPlan, ToolStream, extract, plan_tools
 
 router = APIRouter()
@@ -455,7 +456,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     job, plan = await prepare_chat(state, to_chat(body), message_id)
     job.endpoint = "messages"
-    state.reserve([job])
+    state.reserve([job], tenant_of(request.scope))
     spec = _Spec(message_id, body.model or state.model_name, body, plan,
                  get_reasoning_parser(state.settings.reasoning_parser), job.prompt_text)
     if body.stream:

@@ -243,10 +243,7 @@ class ConsoleSessions:
         """Which valid credential the request carries: the Bearer key, a live session cookie, or none."""
         if self._key_digest is None:
             return None
-        headers = _headers(scope)
-        given = bearer_token(headers.get(b"authorization"))  # the scheme in any letter case
-        if given is None:
-            given = headers.get(b"x-api-key")  # Anthropic's clients send the key here
+        given = bearer_token(_headers(scope).get(b"authorization"))  # the scheme in any letter case
         if given is not None and _any_digest(_digest(given), self._key_digests):
             return "bearer"
         if self.valid(self.token_of(scope)):

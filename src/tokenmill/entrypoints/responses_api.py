@@ -34,6 +34,7 @@ from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
 from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
 from .response_store import ResponseStore, StoredResponse
 from .serving import Job, ServerState
+from .tenants import tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 
@@ -443,7 +444,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     response_id = _new_id("resp")
     job, plan = await prepare_chat(state, chat, response_id)
     job.endpoint = "responses"
-    state.reserve([job])
+    state.reserve([job], tenant_of(request.scope))
     keep = body.store is not False and store.capacity > 0
     spec = _Spec(response_id, body.model or state.model_name, body, plan, store=store if keep else None,
                  history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
