@@ -364,3 +364,17 @@ def test_structured_request_under_a_reasoning_parser_sets_the_end_tag():
     assert reasoning_for_grammar(qwen, grammar, "q<think>\n") == "</think>"
     assert reasoning_for_grammar(qwen, grammar, "q") is None  # may not think at all: format from the start
     assert reasoning_for_grammar(SimpleNamespace(reasoning_parser=None), grammar, "q") is None
+
+
+def test_serve_flags_reach_the_settings():
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_config import settings_from_args
+
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3", "--responses-store-size", "7"])
+    settings = settings_from_args(args)
+    assert (settings.reasoning_parser, settings.responses_store_size) == ("qwen3", 7)
+    defaults = settings_from_args(build_parser().parse_args(["serve"]))
+    assert (defaults.reasoning_parser, defaults.responses_store_size) == (None, 1024)
+    for bad in (["--responses-store-size", "-1"], ["--reasoning-parser", "granite"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
