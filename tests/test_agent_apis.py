@@ -378,3 +378,37 @@ def test_serve_flags_reach_the_settings():
     for bad in (["--responses-store-size", "-1"], ["--reasoning-parser", "granite"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
+
+
+@pytest.fixture(scope="module")
+def reasoning_app():
+    app = make_tiny_app(chat_template=TERSE_TEMPLATE, reasoning_parser="deepseek_r1")
+    yield app
+    app.state.tokenmill.aengine.shutdown()
+
+
+def test_structured_output_applies_to_the_answer_after_the_reasoning(reasoning_app, monkeypatch):
+    """Through the server: the random model never writes ``</think>``, so its whole output is
+    reasoning, unconstrained; with an end tag taken from its own text, the reasoning runs up to
+    the tag and the answer after it is one of the choices."""
+    from tokenmill.entrypoints import reasoning
+
+    ask = {"messages": [{"role": "user", "content": "rain?"}], "max_tokens": 30, "temperature": 0}
+    free = call(reasoning_app, "POST", "/v1/chat/completions", ask).json()["choices"][0]
+    assert free["message"]["content"] == "" and free["finish_reason"] == "length"
+    thought = free["message"]["reasoning_content"]
+    choice = ask | {"guided_choice": ["yes", "no"]}
+    cut = call(reasoning_app, "POST", "/v1/chat/completions", choice).json()["choices"][0]
+    assert cut["message"]["reasoning_content"] == thought  # the grammar did not touch the reasoning
+    marker = re.search(r"[!-~]{2}", thought[3:]).group(0)
+    monkeypatch.setitem(reasoning.PARSERS, "deepseek_r1",
+                        reasoning.ReasoningParser("deepseek_r1", end=marker, implicit_start=True))
+    for stream in (False, True):
+        r = call(reasoning_app, "POST", "/v1/chat/completions", choice | {"stream": stream})
+        if stream:
+            deltas = [c["choices"][0]["delta"] for c in sse(r.text)[:-1] if c["choices"]]
+            message = {k: "".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")}
+        else:
+            message = r.json()["choices"][0]["message"]
+        assert message["reasoning_content"] == thought[:thought.index(marker)]
+        assert message["content"] in ("yes", "no"), message
