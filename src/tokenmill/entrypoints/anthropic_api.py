@@ -267,8 +267,11 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         first = exc.errors()[0]
         loc = ".".join(str(p) for p in first.get("loc", ()))
         msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-        param = next((p for p in ("tools", "tool_choice", "stop") if loc.startswith(p)), "messages")
-        raise APIError(400, f"{param}: {msg}" if not msg.startswith(param) else msg, param=param) from None
+        named, sep, _ = msg.partition(":")
+        if sep and " " not in named:  # our validators' messages name the field already
+            raise APIError(400, msg.replace("stop:", "stop_sequences:", 1), param=named) from None
+        param = next((p for p in ("tools", "tool_choice") if loc.startswith(p)), "messages")
+        raise APIError(400, f"{param}: {msg}", param=param) from None
 
 
 # ---- output --------------------------------------------------------------------
