@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 from typing import Any, AsyncIterator
 
 import pytest
@@ -412,3 +413,40 @@ def test_structured_output_applies_to_the_answer_after_the_reasoning(reasoning_a
             message = r.json()["choices"][0]["message"]
         assert message["reasoning_content"] == thought[:thought.index(marker)]
         assert message["content"] in ("yes", "no"), message
+
+
+def test_router_relays_messages_with_either_key(app):
+    """The router takes x-api-key too, routes Messages on their text, and keeps its own key to itself."""
+    import httpx
+
+    from test_server_support import ThreadServer
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.server import RouterServer
+    from tokenmill.router.tokenize import prompt_of
+
+    text, ids = prompt_of("/v1/messages", {"system": "be brief", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hello"}]}]})
+    assert ids is None and text == "<|system|>\nbe brief\n<|user|>\nhello\n"
+    with ThreadServer(app) as srv:
+        router = RouterServer(RouterConfig(backends=[srv.url], port=0, api_key="router-key",
+                                           backend_api_key=KEY, health_interval=0.2)).start_in_thread()
+        try:
+            body = {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+            deadline = time.monotonic() + 20
+            while True:
+                r = httpx.post(router.url + "/v1/messages", json=body, headers={"x-api-key": "router-key"},
+                               timeout=30)
+                if r.status_code != 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert r.status_code == 200 and r.json()["type"] == "message", r.text
+            streamed = httpx.post(router.url + "/v1/messages", json=body | {"stream": True},
+                                  headers={"x-api-key": "router-key"}, timeout=30)
+            assert [k for k, _ in events(streamed.text)][-1] == "message_stop"
+            counted = httpx.post(router.url + "/v1/messages/count_tokens", json=body,
+                                 headers={"x-api-key": "router-key"}, timeout=30)
+            assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+            assert httpx.post(router.url + "/v1/messages", json=body, headers={"x-api-key": KEY},
+                              timeout=30).status_code == 401
+        finally:
+            router.stop()
