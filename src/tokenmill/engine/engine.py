@@ -258,10 +258,11 @@ class LLMEngine:
             seq = self._by_request[id(req)]
             appended = 0
             for token in tokens:
+                pending = req.pending_grammar is not None
                 self._append_token(seq, token, None, now)
                 appended += 1
-                if req.is_finished:
-                    break
+                if req.is_finished or (pending and req.pending_grammar is None):
+                    break  # finished, or the reasoning ended: the next tokens were checked without the grammar
             self.scheduler.accept_proposals(req, appended - 1)
             touched.append(seq)
         return touched
