@@ -69,5 +69,16 @@ def test_router_index_follows_replicas_events():
             # A reset empties the replica's cache: its events say so and the router forgets it.
             assert httpx.post(holder[0] + "/reset_prefix_cache", timeout=30).status_code == 200
             assert _wait(lambda: indexes[holder[0]].events.match(chat_keys, now=0.0) == 0, 10)
+            # A conversation whose second turn changes a nonce inside its system prompt: the replica
+            # names the miss (volatile span) in its metrics.
+            for turn, nonce in enumerate(("a81f3c9e", "5d20b7e4")):
+                msgs = [{"role": "system", "content": system[:200] + f" Request {nonce}. " + system[200:]},
+                        {"role": "user", "content": "Say hi." if turn == 0 else "Again."}]
+                r = httpx.post(holder[0] + "/v1/chat/completions", headers={"x-session-id": "conv-1"},
+                               json={"messages": msgs, "max_tokens": 2}, timeout=120)
+                assert r.status_code == 200, r.text
+            text = httpx.get(holder[0] + "/metrics", timeout=10).text
+            assert 'tokenmill:prefix_cache_misses_total{reason="volatile_span"} 1.0' in text, [
+                line for line in text.splitlines() if "misses" in line]
         finally:
             router.stop()
