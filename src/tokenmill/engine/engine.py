@@ -386,9 +386,15 @@ class LLMEngine:
                 tuple(spec.stats.accepted_per_position)))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        """Stop tensor-parallel workers (nothing to do on one device); with a disk tier, copy
+        the pool's idle cached blocks there and close it, so the next process finds them.
+        Idempotent."""
         if self.parallel is not None:
             self.parallel.close()
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None and not tier.closed:
+            self.prefix_cache.offload_all(self.pool)
+            tier.close()
 
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
