@@ -169,6 +169,12 @@ def test_greedy_tokens_are_the_same_from_pool_disk_or_recompute_and_after_a_rest
     tier = engine.prefix_cache.tier
     assert tier.stats.stored_blocks > 0 and tier.stats.restored_blocks > 0
     engine.check_idle_invariants()
+    from tokenmill.metrics import ServerMetrics
+
+    from prometheus_client import generate_latest
+
+    text = generate_latest(ServerMetrics("tiny", engine).exposed).decode()
+    assert f'tokenmill:kv_tier_restored_blocks_total{{model_name="tiny"}} {float(tier.stats.restored_blocks)}' in text
     engine.close()  # the pool's cached blocks go to disk too
 
     restarted = make_tiny_llm(num_blocks=16, kv_offload_bytes=64 << 20, kv_offload_dir=str(tmp_path))
