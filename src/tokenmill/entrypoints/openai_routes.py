@@ -8,6 +8,7 @@ token ids to the engine.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable
@@ -166,7 +167,8 @@ def chat_render(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None)
 def template_ignores(state: ServerState, name: str) -> bool:
     """Whether the chat template never reads the variable ``name`` (a field passed only to it does nothing)."""
     sources = [state.tokenizer.chat_template] + ([state.tools_template.source] if state.tools_template else [])
-    return not any(name in source for source in sources)
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    return not any(word.search(source) for source in sources)
 
 
 def template_ignored(state: ServerState, body: ChatCompletionRequest) -> list[str]:
