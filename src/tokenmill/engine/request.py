@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..model.sampler import Logprob
 
@@ -124,6 +124,28 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a request stands among others when the scheduler is not FCFS
+    (engine/fairness.py): its tenant, the tenant's priority class (0 first) and
+    fair-share weight, and the request's own ``priority`` (vLLM's, lower first)
+    within them. FCFS ignores it."""
+
+    tenant: str = "default"
+    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, got {self.weight}")
+        if self.priority_class < 0:
+            raise ValueError(f"priority class must be non-negative, got {self.priority_class}")
+
+
+DEFAULT_PLACEMENT = Placement()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -140,6 +162,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
+    placement: Placement = DEFAULT_PLACEMENT
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -214,24 +237,6 @@ class Request:
         if start + count > len(tokens):
             tokens = tokens + self.spec_token_ids
         return tokens[start : start + count]
-
-
-def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
-    """Inputs of a step in which every item computes one token (decodes, and 1-token
-    prefill chunks): each item's token id and position, and the rows that sample with
-    their requests (a 1-token chunk short of its prompt's end samples nothing)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    rows: list[int] = []
-    sampled: list[Request] = []
-    for row, (request, _) in enumerate(items):
-        position = request.num_computed_tokens
-        ids.append(request.token_at(position))
-        positions.append(position)
-        if position + 1 == request.num_tokens and request.samples:
-            rows.append(row)
-            sampled.append(request)
-    return ids, positions, rows, sampled
 
 
 @dataclass

@@ -2,13 +2,14 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
 ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
-``/reset_prefix_cache``. A plain ASGI middleware in front of everything
-checks the API key (before the body is even parsed, so a bad key is a 401
-whatever the body), refuses new work with 503 while draining after SIGTERM,
-and counts requests in flight so shutdown can wait for them. The key is
-either ``Authorization: Bearer KEY`` or the web console's session cookie
+``/reset_prefix_cache``. In front of everything, auth.py's middleware checks
+the API key on every route but a listed few (before the body is even parsed,
+so a bad key is a 401 whatever the body); the key is either
+``Authorization: Bearer KEY`` or the web console's session cookie
 (console_auth.py; cookie-authenticated writes must come from the server's
-own origin). Starting, draining and stopping a process around the app is
+own origin). Behind it a plain ASGI middleware refuses new work with 503
+while draining after SIGTERM, and counts requests in flight so shutdown can
+wait for them. Starting, draining and stopping a process around the app is
 lifecycle.py's job.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
+from .auth import AuthMiddleware, route_path
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
 from .openai_routes import ChatRender, encode, get_state, render_chat_async, router
@@ -32,18 +34,17 @@ from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, Mod
 from .request_fields import ignored_headers, judge_extra
 from .request_guard import BodyGuard, default_body_limit
 from .serving import ServerSettings, ServerState, model_not_found
+from .tenants import DEFAULT_TENANT_NAME, tenant_of
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
-_ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")
+_ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
 
 
 class GateMiddleware:
-    """API key, drain refusal and in-flight count, before routing."""
+    """Drain refusal and in-flight count, before routing (the API key is auth.py's, in front of this)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, sessions: ConsoleSessions | None = None) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        self.sessions = sessions if sessions is not None else ConsoleSessions(state.settings.api_key)
 
     async def _reject(self, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str] | None = None) -> None:
@@ -57,19 +58,7 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
-        if self.sessions.enabled and path.startswith(_PROTECTED):
-            verdict = self.sessions.check(scope)
-            if verdict == "unauthorized":
-                self.state.metrics.rejected.labels("auth").inc()
-                await self._reject(send, 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                                   "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-                return
-            if verdict == "cross_origin":
-                self.state.metrics.rejected.labels("auth").inc()
-                await self._reject(send, 403, "cross-origin request with the console's session cookie refused "
-                                   "(send 'Authorization: Bearer KEY')", "cross_origin")
-                return
+        path = route_path(scope)
         if self.state.draining and not path.startswith(_ALWAYS_OPEN):
             self.state.metrics.rejected.labels("draining").inc()
             await self._reject(send, 503, "the server is shutting down", "shutting_down", {"Retry-After": "5"})
@@ -105,7 +94,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
         state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
         draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
-    app.add_middleware(GateMiddleware, state=state, sessions=sessions)
+    app.add_middleware(GateMiddleware, state=state)
+    # in front of every route: deny by default, judged on the route path (auth.py)
+    app.add_middleware(AuthMiddleware, sessions=sessions,
+                       on_reject=lambda: state.metrics.rejected.labels("auth").inc())
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
@@ -147,6 +139,15 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> JSONResponse:
+        """Usage per tenant (tenant_usage.py): a keys-file tenant sees its own, the
+        default tenant (the operator's --api-key, or no key at all) every tenant's."""
+        state = get_state(request)
+        tenant = tenant_of(request.scope)
+        only = None if tenant is None or tenant.name == DEFAULT_TENANT_NAME else tenant.name
+        return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
 
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:

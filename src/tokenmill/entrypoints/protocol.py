@@ -122,6 +122,10 @@ class _SamplingFields(_RequestBody):
             raise ValueError("bad_words: words must not be empty")
         return self
 
+    # vLLM's extra field: order within the caller's tenant and class under the priority and
+    # fair scheduling policies (lower first); FCFS ignores it.
+    priority: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
+
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])

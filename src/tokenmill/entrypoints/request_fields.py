@@ -59,7 +59,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_salt": (_unset, "the prefix cache is shared by all requests of this server (no per-tenant salt)"),
     "kv_transfer_params": (_unset, "this server does no disaggregated prefill"),
     "vllm_xargs": (_unset, "there are no extra engine arguments to pass"),
-    "priority": (_is(0), "requests are scheduled first come, first served (no priorities)"),
     "return_tokens_as_token_ids": (_unset, "logprob tokens are returned as text"),
     "return_token_ids": (_unset, "token ids are not returned beside the text; use /tokenize"),
     "spaces_between_special_tokens": (_is(True), "special tokens are always decoded with their spacing"),
