@@ -207,6 +207,9 @@ def test_image_parts_say_the_model_reads_text_only(app):
     content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     err = _check_error_shape(chat(app, 400, messages=[{"role": "user", "content": content}]), 400)
     assert "does not accept images" in err["message"]
+    parts = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]
+    err = _check_error_shape(post(app, "/v1/responses", {"input": parts}), 400)
+    assert "does not accept images" in err["message"]
 
 
 def test_regex_digits_are_ascii(app):

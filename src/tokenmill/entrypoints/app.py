@@ -168,13 +168,14 @@ def _misc_routes(app: FastAPI) -> None:
         return JSONResponse(out.model_dump(exclude_none=True), headers=headers)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         state = get_state(request)
         state.check_model(body.model)
+        headers = ignored_headers(judge_extra(body.model_extra, "detokenize"))
         bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)}, headers=headers)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

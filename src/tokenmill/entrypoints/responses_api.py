@@ -70,6 +70,10 @@ def _part_text(content: Any, where: str) -> str:
             texts.append(str(part.get("text", "")))
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
+        elif kind in ("input_image", "input_audio", "input_file"):
+            raise APIError(400, f"{where}: a {kind!r} part, but this model does not accept "
+                           f"{'images' if kind == 'input_image' else 'audio' if kind == 'input_audio' else 'files'} "
+                           "(it reads text only); send text parts", param="input")
         else:
             raise APIError(400, f"{where}: content part type {kind!r} is not supported (text only)", param="input")
     return "".join(texts)
