@@ -203,6 +203,26 @@ def test_unknown_constraint_keys_are_refused(app):
                 ).json()["choices"][0]["message"]["content"] in ("yes", "no")
 
 
+def test_unknown_response_format_keys_are_refused(app):
+    for fmt in ({"type": "json_object", "schema": {"type": "object"}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "shema": {}}},
+                {"type": "json_schema", "jsonschema": {"schema": {}}}):
+        assert _check_error_shape(chat(app, 400, response_format=fmt), 400)["param"] == "response_format"
+
+
+def test_parsing_helpers():
+    from tokenmill.engine.structured import ascii_classes
+    from tokenmill.entrypoints.tool_calls import complete_items
+    from tokenmill.entrypoints.tool_parsers import HermesParser
+
+    assert ascii_classes(r"\d{2}[\w.]\S\\d") == r"[0-9]{2}[0-9A-Za-z_.][^ \t\n\r\f\v]\\d"
+    assert complete_items('[{"a": 1}, {"b": [2]}, {"c": ') == [{"a": 1}, {"b": [2]}]
+    cut = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "argu'
+    content, calls = HermesParser().extract(cut)
+    assert content is None and [c.name for c in calls] == ["f"]
+    assert HermesParser().extract('<tool_call>{"name": "f", "argu')[1] == []  # nothing complete: text stays
+
+
 def test_image_parts_say_the_model_reads_text_only(app):
     content = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:,"}}]
     err = _check_error_shape(chat(app, 400, messages=[{"role": "user", "content": content}]), 400)
@@ -226,6 +246,10 @@ def test_responses_cut_by_max_output_tokens_mark_the_message_incomplete(app):
     r = post(app, "/v1/responses", {"input": "hi", "max_output_tokens": 3})
     body = r.json()
     assert body["status"] == "incomplete" and body["output"][0]["status"] == "incomplete"
+    r = post(app, "/v1/responses", {"input": "hi", "max_output_tokens": 3, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
     err = _check_error_shape(post(app, "/v1/responses", {"input": "hi", "reasoning": {"effort": "bogus"}}), 400)
     assert err["param"] == "reasoning"
     _check_error_shape(post(app, "/v1/responses", {"input": "hi", "background": True}), 400)

@@ -16,8 +16,21 @@ from ..engine.structured import GrammarError, GrammarSpec
 from .errors import APIError
 
 
+_FORMAT_KEYS = {"type", "json_schema", "name", "schema", "strict", "description"}  # the last four: Responses' flat form
+_SCHEMA_BLOCK_KEYS = {"name", "schema", "schema_", "strict", "description"}
+
+
 def _response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
     kind = fmt.get("type")
+    unknown = sorted(set(fmt) - _FORMAT_KEYS)
+    if not unknown and isinstance(fmt.get("json_schema"), dict):
+        unknown = [f"json_schema.{k}" for k in sorted(set(fmt["json_schema"]) - _SCHEMA_BLOCK_KEYS)]
+    if unknown:
+        raise APIError(400, f"response_format: unknown key {unknown[0]!r} (a constraint this server would not "
+                       "enforce)", param="response_format", code="unknown_parameter")
+    if kind != "json_schema" and ("schema" in fmt or "json_schema" in fmt):
+        raise APIError(400, f"response_format: a schema is only read with type 'json_schema' (got type {kind!r})",
+                       param="response_format")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
