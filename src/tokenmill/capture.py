@@ -43,6 +43,8 @@ Record schema (version 1), one JSON object per line:
 - ``key_id``: a short fingerprint of the hash key (null when unkeyed): hashes
   are comparable between records with the same ``key_id`` only
 - ``prompt_text``: the prompt text, present only with ``capture_text=True``
+- ``miss_reason``, ``miss_offset``: why the prompt missed cache it could have reused and the
+  token offset where reuse stopped (``cache_misses.py``), present only for such requests
 
 Nothing the client typed is stored unless ``capture_text=True``: not the
 prompt, not the messages, not the stop strings (``sampling`` then carries
@@ -192,6 +194,8 @@ class TrafficCapture:
         request_id: str | None = None,
         finish_reason: str | None = None,
         tenant: str | None = None,
+        miss_reason: str | None = None,
+        miss_offset: int | None = None,
     ) -> dict[str, Any]:
         """Build the record dict (no I/O); split out so tests can inspect it."""
         chained, content = block_hashes(prompt_token_ids, self.block_size, self.hash_key)
@@ -216,19 +220,23 @@ class TrafficCapture:
             rec["prompt_text"] = prompt_text
         if tenant is not None:  # the tenant's metric label (bounded: tenants.py)
             rec["tenant"] = tenant
+        if miss_reason is not None:  # why the prompt missed reusable cache, and where (cache_misses.py)
+            rec["miss_reason"] = miss_reason
+            rec["miss_offset"] = miss_offset
         return rec
 
     def record(self, arrival_time: float, prompt_token_ids: Sequence[int], cached_tokens: int,
                output_tokens: int, sampling: dict[str, Any] | None, ttft: float | None,
                e2e: float | None, prompt_text: str | None = None, endpoint: str = "completions",
                request_id: str | None = None, finish_reason: str | None = None,
-               tenant: str | None = None) -> None:
+               tenant: str | None = None, miss_reason: str | None = None,
+               miss_offset: int | None = None) -> None:
         """Hash, serialise and append one request. Never raises."""
         try:
             line = json.dumps(
                 self.make_record(arrival_time, prompt_token_ids, cached_tokens, output_tokens,
                                  sampling, ttft, e2e, prompt_text, endpoint, request_id,
-                                 finish_reason, tenant),
+                                 finish_reason, tenant, miss_reason, miss_offset),
                 separators=(",", ":"), ensure_ascii=False,
             ) + "\n"
             with self._lock:

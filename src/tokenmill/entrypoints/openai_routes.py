@@ -18,10 +18,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.request import SamplingParams
 from .errors import APIError
+from .reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .request_fields import ignored_headers, judge_extra
-from .serving import Job, ServerState
+from .serving import Job, ServerState, session_of
 from .tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
@@ -262,6 +263,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
+    for job in jobs:
+        job.session = session_of(request.headers, body.user)
     state.reserve(jobs, tenant_of(request.scope))
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
@@ -299,6 +302,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
+    params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
     return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
 
 
@@ -309,11 +313,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     headers = ignored_headers(judge_extra(body.model_extra, "chat.completions") + template_ignored(state, body))
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
+    job.session = session_of(request.headers, body.user)
     state.reserve([job], tenant_of(request.scope))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
-                    legacy_functions=body.functions is not None)
+                    legacy_functions=body.functions is not None,
+                    reasoning=get_reasoning_parser(state.settings.reasoning_parser))
     if body.stream:
         return _with_headers(SSEResponse(chat_stream(state, spec, job), state, [job]), headers)
     try:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
@@ -54,6 +55,19 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
     chat_template: str | None = None  # Jinja source replacing the model's chat template
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
+    responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def session_of(headers: Any, user: str | None) -> str | None:
+    """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
+    sid = headers.get(SESSION_HEADER) if headers is not None else None
+    if sid:
+        return "session:" + str(sid)[:256]
+    return "user:" + user if user else None
 
 
 def model_not_found(name: str, served: list[str]) -> APIError:
@@ -76,6 +90,8 @@ class Job:
     # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
     tenant: Tenant | None = None
     held: bool = False  # counted by the tenant gate until its stream ends
+    session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
+    miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
     streamed: bool = False  # stream_job took it over
 
     @property
@@ -117,6 +133,8 @@ class ServerState:
             key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size, hash_key=key)
+        # why prompts miss the prefix cache, per session and from recent prompts' text (cache_misses.py)
+        self.misses = MissClassifier(self.engine.block_size) if self.engine.prefix_cache is not None else None
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
@@ -349,6 +367,7 @@ class ServerState:
                 if first_token is None:
                     first_token = now
                     cached = delta.num_cached_tokens
+                    self._classify_miss(job, cached)
                     if job.held:
                         self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
@@ -398,6 +417,14 @@ class ServerState:
                               queue_time, failed)
             await gen.aclose()
 
+    def _classify_miss(self, job: Job, cached: int) -> None:
+        """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
+        if self.misses is None:
+            return
+        job.miss = self.misses.classify(job.prompt_ids, cached, job.session)
+        if job.miss is not None:
+            self.metrics.cache_misses.labels(job.miss.reason).inc()
+
     def _record(self, job: Job, started: float, first_token: float | None, cached: int,
                 out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
         end = time.monotonic()
@@ -413,7 +440,9 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name))
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
+            miss_reason=job.miss.reason if job.miss is not None else None,
+            miss_offset=job.miss.offset if job.miss is not None else None)
 
     def close(self) -> None:
         if self.capture is not None:
