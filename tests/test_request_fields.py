@@ -268,9 +268,11 @@ def test_chatml_model_without_tools_gets_the_tools_template(chatml):
     prompt = _prompt(chatml, messages=turns)
     assert '<tool_call>\n{"name": "clock", "arguments": {"zone": "UTC"}}\n</tool_call>' in prompt
     assert "<tool_response>\n12:00\n</tool_response>" in prompt and prompt.endswith("<|im_start|>assistant\n")
-    with_tools = post(chatml, "/tokenize", {"messages": turns[:1]}).json()["count"]
+    without = post(chatml, "/tokenize", {"messages": turns[:1]}).json()["count"]
     r = chat(chatml, messages=turns[:1], tools=[CLOCK], tool_choice="none")
-    assert r.json()["usage"]["prompt_tokens"] > with_tools + 100  # the tool list is in the prompt
+    assert r.json()["usage"]["prompt_tokens"] > without + 100  # the tool list is in the prompt
+    assert post(chatml, "/tokenize", {"messages": turns[:1], "tools": [CLOCK]}).json()["count"] == \
+        r.json()["usage"]["prompt_tokens"]
     # a plain conversation keeps the model's own template
     assert _prompt(chatml) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     # a tool loop with auto and no parser: the error names the flags

@@ -162,7 +162,8 @@ def _misc_routes(app: FastAPI) -> None:
         state.check_model(body.model)
         headers = ignored_headers(judge_extra(body.model_extra, "tokenize"))
         if body.messages is not None:
-            how = ChatRender(body.add_generation_prompt and not body.continue_final_message,
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            how = ChatRender(body.add_generation_prompt and not body.continue_final_message, tools,
                              continue_final_message=body.continue_final_message,
                              variables=dict(body.chat_template_kwargs or {}))
             text = await render_chat_async(state, body.messages, how)

@@ -331,6 +331,7 @@ class TokenizeRequest(_RequestBody):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=512)  # rendered as a chat request's would be
     return_token_strs: bool = False  # each token's vocabulary spelling beside its id
 
     @model_validator(mode="after")
