@@ -64,10 +64,24 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm on per-head q and k
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Sliding-window attention (Gemma 2/3, Phi-3, Mistral): a query at position p sees keys
+    # at positions > p - sliding_window; ``layer_types`` says which layers ("sliding_attention"
+    # or "full_attention"); None with a window: every layer slides.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    family: dict[str, Any] = field(default_factory=dict)  # family-specific settings (model/gemma.py)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
 
     @property
     def kv_elements_per_token(self) -> int:
