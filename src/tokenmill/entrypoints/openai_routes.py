@@ -18,7 +18,7 @@ from ..engine.request import SamplingParams
 from .errors import APIError
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
-from .serving import Job, ServerState
+from .serving import SESSION_HEADER, Job, ServerState
 from .tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
@@ -154,7 +154,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
-    state.reserve(jobs, tenant_of(request.scope))
+    state.reserve(jobs, tenant_of(request.scope), request.headers.get(SESSION_HEADER))
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs)
@@ -200,7 +200,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
-    state.reserve([job], tenant_of(request.scope))
+    state.reserve([job], tenant_of(request.scope), request.headers.get(SESSION_HEADER))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs)

@@ -55,6 +55,10 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja source replacing the model's chat template
 
 
+SESSION_HEADER = "x-session-id"  # names the client's conversation in the traffic capture
+SESSION_NAME_CHARS = 256
+
+
 @dataclass
 class Job:
     """One engine request (a /v1/completions batch makes several)."""
@@ -71,6 +75,7 @@ class Job:
     tenant: Tenant | None = None
     held: bool = False  # counted by the tenant gate until its stream ends
     streamed: bool = False  # stream_job took it over
+    session: str | None = None  # the client's conversation (x-session-id), for the traffic capture
 
     @property
     def placement(self) -> Placement:
@@ -139,7 +144,7 @@ class ServerState:
                            f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
                            param="n", code="too_many_sequences")
 
-    def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
+    def reserve(self, jobs: list[Job], tenant: Tenant | None = None, session: str | None = None) -> None:
         """Admit jobs, or 429 with Retry-After when their sequences would take the
         waiting queue past ``--max-waiting`` or ``tenant`` past one of its limits
         (tenant_gate.py; that tenant only).
@@ -172,6 +177,8 @@ class ServerState:
         for job in fresh:
             job.tenant, job.held = tenant, True
         for job in jobs:
+            if session and job.session is None:
+                job.session = session[:SESSION_NAME_CHARS]
             if not job.reserved:
                 job.reserved = True
                 self.pending += job.params.n
@@ -391,7 +398,8 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name))
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
+            session=job.session)
 
     def close(self) -> None:
         if self.capture is not None:
