@@ -183,6 +183,7 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
     bos = max(0, counter.count(FILL_WORD) - 1) if counter.exact else 0
     salt_tokens = max(0, counter.count(salt) - bos) if salt else 0
     pool = _one_token_words(builder)
+    newline_tokens = max(0, counter.count("\n" + FILL_WORD) - counter.count(FILL_WORD)) if counter.exact else 0
     specs: list[RequestSpec] = []
     previous: dict[str, tuple[dict[str, Any], int]] = {}  # session -> (its last record, turns so far)
     for i, rec in enumerate(records):
@@ -197,7 +198,8 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
             had = int(last.get("prompt_tokens") or 0) + max(1, int(last.get("output_tokens") or 1))
             added = max(1, int(rec.get("prompt_tokens") or 1) - had)
             r = random.Random(f"turn-{session}-{turn}")
-            text = "\n" + " ".join(r.choice(pool) for _ in range(added))
+            words_needed = max(1, added - newline_tokens)  # the line break is a token of its own
+            text = "\n" + " ".join(r.choice(pool) for _ in range(words_needed))
             think = rec.get("think")
             if think is None:
                 ended = last["arrival_time"] + float(last.get("e2e") or 0.0)
