@@ -331,7 +331,6 @@ def test_responses_stream_events(app):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"type": "input_image"}]}, "input"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": 3}}],

@@ -47,6 +47,8 @@ Record schema (version 1), one JSON object per line:
   header): a keyed hash of that name (like the block hashes, comparable only
   under one ``key_id``), so a replay can keep the turns of one conversation
   together, in order, each after the previous answer and its think time
+- ``miss_reason``, ``miss_offset``: why the prompt missed cache it could have reused and the
+  token offset where reuse stopped (``cache_misses.py``), present only for such requests
 
 Nothing the client typed is stored unless ``capture_text=True``: not the
 prompt, not the messages, not the stop strings (``sampling`` then carries
@@ -203,6 +205,8 @@ class TrafficCapture:
         request_id: str | None = None,
         finish_reason: str | None = None,
         tenant: str | None = None,
+        miss_reason: str | None = None,
+        miss_offset: int | None = None,
         session: str | None = None,
     ) -> dict[str, Any]:
         """Build the record dict (no I/O); split out so tests can inspect it."""
@@ -228,6 +232,9 @@ class TrafficCapture:
             rec["prompt_text"] = prompt_text
         if tenant is not None:  # the tenant's metric label (bounded: tenants.py)
             rec["tenant"] = tenant
+        if miss_reason is not None:  # why the prompt missed reusable cache, and where (cache_misses.py)
+            rec["miss_reason"] = miss_reason
+            rec["miss_offset"] = miss_offset
         if session:
             rec["session"] = session_hash(session, self.hash_key)
         return rec
@@ -236,13 +243,15 @@ class TrafficCapture:
                output_tokens: int, sampling: dict[str, Any] | None, ttft: float | None,
                e2e: float | None, prompt_text: str | None = None, endpoint: str = "completions",
                request_id: str | None = None, finish_reason: str | None = None,
-               tenant: str | None = None, session: str | None = None) -> None:
+               tenant: str | None = None, miss_reason: str | None = None,
+               miss_offset: int | None = None, session: str | None = None) -> None:
         """Hash, serialise and append one request. Never raises."""
         try:
             line = json.dumps(
                 self.make_record(arrival_time, prompt_token_ids, cached_tokens, output_tokens,
                                  sampling, ttft, e2e, prompt_text, endpoint, request_id,
-                                 finish_reason, tenant, session),
+                                 finish_reason, tenant, session=session, miss_reason=miss_reason,
+                                 miss_offset=miss_offset),
                 separators=(",", ":"), ensure_ascii=False,
             ) + "\n"
             with self._lock:

@@ -190,11 +190,15 @@ class ServerMetrics:
 
         self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=None)
+        self.cache_misses = Counter("tokenmill:prefix_cache_misses",
+                                    "Requests whose prompt missed reusable cache, by reason (cache_misses.py).",
+                                    ["reason"], registry=None)
         self.exposed = CollectorRegistry(auto_describe=False)
         self.exposed.register(_Passthrough(self.vllm))
         self.exposed.register(_AliasCollector(self.vllm))
         self.exposed.register(_TokenmillOnly(model_name, engine))
         self.exposed.register(self.rejected)
+        self.exposed.register(self.cache_misses)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "abort").inc()

@@ -140,6 +140,8 @@ class LLMEngine:
                           placement=placement or DEFAULT_PLACEMENT)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
+                if params.structured_after:
+                    req.pending_grammar, req.grammar = req.grammar, None
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
@@ -256,10 +258,11 @@ class LLMEngine:
             seq = self._by_request[id(req)]
             appended = 0
             for token in tokens:
+                pending = req.pending_grammar is not None
                 self._append_token(seq, token, None, now)
                 appended += 1
-                if req.is_finished:
-                    break
+                if req.is_finished or (pending and req.pending_grammar is None):
+                    break  # finished, or the reasoning ended: the next tokens were checked without the grammar
             self.scheduler.accept_proposals(req, appended - 1)
             touched.append(seq)
         return touched
@@ -302,7 +305,11 @@ class LLMEngine:
         stop_str = seq.detok.add_token(token)
         params = req.params
         grammar_done = False
-        if req.grammar is not None and token not in req.eos_token_ids:
+        if req.pending_grammar is not None and stop_str is None:
+            marker = params.structured_after or ""
+            if marker in seq.detok.text[-(len(marker) + 64):]:  # reasoning over: the format applies now
+                req.grammar, req.pending_grammar = req.pending_grammar, None
+        elif req.grammar is not None and token not in req.eos_token_ids:
             req.grammar.consume_token(token)
             # stopped: the grammar allows nothing more (not even more whitespace); error: cannot go on
             grammar_done = req.grammar.is_stopped() or req.grammar.is_error()

@@ -41,6 +41,9 @@ class SamplingParams:
     speculative: bool = True  # False: never decode this request speculatively
     # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
     structured: Any = None
+    # Text that ends the model's reasoning (e.g. "</think>"): the grammar applies only to
+    # the output after it, so a thinking model reasons freely and answers in the format.
+    structured_after: str | None = None
     # Token rules applied to the logits before sampling (model/sampler.py):
     # token id -> value added to its logit (OpenAI's ``logit_bias``, in [-100, 100]);
     logit_bias: dict[int, float] | None = None
@@ -189,6 +192,8 @@ class Request:
     spec_backoff_until: int = 0
     # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
     grammar: Any = None
+    # The grammar while the reasoning runs (params.structured_after not yet seen); then ``grammar``.
+    pending_grammar: Any = None
     # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
     # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)

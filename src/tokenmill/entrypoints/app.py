@@ -5,7 +5,8 @@ Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
 ``/reset_prefix_cache``. In front of everything, auth.py's middleware checks
 the API key on every route but a listed few (before the body is even parsed,
 so a bad key is a 401 whatever the body); the key is either
-``Authorization: Bearer KEY`` or the web console's session cookie
+``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send
+it) or the web console's session cookie
 (console_auth.py; cookie-authenticated writes must come from the server's
 own origin). Behind it a plain ASGI middleware refuses new work with 503
 while draining after SIGTERM, and counts requests in flight so shutdown can
@@ -86,6 +87,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .responses_api import router as responses_router
 
     app.include_router(responses_router)
+    from .anthropic_api import AnthropicErrors, router as messages_router
+    from .response_store import ResponseStore
+
+    app.state.response_store = ResponseStore(settings.responses_store_size)
+    app.include_router(messages_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
@@ -100,6 +106,7 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
+    app.add_middleware(AnthropicErrors)  # /v1/messages errors in Anthropic's shape, whoever raised them
     return app
 
 

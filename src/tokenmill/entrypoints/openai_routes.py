@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.request import SamplingParams
 from .errors import APIError
+from .reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
-from .serving import SESSION_HEADER, Job, ServerState
+from .serving import Job, ServerState, session_of
 from .tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
@@ -154,7 +155,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
-    state.reserve(jobs, tenant_of(request.scope), request.headers.get(SESSION_HEADER))
+    for job in jobs:
+        job.session = session_of(request.headers, body.user)
+    state.reserve(jobs, tenant_of(request.scope))
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs)
@@ -191,6 +194,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
+    params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
     return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
 
 
@@ -200,10 +204,12 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
-    state.reserve([job], tenant_of(request.scope), request.headers.get(SESSION_HEADER))
+    job.session = session_of(request.headers, body.user)
+    state.reserve([job], tenant_of(request.scope))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
-                    prompt_logprobs=body.prompt_logprobs)
+                    prompt_logprobs=body.prompt_logprobs,
+                    reasoning=get_reasoning_parser(state.settings.reasoning_parser))
     if body.stream:
         return SSEResponse(chat_stream(state, spec, job), state, [job])
     try:

@@ -321,6 +321,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
 
 
 class ChatChoice(BaseModel):

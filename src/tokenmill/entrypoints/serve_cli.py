@@ -33,6 +33,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return n
+
+
 def _model_len(value: str) -> int | None:
     """--max-model-len: 4096, 4k (4,000), 4K (4,096); 'auto' or -1: the model's own."""
     if value.strip().lower() in ("auto", "-1"):
@@ -220,6 +227,12 @@ def add_tool_arguments(p: Any) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "qwen", "qwen2_5", "llama3_json", "llama4_json", "mistral"],
                    help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in "
+                        "chat, reasoning items in Responses, thinking blocks in Messages")
+    p.add_argument("--responses-store-size", type=_non_negative, default=1024, metavar="N",
+                   help="Responses kept for previous_response_id and GET /v1/responses/{id}, least "
+                        "recently used evicted first; 0 stores none (default 1024)")
 
 
 def register(subparsers: Any) -> None:

@@ -135,7 +135,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
         sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(args, "tool_call_parser", None))
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        responses_store_size=getattr(args, "responses_store_size", 1024))
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
@@ -53,10 +54,25 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
     chat_template: str | None = None  # Jinja source replacing the model's chat template
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
+    responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
 
 
-SESSION_HEADER = "x-session-id"  # names the client's conversation in the traffic capture
-SESSION_NAME_CHARS = 256
+SESSION_HEADER = "x-session-id"
+
+
+def _conversation(session: str | None) -> str | None:
+    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
+    several at once, which a replay must not chain as one)."""
+    return session if session and session.startswith("session:") else None
+
+
+def session_of(headers: Any, user: str | None) -> str | None:
+    """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
+    sid = headers.get(SESSION_HEADER) if headers is not None else None
+    if sid:
+        return "session:" + str(sid)[:256]
+    return "user:" + user if user else None
 
 
 @dataclass
@@ -74,8 +90,9 @@ class Job:
     # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
     tenant: Tenant | None = None
     held: bool = False  # counted by the tenant gate until its stream ends
+    session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
+    miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
     streamed: bool = False  # stream_job took it over
-    session: str | None = None  # the client's conversation (x-session-id), for the traffic capture
 
     @property
     def placement(self) -> Placement:
@@ -112,6 +129,8 @@ class ServerState:
             key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size, hash_key=key)
+        # why prompts miss the prefix cache, per session and from recent prompts' text (cache_misses.py)
+        self.misses = MissClassifier(self.engine.block_size) if self.engine.prefix_cache is not None else None
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
@@ -144,7 +163,7 @@ class ServerState:
                            f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
                            param="n", code="too_many_sequences")
 
-    def reserve(self, jobs: list[Job], tenant: Tenant | None = None, session: str | None = None) -> None:
+    def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
         """Admit jobs, or 429 with Retry-After when their sequences would take the
         waiting queue past ``--max-waiting`` or ``tenant`` past one of its limits
         (tenant_gate.py; that tenant only).
@@ -177,8 +196,6 @@ class ServerState:
         for job in fresh:
             job.tenant, job.held = tenant, True
         for job in jobs:
-            if session and job.session is None:
-                job.session = session[:SESSION_NAME_CHARS]
             if not job.reserved:
                 job.reserved = True
                 self.pending += job.params.n
@@ -334,6 +351,7 @@ class ServerState:
                 if first_token is None:
                     first_token = now
                     cached = delta.num_cached_tokens
+                    self._classify_miss(job, cached)
                     if job.held:
                         self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
@@ -383,6 +401,14 @@ class ServerState:
                               queue_time, failed)
             await gen.aclose()
 
+    def _classify_miss(self, job: Job, cached: int) -> None:
+        """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
+        if self.misses is None:
+            return
+        job.miss = self.misses.classify(job.prompt_ids, cached, job.session)
+        if job.miss is not None:
+            self.metrics.cache_misses.labels(job.miss.reason).inc()
+
     def _record(self, job: Job, started: float, first_token: float | None, cached: int,
                 out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
         end = time.monotonic()
@@ -399,7 +425,9 @@ class ServerState:
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
             finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
-            session=job.session)
+            miss_reason=job.miss.reason if job.miss is not None else None,
+            miss_offset=job.miss.offset if job.miss is not None else None,
+            session=_conversation(job.session))
 
     def close(self) -> None:
         if self.capture is not None:

@@ -27,6 +27,7 @@ from ..model.sampler import Logprob
 from .errors import APIError, error_body
 from .prompt_logprobs import echo_logprobs, join, vllm_prompt_logprobs
 from .serving import Job, ServerState, merge_streams
+from .reasoning import ReasoningParser, ReasoningSplit, split_reasoning
 from .tool_calls import ToolPlan, ToolStream, extract, openai_call
 
 log = logging.getLogger("tokenmill.server")
@@ -234,6 +235,7 @@ class ChatSpec:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
     tools: ToolPlan | None = None
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
 
 def _tool_finish(reason: str | None, called: bool) -> str | None:
@@ -257,6 +259,7 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
     for i in range(spec.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     tool_streams = {i: ToolStream(spec.tools) for i in range(spec.n)} if spec.tools is not None else {}
+    splits = {i: ReasoningSplit(spec.reasoning, job.prompt_text) for i in range(spec.n)} if spec.reasoning else {}
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
@@ -264,9 +267,15 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
             lp = None
             if spec.logprobs and d.logprobs:
                 lp = {"content": chat_logprobs(state, d.logprobs, spec.top_logprobs)}
+            text = d.text
+            if splits:  # the thinking streams as deltas of its own; the rest goes on as the answer
+                thought, text = splits[d.index].feed(d.text, final=d.finished)
+                if thought:
+                    yield chunk(d.index, {"reasoning_content": thought}, lp)
+                    lp = None
             if tool_streams:
                 ts = tool_streams[d.index]
-                pieces = ts.feed(d.text)
+                pieces = ts.feed(text)
                 for k, piece in enumerate(pieces):
                     yield chunk(d.index, piece, lp if k == 0 else None)
                 if lp and not pieces:
@@ -277,8 +286,8 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
                         yield chunk(d.index, piece)
                     yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called), d.stop_reason)
                 continue
-            if d.text or lp:
-                yield chunk(d.index, {"content": d.text}, lp)
+            if text or lp:
+                yield chunk(d.index, {"content": text}, lp)
             if d.finished:
                 yield chunk(d.index, {}, None, d.finish_reason, d.stop_reason)
         if spec.include_usage:
@@ -312,14 +321,19 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
     choices = []
     for i in range(spec.n):
         lp = {"content": chat_logprobs(state, lps[i], spec.top_logprobs)} if spec.logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        thought, answer = None, texts[i]
+        if spec.reasoning is not None:
+            thought, answer = split_reasoning(spec.reasoning, texts[i], job.prompt_text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
         reason = finish[i]
         if spec.tools is not None:
-            content, calls = extract(spec.tools, texts[i])
+            content, calls = extract(spec.tools, answer)
             if calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [openai_call(c) for c in calls]}
                 reason = _tool_finish(reason, True)
+        if spec.reasoning is not None:
+            message["reasoning_content"] = thought
         choices.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": reason, "stop_reason": stops[i]})
     body = {"id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": spec.model,

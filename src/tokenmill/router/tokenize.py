@@ -153,6 +153,11 @@ def prompt_of(path: str, body: Any) -> tuple[str | None, list[int] | None]:
         if isinstance(body.get("instructions"), str):
             messages = [{"role": "system", "content": body["instructions"]}, *messages]
         return chat_to_text(messages), None
+    if path.endswith("/messages") or path.endswith("/messages/count_tokens"):  # Anthropic's Messages API
+        system = body.get("system")
+        lead = [{"role": "system", "content": system}] if isinstance(system, (str, list)) else []
+        messages = body.get("messages")
+        return chat_to_text(lead + (messages if isinstance(messages, list) else [])), None
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt, None
