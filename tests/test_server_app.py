@@ -427,12 +427,15 @@ def test_capture_traffic(tmp_path):
     try:
         post(app, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 3, "ignore_eos": True})
         post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                           "ignore_eos": True, "n": 2})
+                                           "ignore_eos": True, "n": 2}, headers={"x-session-id": "conv-7"})
     finally:
         app.state.tokenmill.aengine.shutdown()
         app.state.tokenmill.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["endpoint"] for r in records] == ["completions", "chat"]
+    # the conversation is kept, hashed like the prompt (the client's name is not stored)
+    assert "session" not in records[0] and len(records[1]["session"]) == 16
+    assert "conv-7" not in path.read_text()
     assert records[0]["prompt_tokens"] == len(LONG_PROMPT) and records[0]["output_tokens"] == 3
     assert len(records[0]["block_hashes"]) == len(LONG_PROMPT) // 16
     assert records[1]["output_tokens"] == 4 and records[1]["finish_reason"] == "length"

@@ -62,6 +62,12 @@ class ServerSettings:
 SESSION_HEADER = "x-session-id"
 
 
+def _conversation(session: str | None) -> str | None:
+    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
+    several at once, which a replay must not chain as one)."""
+    return session if session and session.startswith("session:") else None
+
+
 def session_of(headers: Any, user: str | None) -> str | None:
     """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
     sid = headers.get(SESSION_HEADER) if headers is not None else None
@@ -442,7 +448,8 @@ class ServerState:
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
             finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
             miss_reason=job.miss.reason if job.miss is not None else None,
-            miss_offset=job.miss.offset if job.miss is not None else None)
+            miss_offset=job.miss.offset if job.miss is not None else None,
+            session=_conversation(job.session))
 
     def close(self) -> None:
         if self.capture is not None:
