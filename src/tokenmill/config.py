@@ -100,6 +100,10 @@ class CacheConfig:
     # KV pool dtype: auto (the compute dtype), that dtype by name, or int8 / fp8 (e4m3) codes
     # with a scale per block and kv head (model/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # Second tier (engine/kv_tier.py): evicted blocks kept on local disk, up to this many bytes,
+    # in this folder (kept across restarts of the same model). 0: no tier.
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
 
 
 # Tokens per step by device, when not given. On a small CPU a long prefill step stalls
@@ -165,7 +169,7 @@ class EngineConfig:
         cfg = cls()
         sections = (cfg.cache, cfg.scheduler)
         for key, value in options.items():
-            if key in ("kv_cache_memory", "memory_budget"):
+            if key in ("kv_cache_memory", "memory_budget", "kv_offload_bytes"):
                 value = parse_size(value)
             if hasattr(cfg, key) and key not in ("cache", "scheduler"):
                 setattr(cfg, key, value)

@@ -381,15 +381,16 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The prompt string for a conversation, as ``transformers`` renders it."""
+                            template: str | None = None, **kwargs: Any) -> str:
+        """The prompt string for a conversation, as ``transformers`` renders it
+        (with ``template`` instead of the model's own when given)."""
         context: dict[str, Any] = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
             "add_generation_prompt": add_generation_prompt,
         }
         context.update(kwargs)
-        return render_chat_template(self.chat_template, messages, **context)
+        return render_chat_template(template or self.chat_template, messages, **context)
 
 
 def _dir_chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:
