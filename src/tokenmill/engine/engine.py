@@ -156,7 +156,8 @@ class LLMEngine:
         # then gives the same draws on CPU and GPU.
         self.generator = torch.Generator()
         self.generator.manual_seed(config.seed)
-        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids),
+                                            limits=config.grammar_limits)
         self._groups: dict[str, list[_Sequence]] = {}
         self._by_request: dict[int, _Sequence] = {}
         self.last_step = StepStats()
@@ -428,7 +429,8 @@ class LLMEngine:
                 tuple(spec.stats.accepted_per_position)))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        """Stop tensor-parallel workers and grammar compile workers; idempotent."""
+        self.structured.close()
         if self.parallel is not None:
             self.parallel.close()
 

@@ -207,6 +207,29 @@ def add_tool_arguments(p: Any) -> None:
                    help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
 
 
+def add_grammar_arguments(p: Any) -> None:
+    """Bounds on structured outputs' grammars (engine/grammar_limits.py, docs/security.md)."""
+    p.add_argument("--grammar-max-bytes", type=human_int, default=256 * 1024, metavar="BYTES",
+                   help="refuse a grammar, regex or JSON schema longer than this with 400 (default 256K)")
+    p.add_argument("--grammar-max-rules", type=_positive, default=2000,
+                   help="refuse a grammar with more rules (or a schema with more definitions and references) "
+                        "with 400 (default 2000)")
+    p.add_argument("--grammar-max-depth", type=_positive, default=200,
+                   help="refuse a grammar whose rules (or a schema whose $refs and nesting) chain deeper "
+                        "with 400 (default 200)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds one grammar may take to compile in a worker process before it is refused "
+                        "(default 10)")
+    p.add_argument("--grammar-worker-memory", type=human_int, default=2 << 30, metavar="BYTES",
+                   help="address space of a grammar compile worker process (default 2G)")
+    p.add_argument("--grammar-workers", type=_positive, default=1,
+                   help="grammar compile worker processes (default 1)")
+    p.add_argument("--grammar-queue-size", type=_positive, default=16,
+                   help="grammars that may wait for a compile worker; beyond, 429 (default 16)")
+    p.add_argument("--grammar-cache-bytes", type=human_int, default=256 << 20, metavar="BYTES",
+                   help="compiled grammars kept for reuse, by their measured size (default 256M)")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
                               description="Serve a model over an OpenAI-compatible HTTP API. "
@@ -216,6 +239,7 @@ def register(subparsers: Any) -> None:
     add_device_arguments(p.add_argument_group("device (vLLM's GPU flags, with their CPU meaning)"))
     add_chat_template_argument(p.add_argument_group("chat template"))
     add_tool_arguments(p.add_argument_group("tool calling"))
+    add_grammar_arguments(p.add_argument_group("structured outputs (limits)"))
     add_server_arguments(p.add_argument_group("HTTP server"))
     add_capture_arguments(p.add_argument_group("traffic capture"))
     p.set_defaults(func=_run)

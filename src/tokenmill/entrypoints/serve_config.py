@@ -80,8 +80,25 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     options = engine_options(args)
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0))
+                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
+                   grammar_limits=grammar_limits_from_args(args))
     return EngineConfig.from_options(**options)
+
+
+def grammar_limits_from_args(args: argparse.Namespace) -> Any:
+    """The --grammar-* flags as a GrammarLimits (the defaults where a flag is absent)."""
+    from ..engine.grammar_limits import GrammarLimits
+
+    defaults = GrammarLimits()
+    return GrammarLimits(
+        max_bytes=getattr(args, "grammar_max_bytes", defaults.max_bytes),
+        max_rules=getattr(args, "grammar_max_rules", defaults.max_rules),
+        max_depth=getattr(args, "grammar_max_depth", defaults.max_depth),
+        compile_timeout_s=getattr(args, "grammar_compile_timeout", defaults.compile_timeout_s),
+        worker_memory_bytes=getattr(args, "grammar_worker_memory", defaults.worker_memory_bytes),
+        workers=getattr(args, "grammar_workers", defaults.workers),
+        queue_size=getattr(args, "grammar_queue_size", defaults.queue_size),
+        cache_bytes=getattr(args, "grammar_cache_bytes", defaults.cache_bytes))
 
 
 def default_model_name(path: str | None) -> str:
