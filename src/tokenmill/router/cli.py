@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..cli_args import human_int
 from .config import POLICIES, RouterConfig
 
 
@@ -56,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="answer 429 when every ready backend's load is at least this (default 0: never)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
+    p.add_argument("--max-request-bytes", type=human_int, default=8 << 20, metavar="BYTES",
+                   help="refuse client bodies larger than this with 413 (default 8M)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds a client has to send a whole request body; else 408 (default 30)")
     p.add_argument("--endpoint-picker", action="store_true",
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
@@ -80,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         min_match_ratio=args.min_match_ratio,
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes, request_read_timeout=args.request_read_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
     )

@@ -65,6 +65,9 @@ class RouterConfig:
     health_timeouts_to_fail: int = 2
     connect_timeout: float = 3.0
     request_timeout: float = 600.0
+    # Client bodies: refused with 413 past this size, 408 when not all sent within the deadline.
+    max_request_bytes: int = 8 << 20  # what a backend drains before its 413 (request_guard.DRAIN_BYTES)
+    request_read_timeout: float = 30.0
 
     # Endpoint-picker (Envoy ext_proc) mode.
     endpoint_picker: bool = False
@@ -94,5 +97,7 @@ class RouterConfig:
             raise ValueError("block sizes must be positive")
         if self.fallback_endpoints < 0:
             raise ValueError("--fallback-endpoints must be >= 0")
+        if self.max_request_bytes < 1 or not self.request_read_timeout > 0:
+            raise ValueError("--max-request-bytes and --request-read-timeout must be positive")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")
