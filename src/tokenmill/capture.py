@@ -191,6 +191,7 @@ class TrafficCapture:
         endpoint: str = "completions",
         request_id: str | None = None,
         finish_reason: str | None = None,
+        tenant: str | None = None,
     ) -> dict[str, Any]:
         """Build the record dict (no I/O); split out so tests can inspect it."""
         chained, content = block_hashes(prompt_token_ids, self.block_size, self.hash_key)
@@ -213,18 +214,21 @@ class TrafficCapture:
         }
         if self.capture_text and prompt_text is not None:
             rec["prompt_text"] = prompt_text
+        if tenant is not None:  # the tenant's metric label (bounded: tenants.py)
+            rec["tenant"] = tenant
         return rec
 
     def record(self, arrival_time: float, prompt_token_ids: Sequence[int], cached_tokens: int,
                output_tokens: int, sampling: dict[str, Any] | None, ttft: float | None,
                e2e: float | None, prompt_text: str | None = None, endpoint: str = "completions",
-               request_id: str | None = None, finish_reason: str | None = None) -> None:
+               request_id: str | None = None, finish_reason: str | None = None,
+               tenant: str | None = None) -> None:
         """Hash, serialise and append one request. Never raises."""
         try:
             line = json.dumps(
                 self.make_record(arrival_time, prompt_token_ids, cached_tokens, output_tokens,
                                  sampling, ttft, e2e, prompt_text, endpoint, request_id,
-                                 finish_reason),
+                                 finish_reason, tenant),
                 separators=(",", ":"), ensure_ascii=False,
             ) + "\n"
             with self._lock:

@@ -108,6 +108,11 @@ class SchedulerConfig:
     max_waiting: int | None = None  # bound on the waiting queue (server returns 429 past it)
     # Prefills younger than this many steps go shortest-first; older ones go first, FCFS.
     prefill_starvation_steps: int = 4
+    # Waiting-queue order (engine/fairness.py): fcfs | priority (class, request priority,
+    # arrival) | fair (class, tenants' weighted share of computed tokens, priority, arrival).
+    scheduling_policy: str = "fcfs"
+    # Under priority and fair: a request waiting this long goes first, whatever its class.
+    starvation_bound_s: float = 30.0
 
     def token_budget(self, device_type: str) -> int:
         """The step's token budget: as given, else the device's default (its one home)."""

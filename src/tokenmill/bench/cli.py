@@ -289,6 +289,9 @@ def add_trace_parser(sub: Any) -> None:
 def register(subparsers: Any) -> None:
     add_bench_parser(subparsers)
     add_trace_parser(subparsers)
+    from tokenmill.bench.usage import add_usage_parser
+
+    add_usage_parser(subparsers)
 
 
 def _fail(msg: str, code: int = 1) -> int:

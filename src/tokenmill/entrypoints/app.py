@@ -33,6 +33,7 @@ from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, Mod
                        TokenizeRequest, TokenizeResponse)
 from .request_guard import BodyGuard, default_body_limit
 from .serving import ServerSettings, ServerState
+from .tenants import DEFAULT_TENANT_NAME, tenant_of
 
 _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
 
@@ -139,6 +140,15 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> JSONResponse:
+        """Usage per tenant (tenant_usage.py): a keys-file tenant sees its own, the
+        default tenant (the operator's --api-key, or no key at all) every tenant's."""
+        state = get_state(request)
+        tenant = tenant_of(request.scope)
+        only = None if tenant is None or tenant.name == DEFAULT_TENANT_NAME else tenant.name
+        return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:

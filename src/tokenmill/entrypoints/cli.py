@@ -18,7 +18,7 @@ import sys
 PROVIDERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenmill.entrypoints.serve_cli", ("serve",)),
     ("tokenmill.entrypoints.generate_cli", ("generate",)),
-    ("tokenmill.bench.cli", ("bench", "trace")),
+    ("tokenmill.bench.cli", ("bench", "trace", "usage")),
     ("tokenmill.router.cli", ("route",)),
     ("tokenmill.evaluate.cli", ("eval",)),
 )

@@ -19,6 +19,7 @@ from .errors import APIError
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .serving import Job, ServerState
+from .tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
@@ -150,10 +151,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
         params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
-        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
+        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
-    state.reserve(jobs)
+    state.reserve(jobs, tenant_of(request.scope))
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs)
@@ -190,7 +191,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
-    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
+    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
@@ -199,7 +200,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
-    state.reserve([job])
+    state.reserve([job], tenant_of(request.scope))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs)

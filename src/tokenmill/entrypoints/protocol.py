@@ -89,6 +89,9 @@ class _SamplingFields(_Model):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's extra field: logprobs of the prompt's own tokens, this many alternatives each.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's extra field: order within the caller's tenant and class under the priority and
+    # fair scheduling policies (lower first); FCFS ignores it.
+    priority: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":

@@ -26,6 +26,7 @@ from .errors import APIError
 from .openai_routes import _ERRORS, _until_done_or_gone, get_state, prepare_chat
 from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
 from .serving import Job, ServerState
+from .tenants import tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 
@@ -349,7 +350,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     response_id = _new_id("resp")
     job, plan = await prepare_chat(state, chat, response_id)
     job.endpoint = "responses"
-    state.reserve([job])
+    state.reserve([job], tenant_of(request.scope))
     spec = _Spec(response_id, body.model or state.model_name, body, plan)
     if body.stream:
         return SSEResponse(_stream(state, spec, job), state, [job])

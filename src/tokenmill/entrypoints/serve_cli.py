@@ -98,10 +98,22 @@ def add_engine_arguments(p: Any) -> None:
                    help="token budget per engine step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "fair"],
+                   help="waiting-queue order: fcfs (arrival), priority (class, then the request's 'priority', "
+                        "then arrival), fair (class, then each tenant's weighted share of the tokens computed, "
+                        "then 'priority', then arrival); see docs/tenants.md (default fcfs; fair when "
+                        "--api-keys-file is given)")
+    p.add_argument("--starvation-bound", type=float, default=30.0, metavar="SECONDS",
+                   help="priority and fair: a request waiting this long goes first, whatever its class "
+                        "(default 30)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # older name of --no-enable-prefix-caching
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish prefix-cache block events in vLLM\'s format over ZeroMQ: '
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+                        '"replay_endpoint": "tcp://127.0.0.1:5558"}\' (default off; docs/routing.md)')
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -118,6 +130,9 @@ def add_server_arguments(p: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
                         "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
                         "it on a sign-in page and keeps a session cookie")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
+                        "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
@@ -296,6 +311,13 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    try:
+        from ..engine.kv_event_publisher import KVEventsConfig
+
+        if KVEventsConfig.parse(args.kv_events_config) is not None and not args.enable_prefix_caching:
+            return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
     return None
 
 

@@ -81,8 +81,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     options = engine_options(args)
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
+                   scheduling_policy=scheduling_policy_from_args(args),
+                   starvation_bound_s=getattr(args, "starvation_bound", 30.0),
                    grammar_limits=grammar_limits_from_args(args))
     return EngineConfig.from_options(**options)
+
+
+def scheduling_policy_from_args(args: argparse.Namespace) -> str:
+    """--scheduling-policy; tenants from --api-keys-file make fair the default."""
+    policy = getattr(args, "scheduling_policy", None)
+    if policy is None:
+        return "fair" if getattr(args, "api_keys_file", None) else "fcfs"
+    return policy
 
 
 def grammar_limits_from_args(args: argparse.Namespace) -> Any:
@@ -134,6 +144,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         model_path = default_model_path()
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
+        api_keys_file=getattr(args, "api_keys_file", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,

@@ -19,9 +19,12 @@ from typing import Any, AsyncIterator
 
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
-from ..engine.request import SamplingParams
+from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
 from .errors import APIError
+from .tenant_gate import TenantGate, TenantLimited
+from .tenant_usage import TenantUsage
+from .tenants import DEFAULT_TENANT, Tenant, directory_from_args
 
 log = logging.getLogger("tokenmill.server")
 
@@ -33,6 +36,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=lambda: ["tokenmill"])
     model_path: str | None = None
     api_key: str | list[str] | None = None  # several: any of them opens the API
+    api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
     max_waiting: int | None = None
     max_output_tokens: int | None = None
     log_requests: bool = False
@@ -62,6 +66,18 @@ class Job:
     prompt_text: str | None = None
     arrival_unix: float = field(default_factory=time.time)
     reserved: bool = False
+    priority: int = 0  # the request's own (vLLM's field), within its tenant's class
+    # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
+    tenant: Tenant | None = None
+    held: bool = False  # counted by the tenant gate until its stream ends
+    streamed: bool = False  # stream_job took it over
+
+    @property
+    def placement(self) -> Placement:
+        """Where the scheduler places it: the tenant's class and weight, the request's priority."""
+        if self.tenant is None:
+            return Placement(priority=self.priority) if self.priority else DEFAULT_PLACEMENT
+        return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
 class ServerState:
@@ -78,6 +94,11 @@ class ServerState:
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
+        self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
+        self.tenant_gate = TenantGate(settings.retry_after_s)
+        self.usage = TenantUsage(self.tenants.label, self.tenants.names)
+        self.metrics.exposed.register(self.usage)
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
@@ -118,9 +139,10 @@ class ServerState:
                            f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
                            param="n", code="too_many_sequences")
 
-    def reserve(self, jobs: list[Job]) -> None:
+    def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
         """Admit jobs, or 429 with Retry-After when their sequences would take the
-        waiting queue past ``--max-waiting``.
+        waiting queue past ``--max-waiting`` or ``tenant`` past one of its limits
+        (tenant_gate.py; that tenant only).
 
         A streaming job reaches the engine only when its response starts, so
         admitted jobs count as waiting (``pending``) until ``stream_job``
@@ -136,16 +158,42 @@ class ServerState:
                 raise APIError(429, f"the server is at capacity ({waiting} sequences waiting, this request "
                                f"adds {new}, limit {limit}); retry later", code="queue_full",
                                headers={"Retry-After": str(self.settings.retry_after_s)})
+        tenant = tenant or DEFAULT_TENANT
+        fresh = [job for job in jobs if not job.held and not job.reserved]
+        if fresh:
+            try:
+                self.tenant_gate.admit(tenant, len(fresh), sum(j.params.n for j in fresh),
+                                       sum(_max_cost(j) for j in fresh))
+            except TenantLimited as exc:
+                self.metrics.rejected.labels(exc.code).inc()
+                self.usage.rejected(tenant.name)
+                raise APIError(429, str(exc), code=exc.code,
+                               headers={"Retry-After": str(exc.retry_after_s)}) from None
+        for job in fresh:
+            job.tenant, job.held = tenant, True
         for job in jobs:
             if not job.reserved:
                 job.reserved = True
                 self.pending += job.params.n
 
     def release(self, job: Job) -> None:
-        """Undo ``reserve`` for one job; idempotent."""
+        """Undo ``reserve`` for one job; idempotent. A job that never reached its stream
+        gives back what its tenant held."""
         if job.reserved:
             job.reserved = False
             self.pending -= job.params.n
+        if job.held and not job.streamed:
+            self._tenant_done(job, started=False, output_tokens=0)
+
+    def _tenant_done(self, job: Job, started: bool, output_tokens: int) -> None:
+        """The tenant gate's part of a job ends (idempotent)."""
+        if not job.held:
+            return
+        job.held = False
+        tenant = job.tenant or DEFAULT_TENANT
+        if not started:
+            self.tenant_gate.started(tenant.name, job.params.n)
+        self.tenant_gate.finished(tenant, 1, _max_cost(job) - len(job.prompt_ids) - output_tokens)
 
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
@@ -264,9 +312,11 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement)
         self._live[job.request_id] = job
         failed = False
+        job.streamed = True
+        queue_time = 0.0
         # release() and the generator's first step (which submits to the engine)
         # run with no await in between
         self.release(job)
@@ -277,6 +327,8 @@ class ServerState:
                 if first_token is None:
                     first_token = now
                     cached = delta.num_cached_tokens
+                    if job.held:
+                        self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
                     self.metrics.req_prompt.observe(delta.num_prompt_tokens)
                 else:
@@ -292,6 +344,7 @@ class ServerState:
                     reasons[delta.index] = delta.finish_reason
                     self.metrics.finished(delta.finish_reason)
                     self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
+                    queue_time += delta.metrics.get("queue_time", 0.0)
                 yield delta
             if job.request_id in self._cut:
                 log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
@@ -316,6 +369,11 @@ class ServerState:
                         self.metrics.finished("abort")
                         reasons[i] = "abort"
             self._record(job, started, first_token, cached, out_tokens, reasons)
+            output = sum(out_tokens.values())
+            self._tenant_done(job, started=first_token is not None, output_tokens=output)
+            self.usage.record((job.tenant or DEFAULT_TENANT).name,
+                              len(job.prompt_ids) if first_token is not None else 0, cached, output,
+                              queue_time, failed)
             await gen.aclose()
 
     def _record(self, job: Job, started: float, first_token: float | None, cached: int,
@@ -333,11 +391,16 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason)
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name))
 
     def close(self) -> None:
         if self.capture is not None:
             self.capture.close()
+
+
+def _max_cost(job: Job) -> int:
+    """Tokens a job may use at most: its prompt, and every choice's whole output budget."""
+    return len(job.prompt_ids) + job.params.n * int(job.params.max_tokens or 0)
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:
