@@ -74,6 +74,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     the model, the KV pool and every part of an engine on it."""
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache),
                                  scheduler=dataclasses.replace(config.scheduler))
+    # what can be wrong with the configuration is said now, not after minutes of loading
+    config.speculative_config = SpeculativeConfig.parse(config.speculative_config)
+    problems = config.grammar_limits.problems()
+    if problems:
+        raise ValueError("grammar limits: " + "; ".join(problems))
     torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
     device = torch.device(config.device)
     dtype_choice = _resolve_before_load(config, device)

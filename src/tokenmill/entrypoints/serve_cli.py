@@ -343,12 +343,46 @@ def parse_origins(values: list[str] | None) -> list[str] | None:
     return out
 
 
+_GRAMMAR_FLAGS = {"max_bytes": "--grammar-max-bytes", "max_rules": "--grammar-max-rules",
+                  "max_depth": "--grammar-max-depth", "compile_timeout_s": "--grammar-compile-timeout",
+                  "worker_memory_bytes": "--grammar-worker-memory", "workers": "--grammar-workers",
+                  "queue_size": "--grammar-queue-size", "cache_bytes": "--grammar-cache-bytes"}
+
+
+def config_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem of the flags that can be found before the model loads, one line each."""
+    from ..engine.speculative import SpeculativeConfig
+    from .serve_config import grammar_limits_from_args
+
+    out: list[str] = []
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        found = SpeculativeConfig.check(spec)
+        out += found
+        if not found:
+            draft = SpeculativeConfig.parse(spec)
+            if draft is not None and draft.model and not os.path.exists(draft.model):
+                out.append(f"--speculative-config: model {draft.model!r}: no such file or folder")
+    for problem in grammar_limits_from_args(args).problems():  # named by their flags
+        field = problem.split(" ", 1)[0]
+        out.append(problem.replace(field, _GRAMMAR_FLAGS.get(field, field), 1))
+    timeout = getattr(args, "request_read_timeout", 30.0)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        out.append(f"--request-read-timeout must be a positive number of seconds (got {timeout!r})")
+    grace = getattr(args, "shutdown_grace", 30.0)
+    if not (isinstance(grace, (int, float)) and grace >= 0):
+        out.append(f"--shutdown-grace must be a number of seconds >= 0 (got {grace!r})")
+    return list(dict.fromkeys(out))
+
+
 def _run(args: argparse.Namespace) -> int:
     import sys
 
     problem = finalize_serve_args(args)
-    if problem:
-        print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+    problems = ([problem] if problem else []) + config_problems(args)
+    if problems:
+        for line in problems:  # every bad field, one line each, before anything loads
+            print(f"tokenmill serve: error: {line}", file=sys.stderr)
         return 2
     if (args.tensor_parallel_size or 1) > 1:  # refuse a split that cannot work in one line, before loading
         from ..engine.distributed import startup_problem
