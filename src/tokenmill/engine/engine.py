@@ -141,7 +141,10 @@ class LLMEngine:
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
             if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]  # the first token has no context
+                if group:  # scored once, by the first sequence (Request.prompt_scorer)
+                    req.prompt_scorer = group[0].request
+                else:
+                    req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
                 req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
@@ -331,8 +334,9 @@ class LLMEngine:
         new_logprobs = req.output_logprobs[seq.sent_tokens :] if req.params.logprobs is not None else []
         seq.sent_tokens = len(req.output_token_ids)
         prompt_lps = None
-        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not req.wants_prompt_logprobs:
-            prompt_lps = list(req.prompt_logprobs)
+        scorer = req.prompt_scorer or req
+        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not scorer.wants_prompt_logprobs:
+            prompt_lps = scorer.prompt_logprobs  # one list for every sequence of the prompt, not a copy each
             seq.sent_prompt_logprobs = True
         metrics: dict[str, float] = {}
         if finished:

@@ -328,7 +328,10 @@ class Scheduler:
             admit_budget = self._budget  # what admitted requests' first chunks will take
             prefilling = self._prefilling([])
             while self.waiting and admit_budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0] if self.order is None else self.order.next_to_admit(self.waiting, now)
+                admissible = [r for r in self.waiting if not r.held_for_scorer]  # see Request.prompt_scorer
+                if not admissible:
+                    break
+                request = admissible[0] if self.order is None else self.order.next_to_admit(admissible, now)
                 assert request is not None
                 if not self.policy.may_admit(request):
                     break

@@ -147,7 +147,8 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help=argparse.SUPPRESS)  # older vLLM name; off is the default
     p.add_argument("--max-waiting", type=_positive, default=None,
-                   help="refuse new requests with 429 once this many are waiting (default: unbounded)")
+                   help="refuse new requests with 429 once this many sequences (prompts x n) wait (default: 4 x "
+                        "--max-num-seqs, at most the KV pool's blocks, at least --max-num-seqs)")
     p.add_argument("--max-output-tokens", type=_positive, default=None,
                    help="cap on every request's output; also the default when a request gives no max_tokens")
     p.add_argument("--shutdown-grace", type=float, default=30.0,

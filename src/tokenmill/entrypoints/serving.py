@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -80,11 +81,26 @@ class Job:
         return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
+WAITING_BATCHES = 4  # the default waiting queue: this many full batches of sequences ...
+
+
+def default_max_waiting(num_blocks: int, max_num_seqs: int) -> int:
+    """``--max-waiting`` when not given: ``WAITING_BATCHES`` batches of ``--max-num-seqs``
+    sequences, but no more sequences than the KV pool has blocks (a sequence needs at least
+    one block to start, so a longer queue could never drain faster), and never fewer than
+    one batch. One request of many prompts and a large ``n`` can no longer queue thousands
+    of sequences in front of everyone."""
+    return max(max_num_seqs, min(WAITING_BATCHES * max_num_seqs, num_blocks))
+
+
 class ServerState:
     def __init__(self, aengine: AsyncEngine, settings: ServerSettings) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
+        if settings.max_waiting is None:  # decided once, from the pool (default_max_waiting)
+            settings = dataclasses.replace(settings, max_waiting=default_max_waiting(
+                self.engine.pool.num_blocks, self.engine.config.scheduler.max_num_seqs))
         self.settings = settings
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
