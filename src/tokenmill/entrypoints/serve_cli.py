@@ -134,6 +134,10 @@ def add_server_arguments(p: Any) -> None:
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="proxies (comma-separated addresses, or '*') whose X-Forwarded-For / -Proto headers "
+                        "are believed; without it they are ignored and the client is the connection's peer "
+                        "(the console's sign-in throttle keys on it)")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
