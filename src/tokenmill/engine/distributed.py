@@ -144,7 +144,7 @@ def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPI
         tokens = _receive_calibration(control)
         if tokens is None:
             return None
-        from ..model.smoothquant import smooth_for_int8
+        from .loading import smooth_for_int8
 
         with torch.inference_mode():
             done = smooth_for_int8(model, tokens, config.cache.block_size, dtype, device,

@@ -16,6 +16,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
+from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, chain_hash
+
 
 @dataclass(eq=False)
 class _Node:
@@ -24,6 +26,7 @@ class _Node:
     parent: "_Node | None"
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     last_used: int = 0
+    hash: int | None = None  # the block's name in KV events (kv_events.chain_hash of the path)
 
 
 @dataclass
@@ -42,6 +45,20 @@ class PrefixCache:
         self._heap: list[tuple[int, int]] = []  # (last_used, block) of idle leaves; lazy
         self._clock = itertools.count(1)
         self.stats = PrefixCacheStats()
+        # KV events since the last drain (kv_events.py); None: nobody subscribes, record nothing.
+        self.events: list[KVEvent] | None = None
+
+    def enable_events(self) -> None:
+        """Record what is stored and removed from now on; ``drain_events`` hands it out."""
+        if self.events is None:
+            self.events = []
+
+    def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # -- queries -------------------------------------------------------
     @property
@@ -85,17 +102,25 @@ class PrefixCache:
         for i in range(start):
             node = node.children[self._block_key(token_ids, i)]
         swaps: dict[int, int] = {}
+        stored: list[_Node] = []
         for i in range(start, end):
             key = self._block_key(token_ids, i)
             child = node.children.get(key)
             if child is None:
-                child = _Node(key=key, block=block_table[i], parent=node)
+                child = _Node(key=key, block=block_table[i], parent=node, hash=chain_hash(node.hash, key))
                 node.children[key] = child
                 self._by_block[child.block] = child
+                stored.append(child)
             elif child.block != block_table[i]:
                 swaps[i] = child.block
             child.last_used = next(self._clock)
             node = child
+        if stored and self.events is not None:
+            # New nodes are a suffix of this path (a new node's children are new), so one event.
+            self.events.append(BlockStored(block_hashes=[n.hash for n in stored],
+                                           parent_block_hash=stored[0].parent.hash,
+                                           token_ids=[t for n in stored for t in n.key],
+                                           block_size=self.block_size))
         return swaps
 
     def mark_busy(self, block: int) -> None:
@@ -129,6 +154,12 @@ class PrefixCache:
         del parent.children[node.key]
         del self._by_block[node.block]
         self._idle.discard(node.block)
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                self.events[-1] = BlockRemoved([*last.block_hashes, node.hash], last.medium)
+            else:
+                self.events.append(BlockRemoved([node.hash]))
         if parent is not self.root and not parent.children and parent.block in self._idle:
             heapq.heappush(self._heap, (parent.last_used, parent.block))
 
@@ -137,6 +168,8 @@ class PrefixCache:
         freed: list[int] = []
         while self._idle:
             freed.append(self.evict_one())
+        if self.events is not None and freed and not self._by_block:
+            self.events.append(AllBlocksCleared())
         return freed
 
     def check_invariants(self, ref_counts: list[int]) -> None:

@@ -5,9 +5,9 @@ engine turns them, once, into a ``StepBatch``: an immutable record of each
 scheduled sequence's part of the step (``StepSeq``): where its new tokens
 start, the tokens themselves, its kind (decode, speculative verify, prefill
 chunk), which of its rows have their logits sampled, its block table, and the
-per-row data the model or the sampler needs beyond the tokens (its grammar
-today; a per-row adapter id or priority is one more field here, filled in
-``StepSeq.of``).
+per-row data beyond the tokens (its grammar; its placement: tenant, class and
+priority; a per-row adapter id is one more field here, filled in ``StepSeq.of``
+from the request, and read by the executors that apply it).
 
 Executors adapt the batch to what their kernels read and never decide again
 which rows sample: the eager runner flattens it decodes first
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Iterable, Sequence
 
-from .request import Request
+from .request import DEFAULT_PLACEMENT, Placement, Request
 
 
 class RowKind(enum.Enum):
@@ -46,6 +46,7 @@ class StepSeq:
     # row of a verify; the last row when the chunk reaches the end of a request that samples.
     sampled: tuple[int, ...]
     grammar: Any = None  # the request's grammar matcher (structured outputs), or None
+    placement: Placement = DEFAULT_PLACEMENT  # tenant, class, weight, priority (engine/fairness.py)
 
     @classmethod
     def of(cls, request: Request, num_new: int) -> "StepSeq":
@@ -57,7 +58,7 @@ class StepSeq:
             kind = RowKind.DECODE if num_new == 1 else RowKind.PREFILL
             sampled = (num_new - 1,) if end == request.num_tokens and request.samples else ()
         return cls(request, start, num_new, kind, tuple(request.step_token_ids(start, num_new)),
-                   tuple(request.block_table), sampled, request.grammar)
+                   tuple(request.block_table), sampled, request.grammar, request.placement)
 
     @property
     def end(self) -> int:

@@ -110,6 +110,10 @@ def add_engine_arguments(p: Any) -> None:
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # older name of --no-enable-prefix-caching
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish prefix-cache block events in vLLM\'s format over ZeroMQ: '
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+                        '"replay_endpoint": "tcp://127.0.0.1:5558"}\' (default off; docs/routing.md)')
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -283,6 +287,13 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    try:
+        from ..engine.kv_event_publisher import KVEventsConfig
+
+        if KVEventsConfig.parse(args.kv_events_config) is not None and not args.enable_prefix_caching:
+            return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
     return None
 
 

@@ -153,8 +153,9 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
     started = time.monotonic()
     engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
     # what the engine resolved ("auto" becomes this machine's choice)
-    dtype, group, head = config.dtype, config.quant_group_size, config.quantize_lm_head
-    quantization = str(config.quantization)
+    resolved = engine.config
+    dtype, group, head = resolved.dtype, resolved.quant_group_size, resolved.quantize_lm_head
+    quantization = str(resolved.quantization)
     if opts.threads:
         import torch
 

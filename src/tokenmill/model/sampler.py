@@ -1,7 +1,8 @@
 """Logits -> next tokens, each row with its own parameters, in one batch.
 
 Order of operations (as the common engines do): penalties on the raw logits,
-min_tokens masking, grammar masks of structured-output rows (-inf outside the
+token rules (allowed_token_ids, logit_bias, bad_words: one batched scatter each
+over every row that has them), min_tokens masking, grammar masks of structured-output rows (-inf outside the
 grammar, engine/structured.py), then greedy rows take the argmax; random rows are divided
 by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
@@ -65,6 +66,48 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> N
         if out.numel() and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _row_cols(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, [token ids]) pairs -> flat row and column index tensors for one scatter."""
+    rows = [row for row, cols in pairs for _ in cols]
+    cols = [c for _, row_cols in pairs for c in row_cols]
+    return (torch.tensor(rows, dtype=torch.long, device=device),
+            torch.tensor(cols, dtype=torch.long, device=device))
+
+
+def _banned_words(req: SamplingRow) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output so far."""
+    out = req.output_token_ids
+    banned = []
+    for word in req.params.bad_words_token_ids or ():
+        head = word[:-1]
+        if not head or (len(out) >= len(head) and out[len(out) - len(head):] == head):
+            banned.append(word[-1])
+    return banned
+
+
+def _apply_token_rules(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    """allowed_token_ids, logit_bias and bad_words of every row, each as one batched
+    tensor operation (index lists gathered on the host, one scatter on the device)."""
+    device = logits.device
+    allowed = [(row, list(r.params.allowed_token_ids)) for row, r in enumerate(requests)
+               if getattr(r.params, "allowed_token_ids", None)]
+    if allowed:
+        keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=device)
+        local = [(i, cols) for i, (_, cols) in enumerate(allowed)]
+        keep.index_put_(_row_cols(local, device), torch.tensor(True, device=device))
+        index = torch.tensor([row for row, _ in allowed], dtype=torch.long, device=device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
+    biased = [(row, r.params.logit_bias) for row, r in enumerate(requests) if getattr(r.params, "logit_bias", None)]
+    if biased:
+        rows, cols = _row_cols([(row, list(bias)) for row, bias in biased], device)
+        values = torch.tensor([v for _, bias in biased for v in bias.values()], dtype=logits.dtype, device=device)
+        logits.index_put_((rows, cols), values, accumulate=True)
+    banned = [(row, ids) for row, r in enumerate(requests)
+              if getattr(r.params, "bad_words_token_ids", None) and (ids := _banned_words(r))]
+    if banned:
+        logits.index_put_(_row_cols(banned, device), torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
 
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
@@ -166,12 +209,15 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: tor
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     penalties = any(r.params.needs_penalties for r in requests)
+    rules = any(getattr(r.params, "has_token_rules", False) for r in requests)
     min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
     masked = token_mask is not None and bool(token_mask[0])
-    if penalties or min_tokens or masked:
+    if penalties or rules or min_tokens or masked:
         logits = logits.clone()
         if penalties:
             _apply_penalties(logits, requests)
+        if rules:
+            _apply_token_rules(logits, requests)
         if min_tokens:
             _mask_min_tokens(logits, requests)
         if masked:

@@ -84,9 +84,19 @@ class RemoteTokenizer:
         self.unsupported = False  # set once a backend answers 404/405
 
     async def encode(self, text: str, model: str | None, base_url: str | None) -> Tokens:
+        return await self._tokenize({"prompt": text}, text, model, base_url)
+
+    async def encode_messages(self, messages: list, add_generation_prompt: bool, text: str, model: str | None,
+                              base_url: str | None) -> Tokens:
+        """A chat's prompt exactly as the backend renders it (its template), so that block keys
+        line up with the blocks the backend's KV events name; ``text`` if it cannot say."""
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return await self._tokenize(body, text, model, base_url)
+
+    async def _tokenize(self, body: dict[str, Any], text: str, model: str | None, base_url: str | None) -> Tokens:
         if self.unsupported or base_url is None:
             return await self.fallback.encode(text)
-        body: dict[str, Any] = {"prompt": text}
+        body = dict(body)
         if model:
             body["model"] = model
         try:
