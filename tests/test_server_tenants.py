@@ -13,6 +13,7 @@ import pytest
 from test_server_support import make_tiny_app, metric
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
+from tokenmill.entrypoints.console import mount_console
 from tokenmill.entrypoints.tenants import hash_key
 
 KEYS = {"chat-key": "chat", "batch-key": "batch"}
@@ -28,6 +29,7 @@ def app(tmp_path_factory):
         "keys:\n" + "".join(f"  - {{sha256: {hash_key(k)}, tenant: {t}}}\n" for k, t in KEYS.items()))
     app = make_tiny_app({"scheduling_policy": "fair", "max_num_seqs": 4}, api_key="operator",
                         api_keys_file=str(path))
+    mount_console(app, ui=False)
     yield app
     app.state.tokenmill.aengine.shutdown()
 
@@ -122,6 +124,12 @@ def test_usage_counters_equal_the_responses_usage(app, tmp_path, capsys):
     assert set(everyone.json()["tenants"]) == {"default", "chat", "batch"}
     assert set(own.json()["tenants"]) == {"chat"}
     assert own.json()["tenants"]["chat"]["output_tokens"] == after["chat"]["output_tokens"]
+    # the console's stats document shows every tenant with its place and usage
+    stats = send(app, ("GET", "/v1/engine/stats", None, "operator"))[0].json()
+    rows = {t["tenant"]: t for t in stats["tenants"]}
+    assert set(rows) == {"default", "chat", "batch"}
+    assert rows["chat"]["priority_class"] == 1 and rows["chat"]["weight"] == 2.0
+    assert rows["chat"]["output_tokens"] == after["chat"]["output_tokens"] and rows["chat"]["computed_tokens"] > 0
     # tokenmill usage prices what the scrape says with bench's cost model
     saved = tmp_path / "metrics.txt"
     saved.write_text(scrape)

@@ -194,8 +194,9 @@ class QueueOrder:
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per tenant: weight, virtual service, tokens computed, sequences in the scheduler."""
+        tenants = dict(self.tenants)  # the engine thread may add one meanwhile
         return {t: {"weight": s.weight, "virtual": s.virtual, "tokens": s.tokens, "active": s.active}
-                for t, s in sorted(self.tenants.items())}
+                for t, s in sorted(tenants.items())}
 
 
 def make_queue_order(policy: str, starvation_bound_s: float) -> QueueOrder | None:
