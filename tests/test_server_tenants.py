@@ -143,3 +143,26 @@ def test_usage_counters_equal_the_responses_usage(app, tmp_path, capsys):
     assert usage_main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["total_cost"] == pytest.approx(2.0) and {t["tenant"] for t in printed["tenants"]} >= {"chat"}
+
+
+def test_the_operator_may_speak_for_a_tenant_and_a_tenant_only_for_itself(app):
+    state = app.state.tokenmill
+    before = parse_metrics(state.metrics.render().decode())
+    as_chat = {"x-gateway-inference-fairness-id": "chat"}
+    as_batch = {"x-gateway-inference-fairness-id": "batch"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            one = await client.post("/v1/completions", json=completion(3),
+                                    headers={"Authorization": "Bearer operator", **as_chat})
+            two = await client.post("/v1/completions", json=completion(3),
+                                    headers={"Authorization": "Bearer chat-key", **as_batch})
+            return one, two
+
+    one, two = asyncio.run(go())
+    assert one.status_code == 200 and two.status_code == 200
+    after = parse_metrics(state.metrics.render().decode())
+    assert after["chat"]["requests"] - before["chat"]["requests"] == 2  # both counted as chat
+    assert after["batch"]["requests"] == before["batch"]["requests"]
+    assert after["default"]["requests"] == before["default"]["requests"]

@@ -34,34 +34,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from .request import Request
+from ..priority_classes import PRIORITY_CLASSES, parse_priority_class  # noqa: F401 - the classes' names, here too
+
+if TYPE_CHECKING:  # the router reads the class names here and must not import torch
+    from .request import Request
 
 POLICIES = ("fcfs", "priority", "fair")
-
-# Priority classes by name, as the keys file and headers spell them (0 goes first).
-PRIORITY_CLASSES = {"critical": 0, "high": 1, "normal": 2, "standard": 2, "low": 3, "batch": 4, "sheddable": 4}
-
-
-def parse_priority_class(value: str | int | None) -> int:
-    """A class name (``PRIORITY_CLASSES``) or a non-negative integer; None: normal."""
-    if value is None:
-        return PRIORITY_CLASSES["normal"]
-    if isinstance(value, bool):
-        raise ValueError(f"priority class must be a name or an integer, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"priority class must be non-negative, got {value}")
-        return value
-    text = str(value).strip().lower()
-    if text.isdigit():
-        return int(text)
-    if text not in PRIORITY_CLASSES:
-        raise ValueError(f"unknown priority class {value!r}; use one of {', '.join(PRIORITY_CLASSES)} "
-                         "or an integer (0 first)")
-    return PRIORITY_CLASSES[text]
-
 
 @dataclass
 class TenantShare:

@@ -123,6 +123,8 @@ class AuthMiddleware:
             return
         verdict, tenant = judge(scope, self.sessions, self.tenants)
         if verdict in ("open", "ok"):
+            if tenant is not None and self.tenants is not None:  # the operator may speak for a tenant
+                tenant = self.tenants.delegated(tenant, {k.lower(): v for k, v in scope.get("headers") or []})
             if tenant is not None:
                 scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)

@@ -48,6 +48,10 @@ class RouterConfig:
     port: int = 8000
     policy: str = "prefix"
     api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    # Tenants (the servers' keys file): their keys open the router too, and their limits
+    # hold across every replica (tenancy.py). Objectives: InferenceObjective name -> priority.
+    api_keys_file: str | None = None
+    objectives: dict[str, int] = field(default_factory=dict)
     backend_api_key: str | None = None  # sent to backends instead of the client's
 
     # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,

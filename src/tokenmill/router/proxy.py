@@ -20,7 +20,7 @@ import hmac
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -32,6 +32,7 @@ from ..entrypoints.console_auth import bearer_token
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import response_id_in, session_key
+from .tenancy import FAIRNESS_HEADER, TenantLimited
 
 log = logging.getLogger("tokenmill.router")
 
@@ -42,6 +43,15 @@ _RESP_DROP = {"content-length", "connection", "keep-alive", "transfer-encoding",
 # A replica that is shedding (429) or failing (502-504) before any byte is
 # worth one try elsewhere; on the last try its answer is passed through.
 _RETRY_STATUS = {429, 502, 503, 504}
+
+
+async def _then(chunks: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``chunks``, then ``done()`` however the stream ends."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        done()
 
 
 def error(status: int, message: str, kind: str = "server_error", code: str | None = None) -> JSONResponse:
@@ -63,11 +73,15 @@ class Proxy:
     # -- helpers ----------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
         key = self.router.config.api_key
-        if not key:
+        tenancy = self.router.tenancy
+        if not key and tenancy.directory is None:
             return True
         got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
-        return got is not None and hmac.compare_digest(hashlib.sha256(got).digest(),
-                                                       hashlib.sha256(key.encode()).digest())
+        if got is None:
+            return False
+        if key and hmac.compare_digest(hashlib.sha256(got).digest(), hashlib.sha256(key.encode()).digest()):
+            return True
+        return tenancy.key_opens(got.decode("latin-1"))
 
     def _forward_headers(self, request: Request) -> dict[str, str]:
         out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -159,6 +173,25 @@ class Proxy:
             return self._answer(error(400, "request body must be a JSON object", "invalid_request_error"))
         path = request.url.path
         headers = self._forward_headers(request)
+        got = bearer_token(request.headers.get("authorization"))
+        caller = self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
+        try:
+            self.router.tenancy.admit(caller, path, body)
+        except TenantLimited as exc:
+            response = error(429, str(exc), "rate_limit_error", exc.code)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return self._answer(response)
+        if caller.fairness_id:
+            headers[FAIRNESS_HEADER] = caller.fairness_id
+        result = await self._generate(request, path, body, raw, headers, caller.priority)
+        if isinstance(result, StreamingResponse):
+            result.body_iterator = _then(result.body_iterator, lambda: self.router.tenancy.done(caller))
+        else:
+            self.router.tenancy.done(caller)
+        return result
+
+    async def _generate(self, request: Request, path: str, body: dict, raw: bytes, headers: dict[str, str],
+                        priority: int | None) -> Response:
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         last_error = ""
@@ -169,7 +202,7 @@ class Proxy:
                 _, subset = self.canary.subset_for(request.headers, body, ready)
             try:
                 decision = await self.router.route(path, body, exclude=tried, subset=subset,
-                                                   session=session_key(request.headers, body))
+                                                   session=session_key(request.headers, body), priority=priority)
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
