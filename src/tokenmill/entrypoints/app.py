@@ -100,6 +100,10 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
+    if state.tracing is not None:  # off: not in the stack at all
+        from ..tracing import TracingMiddleware
+
+        app.add_middleware(TracingMiddleware, tracing=state.tracing)
     return app
 
 

@@ -133,6 +133,10 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each request (HTTP, engine queue, prefill, decode) to this "
+                        "OTLP/HTTP collector, e.g. http://127.0.0.1:4318; needs pip install 'tokenmill[tracing]' "
+                        "(default off)")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")

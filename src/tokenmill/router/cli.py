@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the servers' tenants file: its keys open the router, each tenant's max_inflight and "
                         "tokens_per_minute hold across all replicas, the tenant goes to the replica in "
                         "x-gateway-inference-fairness-id; reloaded on SIGHUP (docs/tenants.md)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each proxied request to this OTLP/HTTP collector; the "
+                        "trace goes on to the replica in traceparent (needs tokenmill[tracing]; default off)")
     p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
                    help="an x-gateway-inference-objective name and its priority (higher first; below 0 may be "
                         "shed under --shed-load); repeatable")
@@ -100,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
         api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

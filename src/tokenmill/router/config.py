@@ -52,6 +52,7 @@ class RouterConfig:
     # hold across every replica (tenancy.py). Objectives: InferenceObjective name -> priority.
     api_keys_file: str | None = None
     objectives: dict[str, int] = field(default_factory=dict)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tokenmill/tracing.py); None: off
     backend_api_key: str | None = None  # sent to backends instead of the client's
 
     # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,

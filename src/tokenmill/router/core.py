@@ -57,6 +57,9 @@ class Router:
         from .tenancy import RouterTenancy
 
         self.tenancy = RouterTenancy(config.api_keys_file, config.objectives, config.api_key)
+        from ..tracing import make_tracing
+
+        self.tracing = make_tracing(config.otlp_traces_endpoint, "tokenmill-router")
         self.tokenizer = self._make_tokenizer()
         self.metrics.tokenizer.labels(self.tokenizer.mode).set(1)
 
@@ -78,6 +81,8 @@ class Router:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.client.aclose()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         """Called whenever a backend enters or leaves rotation."""

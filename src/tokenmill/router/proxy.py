@@ -183,11 +183,26 @@ class Proxy:
             return self._answer(response)
         if caller.fairness_id:
             headers[FAIRNESS_HEADER] = caller.fairness_id
+        tracing, span = self.router.tracing, None
+        if tracing is not None:  # the caller's trace continues here and on to the replica
+            span = tracing.start(f"route {request.method} {path}", tracing.extract(request.headers),
+                                 attributes={"tokenmill.tenant": caller.fairness_id or "",
+                                             "gen_ai.request.model": str(body.get("model") or "")})
+            headers.pop("traceparent", None)
+            headers.pop("tracestate", None)
+            tracing.inject(span, headers)
+
+        def done() -> None:
+            self.router.tenancy.done(caller)
+            if span is not None:
+                span.set_attribute("http.response.status_code", result.status_code)
+                span.end()
+
         result = await self._generate(request, path, body, raw, headers, caller.priority)
         if isinstance(result, StreamingResponse):
-            result.body_iterator = _then(result.body_iterator, lambda: self.router.tenancy.done(caller))
+            result.body_iterator = _then(result.body_iterator, done)
         else:
-            self.router.tenancy.done(caller)
+            done()
         return result
 
     async def _generate(self, request: Request, path: str, body: dict, raw: bytes, headers: dict[str, str],
