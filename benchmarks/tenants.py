@@ -46,6 +46,7 @@ class Outcome:
     ttft: dict[str, list[float]] = field(default_factory=dict)
     output_tokens: dict[str, int] = field(default_factory=dict)  # produced within the arrival window
     longest_wait: dict[str, float] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)  # arrivals past the tenant's queue limit (429s)
 
 
 def arrivals(rates: dict[str, tuple[float, Placement]], duration: float, prompt_len: int, vocab: int,
@@ -60,7 +61,10 @@ def arrivals(rates: dict[str, tuple[float, Placement]], duration: float, prompt_
     return sorted(out, key=lambda a: a.at)
 
 
-def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len: int, bound: float) -> Outcome:
+def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len: int, bound: float,
+        max_queued: dict[str, int] | None = None) -> Outcome:
+    """``max_queued``: per tenant, the sequences it may have waiting (the keys file's limit,
+    which the server answers with 429): arrivals past it are refused and counted."""
     engine = llm.engine
     assert not engine.has_unfinished()
     engine.scheduler.order = make_queue_order(policy, bound)  # idle: the queue order may change
@@ -74,6 +78,11 @@ def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len:
         now = time.perf_counter() - start
         while queue and queue[0].at <= now:
             a = queue.pop(0)
+            limit = (max_queued or {}).get(a.tenant)
+            if limit is not None and sum(r.placement.tenant == a.placement.tenant
+                                         for r in engine.scheduler.waiting) >= limit:
+                outcome.refused[a.tenant] = outcome.refused.get(a.tenant, 0) + 1
+                continue
             rid = f"{a.tenant}-{len(tenant_of)}"
             tenant_of[rid] = a
             engine.add_request(rid, a.prompt, params, arrival_time=start + a.at, placement=a.placement)
@@ -118,6 +127,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--starvation-bound", type=float, default=10.0)
+    ap.add_argument("--low-max-queued", type=int, default=16,
+                    help="priority case: the low class's queued-sequence limit (429 past it)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -153,15 +164,17 @@ def main() -> None:
               "(target >= 0.9)")
     else:
         high, low = Placement("ops", priority_class=0), Placement("batch", priority_class=4)
+        limit = {"B": args.low_max_queued}
         alone = run(llm, "priority", plan(False, high, low), d, args.output_len, bound)
-        both = run(llm, "priority", plan(True, high, low), d, args.output_len, bound)
-        fcfs = run(llm, "fcfs", plan(True, high, low), d, args.output_len, bound)
-        print(f"high {args.rate_a}/s, low {rate_b}/s, starvation bound {bound:.0f}s, {d:.0f}s of arrivals each")
+        both = run(llm, "priority", plan(True, high, low), d, args.output_len, bound, limit)
+        fcfs = run(llm, "fcfs", plan(True, high, low), d, args.output_len, bound, limit)
+        print(f"high {args.rate_a}/s, low {rate_b}/s (queue limit {args.low_max_queued}, 429 past it), "
+              f"starvation bound {bound:.0f}s, {d:.0f}s of arrivals each")
         for name, o in (("high alone", alone), ("both fcfs", fcfs), ("both priority", both)):
             h = o.ttft.get("A", [])
             print(f"{name:13s}  high TTFT p50 {pct(h, 50) * 1000:7.0f} ms  p99 {pct(h, 99) * 1000:7.0f} ms   "
                   f"low longest wait {o.longest_wait.get('B', 0.0):6.1f} s   low output "
-                  f"{o.output_tokens.get('B', 0) / d:6.1f} tok/s")
+                  f"{o.output_tokens.get('B', 0) / d:6.1f} tok/s   low 429s {o.refused.get('B', 0)}")
         print(f"high TTFT p99: priority / alone = {pct(both.ttft['A'], 99) / pct(alone.ttft['A'], 99):.2f}x "
               f"(target <= 1.5); low longest wait {both.longest_wait.get('B', 0.0):.1f}s")
 

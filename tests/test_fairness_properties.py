@@ -6,9 +6,10 @@ weights, request priorities, shared prefixes, small pools (preemption) and
 aborts. Besides the block invariants checked there after every step:
 
 - every request finishes and no block leaks;
-- starvation bound: a request that has waited the bound counts as the best
-  class and goes before the others of its tenant (of everyone, under
-  ``priority``), the oldest of such first;
+- starvation bound: a request that has waited the bound goes before the others
+  of its class and tenant (of its class, under ``priority``), the oldest of such
+  first; one of a worse class is admitted within the bound plus the time for a
+  slot to free (a test of its own);
 - classes: a request is never admitted while one of a better class waits
   (unless it is past the bound);
 - within a tenant and class, the request ``priority`` then arrival decide;
@@ -60,6 +61,7 @@ class FairSim(Sim):
         return True
 
     def _check_order(self, waiting_before: set[Request]) -> None:
+        """Admissions of this step against those who waited through it."""
         order = self.sched.order
         assert order is not None
         now = self.clock
@@ -70,18 +72,17 @@ class FairSim(Sim):
             rp, r_late = r.placement, order.overdue(r, now)
             for w in stayed:
                 wp, w_late = w.placement, order.overdue(w, now)
-                if wp.priority_class < rp.priority_class and not r_late:  # a late one counts as the best class
+                if wp.priority_class < rp.priority_class and not r_late:  # only the bound lifts a class
                     self.violations.append(f"{r.request_id} (class {rp.priority_class}) admitted while "
                                            f"{w.request_id} (class {wp.priority_class}) waits")
-                peers = not order.fair_share or wp.tenant == rp.tenant  # ordered by the same rule
-                if not peers:
+                peers = wp.priority_class == rp.priority_class and (not order.fair_share or wp.tenant == rp.tenant)
+                if not peers:  # ordered by the same rule
                     continue
                 if w_late and not r_late:
                     self.violations.append(f"{r.request_id} admitted before {w.request_id}, past the bound")
                 elif w_late and r_late and w.arrival_time < r.arrival_time:
                     self.violations.append(f"{r.request_id} admitted before the older {w.request_id}")
-                elif not w_late and not r_late and wp.priority_class == rp.priority_class and \
-                        (wp.priority, w.arrival_time) < (rp.priority, r.arrival_time):
+                elif not w_late and not r_late and (wp.priority, w.arrival_time) < (rp.priority, r.arrival_time):
                     self.violations.append(f"{r.request_id} admitted before {w.request_id} of its tenant")
 
 

@@ -10,8 +10,10 @@ computed (``charge``). The order decides, in this sequence:
 1. **Priority class** (``Placement.priority_class``, a tenant's, 0 first). A
    request that has waited ``starvation_bound_s`` or longer counts as one of
    the best class waiting and goes first within its tenant (within the class,
-   under ``priority``): a low class is slowed under overload, never starved, and
-   the fair share between tenants still holds when everyone has waited long.
+   under ``priority``), one worse-class request at a time (``next_to_admit``):
+   a low class is slowed under overload, never starved, never let to crowd out
+   a better one; the fair share between tenants still holds when everyone has
+   waited long.
 2. **Fair share** (``fair`` policy only): among the tenants of that class with
    a request waiting, the one with the least *virtual service*: the prefill and
    decode tokens computed for it, divided by its weight. A tenant that becomes
@@ -118,13 +120,23 @@ class QueueOrder:
         breaks ties between tenants equally served.
 
         A request past the starvation bound counts as one of the best class waiting;
-        within its tenant (within the whole class, under ``priority``) it goes first."""
+        within its tenant (within the whole class, under ``priority``) it goes first.
+        A worse class is lifted so one request at a time: not while a request of a class
+        worse than the best waiting one, past the bound, runs (one admitted so, or
+        one that aged while running). So a class below others gets a slot whenever it
+        has starved the bound, and no more: a flood of it cannot take the best class's
+        place by ageing."""
         if not waiting:
             return None
+        running = list(running)
         top = min(r.placement.priority_class for r in waiting)
+        lifting = not any(r.placement.priority_class > top and self.overdue(r, now) for r in running)
+
+        def late(r: Request) -> bool:
+            return self.overdue(r, now) and (lifting or r.placement.priority_class == top)
+
         # Ties keep the queue's own order (a preempted request is back at its front).
-        candidates = [(i, r) for i, r in enumerate(waiting)
-                      if r.placement.priority_class == top or self.overdue(r, now)]
+        candidates = [(i, r) for i, r in enumerate(waiting) if r.placement.priority_class == top or late(r)]
         if self.fair_share:
             slots = self.slots(running)
             tenant = min({r.placement.tenant for _, r in candidates}, key=lambda t: self._standing(t, slots))
@@ -132,7 +144,7 @@ class QueueOrder:
 
         def rank(ir: tuple[int, Request]) -> tuple[bool, int, float, int]:
             i, r = ir
-            if self.overdue(r, now):
+            if late(r):
                 return False, 0, r.arrival_time, i
             return True, r.placement.priority, r.arrival_time, i
 

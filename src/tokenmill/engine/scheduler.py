@@ -323,14 +323,15 @@ class Scheduler:
         # 2. Waiting requests join, FCFS, in a step that preempted nobody. They walk
         #    the prefix cache now, so step 3 knows what is left of their prompts.
         admitted: list[Request] = []
-        displaced = self._make_room(batch) if self.order is not None and not batch.preempted else None
+        displaced, head = self._make_room(batch) if self.order is not None and not batch.preempted else (None, None)
         if not batch.preempted or displaced is not None:
             self.policy.begin_step(self.running, self.waiting, now)
             admit_budget = self._budget  # what admitted requests' first chunks will take
             prefilling = self._prefilling([])
             while self.waiting and admit_budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = (self.waiting[0] if self.order is None
-                           else self.order.next_to_admit(self.waiting, now, self.running))
+                request = (self.waiting[0] if self.order is None else head  # the one room was made for
+                           or self.order.next_to_admit(self.waiting, now, self.running))
+                head = None
                 assert request is not None
                 if request is displaced or not self.policy.may_admit(request):  # not back in its own step
                     break
@@ -462,27 +463,28 @@ class Scheduler:
         return [r for r in self.running if r is newest or all(
             held[b] == 1 for b in r.block_table[r.num_computed_tokens // self.block_size:])]
 
-    def _make_room(self, batch: ScheduledBatch) -> Request | None:
+    def _make_room(self, batch: ScheduledBatch) -> tuple[Request | None, Request | None]:
         """The request to admit next has no room (no sequence slot, or not the blocks of
         its first chunk) but outranks someone running (fairness.py: ``outranks``):
-        preempt one such request and return it; the step then still admits (the
-        preemption was for the waiting request, not for a lack of blocks)."""
+        preempt one such request and return it with the one it made room for; the step
+        then still admits, that one first (the preemption was for it, not for a lack
+        of blocks)."""
         assert self.order is not None
         head = self.order.next_to_admit(self.waiting, self._now, self.running)
         if head is None or not self.running or self._budget <= 0:
-            return None
+            return None, None
         first_chunk = min(head.num_tokens, self._budget)
         if (len(self.running) < self.config.max_num_seqs
                 and -(-first_chunk // self.block_size) <= self.pool.num_available):
-            return None
+            return None, None
         slots = self.order.slots(self.running)
         worse = [r for r in self._preemptible() if self.order.outranks(head, r, self._now, slots)]
         if not worse:
-            return None
+            return None, None
         victim = self.order.victim(worse, self._now)
         self.running.remove(victim)
         self._evict(batch, victim)
-        return victim
+        return victim, head
 
     def _send_back(self, request: Request) -> None:
         """Undo an admission that could not get blocks: back to the queue's front."""
