@@ -166,4 +166,5 @@ def attach_kv_events(async_engine: Any, config: KVEventsConfig) -> ZmqEventPubli
         publisher.on_step(eng, deltas)
 
     async_engine.on_step = on_step
+    async_engine.after_call.append(lambda eng: publisher.on_step(eng, None))  # e.g. /reset_prefix_cache
     return publisher

@@ -6,9 +6,12 @@ tracks (tokens, cache blocks, progress); ``RequestOutput`` is what goes back.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..model.sampler import Logprob
 
@@ -41,6 +44,9 @@ class SamplingParams:
     speculative: bool = True  # False: never decode this request speculatively
     # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
     structured: Any = None
+    # Text that ends the model's reasoning (e.g. "</think>"): the grammar applies only to
+    # the output after it, so a thinking model reasons freely and answers in the format.
+    structured_after: str | None = None
     # Token rules applied to the logits before sampling (model/sampler.py):
     # token id -> value added to its logit (OpenAI's ``logit_bias``, in [-100, 100]);
     logit_bias: dict[int, float] | None = None
@@ -100,6 +106,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @functools.cached_property
+    def allowed_ids(self) -> torch.Tensor:
+        """``allowed_token_ids`` as a tensor, built once (the sampler uses it every step)."""
+        return torch.tensor(sorted(set(self.allowed_token_ids or ())), dtype=torch.long)
+
+    @functools.cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, values) tensors, built once."""
+        bias = self.logit_bias or {}
+        return (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32))
 
     @property
     def has_token_rules(self) -> bool:
@@ -189,6 +206,8 @@ class Request:
     spec_backoff_until: int = 0
     # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
     grammar: Any = None
+    # The grammar while the reasoning runs (params.structured_after not yet seen); then ``grammar``.
+    pending_grammar: Any = None
     # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
     # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)

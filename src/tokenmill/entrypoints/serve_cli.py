@@ -33,6 +33,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return n
+
+
 def _model_len(value: str) -> int | None:
     """--max-model-len: 4096, 4k (4,000), 4K (4,096); 'auto' or -1: the model's own."""
     if value.strip().lower() in ("auto", "-1"):
@@ -85,6 +92,12 @@ def add_engine_arguments(p: Any) -> None:
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=_size, default=None,
                    help="bytes for the KV pool: 4G (=4 GiB), 4g (=4e9) or 4GiB; overrides "
                         "--gpu-memory-utilization (default: a share of free memory)")
+    p.add_argument("--kv-offload-bytes", type=_size, default=None, metavar="SIZE",
+                   help="a second KV tier on local disk: blocks evicted from the pool are kept there (up to SIZE: "
+                        "20G, 20GiB) and restored on a prefix hit instead of recomputed; kept across restarts "
+                        "of the same model (default off; needs --kv-offload-dir)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="folder of the disk tier (memory-mapped slots and their index)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help="share of memory for the weights and the KV pool together: of the GPU's memory on CUDA; "
                         "on CPU, of the host memory available at start (MemAvailable). The KV pool never "
@@ -224,6 +237,12 @@ def add_tool_arguments(p: Any) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "qwen", "qwen2_5", "llama3_json", "llama4_json", "mistral"],
                    help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in "
+                        "chat, reasoning items in Responses, thinking blocks in Messages")
+    p.add_argument("--responses-store-size", type=_non_negative, default=1024, metavar="N",
+                   help="Responses kept for previous_response_id and GET /v1/responses/{id}, least "
+                        "recently used evicted first; 0 stores none (default 1024)")
 
 
 def register(subparsers: Any) -> None:
@@ -291,6 +310,10 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    if getattr(args, "kv_offload_bytes", None) and not getattr(args, "kv_offload_dir", None):
+        return "--kv-offload-bytes needs --kv-offload-dir (a local folder for the disk tier)"
+    if getattr(args, "kv_offload_bytes", None) and not args.enable_prefix_caching:
+        return "--kv-offload-bytes keeps the prefix cache's evicted blocks: it needs prefix caching on"
     try:
         from ..engine.kv_event_publisher import KVEventsConfig
 

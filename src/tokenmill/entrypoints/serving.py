@@ -17,11 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
 from ..tracing import CURRENT_SPAN
+from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
 from .tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
@@ -55,6 +57,30 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
     chat_template: str | None = None  # Jinja source replacing the model's chat template
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
+    responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def _conversation(session: str | None) -> str | None:
+    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
+    several at once, which a replay must not chain as one)."""
+    return session if session and session.startswith("session:") else None
+
+
+def session_of(headers: Any, user: str | None) -> str | None:
+    """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
+    sid = headers.get(SESSION_HEADER) if headers is not None else None
+    if sid:
+        return "session:" + str(sid)[:256]
+    return "user:" + user if user else None
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model",
+                    code="model_not_found")
 
 
 @dataclass
@@ -72,6 +98,8 @@ class Job:
     # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
     tenant: Tenant | None = None
     held: bool = False  # counted by the tenant gate until its stream ends
+    session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
+    miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
     streamed: bool = False  # stream_job took it over
 
     @property
@@ -91,6 +119,10 @@ class ServerState:
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
             self.tokenizer.has_chat_template = True
+        # conversations with tools use this template when the model's own cannot render them
+        self.tools_template = self._pick_tools_template()
+        self.tool_parser_hint = (self.tools_template.parser if self.tools_template
+                                 else parser_for(self.tokenizer.chat_template))
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
@@ -112,6 +144,8 @@ class ServerState:
             key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size, hash_key=key)
+        # why prompts miss the prefix cache, per session and from recent prompts' text (cache_misses.py)
+        self.misses = MissClassifier(self.engine.block_size) if self.engine.prefix_cache is not None else None
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
@@ -119,6 +153,19 @@ class ServerState:
         self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _pick_tools_template(self) -> ToolsTemplate | None:
+        if self.settings.chat_template or not self.tokenizer.has_chat_template:
+            return None
+        supplied = tools_template_for(self.tokenizer.chat_template)
+        if supplied is not None:
+            log.info("chat template: the model's own does not render tools; conversations with tools, tool "
+                     "calls or tool results use tokenmill's %s template with %s-format tool calls "
+                     "(--chat-template replaces both)", supplied.family, supplied.parser)
+        elif not renders_tools(self.tokenizer.chat_template):
+            log.warning("chat template: the model's own does not render tools and tokenmill has none for its "
+                        "family; requests with tools will not show them to the model (pass --chat-template)")
+        return supplied
 
     # -- load ------------------------------------------------------------
     # Every count here is of sequences (prompts x n), the unit the engine
@@ -208,10 +255,9 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (the one wording every endpoint uses)."""
         if name and name not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. Served: "
-                           f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+            raise model_not_found(name, self.settings.served_model_names)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -333,6 +379,7 @@ class ServerState:
                 if first_token is None:
                     first_token = now
                     cached = delta.num_cached_tokens
+                    self._classify_miss(job, cached)
                     if job.held:
                         self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
@@ -401,6 +448,14 @@ class ServerState:
                            ("gen_ai.usage.input_tokens", delta.num_prompt_tokens if delta.index == 0 else 0)):
             span.set_attribute(key, int(totals.get(key, 0)) + value)
 
+    def _classify_miss(self, job: Job, cached: int) -> None:
+        """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
+        if self.misses is None:
+            return
+        job.miss = self.misses.classify(job.prompt_ids, cached, job.session)
+        if job.miss is not None:
+            self.metrics.cache_misses.labels(job.miss.reason).inc()
+
     def _record(self, job: Job, started: float, first_token: float | None, cached: int,
                 out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
         end = time.monotonic()
@@ -416,7 +471,10 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name))
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
+            miss_reason=job.miss.reason if job.miss is not None else None,
+            miss_offset=job.miss.offset if job.miss is not None else None,
+            session=_conversation(job.session))
 
     def close(self) -> None:
         if self.capture is not None:

@@ -77,6 +77,8 @@ class Proxy:
         if not key and tenancy.directory is None:
             return True
         got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
+        if got is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
+            got = request.headers["x-api-key"].encode("latin-1")
         if got is None:
             return False
         if key and hmac.compare_digest(hashlib.sha256(got).digest(), hashlib.sha256(key.encode()).digest()):
@@ -89,6 +91,7 @@ class Proxy:
         bkey = self.router.config.backend_api_key
         if bkey:
             out["authorization"] = f"Bearer {bkey}"
+            out.pop("x-api-key", None)  # the router's own key stays here
         return out
 
     @staticmethod
@@ -174,6 +177,8 @@ class Proxy:
         path = request.url.path
         headers = self._forward_headers(request)
         got = bearer_token(request.headers.get("authorization"))
+        if got is None and "x-api-key" in request.headers:
+            got = request.headers["x-api-key"].encode("latin-1")
         caller = self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
         try:
             self.router.tenancy.admit(caller, path, body)
@@ -341,6 +346,8 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
         Route("/v1/chat/completions", proxy.generate, methods=["POST"]),
         Route("/v1/responses", proxy.generate, methods=["POST"]),
         Route("/v1/responses/{response_id}", proxy.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/messages", proxy.generate, methods=["POST"]),
+        Route("/v1/messages/count_tokens", proxy.generate, methods=["POST"]),
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
         Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),
