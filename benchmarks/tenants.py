@@ -118,7 +118,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("case", nargs="?", default="fair", choices=["fair", "priority"])
     ap.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per scenario")
     ap.add_argument("--rate-a", type=float, default=0.5, help="tenant A's (or the high class's) requests/s")
