@@ -38,9 +38,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from ..priority_classes import PRIORITY_CLASSES, parse_priority_class  # noqa: F401 - the classes' names, here too
-
-if TYPE_CHECKING:  # the router reads the class names here and must not import torch
+if TYPE_CHECKING:  # typing only: importing the request module would import torch
     from .request import Request
 
 POLICIES = ("fcfs", "priority", "fair")

@@ -149,7 +149,7 @@ class Placement:
     within them. FCFS ignores it."""
 
     tenant: str = "default"
-    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     priority: int = 0
 

@@ -65,7 +65,7 @@ class TenantLimits:
 @dataclass(frozen=True)
 class Tenant:
     name: str
-    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     limits: TenantLimits = field(default_factory=TenantLimits)
 
