@@ -321,6 +321,19 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
+    if getattr(args, "api_keys_file", None):
+        from .tenants import TenantTable
+
+        try:
+            TenantTable.load(args.api_keys_file)
+        except (OSError, ValueError) as exc:
+            return f"--api-keys-file: {exc}"
+    if getattr(args, "otlp_traces_endpoint", None):
+        try:
+            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+            import opentelemetry.sdk  # noqa: F401
+        except ImportError:
+            return "--otlp-traces-endpoint needs the tracing extra: pip install 'tokenmill[tracing]'"
     return None
 
 

@@ -107,6 +107,13 @@ class RouterConfig:
     canary: Any = None
 
     def validate(self) -> None:
+        if self.api_keys_file:
+            from ..entrypoints.tenants import TenantTable
+
+            try:
+                TenantTable.load(self.api_keys_file)
+            except OSError as exc:
+                raise ValueError(f"--api-keys-file: {exc}") from None
         if self.canary is not None:
             self.canary.validate()
             from .backend import normalize_url
