@@ -57,7 +57,7 @@ def _ms(span) -> float:
 
 def test_one_linked_trace_per_request_from_router_to_engine():
     collector = Collector()
-    app = make_tiny_app(otlp_traces_endpoint=collector.url, api_key="k")
+    app = make_tiny_app({"max_num_batched_tokens": 8}, otlp_traces_endpoint=collector.url, api_key="k")
     state = app.state.tokenmill
     try:
         with ThreadServer(app) as server:
@@ -111,6 +111,10 @@ def test_one_linked_trace_per_request_from_router_to_engine():
         assert attrs["gen_ai.usage.output_tokens"].int_value == 96
         assert attrs["gen_ai.usage.input_tokens"].int_value > 0 and attrs["tokenmill.tenant"].string_value
         assert any(e.name == "first_token" for e in engine.events)
+        chunks = [e for e in engine.events if e.name == "prefill_chunk"]
+        assert len(chunks) >= 2  # an 8-token budget splits every prompt here
+        prompt, cached = attrs["gen_ai.usage.input_tokens"].int_value, attrs["tokenmill.cached_tokens"].int_value
+        assert sum(next(a.value.int_value for a in e.attributes if a.key == "tokens") for e in chunks) == prompt - cached
 
 
 def test_off_by_default_and_nothing_in_the_request_path():

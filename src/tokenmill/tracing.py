@@ -16,8 +16,10 @@ continues through both):
   consecutive parts from the engine's own clock: ``engine.queue`` (arrival to
   first scheduled), ``engine.prefill`` (to the first token: the prompt's chunks
   and cache hits) and ``engine.decode`` (to the finish), with prompt, cached and
-  output tokens, preemptions and the finish reason. The parts' durations add up
-  to the engine request's by construction.
+  output tokens, preemptions and the finish reason; a ``prefill_chunk`` event per
+  prompt chunk (its tokens; the engine records them only for traced requests)
+  and a ``first_token`` event. The parts' durations add up to the engine
+  request's by construction.
 
 Spans go out in batches from a background thread; a collector that is down costs
 dropped spans, never a request.
@@ -86,9 +88,12 @@ class Tracing:
         return self.tracer.start_span(name, context=context, kind=getattr(trace.SpanKind, kind),
                                       start_time=start_ns, attributes=dict(attributes or {}))
 
-    def engine_spans(self, parent: Any, metrics: Mapping[str, float], attributes: Mapping[str, Any]) -> None:
+    def engine_spans(self, parent: Any, metrics: Mapping[str, float], chunks: list[tuple[float, int]] | None,
+                     attributes: Mapping[str, Any]) -> None:
         """``engine.request`` and its queue / prefill / decode parts, from a finished sequence's
-        engine timings (``SequenceDelta.metrics``: arrival_time and offsets, monotonic)."""
+        engine timings (``SequenceDelta.metrics``: arrival_time and offsets, monotonic); each
+        prefill chunk (``chunks``: time its step ended, prompt tokens) a ``prefill_chunk``
+        event with its token count (after a preemption, the recompute's chunks too)."""
         arrival = metrics.get("arrival_time")
         if arrival is None:
             return
@@ -100,6 +105,8 @@ class Tracing:
                            ("engine.decode", first, end)):
             part = self.start(name, request, "INTERNAL", self.epoch_ns(a))
             part.end(self.epoch_ns(b))
+        for at, tokens in chunks or []:
+            request.add_event("prefill_chunk", {"tokens": tokens}, timestamp=self.epoch_ns(at))
         request.add_event("first_token", timestamp=self.epoch_ns(first))
         request.end(self.epoch_ns(end))
 

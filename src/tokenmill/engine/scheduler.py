@@ -500,8 +500,10 @@ class Scheduler:
         if self.order is not None:
             self.order.charge(batch.items)
         for request, num_new in batch.items:
-            self.num_prompt_tokens_computed += max(0, min(num_new, request.num_prompt_tokens
-                                                          - request.num_computed_tokens))
+            prompt_new = max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
+            self.num_prompt_tokens_computed += prompt_new
+            if request.prefill_chunks is not None and prompt_new:  # traced (tracing.py)
+                request.prefill_chunks.append((time.monotonic(), prompt_new))
             # Speculative proposals count once accepted (accept_proposals).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self._cache_full_blocks(request)

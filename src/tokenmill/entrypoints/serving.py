@@ -363,12 +363,13 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement)
+        span = CURRENT_SPAN.get() if self.tracing is not None else None
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement,
+                                    trace=span is not None)
         self._live[job.request_id] = job
         failed = False
         job.streamed = True
         queue_time = 0.0
-        span = CURRENT_SPAN.get() if self.tracing is not None else None
         # release() and the generator's first step (which submits to the engine)
         # run with no await in between
         self.release(job)
@@ -435,7 +436,7 @@ class ServerState:
         """A finished sequence's engine spans under the request's span, and its counts on it."""
         assert self.tracing is not None
         tenant = (job.tenant or DEFAULT_TENANT).name
-        self.tracing.engine_spans(span, delta.metrics, {
+        self.tracing.engine_spans(span, delta.metrics, delta.prefill_chunks, {
             "tokenmill.request_id": job.request_id, "tokenmill.tenant": tenant, "gen_ai.request.model": self.model_name,
             "gen_ai.usage.input_tokens": delta.num_prompt_tokens, "tokenmill.cached_tokens": delta.num_cached_tokens,
             "gen_ai.usage.output_tokens": output_tokens, "tokenmill.finish_reason": str(delta.finish_reason),
