@@ -3,7 +3,8 @@
 Sizing from one user on one machine says nothing about fifty. For each
 candidate (a `tokenmill serve` command line started here, or a running
 server's URL), the planner offers open-loop Poisson load at rising rates
-(doubling from ``rate_min``), then bisects between the last rate that met the
+(doubling from ``rate_min``; halving to ``rate_min`` / 4 if that already
+fails), then bisects between the last rate that met the
 SLO and the first that did not, until they are within ``precision``. A probe
 *meets* the SLO when its error rate is at most ``max_error_rate`` and the p99
 of every latency the SLO names is within it.
@@ -43,6 +44,7 @@ from tokenmill.bench.stats import percentile
 from tokenmill.bench.tokens import TokenCounter, make_counter
 
 KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
+DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
 
 
 @dataclass
@@ -198,6 +200,14 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
             break
         good = p
         rate *= 2
+    # Missed at the first rate: halve a few times (slow rates make long probes) to find one that holds.
+    while good is None and bad is not None and bad.rate / 2 >= settings.rate_min / DOWN_STEPS_FACTOR:
+        p = await probe(target, counter, workload, settings, bad.rate / 2)
+        note(p)
+        if p.passed:
+            good = p
+        else:
+            bad = p
     while good is not None and bad is not None and bad.rate / good.rate - 1 > settings.precision:
         mid = math.sqrt(good.rate * bad.rate)
         p = await probe(target, counter, workload, settings, mid)
@@ -339,7 +349,7 @@ def table(plans: list[CandidatePlan], settings: PlanSettings) -> str:
 
     rows = [("candidate", [p.name for p in plans]),
             ("sustainable rate (req/s)", [f(p.sustainable_rate) if p.sustainable_rate is not None else
-                                          f"< {settings.rate_min:g}" for p in plans]),
+                                          f"< {settings.rate_min / DOWN_STEPS_FACTOR:g}" for p in plans]),
             ("first failing rate (req/s)", [f(p.failing_rate) for p in plans]),
             ("goodput there (req/s)", [f(p.goodput) for p in plans]),
             ("$/1k successful", [f(p.cost_per_1k_successful, "{:.4f}") for p in plans]),
