@@ -49,3 +49,29 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     assert cand["cost_per_1k_successful"] == pytest.approx(3.6 / 3600 / cand["goodput"] * 1000)
     assert cand["replicas"] == math.ceil(50 / rate)
     assert cand["limiting_factor"] and "sustainable rate" in text and plot.stat().st_size > 1000
+
+
+def test_judge_and_limiting_factor() -> None:
+    """A probe's verdict from its records, and what limits it: the server's latency split, or the KV
+    pool when it filled."""
+    from tokenmill.bench import server_metrics as sm
+    from tokenmill.bench.loadgen import PointRun
+    from tokenmill.bench.plan import PlanSettings, _limiting, judge
+    from tokenmill.bench.runner import PointResult
+    from tokenmill.bench.stats import summarize
+    from tokenmill.bench.types import RequestRecord
+
+    recs = [RequestRecord(index=i, start=0.1 * i, ok=i != 0, ttft=0.1 + 0.01 * i, e2e=0.5, output_tokens=10)
+            for i in range(40)]
+    run = PointRun(records=recs)
+    point = PointResult("rate=4/s", {}, summarize(recs, {"ttft": 0.5}), run,
+                        server=sm.ServerDelta(kv_usage_max=0.5, waiting_mean=2.2),
+                        breakdown={"queueing": 0.05, "prefill": 0.3, "decode": 0.1})
+    settings = PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.05)
+    p = judge(point, 4.0, settings)
+    assert p.passed and p.errors == pytest.approx(1 / 40) and p.p99["ttft"] == pytest.approx(0.4862, abs=1e-3)
+    assert _limiting(p) == "prefill"
+    assert not judge(point, 4.0, PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.0)).passed  # 1 error of 40
+    assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
+    point.server.kv_usage_max = 0.97
+    assert _limiting(judge(point, 4.0, settings)) == "KV pressure"
