@@ -35,7 +35,7 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
         rc = main(["plan", "--candidate", f"fake={srv.url}", "--slo", "ttft=0.3", "--rate-min", "4",
                    "--rate-max", "32", "--precision", "0.3", "--probe-requests", "16", "--probe-seconds", "1",
                    "--input-len", "16", "--output-len", "20", "--cost-per-hour", "3.6", "--peak-rate", "50",
-                   "--output", str(out), "--plot", str(plot)])
+                   "--verify", "1", "--output", str(out), "--plot", str(plot)])
     text = capsys.readouterr().out
     assert rc == 0, text
     cand = json.loads(out.read_text())["candidates"][0]
@@ -49,6 +49,9 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     assert cand["cost_per_1k_successful"] == pytest.approx(3.6 / 3600 / cand["goodput"] * 1000)
     assert cand["replicas"] == math.ceil(50 / rate)
     assert cand["limiting_factor"] and "sustainable rate" in text and plot.stat().st_size > 1000
+    # --verify reran the chosen rate (near capacity it may hold or not; the table says which)
+    assert cand["verify"]["rate"] == rate and cand["verify"]["requests"] >= 16
+    assert ("SLO held" if cand["verify"]["passed"] else "SLO missed") in text
 
 
 def test_judge_and_limiting_factor() -> None:
