@@ -343,8 +343,14 @@ def test_draining_refuses_new_work(app):
 def test_models_tokenize_detokenize(app):
     models = get(app, "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
-    tok = post(app, "/tokenize", {"prompt": "héllo", "model": "whatever-the-client-calls-it"}).json()
+    tok = post(app, "/tokenize", {"prompt": "héllo", "model": "tiny"}).json()
     assert tok["count"] == len(tok["tokens"]) == 6  # é is two bytes
+    assert "token_strs" not in tok
+    spelled = post(app, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
+    assert len(spelled["token_strs"]) == 6 and spelled["token_strs"][0] == "h"
+    wrong = _check_error_shape(post(app, "/tokenize", {"prompt": "x", "model": "another-model"}), 404)
+    assert wrong["code"] == "model_not_found"
+    assert wrong["message"] == _check_error_shape(get(app, "/v1/models/another-model"), 404)["message"]
     assert tok["max_model_len"] == app.state.tokenmill.max_model_len
     assert post(app, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "héllo"
     chat = post(app, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()

@@ -22,6 +22,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
+from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
 from .tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
@@ -75,6 +76,11 @@ def session_of(headers: Any, user: str | None) -> str | None:
     return "user:" + user if user else None
 
 
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model",
+                    code="model_not_found")
+
+
 @dataclass
 class Job:
     """One engine request (a /v1/completions batch makes several)."""
@@ -111,6 +117,10 @@ class ServerState:
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
             self.tokenizer.has_chat_template = True
+        # conversations with tools use this template when the model's own cannot render them
+        self.tools_template = self._pick_tools_template()
+        self.tool_parser_hint = (self.tools_template.parser if self.tools_template
+                                 else parser_for(self.tokenizer.chat_template))
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
@@ -138,6 +148,19 @@ class ServerState:
         self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _pick_tools_template(self) -> ToolsTemplate | None:
+        if self.settings.chat_template or not self.tokenizer.has_chat_template:
+            return None
+        supplied = tools_template_for(self.tokenizer.chat_template)
+        if supplied is not None:
+            log.info("chat template: the model's own does not render tools; conversations with tools, tool "
+                     "calls or tool results use tokenmill's %s template with %s-format tool calls "
+                     "(--chat-template replaces both)", supplied.family, supplied.parser)
+        elif not renders_tools(self.tokenizer.chat_template):
+            log.warning("chat template: the model's own does not render tools and tokenmill has none for its "
+                        "family; requests with tools will not show them to the model (pass --chat-template)")
+        return supplied
 
     # -- load ------------------------------------------------------------
     # Every count here is of sequences (prompts x n), the unit the engine
@@ -227,10 +250,9 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (the one wording every endpoint uses)."""
         if name and name not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. Served: "
-                           f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+            raise model_not_found(name, self.settings.served_model_names)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
