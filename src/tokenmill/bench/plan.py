@@ -318,7 +318,7 @@ async def plan_candidate(cand: Candidate, target_template: Target, tokenizer: st
             await search(target, counter, workload, settings, plan, log)
         finally:
             counter.close()
-    except (RuntimeError, OSError, httpx.HTTPError) as exc:
+    except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         plan.error = str(exc)
     finally:
         if served is not None:
