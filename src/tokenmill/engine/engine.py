@@ -50,6 +50,8 @@ class SequenceDelta:
     # Once per sequence, in the first delta after the whole prompt is scored
     # (requests with SamplingParams.prompt_logprobs): one entry per prompt token, None first.
     prompt_logprobs: list[Logprob | None] | None = None
+    # Traced requests, in the finished delta: (time, prompt tokens) of each prefill chunk.
+    prefill_chunks: list[tuple[float, int]] | None = None
 
 
 @dataclass(eq=False)
@@ -112,9 +114,11 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, placement: Placement | None = None) -> list[Request]:
+                    arrival_time: float | None = None, placement: Placement | None = None,
+                    trace: bool = False) -> list[Request]:
         """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
-        (tenant, class, weight, priority) orders it under the priority and fair policies."""
+        (tenant, class, weight, priority) orders it under the priority and fair policies;
+        ``trace``: record its prefill chunks for its trace (the finished delta's)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
@@ -141,7 +145,7 @@ class LLMEngine:
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
-                          placement=placement or DEFAULT_PLACEMENT)
+                          placement=placement or DEFAULT_PLACEMENT, prefill_chunks=[] if trace else None)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
                 if params.structured_after:
@@ -367,6 +371,7 @@ class LLMEngine:
             stop_reason=req.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             metrics=metrics, prompt_logprobs=prompt_lps,
+            prefill_chunks=list(req.prefill_chunks) if finished and req.prefill_chunks is not None else None,
         )
 
     def _forget(self, seq: _Sequence) -> None:

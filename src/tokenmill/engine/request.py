@@ -149,7 +149,7 @@ class Placement:
     within them. FCFS ignores it."""
 
     tenant: str = "default"
-    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     priority: int = 0
 
@@ -180,6 +180,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
     placement: Placement = DEFAULT_PLACEMENT
+    # Traced requests only (None otherwise, at no cost): (time, prompt tokens) of each prefill
+    # chunk as its step ends, recomputes after a preemption included.
+    prefill_chunks: list[tuple[float, int]] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

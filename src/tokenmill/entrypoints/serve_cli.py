@@ -146,6 +146,10 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each request (HTTP, engine queue, prefill, decode) to this "
+                        "OTLP/HTTP collector, e.g. http://127.0.0.1:4318; needs pip install 'tokenmill[tracing]' "
+                        "(default off)")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
     p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
                    help="proxies (comma-separated addresses, or '*') whose X-Forwarded-For / -Proto headers "
@@ -346,6 +350,19 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
+    if getattr(args, "api_keys_file", None):
+        from .tenants import TenantTable
+
+        try:
+            TenantTable.load(args.api_keys_file)
+        except (OSError, ValueError) as exc:
+            return f"--api-keys-file: {exc}"
+    if getattr(args, "otlp_traces_endpoint", None):
+        try:
+            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+            import opentelemetry.sdk  # noqa: F401
+        except ImportError:
+            return "--otlp-traces-endpoint needs the tracing extra: pip install 'tokenmill[tracing]'"
     return None
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 from ..cli_args import human_int
 from .config import POLICIES, PREFIX_SOURCES, RouterConfig, parse_kv_events
+from .tenancy import parse_objectives
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
     p.add_argument("--backend-api-key", default=None, help="key sent to backends (default: forward the client's)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="the servers' tenants file: its keys open the router, each tenant's max_inflight and "
+                        "tokens_per_minute hold across all replicas, the tenant goes to the replica in "
+                        "x-gateway-inference-fairness-id; reloaded on SIGHUP (docs/tenants.md)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each proxied request to this OTLP/HTTP collector; the "
+                        "trace goes on to the replica in traceparent (needs tokenmill[tracing]; default off)")
+    p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                   help="an x-gateway-inference-objective name and its priority (higher first; below 0 may be "
+                        "shed under --shed-load); repeatable")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (or a folder holding it) of the served model; default: ask a "
                         "backend's POST /tokenize, else route on character chunks")
@@ -96,6 +108,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
+        api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -136,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         "routing %s with policy %s on http://%s:%d (tokenizer: %s)",
         ", ".join(config.backends + config.backend_dns) or f"InferencePool {config.pool_name}", config.policy,
         config.host, config.port, server.router.tokenizer.mode)
+    if config.api_keys_file and hasattr(signal, "SIGHUP"):  # new keys and limits without a restart
+        signal.signal(signal.SIGHUP, lambda *_: server.router.tenancy.reload())
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:

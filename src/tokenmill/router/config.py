@@ -48,6 +48,11 @@ class RouterConfig:
     port: int = 8000
     policy: str = "prefix"
     api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    # Tenants (the servers' keys file): their keys open the router too, and their limits
+    # hold across every replica (tenancy.py). Objectives: InferenceObjective name -> priority.
+    api_keys_file: str | None = None
+    objectives: dict[str, int] = field(default_factory=dict)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tokenmill/tracing.py); None: off
     backend_api_key: str | None = None  # sent to backends instead of the client's
 
     # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,
@@ -105,6 +110,13 @@ class RouterConfig:
     canary: Any = None
 
     def validate(self) -> None:
+        if self.api_keys_file:
+            from ..entrypoints.tenants import TenantTable
+
+            try:
+                TenantTable.load(self.api_keys_file)
+            except OSError as exc:
+                raise ValueError(f"--api-keys-file: {exc}") from None
         if self.canary is not None:
             self.canary.validate()
             from .backend import normalize_url

@@ -35,7 +35,7 @@ import hmac
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -48,6 +48,7 @@ from ..entrypoints.request_guard import BodyGuard
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import response_id_in, session_key
+from .tenancy import FAIRNESS_HEADER, TenantLimited
 
 log = logging.getLogger("tokenmill.router")
 
@@ -79,6 +80,15 @@ def parse_body(raw: bytes) -> tuple[dict | None, JSONResponse | None]:
     return body, None
 
 
+async def _then(chunks: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``chunks``, then ``done()`` however the stream ends."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        done()
+
+
 def error(status: int, message: str, kind: str = "server_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=status)
@@ -98,13 +108,17 @@ class Proxy:
     # -- helpers ----------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
         key = self.router.config.api_key
-        if not key:
+        tenancy = self.router.tenancy
+        if not key and tenancy.directory is None:
             return True
         got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
         if got is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
             got = request.headers["x-api-key"].encode("latin-1")
-        return got is not None and hmac.compare_digest(hashlib.sha256(got).digest(),
-                                                       hashlib.sha256(key.encode()).digest())
+        if got is None:
+            return False
+        if key and hmac.compare_digest(hashlib.sha256(got).digest(), hashlib.sha256(key.encode()).digest()):
+            return True
+        return tenancy.key_opens(got.decode("latin-1"))
 
     def _forward_headers(self, request: Request) -> dict[str, str]:
         out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -213,6 +227,42 @@ class Proxy:
     async def _generate(self, request: Request, raw: bytes, body: dict) -> Response:
         path = request.url.path
         headers = self._forward_headers(request)
+        got = bearer_token(request.headers.get("authorization"))
+        if got is None and "x-api-key" in request.headers:
+            got = request.headers["x-api-key"].encode("latin-1")
+        caller = self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
+        try:
+            self.router.tenancy.admit(caller, path, body)
+        except TenantLimited as exc:
+            response = error(429, str(exc), "rate_limit_error", exc.code)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return self._answer(response)
+        if caller.fairness_id:
+            headers[FAIRNESS_HEADER] = caller.fairness_id
+        tracing, span = self.router.tracing, None
+        if tracing is not None:  # the caller's trace continues here and on to the replica
+            span = tracing.start(f"route {request.method} {path}", tracing.extract(request.headers),
+                                 attributes={"tokenmill.tenant": caller.fairness_id or "",
+                                             "gen_ai.request.model": str(body.get("model") or "")})
+            headers.pop("traceparent", None)
+            headers.pop("tracestate", None)
+            tracing.inject(span, headers)
+
+        def done() -> None:
+            self.router.tenancy.done(caller)
+            if span is not None:
+                span.set_attribute("http.response.status_code", result.status_code)
+                span.end()
+
+        result = await self._generate(request, path, body, raw, headers, caller.priority)
+        if isinstance(result, StreamingResponse):
+            result.body_iterator = _then(result.body_iterator, done)
+        else:
+            done()
+        return result
+
+    async def _generate(self, request: Request, path: str, body: dict, raw: bytes, headers: dict[str, str],
+                        priority: int | None) -> Response:
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         last_error = ""
@@ -223,7 +273,7 @@ class Proxy:
                 _, subset = self.canary.subset_for(request.headers, body, ready)
             try:
                 decision = await self.router.route(path, body, exclude=tried, subset=subset,
-                                                   session=session_key(request.headers, body))
+                                                   session=session_key(request.headers, body), priority=priority)
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
