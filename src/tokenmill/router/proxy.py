@@ -207,10 +207,10 @@ class Proxy:
         if refusal is not None or body is None:
             return self._answer(refusal or error(400, "bad body", "invalid_request_error"))
         if body.get("stream"):
-            return await self._generate(request, raw, body)
+            return await self._admitted(request, raw, body)
         # not streamed: the answer is read whole; a client that leaves meanwhile cancels it,
         # which closes the backend connection and so aborts the backend's work
-        work = asyncio.ensure_future(self._generate(request, raw, body))
+        work = asyncio.ensure_future(self._admitted(request, raw, body))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -224,7 +224,8 @@ class Proxy:
             return Response(status_code=499)
         return work.result()
 
-    async def _generate(self, request: Request, raw: bytes, body: dict) -> Response:
+    async def _admitted(self, request: Request, raw: bytes, body: dict) -> Response:
+        """The tenant's limits and the trace around the routing and its attempts."""
         path = request.url.path
         headers = self._forward_headers(request)
         got = bearer_token(request.headers.get("authorization"))
