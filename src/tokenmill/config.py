@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .engine.grammar_limits import GrammarLimits
 from .options import KernelOptions
 
 DTYPES: dict[str, torch.dtype] = {
@@ -157,6 +158,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # vLLM's --speculative-config (JSON text or dict), e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: Any = None
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' compile bounds
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # How steps run (kernels, attention backend, step executors): read from the

@@ -298,6 +298,9 @@ def add_trace_parser(sub: Any) -> None:
 def register(subparsers: Any) -> None:
     add_bench_parser(subparsers)
     add_trace_parser(subparsers)
+    from tokenmill.bench.plan import add_plan_parser
+
+    add_plan_parser(subparsers)
     from tokenmill.bench.usage import add_usage_parser
 
     add_usage_parser(subparsers)

@@ -18,7 +18,7 @@ import sys
 PROVIDERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenmill.entrypoints.serve_cli", ("serve",)),
     ("tokenmill.entrypoints.generate_cli", ("generate",)),
-    ("tokenmill.bench.cli", ("bench", "trace", "usage")),
+    ("tokenmill.bench.cli", ("bench", "trace", "usage", "plan")),
     ("tokenmill.router.cli", ("route",)),
     ("tokenmill.evaluate.cli", ("eval",)),
 )
