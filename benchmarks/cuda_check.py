@@ -163,7 +163,7 @@ class Context:
 
             path = a.model
             if path == "bundled":
-                from tokenmill.model.bundled import default_model_path
+                from tokenmill.bundled import default_model_path
 
                 path = default_model_path()
             self.path = path

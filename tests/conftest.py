@@ -111,7 +111,7 @@ def tiny_llm_factory():
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
-    from tokenmill.model.bundled import default_model_path
+    from tokenmill.bundled import default_model_path
 
     return default_model_path()
 

@@ -120,6 +120,10 @@ class SchedulerConfig:
         return CPU_TOKEN_BUDGET if device_type == "cpu" else CUDA_TOKEN_BUDGET
 
 
+# What ``EngineConfig.quantization`` may name besides ``auto`` (model/quant.py implements them).
+QUANTIZATION_MODES = ("none", "int8", "int4", "gguf", "w8a8")
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local GGUF file or HF folder; None: bundled SmolLM2

@@ -127,7 +127,7 @@ def render_chat_template(template: str, messages: list[dict], **context: Any) ->
 
 
 def _gguf_fields(path: str) -> dict[str, Any]:
-    from tokenmill.model.loader import read_gguf
+    from tokenmill.gguf_file import read_gguf
 
     return read_gguf(path, with_tensors=False).metadata
 
@@ -312,7 +312,7 @@ class Tokenizer:
     def from_model_path(cls, path: str | None) -> "Tokenizer":
         """A GGUF file, an HF folder, or ``None`` for the bundled model."""
         if path is None:
-            from tokenmill.model.bundled import default_model_path
+            from tokenmill.bundled import default_model_path
 
             path = default_model_path()
         path = os.fspath(path)

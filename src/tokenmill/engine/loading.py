@@ -16,7 +16,7 @@ from ..config import EngineConfig
 from ..corpus import corpus_text
 from ..model import smoothquant
 from ..model.llama import LlamaForCausalLM, RotaryEmbedding
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, load_model  # noqa: F401 - how tools outside the engine read a checkpoint
 from .executors import Kernels, choose_kernels
 from .request import Request, SamplingParams
 from .runner import ModelRunner

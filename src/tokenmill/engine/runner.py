@@ -29,7 +29,7 @@ from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs, fused_decode, prompt_logprobs
 from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, FusedPrefillExecutor, Kernels,
                         StepExecutor, StepItems, StepResult)
-from .host_memory import kv_pool_tensors
+from .host_memory import kv_pool_tensors, quantized_pool_tensors
 from .request import Request
 from .step_batch import StepBatch
 
@@ -88,7 +88,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_heads = cfg.num_key_value_heads
         self.kv_caches: list[tuple[torch.Tensor, ...]] = (
-            kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
+            quantized_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
             else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,

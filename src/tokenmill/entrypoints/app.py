@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine
-from ..metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE
 from .auth import AuthMiddleware, route_path
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers

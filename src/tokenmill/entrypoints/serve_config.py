@@ -97,7 +97,7 @@ def scheduling_policy_from_args(args: argparse.Namespace) -> str:
 def default_model_name(path: str | None) -> str:
     """The name clients use when --served-model-name is not given: the model file's stem."""
     if path is None:
-        from ..model.bundled import default_model_path
+        from ..bundled import default_model_path
 
         path = default_model_path()
     base = os.path.basename(os.path.normpath(path))
@@ -122,7 +122,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     names = args.served_model_name or [default_model_name(args.model)]
     model_path = args.model
     if model_path is None:
-        from ..model.bundled import default_model_path
+        from ..bundled import default_model_path
 
         model_path = default_model_path()
     return ServerSettings(

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
-from ..metrics import ServerMetrics
+from .metrics import ServerMetrics
 from .errors import APIError
 
 log = logging.getLogger("tokenmill.server")

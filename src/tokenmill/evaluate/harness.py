@@ -62,7 +62,7 @@ class CandidateSpec:
             else:
                 raise ValueError(f"candidate {text!r}: unknown option {opt!r} "
                                  "(use gNN, lm_head, bf16, fp32 or kv=int8|fp8)")
-        from ..model.quant import MODES
+        from ..config import QUANTIZATION_MODES as MODES
 
         if spec.quantization not in (*MODES, "auto"):
             raise ValueError(f"candidate {text!r}: quantization must be one of {', '.join(MODES)}")

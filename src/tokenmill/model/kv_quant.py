@@ -137,13 +137,3 @@ def gather_rows(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, 
     return dequantize(rows, scales.reshape(-1).index_select(0, index)).to(dtype)
 
 
-def pool_tensors(num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
-                 device: torch.device, huge_pages: bool = True) -> list[LayerKV]:
-    """Every layer's zeroed quantized pool: (k_codes, v_codes, k_scales, v_scales). On CPU the
-    codes are views of one allocation on huge pages (host_memory.py), as a float pool is."""
-    from ..engine.host_memory import kv_pool_tensors
-
-    codes = kv_pool_tensors(num_layers, shape, torch.int8, device, huge_pages)
-    heads, num_blocks = shape[0], shape[1]
-    scales = torch.zeros((num_layers, 2, heads, num_blocks), dtype=SCALE_DTYPE, device=device)
-    return [(k.view(dtype), v.view(dtype), scales[i, 0], scales[i, 1]) for i, (k, v) in enumerate(codes)]

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..entrypoints.console_auth import bearer_token
+from ..credentials import bearer_token
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 
