@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..model.attention import (StepAttention, StepLayout, kernel_attention_fits, kv_cache_shape,
+from ..model.attention import (StepAttention, StepLayout, attention_backend_class, kv_cache_shape,
                                select_attention_backend)
 from ..model import kv_quant
 from ..model.llama import LlamaForCausalLM
@@ -78,9 +78,14 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         options = kernels.options
         model.use_ops(kernels.ops)
+        # The backend's capabilities, asked once: graphs only where it can be captured.
+        capabilities = attention_backend_class(device, dtype, options, kernels.library, cfg.head_dim,
+                                               kv_dtype).capabilities
+        if getattr(cfg, "sliding_window", None) and not capabilities.sliding_window:
+            raise ValueError("this model's layers attend over a sliding window, which the attention backend "
+                             "chosen here does not implement")
         graphs_backend = None
-        if not eager_only and kv_dtype == dtype and not kernel_attention_fits(device, dtype, cfg.head_dim,
-                                                                              kernels.library):
+        if not eager_only and kv_dtype == dtype and capabilities.cuda_graphs:
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if graphs_backend is not None else None

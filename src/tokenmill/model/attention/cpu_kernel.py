@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels
-from .layout import StepLayout
+from .layout import BackendCapabilities, StepLayout
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class CpuKernelStep:
 
 class CpuKernelAttention:
     name = "C kernels (paged, in place)"
+    capabilities = BackendCapabilities(quantized_pool=True)
 
     def __init__(self, library: cpu_kernels.KernelLibrary) -> None:
         self.library = library
