@@ -42,10 +42,7 @@ def _seed(seed: int | None) -> int | None:
 
 def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
                     logprobs: int | None, structured: Any = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size), None)
-    if bad is not None:  # the sampler indexes the vocabulary with these
-        raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
-                       param="stop_token_ids")
+    state.check_stop_ids(body.stop_token_ids)
 
     defaults = state.settings.sampling_defaults  # --generation-config; a request's own values win
 
