@@ -51,11 +51,7 @@ class RequestLimits:
             raise LimitError(f"prompt: token id {bad} is out of range [0, {self.vocab_size})", "prompt")
 
     def check_stop_ids(self, ids: Sequence[int] | None) -> None:
-        """Stop token ids index the vocabulary in the sampler."""
-        bad = next((t for t in ids or [] if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise LimitError(f"stop_token_ids: token id {bad} is out of range [0, {self.vocab_size})",
-                             "stop_token_ids")
+        check_stop_ids(ids, self.vocab_size)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None,
                            cap: int | None = None, prompt_param: str = "prompt") -> int:
@@ -89,3 +85,10 @@ class RequestLimits:
                                  "max_tokens", "context_length_exceeded")
             return max_tokens
         return max(1, min(cap or default or room, room))
+
+
+def check_stop_ids(ids: Sequence[int] | None, vocab_size: int) -> None:
+    """Stop token ids index the vocabulary in the sampler."""
+    bad = next((t for t in ids or [] if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise LimitError(f"stop_token_ids: token id {bad} is out of range [0, {vocab_size})", "stop_token_ids")

@@ -14,11 +14,12 @@ from typing import Any, Awaitable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..engine.limits import check_stop_ids
 from ..engine.request import SamplingParams
 from .errors import APIError
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
-from .serving import Job, ServerState
+from .serving import Job, ServerState, as_api_error
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
@@ -42,7 +43,8 @@ def _seed(seed: int | None) -> int | None:
 
 def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
                     logprobs: int | None, structured: Any = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    state.check_stop_ids(body.stop_token_ids)
+    with as_api_error():
+        check_stop_ids(body.stop_token_ids, state.vocab_size)
 
     defaults = state.settings.sampling_defaults  # --generation-config; a request's own values win
 

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
     from .serving import ServerSettings
 
-_DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
-
 # engine flags copied as they are when given (None: the engine's own default)
 _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
                          "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size",
@@ -31,7 +29,9 @@ _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memo
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """Aliases -> canonical names; 'auto' is left to the engine, which decides it for the
     machine it runs on (engine/auto.py)."""
-    return _DTYPE_ALIASES.get(name, name)
+    from ..config import canonical_dtype
+
+    return canonical_dtype(name)
 
 
 def device_memory_bytes(device: str) -> int:

@@ -186,23 +186,19 @@ class ServerState:
 
     def check_text_fits(self, chars: int, param: str) -> None:
         """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it."""
-        with _as_api_error():
+        with as_api_error():
             self.limits.check_text_fits(chars, self.max_token_chars, param)
 
     def check_prompt_ids(self, ids: list[int]) -> None:
-        with _as_api_error():
+        with as_api_error():
             self.limits.check_prompt_ids(ids)
-
-    def check_stop_ids(self, ids: list[int] | None) -> None:
-        with _as_api_error():
-            self.limits.check_stop_ids(ids)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         """The output budget of a request (``RequestLimits.resolve_max_tokens``), or a 400
         that states both numbers. ``requested``: what the client sent (None: not sent);
         ``default``: the endpoint's default when not sent (None: the rest of the context).
         ``--max-output-tokens`` caps both and is the default when it is set."""
-        with _as_api_error():
+        with as_api_error():
             return self.limits.resolve_max_tokens(prompt_len, requested, default, self.settings.max_output_tokens,
                                                   prompt_param="messages" if default is None else "prompt")
 
@@ -368,7 +364,7 @@ async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncItera
 
 
 @contextlib.contextmanager
-def _as_api_error() -> Any:
+def as_api_error() -> Any:
     """A ``LimitError`` as the 400 a client gets, naming the field at fault."""
     try:
         yield

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import EngineConfig
+from ..config import EngineConfig, canonical_dtype
 from ..engine.engine import LLMEngine
 from .evalset import EvalItem, ItemResult, run_eval_set
 from .scoring import PerplexityResult, Scorer, perplexity
@@ -23,7 +23,7 @@ from .speed import SpeedResult, measure_speed
 
 log = logging.getLogger("tokenmill.evaluate")
 
-_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+_DTYPES = {name: canonical_dtype(name) for name in ("fp32", "float32", "bf16", "bfloat16")}  # candidates' dtypes
 
 
 @dataclass

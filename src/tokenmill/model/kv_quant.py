@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import torch
 
+from ..config import canonical_dtype
+
 # --kv-cache-dtype names of the quantized formats (vLLM's: fp8 is e4m3).
 QUANT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
                                         "fp8_e4m3": torch.float8_e4m3fn}
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-FLOAT_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 SCALE_DTYPE = torch.float32
 
@@ -50,8 +51,7 @@ def resolve_kv_dtype(name: str | None, compute: torch.dtype) -> torch.dtype:
     bytes, rows rounded to bf16 as they are stored and widened as they are read; another
     float pair would convert on every store and read for nothing); int8 / fp8 quantize.
     ValueError with a one-line reason otherwise."""
-    key = str(name or "auto").strip().lower()
-    key = FLOAT_ALIASES.get(key, key)
+    key = canonical_dtype(name or "auto")
     if key == "auto":
         return compute
     if key in QUANT_DTYPES:
