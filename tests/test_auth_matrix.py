@@ -89,8 +89,12 @@ def _send(client: httpx.Client, method: str, path: str, headers: dict[str, str])
 
 
 def _refused(r: httpx.Response) -> bool:
-    return (r.status_code == 401 and r.headers.get("content-type", "").startswith("application/json")
-            and r.json()["error"]["code"] == "invalid_api_key")
+    if r.status_code != 401 or not r.headers.get("content-type", "").startswith("application/json"):
+        return False
+    body = r.json()
+    if body.get("type") == "error":  # Anthropic's shape, on /v1/messages
+        return body["error"]["type"] == "authentication_error"
+    return body["error"]["code"] == "invalid_api_key"
 
 
 def _check_matrix(client: httpx.Client, table: list[tuple[str, str]], prefix: str = "",

@@ -25,7 +25,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "tokenmill"
 # The package root's base modules: what every part may build on; they build on nothing above them.
-BASE = {"config", "options", "metrics", "tokenizer", "capture", "corpus", "cli_args"}
+BASE = {"config", "options", "tokenizer", "capture", "corpus", "cli_args", "gguf_file", "bundled", "credentials",
+        "unsupported", "kv_events"}
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[SequenceDelta]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # metrics hook, called in the engine thread
+        self.after_call: list[Callable[[LLMEngine], None]] = []  # engine-thread hooks after each call()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -168,6 +169,8 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
+            for hook in self.after_call:  # a call may change state outside a step (a cache reset)
+                hook(self.engine)
 
     def _add(self, cmd: _Add) -> None:
         if cmd.request_id in self._streams:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,9 +23,12 @@ from .detokenizer import IncrementalDetokenizer
 from .limits import RequestLimits
 from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
 from .scheduler import ScheduledBatch
-from .stats import EngineStats, SpecSnapshot
+from .stats import EngineStats, SpecSnapshot, TierSnapshot
 from .step_batch import StepBatch
 from .structured import StepMasks
+
+if TYPE_CHECKING:
+    from .kv_tier import DiskTier
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -118,6 +122,7 @@ class LLMEngine:
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt_ids(token_ids)  # a LimitError (ValueError) names the field at fault
         self.limits.check_stop_ids(params.stop_token_ids)
+        params.check_vocab(self.model_config.vocab_size)  # the sampler indexes the logits with these
         max_tokens = self.limits.resolve_max_tokens(len(token_ids), params.max_tokens)
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -128,6 +133,8 @@ class LLMEngine:
                           placement=placement or DEFAULT_PLACEMENT)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
+                if params.structured_after:
+                    req.pending_grammar, req.grammar = req.grammar, None
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
@@ -244,10 +251,11 @@ class LLMEngine:
             seq = self._by_request[id(req)]
             appended = 0
             for token in tokens:
+                pending = req.pending_grammar is not None
                 self._append_token(seq, token, None, now)
                 appended += 1
-                if req.is_finished:
-                    break
+                if req.is_finished or (pending and req.pending_grammar is None):
+                    break  # finished, or the reasoning ended: the next tokens were checked without the grammar
             self.scheduler.accept_proposals(req, appended - 1)
             touched.append(seq)
         return touched
@@ -290,7 +298,11 @@ class LLMEngine:
         stop_str = seq.detok.add_token(token)
         params = req.params
         grammar_done = False
-        if req.grammar is not None and token not in req.eos_token_ids:
+        if req.pending_grammar is not None and stop_str is None:
+            marker = params.structured_after or ""
+            if marker in seq.detok.text[-(len(marker) + 64):]:  # reasoning over: the format applies now
+                req.grammar, req.pending_grammar = req.pending_grammar, None
+        elif req.grammar is not None and token not in req.eos_token_ids:
             req.grammar.consume_token(token)
             # stopped: the grammar allows nothing more (not even more whitespace); error: cannot go on
             grammar_done = req.grammar.is_stopped() or req.grammar.is_error()
@@ -364,12 +376,19 @@ class LLMEngine:
             prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             spec=None if spec is None else SpecSnapshot(
                 spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
-                tuple(spec.stats.accepted_per_position)))
+                tuple(spec.stats.accepted_per_position)),
+            tier=_tier_snapshot(cache.tier if cache is not None else None))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        """Stop tensor-parallel workers (nothing to do on one device); with a disk tier, copy
+        the pool's idle cached blocks there and close it, so the next process finds them.
+        Idempotent."""
         if self.parallel is not None:
             self.parallel.close()
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None and not tier.closed:
+            self.prefix_cache.offload_all(self.pool)
+            tier.close()
 
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
@@ -387,6 +406,14 @@ class LLMEngine:
         self.pool.check_invariants(idle=not self.scheduler.has_work())
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants(self.pool.ref_counts)
+
+
+def _tier_snapshot(tier: "DiskTier | None") -> TierSnapshot | None:
+    if tier is None:
+        return None
+    st = tier.stats
+    return TierSnapshot(tier.num_slots, tier.num_slots - len(tier.free_slots), tier.io.block_bytes,
+                        st.stored_blocks, st.restored_blocks, st.restore_seconds, st.dropped_blocks)
 
 
 def _split_rows(sampled: list[Request]) -> tuple[list[int], list[tuple[Request, int]]]:

@@ -12,7 +12,7 @@ hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Iterable, Sequence
 
 
 class LimitError(ValueError):
@@ -46,9 +46,7 @@ class RequestLimits:
     def check_prompt_ids(self, ids: Sequence[int]) -> None:
         if not ids:
             raise LimitError("prompt: the prompt is empty", "prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise LimitError(f"prompt: token id {bad} is out of range [0, {self.vocab_size})", "prompt")
+        check_token_ids(ids, self.vocab_size, "prompt")
 
     def check_stop_ids(self, ids: Sequence[int] | None) -> None:
         check_stop_ids(ids, self.vocab_size)
@@ -89,6 +87,11 @@ class RequestLimits:
 
 def check_stop_ids(ids: Sequence[int] | None, vocab_size: int) -> None:
     """Stop token ids index the vocabulary in the sampler."""
-    bad = next((t for t in ids or [] if not 0 <= t < vocab_size), None)
+    check_token_ids(ids or [], vocab_size, "stop_token_ids")
+
+
+def check_token_ids(ids: Iterable[Any], vocab_size: int, param: str) -> None:
+    """Token ids a request names (stop ids, logit bias keys, allowed ids) inside the vocabulary."""
+    bad = next((t for t in ids if not 0 <= int(t) < vocab_size), None)
     if bad is not None:
-        raise LimitError(f"stop_token_ids: token id {bad} is out of range [0, {vocab_size})", "stop_token_ids")
+        raise LimitError(f"{param}: token id {bad} is out of range [0, {vocab_size})", param)

@@ -67,10 +67,12 @@ def route_path(scope: Scope) -> str:
 def identify(scope: Scope, sessions: ConsoleSessions) -> Presented:
     """Which credential the request presents and whether it is valid.
 
-    ``Authorization: Bearer KEY`` is looked at first; a request that sends a
+    ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) is looked at first; a request that sends a
     wrong key is refused even if it also carries a session cookie."""
     headers = {k.lower(): v for k, v in scope.get("headers") or []}
     given = bearer_token(headers.get(b"authorization"))
+    if given is None:
+        given = headers.get(b"x-api-key")  # the header Anthropic's clients send the key in
     if given is not None:
         return Presented("bearer", sessions.key_matches(given.decode("latin-1")))
     token = sessions.token_of(scope)

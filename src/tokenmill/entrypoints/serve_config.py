@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # engine flags copied as they are when given (None: the engine's own default)
 _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
                          "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size",
-                         "kv_cache_dtype")
+                         "kv_cache_dtype", "kv_offload_bytes", "kv_offload_dir")
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -127,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         model_path = default_model_path()
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
+        api_keys_file=getattr(args, "api_keys_file", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
@@ -134,7 +135,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
         sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(args, "tool_call_parser", None))
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        responses_store_size=getattr(args, "responses_store_size", 1024))
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:

@@ -53,9 +53,9 @@ class BackendCapabilities:
     cuda_graphs: bool = False
     # It reads and writes a quantized pool (model/kv_quant.py: codes plus scales).
     quantized_pool: bool = False
-    # It attends over a sliding window of recent positions (models whose layers see
-    # only the last W tokens); a model with one needs a backend that declares it.
-    sliding_window: bool = False
+    # It attends over a sliding window of recent positions and soft-caps scores (Gemma's
+    # layers); a model with either needs a backend that declares it.
+    masks: bool = False
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
