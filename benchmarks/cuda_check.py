@@ -1,10 +1,10 @@
-"""The prepared GPU check: parity and speed of the engine on a GPU machine.
+"""The CUDA check: parity and speed of the engine on a CUDA device.
 
-On the GPU machine (one H200; python3 with torch 2.11+cu130 and transformers,
-no network, no ``gguf``, tokenmill not installed, the working tree copied in),
-from the repository root:
+On a CUDA host (measured on one H200 with torch 2.11+cu130 and transformers;
+it needs no network, no ``gguf`` and no install of tokenmill: the source tree on
+PYTHONPATH), from the repository root:
 
-    PYTHONPATH=src python3 benchmarks/cuda_check.py --out $OUT/cuda.json
+    PYTHONPATH=src python3 benchmarks/cuda_check.py --out OUT_DIR/cuda.json
 
 Here, the CPU dry run (what tests/test_cuda_check.py runs; about a minute on 2 cores):
 
@@ -163,7 +163,7 @@ class Context:
 
             path = a.model
             if path == "bundled":
-                from tokenmill.model.bundled import default_model_path
+                from tokenmill.bundled import default_model_path
 
                 path = default_model_path()
             self.path = path

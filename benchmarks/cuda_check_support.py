@@ -1,9 +1,9 @@
 """Pieces of ``cuda_check.py`` that need no device: the synthetic model, its tokenizer,
 the transformers reference, a logit recorder on the engine and the comparisons.
 
-Why a synthetic model: the GPU machine has no network, no ``gguf`` package and a
-64 MiB cap on what travels with the working tree, so the bundled SmolLM2 GGUF
-(98 MB) cannot be used there. Parity and speed only need SmolLM2-135M's *shape*
+Why a synthetic model: the check must run on a CUDA host with no network and no
+``gguf`` package, from the source tree alone, so the bundled SmolLM2 GGUF
+(98 MB, in a separate package) is not assumed there. Parity and speed only need SmolLM2-135M's *shape*
 (which sets every kernel's sizes and the launch count), not its trained
 weights; a seeded random model of that shape, built in memory, is the same
 work for the GPU and an exact-same-weights target for transformers.
@@ -116,8 +116,8 @@ def synthetic_tokenizer(vocab_size: int) -> Tokenizer:
 def write_synthetic_folder(folder: str, seed: int = 0, num_layers: int | None = None) -> None:
     """The synthetic model and tokenizer as a Hugging Face folder (config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json), so that ``tokenmill
-    serve --model FOLDER`` and the serving benchmarks run on the GPU machine, where
-    the bundled GGUF cannot travel. About 540 MB (float32)."""
+    serve --model FOLDER`` and the serving benchmarks run on a CUDA host without
+    the bundled GGUF. About 540 MB (float32)."""
     import json
     from pathlib import Path
 

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
-# The OpenAI server on a GPU machine: serving_throughput.py against the
+# The OpenAI server on a CUDA device: serving_throughput.py against the
 # synthetic SmolLM2-135M-shaped model (cuda_check_support.py writes it as a
-# Hugging Face folder; the bundled GGUF cannot travel to the GPU machine).
+# Hugging Face folder; the bundled GGUF is not assumed on a CUDA host).
 #
-# On the GPU machine, from the repository root, with the server's wheels that
-# its image lacks (fastapi, starlette, uvicorn, pydantic, pydantic-core,
-# annotated-types, typing-inspection, sniffio; cp312 manylinux) carried in .whl:
+# On a CUDA host, from the repository root, with the server's packages installed
+# (fastapi, starlette, uvicorn, pydantic and their dependencies):
 #
-#     bash benchmarks/cuda_serving.sh $OUT
+#     bash benchmarks/cuda_serving.sh OUT_DIR
 #
 # Each dtype runs the levels 16,64,16,64: graphs are captured lazily, the first
 # time a (batch, width) bucket is reached, so the first pass of each level pays

@@ -130,7 +130,7 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
         from llama_cpp import Llama  # type: ignore[import-not-found]
     except ImportError:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds from source)"
-    from tokenmill.model.bundled import default_model_path
+    from tokenmill.bundled import default_model_path
 
     llm = Llama(model_path=default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
                 n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.bundled import default_model_path
+from tokenmill.bundled import default_model_path
 from tokenmill.model.loader import load_model
 from tokenmill.tokenizer import Tokenizer
 

@@ -143,7 +143,7 @@ def launch_server(serve_flags: list[str], timeout: float = 300) -> tuple[subproc
     """Start `tokenmill serve` on a free loopback port with ``serve_flags``; return it
     and its URL once /health answers (SystemExit if it exits or is not up in time).
     The server's output is dropped unless ``TOKENMILL_BENCH_SERVER_LOG`` names a file
-    to append it to (how a failed start on the GPU machine shows its traceback)."""
+    to append it to (how a failed start shows its traceback)."""
     port = free_port()
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            *serve_flags]

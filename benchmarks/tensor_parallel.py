@@ -402,7 +402,7 @@ def prepare_model(args: argparse.Namespace) -> str:
     ``--model`` given: a GGUF file, an HF folder, or ``bundled``)."""
     model = getattr(args, "model", None)
     if model == "bundled":
-        from tokenmill.model.bundled import default_model_path
+        from tokenmill.bundled import default_model_path
 
         return default_model_path()
     if model:

@@ -4,7 +4,7 @@ machine with N GPUs (NCCL), parity in float32 and speed in bfloat16.
 On a machine with several GPUs, from the repository root (torch with CUDA,
 safetensors and tokenizers installed; tokenmill need not be):
 
-    PYTHONPATH=src python3 benchmarks/tensor_parallel_gpu.py --out $OUT/tp_gpu.json
+    PYTHONPATH=src python3 benchmarks/tensor_parallel_gpu.py --out OUT_DIR/tp_gpu.json
 
 ``--tp N`` picks the group size (default: every visible GPU; the synthetic
 model's 8 query / 4 KV heads split over 2, 4 or 8 ranks, KV heads replicated

@@ -2,8 +2,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
+
+# Kernel builds go to a temporary folder, never the user's ~/.cache: one folder shared by
+# every test session on this machine (the library's name is keyed by its sources, flags,
+# compiler and CPU), so the suite compiles once, not once per session. Set before anything
+# reads the options; servers and workers the tests start inherit it.
+os.environ.setdefault("TOKENMILL_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), "tokenmill-test-kernels"))
 
 try:
     import torch
@@ -111,7 +118,7 @@ def tiny_llm_factory():
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
-    from tokenmill.model.bundled import default_model_path
+    from tokenmill.bundled import default_model_path
 
     return default_model_path()
 

@@ -295,27 +295,11 @@ def test_static_dir_ships_in_the_package():
     assert STATIC_DIR.parent == Path(__import__("tokenmill.entrypoints", fromlist=["x"]).__file__).parent
 
 
-# ---- the browser test's setup: install chromium when missing, skip with a reason when it cannot ----
+# ---- the browser test's setup: skip with a reason when chromium is missing (install nothing) ----
 
-def test_browser_setup_skips_with_a_reason_when_chromium_cannot_be_installed(monkeypatch):
-    import subprocess
-
+def test_browser_setup_skips_with_a_reason_when_chromium_is_missing(monkeypatch):
     import test_console_browser as tcb
 
     monkeypatch.setattr(tcb, "CHROMIUM", "/nonexistent/chromium")
-    monkeypatch.setattr(tcb.os, "geteuid", lambda: 1000)
-    with pytest.raises(pytest.skip.Exception, match="needs root and apt-get"):
+    with pytest.raises(pytest.skip.Exception, match="is missing: install it"):
         tcb.ensure_chromium()
-
-    calls: list[list[str]] = []
-
-    def failing_apt(cmd: list[str], **kwargs: Any) -> Any:
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, 100, stdout="", stderr="E: Unable to locate package chromium")
-
-    monkeypatch.setattr(tcb.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(tcb.shutil, "which", lambda name: "/usr/bin/apt-get")
-    monkeypatch.setattr(tcb.subprocess, "run", failing_apt)
-    with pytest.raises(pytest.skip.Exception, match="Unable to locate package"):
-        tcb.ensure_chromium()
-    assert calls == [["apt-get", "update"]]

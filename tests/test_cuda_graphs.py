@@ -289,3 +289,19 @@ def test_emulated_capture_refuses_what_a_cuda_graph_cannot_hold() -> None:
     x.copy_(torch.full((6,), 5.0))
     graph.replay()
     assert graph.output is out and torch.equal(out, torch.full((6,), 10.0))
+
+
+def test_a_backend_that_cannot_be_captured_runs_eager_with_graphs_on(monkeypatch) -> None:
+    """The runner asks the attention backend whether it can be captured: the reference
+    backend cannot, so with graphs on the engine builds and decodes eager (no TypeError)."""
+    from tokenmill.model.attention import ReferenceAttention, TorchPagedAttention
+
+    assert TorchPagedAttention.capabilities.cuda_graphs and not ReferenceAttention.capabilities.cuda_graphs
+    monkeypatch.setenv("TOKENMILL_ATTENTION", "reference")
+    _with_backend(monkeypatch)
+    engine = LLMEngine(EngineConfig.from_options(num_blocks=64, block_size=BS), loaded=tiny_loaded(seed=3),
+                       tokenizer=tiny_tokenizer())
+    assert engine.runner.graphs is None and engine.runner.attention.name == ReferenceAttention.name
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from test_server_support import ThreadServer, make_tiny_app
-from tokenmill.engine.grammar_limits import GrammarLimits, lark_shape, schema_shape
+from tokenmill.grammar_limits import GrammarLimits, lark_shape, schema_shape
 from tokenmill.engine.structured import GrammarError, GrammarSpec
 
 SMALL_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content or '' }}{{ '\\n' }}{% endfor %}"

@@ -174,7 +174,7 @@ def test_greedy_tokens_are_the_same_from_pool_disk_or_recompute_and_after_a_rest
     tier = engine.prefix_cache.tier
     assert tier.stats.stored_blocks > 0 and tier.stats.restored_blocks > 0
     engine.check_idle_invariants()
-    from tokenmill.metrics import ServerMetrics
+    from tokenmill.entrypoints.metrics import ServerMetrics
 
     from prometheus_client import generate_latest
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from fake_backend import CRASH_WORD, FakeConfig, free_port, make_app, start_fakes
-from tokenmill.entrypoints.request_guard import BodyGuard
+from tokenmill.request_guard import BodyGuard
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
 

@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from tokenmill.entrypoints.tenants import hash_key
+from tokenmill.tenants import hash_key
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.core import Router
 from tokenmill.router.proxy import build_app

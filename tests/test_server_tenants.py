@@ -14,7 +14,7 @@ from test_server_support import make_tiny_app, metric
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
 from tokenmill.entrypoints.console import mount_console
-from tokenmill.entrypoints.tenants import hash_key
+from tokenmill.tenants import hash_key
 
 KEYS = {"chat-key": "chat", "batch-key": "batch"}
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from tokenmill.entrypoints.tenant_gate import TenantGate, TenantLimited
+from tokenmill.tenant_gate import TenantGate, TenantLimited
 from tokenmill.entrypoints.tenant_usage import TenantUsage
-from tokenmill.entrypoints.tenants import (DEFAULT_TENANT, Tenant, TenantDirectory, TenantLimits, TenantTable,
+from tokenmill.tenants import (DEFAULT_TENANT, Tenant, TenantDirectory, TenantLimits, TenantTable,
                                            hash_key)
 
 

@@ -45,7 +45,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    from tokenmill.model.bundled import default_model_path
+    from tokenmill.bundled import default_model_path
 
     try:
         return default_model_path()

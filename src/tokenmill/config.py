@@ -11,24 +11,27 @@ from typing import Any
 
 import torch
 
-from .engine.grammar_limits import GrammarLimits
+from .grammar_limits import GrammarLimits
 from .options import KernelOptions
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+# The one dtype table: every spelling a flag, an option or a candidate may use, by canonical name.
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                                 "half": "float16"}
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def canonical_dtype(name: str) -> str:
+    """A dtype's canonical name from any spelling (``bf16`` -> ``bfloat16``); other names
+    (``auto``, ``int8``) come back as given, lower-cased."""
+    key = str(name).strip().lower()
+    return DTYPE_ALIASES.get(key, key)
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     try:
-        return DTYPES[name.lower()]
+        return DTYPES[canonical_dtype(name)]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of float32, bfloat16") from None
 
@@ -137,6 +140,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return CPU_TOKEN_BUDGET if device_type == "cpu" else CUDA_TOKEN_BUDGET
+
+
+# What ``EngineConfig.quantization`` may name besides ``auto`` (model/quant.py implements them).
+QUANTIZATION_MODES = ("none", "int8", "int4", "gguf", "w8a8")
 
 
 @dataclass

@@ -145,7 +145,7 @@ def render_chat_template(template: str, messages: list[dict], **context: Any) ->
 
 
 def _gguf_fields(path: str) -> dict[str, Any]:
-    from tokenmill.model.loader import read_gguf
+    from tokenmill.gguf_file import read_gguf
 
     return read_gguf(path, with_tensors=False).metadata
 
@@ -268,7 +268,7 @@ class Tokenizer:
             backend = _sentencepiece_backend(fields)
             add_bos_default = True
         else:
-            from tokenmill.model.support import UnsupportedModel
+            from tokenmill.unsupported import UnsupportedModel
 
             raise UnsupportedModel(f"{path}: unsupported GGUF tokenizer model {kind!r}; supported: gpt2, llama")
         types = fields.get("tokenizer.ggml.token_type") or []
@@ -333,7 +333,7 @@ class Tokenizer:
     def from_model_path(cls, path: str | None) -> "Tokenizer":
         """A GGUF file, an HF folder, or ``None`` for the bundled model."""
         if path is None:
-            from tokenmill.model.bundled import default_model_path
+            from tokenmill.bundled import default_model_path
 
             path = default_model_path()
         path = os.fspath(path)

@@ -50,7 +50,9 @@ def add_bench_parser(sub: Any) -> None:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _target_arguments(p.add_argument_group("target"))
     _load_arguments(p.add_argument_group("load shape"))
-    _workload_arguments(p.add_argument_group("workload"))
+    from tokenmill.bench.workloads import add_workload_arguments
+
+    add_workload_arguments(p.add_argument_group("workload"))
     c = p.add_argument_group("cache")
     c.add_argument("--reset-cache", action="store_true", help="POST /reset_prefix_cache per point")
     c.add_argument("--no-salt", action="store_true",
@@ -99,31 +101,6 @@ def _load_arguments(lo: Any) -> None:
                     help="seconds per load point instead of a count (guidellm's --max-seconds)")
     lo.add_argument("--warmup", type=int, default=0, help="unmeasured requests before each point")
     lo.add_argument("--num-warmups", type=int, default=None, help="vLLM's name for --warmup")
-
-
-def _workload_arguments(w: Any) -> None:
-    w.add_argument("--input-len", default=None, help="prompt tokens (length spec; default 512, vLLM style 1024)")
-    w.add_argument("--output-len", "--sharegpt-output-len", dest="output_len", default=None,
-                   help="output tokens (length spec; default 128)")
-    w.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens per prompt")
-    w.add_argument("--random-input-len", type=int, default=None, help="vLLM's name for --input-len")
-    w.add_argument("--random-output-len", type=int, default=None, help="vLLM's name for --output-len")
-    w.add_argument("--random-prefix-len", type=int, default=None, help="vLLM's name for --prefix-len")
-    w.add_argument("--random-range-ratio", type=float, default=None,
-                   help="vLLM: lengths uniform in [L*(1-r), L*(1+r)] (default 0: fixed)")
-    w.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
-    w.add_argument("--prefix-pick", choices=["uniform", "zipf", "round-robin"], default="uniform")
-    w.add_argument("--dataset", help="ShareGPT JSON, or JSON/JSONL of prompts/messages")
-    w.add_argument("--dataset-path", default=None, help="vLLM's name for --dataset")
-    w.add_argument("--dataset-name", default=None,
-                   help="vLLM's dataset kind: random (synthetic prompts), sharegpt or custom (--dataset-path)")
-    w.add_argument("--data", default=None,
-                   help="guidellm's data: prompt_tokens=N,output_tokens=M, or a dataset file")
-    w.add_argument("--trace", help="replay a capture from `tokenmill serve --capture-traffic`, or a Mooncake "
-                                   "hash_ids trace; sessions replay as conversations")
-    w.add_argument("--trace-speed", type=float, default=1.0, help="replay this many times faster")
-    w.add_argument("--tokenizer", help="tokenizer.json (or its folder) for exact token counts")
-    w.add_argument("--seed", type=int, default=0)
 
 
 def _output_arguments(o: Any) -> None:

@@ -392,7 +392,7 @@ EPILOG = """examples:
 def add_plan_parser(sub: Any) -> None:
     import argparse
 
-    from tokenmill.bench.cli import _workload_arguments
+    from tokenmill.bench.workloads import add_workload_arguments
 
     p = sub.add_parser("plan", allow_abbrev=False, help="the highest rate each configuration holds under an SLO",
                        description=__doc__.splitlines()[0], epilog=EPILOG,
@@ -421,7 +421,7 @@ def add_plan_parser(sub: Any) -> None:
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     t.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
-    _workload_arguments(p.add_argument_group("workload (as tokenmill bench)"))
+    add_workload_arguments(p.add_argument_group("workload (as tokenmill bench)"))
     o = p.add_argument_group("output")
     o.add_argument("--output", default=None, help="write the plan (every probe) as JSON")
     o.add_argument("--plot", default=None, help="latency p99 against rate, with the SLO line (PNG)")

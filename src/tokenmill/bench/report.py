@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.stats import Dist, Summary
+from tokenmill.bench.types import load_result as load
 
 
 def _ms(x: float | None) -> str:
@@ -99,13 +100,6 @@ def render(result: dict[str, Any]) -> str:
 
 def save(result: dict[str, Any], path: str) -> None:
     Path(path).write_text(json.dumps(result, indent=1), encoding="utf-8")
-
-
-def load(path: str) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text(encoding="utf-8"))
-    if not isinstance(data, dict) or "points" not in data:
-        raise ValueError(f"{path} is neither a tokenmill nor a vLLM bench result")
-    return data
 
 
 COMPARE_ROWS: list[tuple[str, Any]] = [

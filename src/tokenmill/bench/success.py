@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Sequence
 
 from tokenmill.bench.stats import Summary, meets_slo, summarize
-from tokenmill.bench.types import RequestRecord
+from tokenmill.bench.types import RequestRecord, load_result
 
 
 @dataclass
@@ -63,11 +63,9 @@ def _good(records: list[RequestRecord], slo: dict[str, float]) -> int:
 
 def columns(paths: Sequence[str], variant_cost: dict[str, float] | None = None) -> list[Column]:
     """One column per run point; a point whose records carry variants gives one per variant."""
-    from tokenmill.bench.report import load
-
     out: list[Column] = []
     for path in paths:
-        data = load(path)
+        data = load_result(path)
         name = Path(path).stem
         cfg = data.get("config") or {}
         slo = cfg.get("slo") or {}

@@ -77,3 +77,14 @@ class RequestRecord:
     def from_dict(cls, d: dict[str, Any]) -> "RequestRecord":
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         return cls(**known)
+
+
+def load_result(path: str) -> dict[str, Any]:
+    """A saved bench result (tokenmill's or vLLM's JSON), read for reports."""
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, dict) or "points" not in data:
+        raise ValueError(f"{path} is neither a tokenmill nor a vLLM bench result")
+    return data

@@ -252,3 +252,29 @@ def _one_token_words(builder: TextBuilder, limit: int = 120) -> list[str]:
     # before it, and some words split in two there.
     good = [w for w in seen[: limit * 3] if count(w) == base and count(f"{FILL_WORD} {w}") == base + 1]
     return good[:limit] or [FILL_WORD]
+
+
+def add_workload_arguments(w: Any) -> None:
+    """The workload flags of `tokenmill bench` (and `tokenmill plan`), on an argparse group."""
+    w.add_argument("--input-len", default=None, help="prompt tokens (length spec; default 512, vLLM style 1024)")
+    w.add_argument("--output-len", "--sharegpt-output-len", dest="output_len", default=None,
+                   help="output tokens (length spec; default 128)")
+    w.add_argument("--prefix-len", type=int, default=0, help="shared prefix tokens per prompt")
+    w.add_argument("--random-input-len", type=int, default=None, help="vLLM's name for --input-len")
+    w.add_argument("--random-output-len", type=int, default=None, help="vLLM's name for --output-len")
+    w.add_argument("--random-prefix-len", type=int, default=None, help="vLLM's name for --prefix-len")
+    w.add_argument("--random-range-ratio", type=float, default=None,
+                   help="vLLM: lengths uniform in [L*(1-r), L*(1+r)] (default 0: fixed)")
+    w.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
+    w.add_argument("--prefix-pick", choices=["uniform", "zipf", "round-robin"], default="uniform")
+    w.add_argument("--dataset", help="ShareGPT JSON, or JSON/JSONL of prompts/messages")
+    w.add_argument("--dataset-path", default=None, help="vLLM's name for --dataset")
+    w.add_argument("--dataset-name", default=None,
+                   help="vLLM's dataset kind: random (synthetic prompts), sharegpt or custom (--dataset-path)")
+    w.add_argument("--data", default=None,
+                   help="guidellm's data: prompt_tokens=N,output_tokens=M, or a dataset file")
+    w.add_argument("--trace", help="replay a capture from `tokenmill serve --capture-traffic`, or a Mooncake "
+                                   "hash_ids trace; sessions replay as conversations")
+    w.add_argument("--trace-speed", type=float, default=1.0, help="replay this many times faster")
+    w.add_argument("--tokenizer", help="tokenizer.json (or its folder) for exact token counts")
+    w.add_argument("--seed", type=int, default=0)

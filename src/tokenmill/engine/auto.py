@@ -81,6 +81,14 @@ def resolve_dtype(name: str, device: torch.device, int8_activations: bool = Fals
     return "float32", f"{device.type} device"
 
 
+def resolve_engine_dtype(config: Any, device: torch.device | None = None) -> tuple[str, str]:
+    """(dtype name, why) that an ``EngineConfig``'s dtype means on this machine: what the
+    engine builds with (``builder.build_engine``) and what the command line asks before
+    anything loads; the only place ``--dtype auto`` is resolved."""
+    device = device or torch.device(config.device)
+    return resolve_dtype(config.dtype, device, int8_compute(config.quantization, device, config.kernel_options))
+
+
 def resolve_quantization(name: str, loaded: Any, device: torch.device | None = None,
                          options: KernelOptions | None = None) -> tuple[str, str]:
     """(quantization mode, why) for ``name`` ("auto" or an explicit mode)."""

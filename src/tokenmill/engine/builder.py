@@ -149,17 +149,9 @@ def _resolve_before_load(config: EngineConfig, device: torch.device) -> tuple[st
     """The token budget and the dtype (what the model is loaded in); returns the dtype's
     (choice, why) for the startup line."""
     config.scheduler.max_num_batched_tokens = config.scheduler.token_budget(device.type)
-    choice = resolve_dtype(config, device)
+    choice = auto.resolve_engine_dtype(config, device)
     config.dtype = choice[0]
     return choice
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device | None = None) -> tuple[str, str]:
-    """(dtype name, why) that ``config.dtype`` means on this machine: the one resolver that
-    the engine builds with and the command line asks before anything loads."""
-    device = device or torch.device(config.device)
-    return auto.resolve_dtype(config.dtype, device,
-                              auto.int8_compute(config.quantization, device, config.kernel_options))
 
 
 def _resolve_after_load(config: EngineConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype,

@@ -275,8 +275,8 @@ class DecodeGraphRunner:
         self.dtype = dtype
         self.device = device
         self.backend = backend
-        if not isinstance(attention, TorchPagedAttention):
-            raise TypeError(f"CUDA graphs record the torch attention path, not {type(attention).__name__}")
+        if not attention.capabilities.cuda_graphs:  # the runner asks before it builds graphs
+            raise TypeError(f"the {attention.name} backend cannot be captured in a CUDA graph")
         self.attention = attention
         if max_width is None:  # a sequence never spans more than max_model_len tokens, nor the pool
             max_width = min(-(-model.rope.cos.shape[0] // block_size), scratch_block)

@@ -514,7 +514,7 @@ def _settle_quantization(config: EngineConfig, cfg: Any, types: dict[str, str]) 
 def _model_path(config: EngineConfig) -> str:
     if config.model is not None:
         return os.fspath(config.model)
-    from ..model.bundled import default_model_path
+    from ..bundled import default_model_path
 
     return default_model_path()
 

@@ -20,6 +20,7 @@ from ..model.sampler import Logprob, SampleResult, sample
 from ..tokenizer import Tokenizer
 from .builder import build_engine
 from .detokenizer import IncrementalDetokenizer
+from .limits import RequestLimits
 from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
 from .scheduler import ScheduledBatch
 from .stats import EngineStats, SpecSnapshot, TierSnapshot
@@ -86,6 +87,7 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
         self.max_model_len = parts.max_model_len
+        self.limits = RequestLimits(parts.max_model_len, parts.model_config.vocab_size)
         self.kernels = parts.kernels
         self.model = parts.model
         self.weight_bytes = parts.weight_bytes
@@ -122,23 +124,10 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        params.check_vocab(vocab)  # the sampler indexes the logits with these
-        room = self.max_model_len - len(token_ids)
-        if room < (0 if params.max_tokens == 0 else 1):
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {self.max_model_len}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        self.limits.check_prompt_ids(token_ids)  # a LimitError (ValueError) names the field at fault
+        self.limits.check_stop_ids(params.stop_token_ids)
+        params.check_vocab(self.model_config.vocab_size)  # the sampler indexes the logits with these
+        max_tokens = self.limits.resolve_max_tokens(len(token_ids), params.max_tokens)
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group: list[_Sequence] = []

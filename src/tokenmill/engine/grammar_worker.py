@@ -39,7 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .grammar_limits import GrammarLimits
+from ..grammar_limits import GrammarLimits
 
 log = logging.getLogger("tokenmill.grammar")
 
@@ -283,7 +283,7 @@ def _heap_in_use() -> int | None:
 def _compile_one(tokenizer: Any, kind: str, value: Any) -> dict[str, Any]:
     import llguidance
 
-    from .structured import GrammarSpec, _first_line
+    from .grammar_spec import GrammarSpec, first_line
 
     if kind == "choice":
         value = tuple(value)
@@ -294,12 +294,12 @@ def _compile_one(tokenizer: Any, kind: str, value: Any) -> dict[str, Any]:
         grammar = spec.to_llguidance()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
     except Exception as exc:  # noqa: BLE001 - whatever the input did to the compiler, it is the input's fault
-        return {"error": _first_line(str(exc))}
+        return {"error": first_line(str(exc))}
     if is_error or messages:
-        return {"error": _first_line(messages[0]) if messages else "the grammar is invalid"}
+        return {"error": first_line(messages[0]) if messages else "the grammar is invalid"}
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
-        return {"error": _first_line(matcher.get_error())}
+        return {"error": first_line(matcher.get_error())}
     seconds = time.perf_counter() - started
     after = _heap_in_use()
     measured = (after - before) if before is not None and after is not None else 0

@@ -22,6 +22,8 @@ import mmap
 
 import torch
 
+from ..model import kv_quant
+
 HUGE_PAGE = 2 << 20
 
 
@@ -59,3 +61,14 @@ def kv_pool_tensors(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype,
     flat = zeros_on_huge_pages(2 * num_layers * math.prod(shape), dtype, huge_pages)
     parts = flat.view(num_layers, 2, *shape)
     return [(parts[i, 0], parts[i, 1]) for i in range(num_layers)]
+
+
+def quantized_pool_tensors(num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
+                           device: torch.device, huge_pages: bool = True) -> list[tuple[torch.Tensor, ...]]:
+    """Every layer's zeroed quantized pool (model/kv_quant.py's format): (k_codes, v_codes,
+    k_scales, v_scales). On CPU the codes are views of one allocation on huge pages, as a
+    float pool is."""
+    codes = kv_pool_tensors(num_layers, shape, torch.int8, device, huge_pages)
+    heads, num_blocks = shape[0], shape[1]
+    scales = torch.zeros((num_layers, 2, heads, num_blocks), dtype=kv_quant.SCALE_DTYPE, device=device)
+    return [(k.view(dtype), v.view(dtype), scales[i, 0], scales[i, 1]) for i, (k, v) in enumerate(codes)]

@@ -17,7 +17,7 @@ from ..corpus import corpus_text
 from ..model import smoothquant
 from ..model.architectures import model_class
 from ..model.llama import LlamaForCausalLM
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, load_model  # noqa: F401 - how tools outside the engine read a checkpoint
 from .executors import Kernels, choose_kernels
 from .request import Request, SamplingParams
 from .runner import ModelRunner

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import ModelConfig
-from ..model.attention import (StepAttention, StepLayout, kernel_attention_fits, kv_cache_shape,
+from ..model.attention import (StepAttention, StepLayout, attention_backend_class, kv_cache_shape,
                                select_attention_backend)
 from ..model import kv_quant
 from ..model.llama import LlamaForCausalLM
 from . import cuda_graphs, fused_decode, prompt_logprobs
 from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, FusedPrefillExecutor, Kernels,
                         StepExecutor, StepItems, StepResult)
-from .host_memory import kv_pool_tensors
+from .host_memory import kv_pool_tensors, quantized_pool_tensors
 from .request import Request
 from .step_batch import StepBatch
 
@@ -81,10 +81,13 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         options = kernels.options
         model.use_ops(kernels.ops)
-        graphs_backend = None
         masks = model.attention_masks()  # sliding windows, soft-capping: not in the kernels or the graphs
-        if not eager_only and kv_dtype == dtype and not kernel_attention_fits(device, dtype, cfg.head_dim,
-                                                                              kernels.library):
+        # The backend's capabilities, asked once: graphs only where it can be captured.
+        capabilities = attention_backend_class(device, dtype, options, kernels.library, cfg.head_dim, kv_dtype,
+                                               masked=masks is not None).capabilities
+        assert masks is None or capabilities.masks, "select_attention_backend passes over backends without masks"
+        graphs_backend = None
+        if not eager_only and kv_dtype == dtype and capabilities.cuda_graphs:
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
             if graphs_backend is not None and masks:
                 log.info("CUDA graphs off: the captured decode step has no %s", masks)
@@ -95,7 +98,7 @@ class ModelRunner:
         shape = kv_cache_shape(self.pool_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_heads = cfg.num_key_value_heads
         self.kv_caches: list[tuple[torch.Tensor, ...]] = (
-            kv_quant.pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
+            quantized_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages) if quantized
             else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from .request import DEFAULT_PLACEMENT, Placement, Request
 
@@ -32,9 +32,9 @@ class RowKind(enum.Enum):
     PREFILL = "prefill"  # a chunk of several prompt (or recompute) tokens
 
 
-@dataclass(frozen=True, slots=True)
-class StepSeq:
-    """One sequence's part of a step, as the request stood when the step was built."""
+class StepSeq(NamedTuple):
+    """One sequence's part of a step, as the request stood when the step was built
+    (a named tuple: immutable, and cheap to make for every row of every step)."""
 
     request: Request
     start: int  # tokens whose K/V are already in the pool: the position of the first new token
@@ -57,8 +57,10 @@ class StepSeq:
         else:
             kind = RowKind.DECODE if num_new == 1 else RowKind.PREFILL
             sampled = (num_new - 1,) if end == request.num_tokens and request.samples else ()
-        return cls(request, start, num_new, kind, tuple(request.step_token_ids(start, num_new)),
-                   tuple(request.block_table), sampled, request.grammar, request.placement)
+        tokens = ((request.token_at(start),) if num_new == 1
+                  else tuple(request.step_token_ids(start, num_new)))
+        return cls(request, start, num_new, kind, tokens, tuple(request.block_table), sampled, request.grammar,
+                   request.placement)
 
     @property
     def end(self) -> int:

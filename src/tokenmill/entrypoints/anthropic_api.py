@@ -44,7 +44,7 @@ from .protocol import MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
 from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
 from .serving import Job, ServerState
 from .streaming import SSEResponse, _streams, _Tally
-from .tenants import tenant_of
+from ..tenants import tenant_of
 from .tool_calls import ToolPlan, ToolStream, extract, plan_tools
 
 router = APIRouter()

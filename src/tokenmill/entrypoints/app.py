@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine
-from ..metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE
 from .auth import AuthMiddleware, route_path
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
@@ -33,9 +33,10 @@ from .openai_routes import ChatRender, encode, get_state, render_chat_async, rou
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
 from .request_fields import ignored_headers, judge_extra
-from .request_guard import BodyGuard, default_body_limit
+from ..request_guard import BodyGuard, default_body_limit
+from .heap import trim_heap
 from .serving import ServerSettings, ServerState, model_not_found
-from .tenants import DEFAULT_TENANT_NAME, tenant_of
+from ..tenants import DEFAULT_TENANT_NAME, tenant_of
 
 _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
 
@@ -99,7 +100,8 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     # inside the gate: the key is checked before a byte of the body is read
     app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
         state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
-        draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
+        draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc(),
+        after_large_body=trim_heap)
     app.add_middleware(GateMiddleware, state=state)
     # in front of every route: deny by default, judged on the route path (auth.py)
     app.add_middleware(AuthMiddleware, sessions=sessions, tenants=state.tenants,

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .console_auth import _SAFE_METHODS, ConsoleSessions, bearer_token, same_origin
 from .errors import error_body
-from .tenants import TENANT_SCOPE_KEY, Tenant, TenantDirectory
+from ..tenants import TENANT_SCOPE_KEY, Tenant, TenantDirectory
 
 # Routes served without a credential: liveness and metrics for probes and scrapers, the API's
 # schema pages, and the console's sign-in page and form (the page itself shows the form to a

@@ -54,6 +54,8 @@ from urllib.parse import urlsplit
 from starlette.requests import cookie_parser
 from starlette.types import Scope
 
+from ..credentials import bearer_token  # noqa: F401 - re-exported for the server's modules
+
 SESSION_TTL_S = 12 * 3600
 LOGIN_FREE_ATTEMPTS = 3
 LOGIN_BASE_DELAY_S = 1.0
@@ -115,17 +117,6 @@ def same_origin(scope: Scope) -> bool:
     if site is not None:
         return site.lower() in (b"same-origin", b"none")
     return True
-
-
-def bearer_token(header: bytes | str | None) -> bytes | None:
-    """The credential of an ``Authorization: Bearer TOKEN`` header, the scheme in any case; else None."""
-    if header is None:
-        return None
-    raw = header.encode("latin-1") if isinstance(header, str) else header
-    scheme, _, token = raw.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return None
-    return token.strip(b" \t")
 
 
 @dataclass

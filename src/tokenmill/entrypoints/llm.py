@@ -49,6 +49,11 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "float32", **engine_options: Any) -> None:
+        """``dtype`` defaults to float32, where `tokenmill serve` defaults to ``auto``: the
+        offline API is what scripts and tests compare against Hugging Face transformers, and
+        float32 with no quantization is the exact reference, the same tokens on every
+        machine; a server wants this machine's fastest sound choice (engine/auto.py).
+        ``dtype="auto"`` (and ``quantization="auto"``) gives an ``LLM`` the server's choice."""
         loaded = engine_options.pop("loaded_model", None)
         tokenizer = engine_options.pop("tokenizer", None)
         if isinstance(tokenizer, str):  # vLLM's tokenizer=PATH

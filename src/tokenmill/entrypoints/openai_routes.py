@@ -16,14 +16,15 @@ from typing import Any, Awaitable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from ..engine.limits import check_token_ids
 from ..engine.request import SamplingParams
 from .errors import APIError
 from .reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .request_fields import ignored_headers, judge_extra
-from .serving import Job, ServerState, session_of
-from .tenants import tenant_of
+from .serving import Job, ServerState, as_api_error, session_of
+from ..tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
@@ -46,9 +47,8 @@ def _seed(seed: int | None) -> int | None:
 
 
 def _token_ids(state: ServerState, ids: Any, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= int(t) < state.vocab_size), None)
-    if bad is not None:  # the sampler indexes the vocabulary with these
-        raise APIError(400, f"{param}: token id {bad} is out of range [0, {state.vocab_size})", param=param)
+    with as_api_error():  # the sampler indexes the vocabulary with these
+        check_token_ids(ids, state.vocab_size, param)
 
 
 def bad_words_ids(state: ServerState, words: list[str]) -> list[list[int]]:

@@ -35,7 +35,7 @@ from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, sp
 from .request_fields import ignored_headers, judge_extra
 from .response_store import ResponseStore, StoredResponse
 from .serving import Job, ServerState
-from .tenants import tenant_of
+from ..tenants import tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 

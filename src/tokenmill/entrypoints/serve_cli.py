@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..cli_args import human_int
-from .serve_config import resolve_dtype, template_path
+from .serve_config import template_path
 
 # The bundled model's name on the Hugging Face hub: a vLLM launch line names it
 # so, and tokenmill (which never downloads) serves its bundled copy for it.
@@ -251,7 +251,7 @@ def add_tool_arguments(p: Any) -> None:
 
 
 def add_grammar_arguments(p: Any) -> None:
-    """Bounds on structured outputs' grammars (engine/grammar_limits.py, docs/security.md)."""
+    """Bounds on structured outputs' grammars (grammar_limits.py, docs/security.md)."""
     p.add_argument("--grammar-max-bytes", type=human_int, default=256 * 1024, metavar="BYTES",
                    help="refuse a grammar, regex or JSON schema longer than this with 400 (default 256K)")
     p.add_argument("--grammar-max-rules", type=_positive, default=2000,
@@ -311,20 +311,17 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         else:
             return (f"model {args.model!r} is not a local file or folder (tokenmill does not download "
                     "models: pass a GGUF file or a Hugging Face folder)")
-    compute = resolve_dtype(args.dtype, args.device)
     if str(args.kv_cache_dtype).lower() != "auto":
-        import torch
-
+        from ..config import parse_dtype
+        from ..engine.auto import resolve_engine_dtype
         from ..model.kv_quant import resolve_kv_dtype
+        from .serve_config import engine_config_from_args
 
-        if compute == "auto":  # what auto will be on this machine (engine/auto.py, as the engine decides it)
-            from ..engine import auto
-
-            device = torch.device(args.device)
-            compute = auto.resolve_dtype("auto", device, auto.int8_compute(args.quantization, device))[0]
+        # the dtype the engine will build with, from the one resolver it uses (engine/auto.py)
+        compute = resolve_engine_dtype(engine_config_from_args(args))[0]
         try:
-            resolve_kv_dtype(args.kv_cache_dtype, getattr(torch, str(compute)))
-        except (ValueError, AttributeError) as exc:
+            resolve_kv_dtype(args.kv_cache_dtype, parse_dtype(compute))
+        except ValueError as exc:
             return f"--kv-cache-dtype: {exc}"
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
                        ("--chat-template", template_path(args.chat_template)), ("--tokenizer", args.tokenizer)):
@@ -351,7 +348,7 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
     if getattr(args, "api_keys_file", None):
-        from .tenants import TenantTable
+        from ..tenants import TenantTable
 
         try:
             TenantTable.load(args.api_keys_file)

@@ -20,8 +20,6 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
     from .serving import ServerSettings
 
-_DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
-
 # engine flags copied as they are when given (None: the engine's own default)
 _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
                          "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size",
@@ -31,7 +29,9 @@ _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memo
 def resolve_dtype(name: str, device: str = "cpu") -> str:
     """Aliases -> canonical names; 'auto' is left to the engine, which decides it for the
     machine it runs on (engine/auto.py)."""
-    return _DTYPE_ALIASES.get(name, name)
+    from ..config import canonical_dtype
+
+    return canonical_dtype(name)
 
 
 def device_memory_bytes(device: str) -> int:
@@ -97,7 +97,7 @@ def scheduling_policy_from_args(args: argparse.Namespace) -> str:
 
 def grammar_limits_from_args(args: argparse.Namespace) -> Any:
     """The --grammar-* flags as a GrammarLimits (the defaults where a flag is absent)."""
-    from ..engine.grammar_limits import GrammarLimits
+    from ..grammar_limits import GrammarLimits
 
     defaults = GrammarLimits()
     return GrammarLimits(
@@ -114,7 +114,7 @@ def grammar_limits_from_args(args: argparse.Namespace) -> Any:
 def default_model_name(path: str | None) -> str:
     """The name clients use when --served-model-name is not given: the model file's stem."""
     if path is None:
-        from ..model.bundled import default_model_path
+        from ..bundled import default_model_path
 
         path = default_model_path()
     base = os.path.basename(os.path.normpath(path))
@@ -139,7 +139,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     names = args.served_model_name or [default_model_name(args.model)]
     model_path = args.model
     if model_path is None:
-        from ..model.bundled import default_model_path
+        from ..bundled import default_model_path
 
         model_path = default_model_path()
     return ServerSettings(

@@ -22,13 +22,14 @@ from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
-from ..metrics import ServerMetrics
+from ..engine.limits import LimitError, RequestLimits
 from ..tracing import CURRENT_SPAN
+from .metrics import ServerMetrics
 from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
-from .tenant_gate import TenantGate, TenantLimited
+from ..tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
-from .tenants import DEFAULT_TENANT, Tenant, directory_from_args
+from ..tenants import DEFAULT_TENANT, Tenant, directory_from_args
 
 log = logging.getLogger("tokenmill.server")
 
@@ -143,6 +144,9 @@ class ServerState:
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
+        # The request limits (engine/limits.py), with the pool's size: checked here, where a
+        # 400 can name the field; the engine runs the same checks for in-process callers.
+        self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
         # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
         self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
@@ -286,60 +290,22 @@ class ServerState:
             return 0
 
     def check_text_fits(self, chars: int, param: str) -> None:
-        """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it.
-
-        No token covers more than ``max_token_chars`` characters, so text of
-        more than that many characters per context token cannot fit; twice
-        that leaves room for normalizers that shorten text."""
-        per_token = self.max_token_chars
-        if per_token and chars > 2 * per_token * self.max_model_len:
-            raise APIError(400, f"{param}: the text has {chars} characters, more than any text that fits "
-                           f"this model's context length of {self.max_model_len} tokens; shorten the prompt",
-                           param=param, code="context_length_exceeded")
+        """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it."""
+        with as_api_error():
+            self.limits.check_text_fits(chars, self.max_token_chars, param)
 
     def check_prompt_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise APIError(400, "prompt: the prompt is empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is out of range [0, {self.vocab_size})",
-                           param="prompt")
+        with as_api_error():
+            self.limits.check_prompt_ids(ids)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        """The output budget of a request, or a 400 that states both numbers.
-
-        ``requested`` is what the client sent (None: not sent); ``default`` is
-        the endpoint's default when not sent (None: the rest of the context).
+        """The output budget of a request (``RequestLimits.resolve_max_tokens``), or a 400
+        that states both numbers. ``requested``: what the client sent (None: not sent);
+        ``default``: the endpoint's default when not sent (None: the rest of the context).
         ``--max-output-tokens`` caps both and is the default when it is set."""
-        limit = min(self.max_model_len, self.pool_tokens)
-        if requested == 0:  # scoring the prompt: no room for output needed
-            if prompt_len > limit:
-                raise APIError(400, f"the prompt has {prompt_len} tokens, more than the {limit} this server "
-                               f"can score at once; shorten the prompt", param="prompt",
-                               code="context_length_exceeded")
-            return 0
-        room = limit - prompt_len
-        if room < 1:
-            where = (f"this model's context length is {self.max_model_len} tokens"
-                     if prompt_len >= self.max_model_len else f"the KV cache holds only {self.pool_tokens} tokens")
-            raise APIError(400, f"the prompt has {prompt_len} tokens but {where}, with room for at least one "
-                           f"output token needed; shorten the prompt",
-                           param="messages" if default is None else "prompt", code="context_length_exceeded")
-        cap = self.settings.max_output_tokens
-        if requested is not None:
-            max_tokens = min(requested, cap) if cap else requested
-            if prompt_len + max_tokens > self.max_model_len:
-                raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                               f"{prompt_len + max_tokens} tokens, more than the context length "
-                               f"{self.max_model_len}", param="max_tokens", code="context_length_exceeded")
-            if prompt_len + max_tokens > self.pool_tokens:
-                raise APIError(400, f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is "
-                               f"{prompt_len + max_tokens} tokens, more than the KV cache holds "
-                               f"({self.pool_tokens} tokens)", param="max_tokens",
-                               code="context_length_exceeded")
-            return max_tokens
-        max_tokens = cap or default or room
-        return max(1, min(max_tokens, room))
+        with as_api_error():
+            return self.limits.resolve_max_tokens(prompt_len, requested, default, self.settings.max_output_tokens,
+                                                  prompt_param="messages" if default is None else "prompt")
 
     # -- shutdown --------------------------------------------------------------
     def cut_all(self) -> int:
@@ -550,3 +516,12 @@ async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncItera
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def as_api_error() -> Any:
+    """A ``LimitError`` as the 400 a client gets, naming the field at fault."""
+    try:
+        yield
+    except LimitError as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None

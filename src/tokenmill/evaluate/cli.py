@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads)
         import torch
 
-        from ..model.loader import load_model
+        from ..engine.loading import load_model
         from ..tokenizer import Tokenizer
 
         started = time.monotonic()

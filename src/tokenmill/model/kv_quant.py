@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import torch
 
+from ..config import canonical_dtype
+
 # --kv-cache-dtype names of the quantized formats (vLLM's: fp8 is e4m3).
 QUANT_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8": torch.float8_e4m3fn,
                                         "fp8_e4m3": torch.float8_e4m3fn}
 QMAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
-FLOAT_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8")
 SCALE_DTYPE = torch.float32
 
@@ -50,8 +51,7 @@ def resolve_kv_dtype(name: str | None, compute: torch.dtype) -> torch.dtype:
     bytes, rows rounded to bf16 as they are stored and widened as they are read; another
     float pair would convert on every store and read for nothing); int8 / fp8 quantize.
     ValueError with a one-line reason otherwise."""
-    key = str(name or "auto").strip().lower()
-    key = FLOAT_ALIASES.get(key, key)
+    key = canonical_dtype(name or "auto")
     if key == "auto":
         return compute
     if key in QUANT_DTYPES:
@@ -137,13 +137,3 @@ def gather_rows(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, 
     return dequantize(rows, scales.reshape(-1).index_select(0, index)).to(dtype)
 
 
-def pool_tensors(num_layers: int, shape: tuple[int, int, int, int], dtype: torch.dtype,
-                 device: torch.device, huge_pages: bool = True) -> list[LayerKV]:
-    """Every layer's zeroed quantized pool: (k_codes, v_codes, k_scales, v_scales). On CPU the
-    codes are views of one allocation on huge pages (host_memory.py), as a float pool is."""
-    from ..engine.host_memory import kv_pool_tensors
-
-    codes = kv_pool_tensors(num_layers, shape, torch.int8, device, huge_pages)
-    heads, num_blocks = shape[0], shape[1]
-    scales = torch.zeros((num_layers, 2, heads, num_blocks), dtype=SCALE_DTYPE, device=device)
-    return [(k.view(dtype), v.view(dtype), scales[i, 0], scales[i, 1]) for i, (k, v) in enumerate(codes)]

@@ -18,10 +18,8 @@ GGUF specifics handled here:
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.gguf_file import GGUFFile, GGUFTensor, read_gguf  # noqa: F401 - the container, read here
 from tokenmill.model.support import UnsupportedModel
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
@@ -126,108 +125,6 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
         f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
         "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
     )
-
-
-# --------------------------------------------------------------------------- GGUF container
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of a GGUF file: raw bytes as a view of the memory-mapped file."""
-
-    name: str
-    type_name: str  # ggml type name: "F32", "Q4_1", ...
-    shape: tuple[int, ...]  # logical, row-major (ggml lists dims fastest-first; this is reversed)
-    data: np.ndarray  # uint8 [*shape[:-1], bytes_per_row]
-
-
-@dataclass
-class GGUFFile:
-    metadata: dict[str, Any]
-    tensors: list[GGUFTensor]
-
-
-# GGUF metadata value types -> struct format (strings=8 and arrays=9 handled apart)
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-class _Cursor:
-    """Sequential little-endian reads over the mapped file (struct on mmap: no copies)."""
-
-    def __init__(self, buf: Any) -> None:
-        self.buf, self.pos = buf, 0
-
-    def scalar(self, vtype: int) -> Any:
-        fmt = "<" + _GGUF_SCALARS[vtype]
-        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        (n,) = struct.unpack_from("<Q", self.buf, self.pos)
-        start = self.pos + 8
-        self.pos = start + n
-        return self.buf[start : self.pos].decode("utf-8", errors="replace")
-
-    def value(self, vtype: int) -> Any:
-        if vtype == 8:
-            return self.string()
-        if vtype != 9:
-            return self.scalar(vtype)
-        item_type, count = self.scalar(4), self.scalar(10)
-        if item_type in _GGUF_SCALARS:  # numeric arrays in one read
-            fmt = f"<{count}{_GGUF_SCALARS[item_type]}"
-            items = list(struct.unpack_from(fmt, self.buf, self.pos))
-            self.pos += struct.calcsize(fmt)
-            return items
-        return [self.value(item_type) for _ in range(count)]
-
-
-def read_gguf(path: str, *, with_tensors: bool = True) -> GGUFFile:
-    """Parse a GGUF (v2/v3, little-endian) file: metadata dict and tensor views.
-
-    Our own small parser: ``gguf.GGUFReader`` builds a numpy view per array
-    element and is slow on a 49k-token vocabulary; this reads whole arrays at once.
-    """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    with open(path, "rb") as fh:
-        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    if mapped[:4] != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file")
-    cur = _Cursor(mapped)
-    cur.pos = 4
-    version = cur.scalar(4)
-    if version not in (2, 3):
-        raise ValueError(f"{path}: GGUF version {version} is not supported (big-endian or too old/new)")
-    n_tensors, n_kv = cur.scalar(10), cur.scalar(10)
-    metadata: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = cur.string()
-        metadata[key] = cur.value(cur.scalar(4))
-    if not with_tensors:
-        return GGUFFile(metadata, [])
-    infos = []
-    for _ in range(n_tensors):
-        name = cur.string()
-        dims = [cur.scalar(10) for _ in range(cur.scalar(4))]
-        infos.append((name, dims, cur.scalar(4), cur.scalar(10)))
-    align = int(metadata.get("general.alignment", 32))
-    data_start = -(-cur.pos // align) * align
-    buf = np.frombuffer(mapped, dtype=np.uint8)  # read-only view sharing the mapping
-    tensors = []
-    for name, dims, type_id, offset in infos:
-        qtype = GGMLQuantizationType(type_id)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        if dims[0] % block:
-            raise ValueError(f"{path}: tensor {name} rows of {dims[0]} are not whole {qtype.name} blocks")
-        shape = tuple(int(d) for d in reversed(dims))
-        row_bytes = dims[0] // block * type_size
-        n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-        start = data_start + offset
-        raw = buf[start : start + n_rows * row_bytes]
-        tensors.append(GGUFTensor(name, qtype.name, shape, raw.reshape(*shape[:-1], row_bytes)))
-    return GGUFFile(metadata, tensors)
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -601,7 +498,7 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
 def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a local GGUF file or Hugging Face folder; ``None`` means the bundled SmolLM2."""
     if path is None:
-        from tokenmill.model.bundled import default_model_path
+        from tokenmill.bundled import default_model_path
 
         path = default_model_path()
     path = os.fspath(path)

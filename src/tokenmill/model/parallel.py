@@ -252,7 +252,7 @@ def load_shard(path: str | None, dtype: torch.dtype, rank: int, size: int) -> Lo
     tensor is sliced before it is dequantized or copied, so no rank ever holds the
     whole model."""
     if path is None:
-        from .bundled import default_model_path
+        from ..bundled import default_model_path
 
         path = default_model_path()
     path = os.fspath(path)

@@ -41,11 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import QUANTIZATION_MODES
 from .ops import TORCH_OPS, ModelOps
 
 log = logging.getLogger("tokenmill.quant")
 
-MODES = ("none", "int8", "int4", "gguf", "w8a8")
+MODES = QUANTIZATION_MODES
 W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float activations
 # w8a8: these projections never take 8-bit activations with one scale per token. The down
 # projection's input, SiLU(gate) * up, has the widest outliers, and rounding it so cost most

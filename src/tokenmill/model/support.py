@@ -1,11 +1,7 @@
-"""What tokenmill can run, and the one error for a model it cannot.
-
-Kept free of torch so the command line can catch ``UnsupportedModel`` (one
-line, exit status 2) without importing the model code.
-"""
+"""The model code's name for ``tokenmill.unsupported`` (the error lives at the package root,
+below the tokenizer, which raises it too, and the model)."""
 from __future__ import annotations
 
+from ..unsupported import UnsupportedModel
 
-class UnsupportedModel(ValueError):
-    """A model (architecture, tensor type, rope scaling, layer setting) tokenmill cannot
-    run; the message names what is unsupported and what is."""
+__all__ = ["UnsupportedModel"]

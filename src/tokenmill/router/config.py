@@ -111,7 +111,7 @@ class RouterConfig:
 
     def validate(self) -> None:
         if self.api_keys_file:
-            from ..entrypoints.tenants import TenantTable
+            from ..tenants import TenantTable
 
             try:
                 TenantTable.load(self.api_keys_file)

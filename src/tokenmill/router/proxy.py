@@ -43,8 +43,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..entrypoints.console_auth import bearer_token
-from ..entrypoints.request_guard import BodyGuard
+from ..credentials import bearer_token
+from ..request_guard import BodyGuard
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import response_id_in, session_key

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..entrypoints.tenant_gate import TenantGate, TenantLimited
-from ..entrypoints.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
+from ..tenant_gate import TenantGate, TenantLimited
+from ..tenants import DEFAULT_TENANT, Tenant, TenantDirectory
 from ..priority_classes import PRIORITY_CLASSES
 from .tokenize import prompt_of
 

@@ -5,12 +5,13 @@ backend interface and the choice of one per engine. One module per backend:
 ``cpu_kernel.py`` (C kernels, in place), ``torch_paged.py`` (plain torch:
 CUDA and kernel-less CPUs), ``reference.py`` (the yardstick for tests).
 """
-from .backend import AttentionBackend, StepAttention, kernel_attention_fits, select_attention_backend
+from .backend import (AttentionBackend, BackendCapabilities, StepAttention, attention_backend_class,
+                      kernel_attention_fits, select_attention_backend)
 from .cpu_kernel import CpuKernelAttention, CpuKernelStep
 from .layout import StepLayout, kv_cache_shape
 from .reference import ReferenceAttention, paged_attention_reference
 from .torch_paged import TorchPagedAttention, TorchPagedStep
 
-__all__ = ["AttentionBackend", "StepAttention", "kernel_attention_fits", "select_attention_backend", "CpuKernelAttention", "CpuKernelStep",
+__all__ = ["AttentionBackend", "BackendCapabilities", "attention_backend_class", "StepAttention", "kernel_attention_fits", "select_attention_backend", "CpuKernelAttention", "CpuKernelStep",
            "StepLayout", "kv_cache_shape", "ReferenceAttention", "paged_attention_reference",
            "TorchPagedAttention", "TorchPagedStep"]

@@ -15,8 +15,11 @@ Each step the runner builds one ``StepLayout``; the backend's ``prepare``
 turns it into a ``StepAttention``, the per-step metadata its kernels read
 (built once, for every layer), which the model's attention layers call to
 store new K/V and to attend. A quantized pool (model/kv_quant.py) comes with
-its (K, V) scales in both calls; every backend reads and writes it. A new backend is a new module here with a
-``prepare`` and a ``StepAttention``, and a line in ``select_attention_backend``.
+its (K, V) scales in both calls. Each backend class declares its
+``BackendCapabilities`` (CUDA-graph capture, quantized pools, sliding windows),
+which the runner asks once, when the engine is built. A new backend is a new
+module here with a ``prepare``, a ``StepAttention`` and its ``capabilities``,
+and a line in ``attention_backend_class``.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch
 
 from ...options import KernelOptions
 from .. import cpu_kernels
-from .layout import StepLayout
+from .layout import BackendCapabilities, StepLayout
 
 log = logging.getLogger("tokenmill.attention")
 
@@ -53,6 +56,7 @@ class StepAttention(Protocol):
 
 class AttentionBackend(Protocol):
     name: str
+    capabilities: BackendCapabilities
 
     def prepare(self, layout: StepLayout) -> StepAttention:
         ...
@@ -65,29 +69,47 @@ def kernel_attention_fits(device: torch.device, dtype: torch.dtype, head_dim: in
             and head_dim % library.vector_width == 0)
 
 
-def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, num_blocks: int,
-                             options: KernelOptions, library: cpu_kernels.KernelLibrary | None,
-                             head_dim: int, kv_dtype: torch.dtype | None = None,
-                             masked: bool = False) -> AttentionBackend:
-    """The engine's backend: reference when asked for, the C kernels where they take
-    this pool, torch paged attention elsewhere. ``dtype``: the compute dtype;
-    ``kv_dtype``: the pool's, when it differs (a quantized pool). ``masked``: the model
-    has sliding-window layers or soft-capped attention, which the C kernels cannot do."""
+def attention_backend_class(device: torch.device, dtype: torch.dtype, options: KernelOptions,
+                            library: cpu_kernels.KernelLibrary | None, head_dim: int,
+                            kv_dtype: torch.dtype | None = None, masked: bool = False) -> type:
+    """The class of the engine's backend (its ``capabilities`` can be asked before one is
+    built): reference when asked for, the C kernels where they take this pool (and the
+    model's masks), torch paged attention elsewhere. ``dtype``: the compute dtype;
+    ``kv_dtype``: the pool's, when it differs; ``masked``: the model has sliding-window
+    layers or soft-capped attention (a backend must declare ``capabilities.masks``)."""
     from .cpu_kernel import CpuKernelAttention
     from .reference import ReferenceAttention
     from .torch_paged import TorchPagedAttention
 
     if options.attention == "reference":
-        backend: AttentionBackend = ReferenceAttention()
-    elif kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and not (masked
-                                                                                   and not CpuKernelAttention.masks):
+        return ReferenceAttention
+    if kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and not (
+            masked and not CpuKernelAttention.capabilities.masks):
+        return CpuKernelAttention
+    return TorchPagedAttention
+
+
+def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, num_blocks: int,
+                             options: KernelOptions, library: cpu_kernels.KernelLibrary | None,
+                             head_dim: int, kv_dtype: torch.dtype | None = None,
+                             masked: bool = False) -> AttentionBackend:
+    """The engine's backend (``attention_backend_class``), built for this pool."""
+    from .cpu_kernel import CpuKernelAttention
+    from .torch_paged import TorchPagedAttention
+
+    cls = attention_backend_class(device, dtype, options, library, head_dim, kv_dtype, masked)
+    if cls is CpuKernelAttention:
         assert library is not None
-        backend = CpuKernelAttention(library)
-    else:
+        backend: AttentionBackend = CpuKernelAttention(library)
+    elif cls is TorchPagedAttention:
         if masked and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
             log.info("attention: the C kernels have no sliding windows or soft-capping; torch paged attention "
                      "takes this model")
         backend = TorchPagedAttention(dtype, device, kv_heads, heads, num_blocks, head_dim,
                                       batched_prefill=options.batched_prefill)
+    else:
+        backend = cls()
+    if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        assert backend.capabilities.quantized_pool, f"{backend.name} cannot read a quantized pool"
     log.info("attention backend: %s", backend.name)
     return backend

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import cpu_kernels
-from .layout import StepLayout
+from .layout import BackendCapabilities, StepLayout
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class CpuKernelStep:
 
 class CpuKernelAttention:
     name = "C kernels (paged, in place)"
-    masks = False  # no sliding windows or soft-capped logits: select_attention_backend passes it over
+    capabilities = BackendCapabilities(quantized_pool=True)  # no sliding windows or soft-capped scores
 
     def __init__(self, library: cpu_kernels.KernelLibrary) -> None:
         self.library = library

@@ -43,6 +43,21 @@ class StepLayout:
                           self.query_lens, self.num_decodes, self.block_size)
 
 
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do, declared by its class and asked once, when the engine is
+    built (the runner, not the backend, decides what to do with the answer)."""
+
+    # Its per-step object can be built on the device from a CUDA graph's static tensors
+    # (a ``graph_decode_step`` method): the runner records decode steps only then.
+    cuda_graphs: bool = False
+    # It reads and writes a quantized pool (model/kv_quant.py: codes plus scales).
+    quantized_pool: bool = False
+    # It attends over a sliding window of recent positions and soft-caps scores (Gemma's
+    # layers); a model with either needs a backend that declares it.
+    masks: bool = False
+
+
 def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
     """Shape of one layer's K (or V) pool."""
     return (kv_heads, num_blocks, block_size, head_dim)

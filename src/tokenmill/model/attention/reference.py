@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import StepLayout
+from .layout import BackendCapabilities, StepLayout
 from .torch_paged import (decode_gather_index, decode_mask, decode_queries, gather_decodes, prefill_attention,
                           soft_cap, window_mask, write_decode_output, write_kv)
 
@@ -59,6 +59,7 @@ class ReferenceStep:
 
 class ReferenceAttention:
     name = "reference attention"
+    capabilities = BackendCapabilities(quantized_pool=True, masks=True)
 
     def prepare(self, layout: StepLayout) -> ReferenceStep:
         return ReferenceStep(layout)

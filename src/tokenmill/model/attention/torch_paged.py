@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kv_quant
-from .layout import StepLayout
+from .layout import BackendCapabilities, StepLayout
 
 # bf16 SDPA reads the gathered cache slowly at large batches; above this many
 # gathered key rows the matmul formulation is used for non-fp32 caches.
@@ -345,6 +345,7 @@ class TorchPagedAttention:
     """The torch backend: owns the decode gather workspace (grown, never shrunk)."""
 
     name = "torch paged attention"
+    capabilities = BackendCapabilities(cuda_graphs=True, quantized_pool=True, masks=True)
 
     def __init__(self, dtype: torch.dtype, device: torch.device, kv_heads: int, heads: int, num_blocks: int,
                  head_dim: int, batched_prefill: bool = True) -> None:

@@ -28,7 +28,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .engine.stats import StatsSource
+from ..engine.stats import StatsSource
 
 disable_created_metrics()  # the *_created series only double the scrape size
 

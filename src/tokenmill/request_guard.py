@@ -36,9 +36,6 @@ from typing import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_body
-from .heap import trim_heap
-
 # a context token is a few bytes of text, or up to ~12 as JSON-escaped non-ASCII or a token id;
 # the rest is room for a batch of prompts, chat framing and sampling fields
 BYTES_PER_CONTEXT_TOKEN = 64
@@ -53,8 +50,14 @@ def default_body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_LIMIT, BYTES_PER_CONTEXT_TOKEN * int(max_model_len))
 
 
+# OpenAI's error types for the statuses a guard answers with (entrypoints/errors.py has the full table)
+_ERROR_TYPES = {408: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
+
+
 async def _reject(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"), "param": None,
+             "code": code}
+    body = json.dumps({"error": error}).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
            (b"connection", b"close")]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -66,15 +69,21 @@ class BodyGuard:
     """Reads every request body in full, within a size limit and a deadline, before the app sees it.
 
     ``limit()``, ``timeout()`` and ``draining()`` are read per request, so
-    settings changed after start-up (tests) take effect."""
+    settings changed after start-up (tests) take effect. ``after_large_body`` runs (in a
+    worker thread) once a body over ``TRIM_AFTER_BYTES`` is done with: the server hands
+    freed heap memory back to the OS there (entrypoints/heap.py).
+
+    A base module: the server and the router (which must not import the server) both use it."""
 
     def __init__(self, app: ASGIApp, limit: Callable[[], int], timeout: Callable[[], float],
-                 draining: Callable[[], bool], on_reject: Callable[[str], None] | None = None) -> None:
+                 draining: Callable[[], bool], on_reject: Callable[[str], None] | None = None,
+                 after_large_body: Callable[[], object] | None = None) -> None:
         self.app = app
         self.limit = limit
         self.timeout = timeout
         self.draining = draining
         self.on_reject = on_reject or (lambda reason: None)
+        self.after_large_body = after_large_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
@@ -104,9 +113,9 @@ class BodyGuard:
         try:
             await self.app(scope, replay, send)
         finally:
-            if len(body) > TRIM_AFTER_BYTES:
+            if len(body) > TRIM_AFTER_BYTES and self.after_large_body is not None:
                 del body
-                await asyncio.to_thread(trim_heap)
+                await asyncio.to_thread(self.after_large_body)
 
     async def _drain(self, receive: Receive, seen: int) -> None:
         """Read and drop the rest of a refused body: up to DRAIN_BYTES in all, within the read deadline."""

