@@ -9,6 +9,12 @@ A node is *busy* while some request holds its block (ref count > 0) and *idle*
 otherwise. Requests always hold whole root paths, so a busy node's ancestors
 are busy and every idle subtree has an idle leaf: evicting idle leaves in LRU
 order can always reclaim every idle block.
+
+Each LoRA adapter has its own root (``namespace``: the adapter's id; 0 is the
+base model): K/V computed under one adapter differ from the base's and from
+another adapter's for the same tokens, so they are never shared. An adapter's
+block names (KV events) are chained from a seed of its id, and its events carry
+the id as ``lora_id``.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ class PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.root = _Node(key=(), block=-1, parent=None)
+        self._roots: dict[int, _Node] = {0: self.root}  # one per adapter namespace
         self._by_block: dict[int, _Node] = {}
         self._idle: set[int] = set()
         self._heap: list[tuple[int, int]] = []  # (last_used, block) of idle leaves; lazy
@@ -76,10 +83,24 @@ class PrefixCache:
         start = index * self.block_size
         return tuple(token_ids[start : start + self.block_size])
 
-    def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
+    def _root(self, namespace: int) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node(key=(), block=-1, parent=None)
+        return root
+
+    @staticmethod
+    def _seed(namespace: int) -> int | None:
+        """What the first block of a namespace's paths chains from (None: the base model's)."""
+        return chain_hash(None, (-1, namespace)) if namespace else None
+
+    def match(self, token_ids: list[int], max_blocks: int, namespace: int = 0) -> list[int]:
         """Block ids of the longest cached prefix of ``token_ids`` (at most
-        ``max_blocks`` full blocks). The caller must acquire them."""
-        node = self.root
+        ``max_blocks`` full blocks) under ``namespace`` (an adapter id, 0: the base
+        model). The caller must acquire them."""
+        node = self._roots.get(namespace)
+        if node is None:
+            return []
         blocks: list[int] = []
         for i in range(max_blocks):
             child = node.children.get(self._block_key(token_ids, i))
@@ -90,15 +111,17 @@ class PrefixCache:
         return blocks
 
     # -- updates -------------------------------------------------------
-    def insert(self, token_ids: list[int], block_table: list[int], start: int, end: int) -> dict[int, int]:
-        """Index the full, computed blocks ``start..end-1`` of a request.
+    def insert(self, token_ids: list[int], block_table: list[int], start: int, end: int,
+               namespace: int = 0) -> dict[int, int]:
+        """Index the full, computed blocks ``start..end-1`` of a request (under
+        ``namespace``: its adapter id, 0 for the base model).
 
         Blocks before ``start`` must already be indexed along this path.
         Returns ``{index: cached_block}`` for blocks whose content was already
         cached under another block id: the caller swaps its private copy for
         the cached one so that its path stays in the tree (deduplication).
         """
-        node = self.root
+        node = self._root(namespace)
         for i in range(start):
             node = node.children[self._block_key(token_ids, i)]
         swaps: dict[int, int] = {}
@@ -107,7 +130,8 @@ class PrefixCache:
             key = self._block_key(token_ids, i)
             child = node.children.get(key)
             if child is None:
-                child = _Node(key=key, block=block_table[i], parent=node, hash=chain_hash(node.hash, key))
+                parent_hash = node.hash if node.parent is not None else self._seed(namespace)
+                child = _Node(key=key, block=block_table[i], parent=node, hash=chain_hash(parent_hash, key))
                 node.children[key] = child
                 self._by_block[child.block] = child
                 stored.append(child)
@@ -120,7 +144,7 @@ class PrefixCache:
             self.events.append(BlockStored(block_hashes=[n.hash for n in stored],
                                            parent_block_hash=stored[0].parent.hash,
                                            token_ids=[t for n in stored for t in n.key],
-                                           block_size=self.block_size))
+                                           block_size=self.block_size, lora_id=namespace or None))
         return swaps
 
     def mark_busy(self, block: int) -> None:
@@ -160,7 +184,7 @@ class PrefixCache:
                 self.events[-1] = BlockRemoved([*last.block_hashes, node.hash], last.medium)
             else:
                 self.events.append(BlockRemoved([node.hash]))
-        if parent is not self.root and not parent.children and parent.block in self._idle:
+        if parent.parent is not None and not parent.children and parent.block in self._idle:
             heapq.heappush(self._heap, (parent.last_used, parent.block))
 
     def evict_all_idle(self) -> list[int]:
@@ -176,7 +200,7 @@ class PrefixCache:
         """Tree and ref counts agree: idle iff unreferenced; busy nodes' parents busy."""
         for block, node in self._by_block.items():
             assert (ref_counts[block] == 0) == (block in self._idle), f"block {block} idle state wrong"
-            if ref_counts[block] > 0 and node.parent is not self.root:
+            if ref_counts[block] > 0 and node.parent is not None and node.parent.parent is not None:
                 assert node.parent is not None and ref_counts[node.parent.block] > 0, (
                     f"busy block {block} has an idle parent"
                 )

@@ -166,6 +166,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
     placement: Placement = DEFAULT_PLACEMENT
+    adapter_id: int = 0  # the LoRA adapter it runs with (engine/adapters.py); 0: the base model
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

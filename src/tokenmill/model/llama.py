@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import StepAttention
+from .lora import LoraLinear
 from .ops import TORCH_OPS, ModelOps, rotate_half
 
 
@@ -49,7 +50,7 @@ class Linear(nn.Linear):
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual + layer(x)`` for any projection (quantized ones have no fused add)."""
-    if isinstance(layer, Linear):
+    if isinstance(layer, (Linear, LoraLinear)):
         return layer.forward_add(x, residual)
     return residual + layer(x)
 
