@@ -56,6 +56,7 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja source replacing the model's chat template
     reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
     responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, folder) loaded at start
 
 
 SESSION_HEADER = "x-session-id"
@@ -87,6 +88,7 @@ class Job:
     session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
     miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
     streamed: bool = False  # stream_job took it over
+    model: str | None = None  # the request's ``model``: a LoRA adapter's name selects it
 
     @property
     def placement(self) -> Placement:
@@ -110,6 +112,7 @@ class ServerState:
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        self.adapters = _adapter_manager(aengine, settings)  # LoRA adapters (engine/adapters.py), or None
         # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
         self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
         self.tenant_gate = TenantGate(settings.retry_after_s)
@@ -221,7 +224,8 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
-        if name and name not in self.settings.served_model_names:
+        if name and name not in self.settings.served_model_names and not (
+                self.adapters is not None and name in self.adapters):
             raise APIError(404, f"The model `{name}` does not exist. Served: "
                            f"{', '.join(self.settings.served_model_names)}", param="model",
                            code="model_not_found")
@@ -330,7 +334,10 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement)
+        adapter = 0
+        if self.adapters is not None and job.model in self.adapters:
+            adapter = await self._acquire_adapter(job)
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement, adapter)
         self._live[job.request_id] = job
         failed = False
         job.streamed = True
@@ -379,6 +386,8 @@ class ServerState:
         finally:
             self._live.pop(job.request_id, None)
             self._cut.discard(job.request_id)
+            if adapter and self.adapters is not None:
+                self.adapters.release(adapter)
             # abort first: it is synchronous, so a cancellation arriving at the
             # await below cannot skip it
             if not done:
@@ -394,6 +403,25 @@ class ServerState:
                               len(job.prompt_ids) if first_token is not None else 0, cached, output,
                               queue_time, failed)
             await gen.aclose()
+
+    async def _acquire_adapter(self, job: Job) -> int:
+        """The resident id of the job's adapter (loaded now if it is not resident)."""
+        from ..engine.adapters import AdapterBusy, AdapterNotFound
+        from ..model.lora import LoraError
+
+        assert self.adapters is not None and job.model is not None
+        try:
+            return await self.adapters.acquire(job.model)
+        except AdapterNotFound:
+            self.release(job)
+            raise APIError(404, f"The model `{job.model}` does not exist (its adapter was unloaded)",
+                           param="model", code="model_not_found") from None
+        except AdapterBusy as exc:
+            self.release(job)
+            raise APIError(503, str(exc), code="lora_slots_busy", headers={"Retry-After": "5"}) from None
+        except LoraError as exc:  # its files changed since it was registered
+            self.release(job)
+            raise APIError(400, str(exc), param="model", code="invalid_lora_adapter") from None
 
     def _classify_miss(self, job: Job, cached: int) -> None:
         """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
@@ -477,3 +505,22 @@ async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncItera
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
+    """The server's LoRA adapters, those of ``--lora-modules`` registered (and resident while
+    there is room); None when the engine serves none."""
+    lora = aengine.engine.lora
+    if lora is None:
+        if settings.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    from ..engine.adapters import AdapterManager
+
+    manager = AdapterManager(lora, lambda fn: aengine.call(lambda engine: fn(engine.lora)))
+    for name, path in settings.lora_modules:
+        if name in settings.served_model_names:
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+        manager.register_now(name, path)
+        log.info("LoRA adapter %r registered from %s", name, path)
+    return manager
