@@ -22,6 +22,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class Replica:
     replay: str
     cache_blocks: int
     threads: int
+    tier_dir: str | None = None  # --kv-offload-dir: the replica keeps its cache across the restart
     proc: subprocess.Popen | None = None
 
     @property
@@ -63,6 +65,8 @@ class Replica:
         cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--num-blocks", str(self.cache_blocks), "--dtype", "float32",
                "--kv-events-config", json.dumps(config)]
+        if self.tier_dir:
+            cmd += ["--kv-offload-bytes", "1G", "--kv-offload-dir", self.tier_dir]
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONPATH=str(ROOT / "src"))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
@@ -161,12 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--bypass", type=float, default=0.2, help="share of requests sent straight to a replica")
     p.add_argument("--no-restart", dest="restart", action="store_false", help="no replica restart halfway")
+    p.add_argument("--disk-tier", action="store_true",
+                   help="replicas keep a disk tier (--kv-offload-bytes), so the restarted one comes back warm")
     p.add_argument("--seed", type=int, default=3)
     args = p.parse_args(argv)
 
     threads = max(1, (os.cpu_count() or 1) // 3)
+    tiers = tempfile.TemporaryDirectory() if args.disk_tier else None
     replicas = [Replica(_free_port(), f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}",
-                        args.cache_blocks, threads) for _ in range(3)]
+                        args.cache_blocks, threads, os.path.join(tiers.name, str(i)) if tiers else None)
+                for i in range(3)]
     for r in replicas:
         r.start()
     try:
@@ -182,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for r in replicas:
             r.stop()
+        if tiers is not None:
+            tiers.cleanup()
     print(f"{len(items)} requests, {args.prefixes} prefixes, 3 replicas x {args.cache_blocks} blocks, "
-          f"bypass {args.bypass:.0%}, restart halfway: {args.restart}")
+          f"bypass {args.bypass:.0%}, restart halfway: {args.restart}, disk tier: {args.disk_tier}")
     print(f"baseline: an ideal shared cache of {3 * args.cache_blocks} blocks, hit rate {ideal:.3f}")
     print(f"{'prefix source':<14} {'routed ok':>9} {'hit rate':>9} {'of ideal':>9} {'TTFT p50':>9} {'TTFT p90':>9}")
     for row in rows:

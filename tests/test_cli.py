@@ -8,7 +8,7 @@ import pytest
 
 from tokenmill.entrypoints import cli
 
-EXPECTED = {"serve", "generate", "bench", "trace", "usage", "route", "eval"}
+EXPECTED = {"serve", "generate", "bench", "trace", "usage", "plan", "route", "eval"}
 
 
 def _listed_commands(help_text: str) -> set[str]:

@@ -53,15 +53,9 @@ def call(app, method, path, body=None, headers=AUTH):
 
 def _complete(app, model, prompt, max_tokens=8):
     r = call(app, "POST", "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                                              "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                                              "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _tokens(app, model, prompt):
-    """Greedy tokens through the API, as token ids (the tokenizer is one token per byte)."""
-    text = _complete(app, model, prompt)["choices"][0]["text"]
-    return list(text.encode("utf-8"))
 
 
 def test_models_lists_adapters_with_parent(app, made):

@@ -151,6 +151,7 @@ class MissClassifier:
         self._previous: OrderedDict[str, array] = OrderedDict()
         self._windows: OrderedDict[int, None] = OrderedDict()
         self.counts: Counter[str] = Counter()
+        self.offsets: dict[str, Counter[int]] = {}  # reason -> offsets where reuse stopped
 
     def classify(self, prompt: Sequence[int], cached: int, session: str | None) -> Miss | None:
         """The reason (or None) for this request, then remember it for the next ones."""
@@ -162,7 +163,16 @@ class MissClassifier:
         self._remember(prompt, session)
         if miss is not None:
             self.counts[miss.reason] += 1
+            offsets = self.offsets.setdefault(miss.reason, Counter())
+            if miss.offset in offsets or len(offsets) < 1024:  # bounded: the common offsets stand out early
+                offsets[miss.offset] += 1
         return miss
+
+    def summary(self) -> list[dict]:
+        """Reasons, most requests first, each with its most frequent offset (the console's view)."""
+        return [{"reason": r, "requests": n,
+                 "usual_offset": self.offsets[r].most_common(1)[0][0] if self.offsets.get(r) else None}
+                for r, n in self.counts.most_common()]
 
     def _first_turn(self, p: Sequence[int], cached: int) -> Miss | None:
         """No previous turn: unique text before text other prompts share is a volatile span."""

@@ -64,10 +64,24 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm on per-head q and k
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Sliding-window attention (Gemma 2/3, Phi-3, Mistral): a query at position p sees keys
+    # at positions > p - sliding_window; ``layer_types`` says which layers ("sliding_attention"
+    # or "full_attention"); None with a window: every layer slides.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    family: dict[str, Any] = field(default_factory=dict)  # family-specific settings (model/gemma.py)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -86,6 +100,10 @@ class CacheConfig:
     # KV pool dtype: auto (the compute dtype), that dtype by name, or int8 / fp8 (e4m3) codes
     # with a scale per block and kv head (model/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # Second tier (engine/kv_tier.py): evicted blocks kept on local disk, up to this many bytes,
+    # in this folder (kept across restarts of the same model). 0: no tier.
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
 
 
 # Tokens per step by device, when not given. On a small CPU a long prefill step stalls
@@ -156,7 +174,7 @@ class EngineConfig:
         cfg = cls()
         sections = (cfg.cache, cfg.scheduler)
         for key, value in options.items():
-            if key in ("kv_cache_memory", "memory_budget"):
+            if key in ("kv_cache_memory", "memory_budget", "kv_offload_bytes"):
                 value = parse_size(value)
             if hasattr(cfg, key) and key not in ("cache", "scheduler"):
                 setattr(cfg, key, value)

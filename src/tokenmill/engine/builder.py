@@ -108,6 +108,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     runner = (ModelRunner(model, num_blocks, block_size, dtype, device, kernels, kv_dtype=kv_dtype)
               if parallel is None else parallel.make_runner(model, num_blocks, block_size, dtype, device, kernels))
     log.info("steps run on: %s", ", ".join(e.name for e in runner.executors))
+    if config.cache.kv_offload_bytes and prefix_cache is not None:
+        attach_disk_tier(config, prefix_cache, runner, parallel is not None, kv_dtype)
     return EngineParts(
         config=config, device=device, dtype=dtype, kv_dtype=kv_dtype, parallel=parallel, tokenizer=tokenizer,
         model_config=loaded.config, max_model_len=max_len, kernels=kernels, model=model, weight_bytes=weights,
@@ -116,6 +118,27 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
         runner=runner,
         structured=StructuredOutputs(tokenizer, loaded.config.vocab_size, sorted(tokenizer.eos_token_ids)),
         speculator=build_speculator(config, loaded.config.vocab_size, device, max_len, kernels, tokenizer))
+
+
+def attach_disk_tier(config: EngineConfig, prefix_cache: PrefixCache, runner: ModelRunner, parallel: bool,
+                     kv_dtype: torch.dtype) -> None:
+    """The prefix cache's second tier on disk (engine/kv_tier.py), with what a previous process
+    of the same model left there."""
+    from .kv_tier import BlockIO, DiskTier, TierIdentity, model_digest
+
+    if parallel:
+        raise ValueError("--kv-offload-bytes is not supported with tensor parallelism yet")
+    folder = config.cache.kv_offload_dir
+    if not folder:
+        raise ValueError("--kv-offload-bytes needs --kv-offload-dir (a local folder)")
+    io = BlockIO(runner.kv_caches)
+    identity = TierIdentity(model=model_digest(config.model), dtype=str(config.dtype), kv_dtype=str(kv_dtype),
+                            block_size=config.cache.block_size, shapes=io.shapes())
+    tier = DiskTier(folder, config.cache.kv_offload_bytes, io, identity)
+    adopted = prefix_cache.attach_tier(tier)
+    log.info("KV disk tier: %d slots of %d bytes in %s; %d blocks kept from before%s", tier.num_slots,
+             io.block_bytes, folder, adopted, f" ({tier.stats.torn_blocks} torn, dropped)" if tier.stats.torn_blocks
+             else "")
 
 
 def _resolve_before_load(config: EngineConfig, device: torch.device) -> tuple[str, str]:

@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from ..config import EngineConfig, parse_dtype
 from ..model import parallel
-from ..model.llama import LlamaForCausalLM, RotaryEmbedding
+from ..model.architectures import model_class
+from ..model.llama import LlamaForCausalLM
 from ..model.attention import StepLayout
 from ..model.loader import LoadedModel
 from .executors import Kernels, StepItems, choose_kernels
@@ -135,10 +136,10 @@ def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPI
     dtype = parse_dtype(config.dtype)
     max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions=max_len)
+        model = model_class(cfg)(cfg, max_positions=max_len)
     parallel.shard_model(model, tp)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = RotaryEmbedding(cfg, max_len).to(device)
+    model.reset_rope(max_len, device)
     model.load_weights(loaded.weights)
     if str(config.quantization).lower() == "w8a8" and control is not None:
         tokens = _receive_calibration(control)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +22,12 @@ from .builder import build_engine
 from .detokenizer import IncrementalDetokenizer
 from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
 from .scheduler import ScheduledBatch
-from .stats import EngineStats, SpecSnapshot
+from .stats import EngineStats, SpecSnapshot, TierSnapshot
 from .step_batch import StepBatch
 from .structured import StepMasks
+
+if TYPE_CHECKING:
+    from .kv_tier import DiskTier
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -388,12 +392,19 @@ class LLMEngine:
             prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             spec=None if spec is None else SpecSnapshot(
                 spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
-                tuple(spec.stats.accepted_per_position)))
+                tuple(spec.stats.accepted_per_position)),
+            tier=_tier_snapshot(cache.tier if cache is not None else None))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        """Stop tensor-parallel workers (nothing to do on one device); with a disk tier, copy
+        the pool's idle cached blocks there and close it, so the next process finds them.
+        Idempotent."""
         if self.parallel is not None:
             self.parallel.close()
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None and not tier.closed:
+            self.prefix_cache.offload_all(self.pool)
+            tier.close()
 
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
@@ -411,6 +422,14 @@ class LLMEngine:
         self.pool.check_invariants(idle=not self.scheduler.has_work())
         if self.prefix_cache is not None:
             self.prefix_cache.check_invariants(self.pool.ref_counts)
+
+
+def _tier_snapshot(tier: "DiskTier | None") -> TierSnapshot | None:
+    if tier is None:
+        return None
+    st = tier.stats
+    return TierSnapshot(tier.num_slots, tier.num_slots - len(tier.free_slots), tier.io.block_bytes,
+                        st.stored_blocks, st.restored_blocks, st.restore_seconds, st.dropped_blocks)
 
 
 def _split_rows(sampled: list[Request]) -> tuple[list[int], list[tuple[Request, int]]]:

@@ -15,7 +15,8 @@ import torch
 from ..config import EngineConfig
 from ..corpus import corpus_text
 from ..model import smoothquant
-from ..model.llama import LlamaForCausalLM, RotaryEmbedding
+from ..model.architectures import model_class
+from ..model.llama import LlamaForCausalLM
 from ..model.loader import LoadedModel
 from .executors import Kernels, choose_kernels
 from .request import Request, SamplingParams
@@ -38,11 +39,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
     # Build on the meta device (no random init of weights about to be overwritten),
     # then materialise and load; the rotary tables are computed for real.
     with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config, max_positions=max_len)
+        model = model_class(loaded.config)(loaded.config, max_positions=max_len)
     if parallel is not None:
         parallel.shard_model(model)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = RotaryEmbedding(loaded.config, max_len).to(device)
+    model.reset_rope(max_len, device)
     model.load_weights(loaded.weights)
     if calibration and str(config.quantization).lower() == "w8a8":
         if parallel is not None:

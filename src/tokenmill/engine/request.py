@@ -6,9 +6,12 @@ tracks (tokens, cache blocks, progress); ``RequestOutput`` is what goes back.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from ..model.sampler import Logprob
 
@@ -103,6 +106,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @functools.cached_property
+    def allowed_ids(self) -> torch.Tensor:
+        """``allowed_token_ids`` as a tensor, built once (the sampler uses it every step)."""
+        return torch.tensor(sorted(set(self.allowed_token_ids or ())), dtype=torch.long)
+
+    @functools.cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, values) tensors, built once."""
+        bias = self.logit_bias or {}
+        return (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32))
 
     @property
     def has_token_rules(self) -> bool:

@@ -17,6 +17,7 @@ that padded graph rows write into.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,8 @@ from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, F
 from .host_memory import kv_pool_tensors
 from .request import Request
 from .step_batch import StepBatch
+
+log = logging.getLogger("tokenmill.runner")
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -82,9 +85,13 @@ class ModelRunner:
         options = kernels.options
         model.use_ops(kernels.ops)
         graphs_backend = None
+        masks = model.attention_masks()  # sliding windows, soft-capping: not in the kernels or the graphs
         if not eager_only and kv_dtype == dtype and not kernel_attention_fits(device, dtype, cfg.head_dim,
                                                                               kernels.library):
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
+            if graphs_backend is not None and masks:
+                log.info("CUDA graphs off: the captured decode step has no %s", masks)
+                graphs_backend = None
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if graphs_backend is not None else None
         self.pool_blocks = num_blocks + (1 if graphs_backend is not None else 0)  # blocks in the KV tensors
@@ -95,7 +102,7 @@ class ModelRunner:
             else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,
-                                                  kv_dtype=kv_dtype)
+                                                  kv_dtype=kv_dtype, masked=masks is not None)
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
                                                      graphs_backend, self.attention, options.cuda_graph_max_batch)
                        if graphs_backend is not None else None)

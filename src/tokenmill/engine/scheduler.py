@@ -158,6 +158,10 @@ class Scheduler:
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks, request.adapter_id)
         for block in blocks:
             self.pool.acquire(block)
+        # blocks further along the prompt that the cache moved to its disk tier come back
+        # into fresh pool blocks (the request's own) instead of being recomputed
+        blocks += self.prefix_cache.restore(request.all_token_ids, len(blocks), max_blocks, self.pool,
+                                            request.adapter_id)
         request.block_table = list(blocks)
         request.num_cached_blocks = len(blocks)
         request.num_computed_tokens = len(blocks) * self.block_size

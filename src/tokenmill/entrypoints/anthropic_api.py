@@ -38,7 +38,8 @@ from pydantic import Field, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError
-from .openai_routes import _ERRORS, _until_done_or_gone, get_state, prepare_chat, render_chat_async, encode
+from .openai_routes import (_ERRORS, _until_done_or_gone, chat_render, encode, get_state, prepare_chat,
+                            render_chat_async)
 from .protocol import MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
 from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
 from .serving import Job, ServerState
@@ -478,7 +479,7 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> JSONRespon
     chat = to_chat(body)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
     if tools:  # the same checks a real request gets (names, tool_choice against the server's flags)
-        plan_tools(tools, chat.tool_choice, chat.parallel_tool_calls, state.settings)
+        plan_tools(tools, chat.tool_choice, chat.parallel_tool_calls, state.settings, state.tool_parser_hint)
     state.check_text_fits(sum(len(m.text()) for m in chat.messages), "messages")
-    prompt = await render_chat_async(state, chat.messages, True, tools)
+    prompt = await render_chat_async(state, chat.messages, chat_render(chat, tools))
     return JSONResponse({"input_tokens": len(await encode(state, prompt, False))})

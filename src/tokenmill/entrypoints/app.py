@@ -29,11 +29,12 @@ from ..metrics import CONTENT_TYPE
 from .auth import AuthMiddleware, route_path
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
-from .openai_routes import encode, get_state, render_chat_async, router
+from .openai_routes import ChatRender, encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
+from .request_fields import ignored_headers, judge_extra
 from .request_guard import BodyGuard, default_body_limit
-from .serving import ServerSettings, ServerState
+from .serving import ServerSettings, ServerState, model_not_found
 from .tenants import DEFAULT_TENANT_NAME, tenant_of
 
 _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
@@ -135,9 +136,7 @@ def _misc_routes(app: FastAPI) -> None:
             if card["id"] == model_id:
                 return ModelCard(**card)
         if model_id not in state.settings.served_model_names:
-            raise APIError(404, f"the model {model_id!r} does not exist (served: "
-                           f"{', '.join(state.settings.served_model_names)})", param="model",
-                           code="model_not_found")
+            raise model_not_found(model_id, state.settings.served_model_names)
         return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -168,25 +167,34 @@ def _misc_routes(app: FastAPI) -> None:
         only = None if tenant is None or tenant.name == DEFAULT_TENANT_NAME else tenant.name
         return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
-    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        # ``model`` is not checked: one tokenizer per server, and a 404 here would
-        # make clients (the router, the load tester) conclude /tokenize is missing
+    @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         state = get_state(request)
+        state.check_model(body.model)
+        headers = ignored_headers(judge_extra(body.model_extra, "tokenize"))
         if body.messages is not None:
-            text = await render_chat_async(state, body.messages, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            how = ChatRender(body.add_generation_prompt and not body.continue_final_message, tools,
+                             continue_final_message=body.continue_final_message,
+                             variables=dict(body.chat_template_kwargs or {}))
+            text = await render_chat_async(state, body.messages, how)
             ids = await encode(state, text, False)
         else:
             ids = await encode(state, body.prompt or "", body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        if body.return_token_strs:
+            out.token_strs = [state.tokenizer.id_to_token(t) or "" for t in ids]
+        return JSONResponse(out.model_dump(exclude_none=True), headers=headers)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         state = get_state(request)
+        state.check_model(body.model)
+        headers = ignored_headers(judge_extra(body.model_extra, "detokenize"))
         bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)}, headers=headers)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

@@ -22,7 +22,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, get_args
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,8 +30,9 @@ from pydantic import Field, ValidationError
 
 from .errors import APIError
 from .openai_routes import _ERRORS, _until_done_or_gone, get_state, prepare_chat
-from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
+from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, ReasoningEffort, _RequestBody
 from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
+from .request_fields import ignored_headers, judge_extra
 from .response_store import ResponseStore, StoredResponse
 from .serving import Job, ServerState
 from .tenants import tenant_of
@@ -41,7 +42,7 @@ from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 router = APIRouter()
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(..., description="text, or a list of input items")
     instructions: str | None = None
@@ -58,6 +59,7 @@ class ResponsesRequest(_Model):
     metadata: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
     seed: int | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: passed to templates that read it
 
 
 def _new_id(prefix: str) -> str:
@@ -76,6 +78,10 @@ def _part_text(content: Any, where: str) -> str:
             texts.append(str(part.get("text", "")))
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
+        elif kind in ("input_image", "input_audio", "input_file"):
+            raise APIError(400, f"{where}: a {kind!r} part, but this model does not accept "
+                           f"{'images' if kind == 'input_image' else 'audio' if kind == 'input_audio' else 'files'} "
+                           "(it reads text only); send text parts", param="input")
         else:
             raise APIError(400, f"{where}: content part type {kind!r} is not supported (text only)", param="input")
     return "".join(texts)
@@ -154,6 +160,12 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]] | None = None)
         "tool_choice": _chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
         "stream": body.stream, "seed": body.seed,
     }
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in get_args(ReasoningEffort):
+            raise APIError(400, f"reasoning.effort: {effort!r} is not one of {', '.join(get_args(ReasoningEffort))}",
+                           param="reasoning")
+        fields["reasoning_effort"] = effort
     fmt = (body.text or {}).get("format")
     if fmt is not None:
         fields["response_format"] = fmt
@@ -248,6 +260,11 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
+def _item_status(finish: str | None) -> str:
+    """A message item cut by max_output_tokens is as incomplete as the response."""
+    return "incomplete" if finish == "length" else "completed"
+
+
 async def _body(state: ServerState, spec: _Spec, job: Job) -> dict[str, Any]:
     tally = _Tally([job])
     text, finish = "", None
@@ -268,7 +285,7 @@ async def _body(state: ServerState, spec: _Spec, job: Job) -> dict[str, Any]:
     if thought is not None:
         output.append(_reasoning_item(_new_id("rs"), thought))
     if content or not calls:
-        output.append(_message_item(_new_id("msg"), content or ""))
+        output.append(_message_item(_new_id("msg"), content or "", _item_status(finish)))
     for call in calls:
         output.append(_call_item(_new_id("fc"), new_call_id(), call.name, call.arguments))
     response = _response(spec, _status(finish), output, _usage(tally, spec, thought))
@@ -287,6 +304,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
     output: list[dict[str, Any]] = []  # finished items, in output order
     open_msg: dict[str, Any] | None = None  # {"id", "index", "text"}
     open_call: dict[str, Any] | None = None  # {"id", "index", "call_id", "name", "arguments"}
+    finish: str | None = None  # the engine's finish reason, once known
     open_thought: dict[str, Any] | None = None  # {"id", "index", "text"}
     thought_total: str | None = None
 
@@ -301,7 +319,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
             return []
         m, open_msg = open_msg, None
         part = {"type": "output_text", "text": m["text"], "annotations": [], "logprobs": []}
-        item = _message_item(m["id"], m["text"])
+        item = _message_item(m["id"], m["text"], _item_status(finish))
         output.append(item)
         return [ev("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0,
                    text=m["text"], logprobs=[]),
@@ -393,7 +411,6 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
     tally = _Tally([job])
     ts = ToolStream(spec.plan) if spec.plan is not None else None
     split = ReasoningSplit(spec.reasoning, spec.prompt_text) if spec.reasoning is not None else None
-    finish: str | None = None
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
@@ -431,6 +448,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
+    headers = ignored_headers(judge_extra(body.model_extra, "responses"))
     store = response_store(request)
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
@@ -450,9 +468,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                  history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
                  prompt_text=job.prompt_text, count_tokens=lambda text: len(state.tokenizer.encode(text, False)))
     if body.stream:
-        return SSEResponse(_stream(state, spec, job), state, [job])
+        response = SSEResponse(_stream(state, spec, job), state, [job])
+        response.headers.update(headers)
+        return response
     try:
-        return await _until_done_or_gone(request, _body(state, spec, job))
+        return await _until_done_or_gone(request, _body(state, spec, job), headers)
     finally:
         state.release(job)
 

@@ -92,6 +92,12 @@ def add_engine_arguments(p: Any) -> None:
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=_size, default=None,
                    help="bytes for the KV pool: 4G (=4 GiB), 4g (=4e9) or 4GiB; overrides "
                         "--gpu-memory-utilization (default: a share of free memory)")
+    p.add_argument("--kv-offload-bytes", type=_size, default=None, metavar="SIZE",
+                   help="a second KV tier on local disk: blocks evicted from the pool are kept there (up to SIZE: "
+                        "20G, 20GiB) and restored on a prefix hit instead of recomputed; kept across restarts "
+                        "of the same model (default off; needs --kv-offload-dir)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="folder of the disk tier (memory-mapped slots and their index)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help="share of memory for the weights and the KV pool together: of the GPU's memory on CUDA; "
                         "on CPU, of the host memory available at start (MemAvailable). The KV pool never "
@@ -308,6 +314,10 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    if getattr(args, "kv_offload_bytes", None) and not getattr(args, "kv_offload_dir", None):
+        return "--kv-offload-bytes needs --kv-offload-dir (a local folder for the disk tier)"
+    if getattr(args, "kv_offload_bytes", None) and not args.enable_prefix_caching:
+        return "--kv-offload-bytes keeps the prefix cache's evicted blocks: it needs prefix caching on"
     try:
         from ..engine.kv_event_publisher import KVEventsConfig
 

@@ -25,7 +25,7 @@ _DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp
 # engine flags copied as they are when given (None: the engine's own default)
 _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
                          "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size",
-                         "kv_cache_dtype")
+                         "kv_cache_dtype", "kv_offload_bytes", "kv_offload_dir")
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:

@@ -22,6 +22,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
+from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
 from .tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
@@ -62,12 +63,23 @@ class ServerSettings:
 SESSION_HEADER = "x-session-id"
 
 
+def _conversation(session: str | None) -> str | None:
+    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
+    several at once, which a replay must not chain as one)."""
+    return session if session and session.startswith("session:") else None
+
+
 def session_of(headers: Any, user: str | None) -> str | None:
     """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
     sid = headers.get(SESSION_HEADER) if headers is not None else None
     if sid:
         return "session:" + str(sid)[:256]
     return "user:" + user if user else None
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model",
+                    code="model_not_found")
 
 
 @dataclass
@@ -107,6 +119,10 @@ class ServerState:
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
             self.tokenizer.has_chat_template = True
+        # conversations with tools use this template when the model's own cannot render them
+        self.tools_template = self._pick_tools_template()
+        self.tool_parser_hint = (self.tools_template.parser if self.tools_template
+                                 else parser_for(self.tokenizer.chat_template))
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
@@ -135,6 +151,19 @@ class ServerState:
         self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _pick_tools_template(self) -> ToolsTemplate | None:
+        if self.settings.chat_template or not self.tokenizer.has_chat_template:
+            return None
+        supplied = tools_template_for(self.tokenizer.chat_template)
+        if supplied is not None:
+            log.info("chat template: the model's own does not render tools; conversations with tools, tool "
+                     "calls or tool results use tokenmill's %s template with %s-format tool calls "
+                     "(--chat-template replaces both)", supplied.family, supplied.parser)
+        elif not renders_tools(self.tokenizer.chat_template):
+            log.warning("chat template: the model's own does not render tools and tokenmill has none for its "
+                        "family; requests with tools will not show them to the model (pass --chat-template)")
+        return supplied
 
     # -- load ------------------------------------------------------------
     # Every count here is of sequences (prompts x n), the unit the engine
@@ -224,11 +253,12 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (the one wording every endpoint uses);
+        a LoRA adapter's name is served."""
         if name and name not in self.settings.served_model_names and not (
                 self.adapters is not None and name in self.adapters):
-            raise APIError(404, f"The model `{name}` does not exist. Served: "
-                           f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+            raise model_not_found(name, self.settings.served_model_names
+                                  + (self.adapters.names() if self.adapters is not None else []))
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -448,7 +478,8 @@ class ServerState:
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
             finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
             miss_reason=job.miss.reason if job.miss is not None else None,
-            miss_offset=job.miss.offset if job.miss is not None else None)
+            miss_offset=job.miss.offset if job.miss is not None else None,
+            session=_conversation(job.session))
 
     def close(self) -> None:
         if self.capture is not None:

@@ -137,6 +137,7 @@ class CompletionSpec:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
 
     @property
     def echo_logprobs(self) -> bool:
@@ -154,6 +155,8 @@ async def completion_stream(state: ServerState, spec: CompletionSpec, jobs: list
     def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop: Any = None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                   "stop_reason": stop}
+        if spec.continuous_usage:
+            return sse({**base, "choices": [choice], "usage": tally.usage()})
         return sse({**base, "choices": [choice]})
 
     merged = _streams(state, jobs)
@@ -235,11 +238,24 @@ class ChatSpec:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
     tools: ToolPlan | None = None
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
+    legacy_functions: bool = False  # the request used functions/function_call: answer with function_call
     reasoning: ReasoningParser | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
 
-def _tool_finish(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _tool_finish(reason: str | None, called: bool, legacy: bool = False) -> str | None:
+    return ("function_call" if legacy else "tool_calls") if called and reason == "stop" else reason
+
+
+def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any] | None:
+    """A tool-call delta in the legacy functions shape (only the first call exists there)."""
+    if "tool_calls" not in delta:
+        return delta
+    call = delta["tool_calls"][0]
+    if call.get("index", 0) != 0:
+        return None
+    fn = call.get("function", {})
+    return {"function_call": {k: fn[k] for k in ("name", "arguments") if k in fn}}
 
 
 async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIterator[bytes]:
@@ -254,7 +270,14 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop
+        if spec.continuous_usage:
+            return sse({**base, "choices": [choice], "usage": tally.usage()})
         return sse({**base, "choices": [choice]})
+
+    def pieces_of(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not spec.legacy_functions:
+            return deltas
+        return [d for d in map(_legacy_delta, deltas) if d is not None]
 
     for i in range(spec.n):
         yield chunk(i, {"role": "assistant", "content": ""})
@@ -275,16 +298,17 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
                     lp = None
             if tool_streams:
                 ts = tool_streams[d.index]
-                pieces = ts.feed(text)
+                pieces = pieces_of(ts.feed(text))
                 for k, piece in enumerate(pieces):
                     yield chunk(d.index, piece, lp if k == 0 else None)
                 if lp and not pieces:
                     yield chunk(d.index, {"content": ""}, lp)
                 if d.finished:
                     rest, called = ts.finish()
-                    for piece in rest:
+                    for piece in pieces_of(rest):
                         yield chunk(d.index, piece)
-                    yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called), d.stop_reason)
+                    yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called, spec.legacy_functions),
+                                d.stop_reason)
                 continue
             if text or lp:
                 yield chunk(d.index, {"content": text}, lp)
@@ -328,7 +352,11 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
         reason = finish[i]
         if spec.tools is not None:
             content, calls = extract(spec.tools, answer)
-            if calls:
+            if calls and spec.legacy_functions:
+                message = {"role": "assistant", "content": content,
+                           "function_call": {"name": calls[0].name, "arguments": calls[0].arguments}}
+                reason = _tool_finish(reason, True, legacy=True)
+            elif calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [openai_call(c) for c in calls]}
                 reason = _tool_finish(reason, True)

@@ -68,12 +68,12 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> N
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _row_cols(pairs: list[tuple[int, list[int]]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, [token ids]) pairs -> flat row and column index tensors for one scatter."""
-    rows = [row for row, cols in pairs for _ in cols]
-    cols = [c for _, row_cols in pairs for c in row_cols]
-    return (torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(cols, dtype=torch.long, device=device))
+def _flat_index(rows: list[int], per_row: list[torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column index tensors for one scatter over several rows' token id tensors."""
+    counts = torch.tensor([len(t) for t in per_row])
+    row_index = torch.repeat_interleave(torch.tensor(rows), counts).to(device)
+    return row_index, torch.cat(per_row).to(device)
 
 
 def _banned_words(req: SamplingRow) -> list[int]:
@@ -88,26 +88,28 @@ def _banned_words(req: SamplingRow) -> list[int]:
 
 
 def _apply_token_rules(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
-    """allowed_token_ids, logit_bias and bad_words of every row, each as one batched
-    tensor operation (index lists gathered on the host, one scatter on the device)."""
+    """allowed_token_ids, logit_bias and bad_words of every row that has them, each one
+    batched operation over those rows' entries only (the id tensors are built once per
+    request, in SamplingParams)."""
     device = logits.device
-    allowed = [(row, list(r.params.allowed_token_ids)) for row, r in enumerate(requests)
+    allowed = [(row, r.params.allowed_ids) for row, r in enumerate(requests)
                if getattr(r.params, "allowed_token_ids", None)]
-    if allowed:
-        keep = torch.zeros(len(allowed), logits.shape[-1], dtype=torch.bool, device=device)
-        local = [(i, cols) for i, (_, cols) in enumerate(allowed)]
-        keep.index_put_(_row_cols(local, device), torch.tensor(True, device=device))
-        index = torch.tensor([row for row, _ in allowed], dtype=torch.long, device=device)
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~keep, float("-inf")))
-    biased = [(row, r.params.logit_bias) for row, r in enumerate(requests) if getattr(r.params, "logit_bias", None)]
+    if allowed:  # keep the allowed entries, set the rest of those rows to -inf
+        rows, cols = _flat_index([row for row, _ in allowed], [ids for _, ids in allowed], device)
+        kept = logits[rows, cols]
+        logits.index_fill_(0, torch.tensor([row for row, _ in allowed], device=device), float("-inf"))
+        logits.index_put_((rows, cols), kept)
+    biased = [(row, r.params.bias_tensors) for row, r in enumerate(requests)
+              if getattr(r.params, "logit_bias", None)]
     if biased:
-        rows, cols = _row_cols([(row, list(bias)) for row, bias in biased], device)
-        values = torch.tensor([v for _, bias in biased for v in bias.values()], dtype=logits.dtype, device=device)
+        rows, cols = _flat_index([row for row, _ in biased], [ids for _, (ids, _) in biased], device)
+        values = torch.cat([vals for _, (_, vals) in biased]).to(device=device, dtype=logits.dtype)
         logits.index_put_((rows, cols), values, accumulate=True)
     banned = [(row, ids) for row, r in enumerate(requests)
               if getattr(r.params, "bad_words_token_ids", None) and (ids := _banned_words(r))]
     if banned:
-        logits.index_put_(_row_cols(banned, device), torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+        rows, cols = _flat_index([row for row, _ in banned], [torch.tensor(ids) for _, ids in banned], device)
+        logits.index_put_((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
 
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:

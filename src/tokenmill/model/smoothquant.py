@@ -82,9 +82,12 @@ def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha: float = 0.5) 
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
         attn, mlp = layer.self_attn, layer.mlp
         inter = mlp.down_proj.weight.shape[1]
+        # The norm whose output gate/up read: Gemma has its own before the MLP (and a
+        # post-attention norm on the attention's output, which smoothing must not touch).
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
         pairs = (
             ("self_attn.qkv_proj", attn.qkv_proj, layer.input_layernorm.weight),
-            ("mlp.gate_up_proj", mlp.gate_up_proj, layer.post_attention_layernorm.weight),
+            ("mlp.gate_up_proj", mlp.gate_up_proj, mlp_norm.weight),
         )
         for path, proj, norm_weight in pairs:
             x = amax.get(f"layers.{i}.{path}")

@@ -105,6 +105,8 @@ class RemoteTokenizer:
         except httpx.HTTPError as exc:
             log.debug("tokenize on %s failed: %s", base_url, exc)
             return await self.fallback.encode(text)
+        if r.status_code == 404 and _error_code(r) == "model_not_found":
+            return await self.fallback.encode(text)  # the route exists; this backend serves another name
         if r.status_code in (404, 405, 501):
             log.warning("backend %s has no /tokenize; routing on %d-character chunks",
                         base_url, self.fallback.chars_per_block)
@@ -117,6 +119,13 @@ class RemoteTokenizer:
             return Tokens([int(t) for t in ids], self.block_size, self.mode)
         except (ValueError, KeyError, TypeError):
             return await self.fallback.encode(text)
+
+
+def _error_code(r: httpx.Response) -> Any:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def chat_to_text(messages: Any) -> str:

@@ -1,0 +1,498 @@
+"""`tokenmill plan`: the highest request rate each configuration holds under an SLO, and its price.
+
+Sizing from one user on one machine says nothing about fifty. For each
+candidate (a `tokenmill serve` command line started here, or a running
+server's URL), the planner offers open-loop Poisson load at rising rates
+(doubling from ``rate_min``; halving to ``rate_min`` / 4 if that already
+fails), then bisects between the last rate that met the
+SLO and the first that did not, until they are within ``precision``. A probe
+*meets* the SLO when its error rate is at most ``max_error_rate`` and the p99
+of every latency the SLO names is within it.
+
+Per candidate it reports the sustainable rate, goodput there, cost per 1,000
+successful requests at that rate (``cost_per_hour`` / 3600 / goodput x
+1000), replicas for a target peak (ceil(peak / sustainable)), the limiting
+factor at the first failing rate (the server's own split of latency into
+queueing, prefill and decode, or KV pressure when the KV pool filled), the
+waiting-queue depth to put in the HPA, and how sure the p99 is: the
+distribution-free 95% interval of the 99th percentile from the probe's
+sample count. ``verify`` reruns the chosen rate for longer and says whether
+the SLO held.
+
+Like the rest of bench/, this speaks HTTP only (no engine, no torch); a
+candidate is started as a subprocess.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from tokenmill.bench.client import Target
+from tokenmill.bench.loadgen import LoadShape
+from tokenmill.bench.runner import BenchConfig, BenchResult, PointResult, resolve_model, run_bench
+from tokenmill.bench.stats import percentile
+from tokenmill.bench.tokens import TokenCounter, make_counter
+
+KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
+DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
+
+
+@dataclass
+class Candidate:
+    """``name=SERVE FLAGS`` (started here) or ``name=http://...`` (already running)."""
+
+    name: str
+    serve_args: list[str] | None = None
+    url: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Candidate":
+        name, sep, rest = text.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"a candidate is NAME=SERVE_FLAGS or NAME=URL, got {text!r}")
+        rest = rest.strip()
+        if rest.startswith(("http://", "https://")):
+            return cls(name.strip(), url=rest)
+        import shlex
+
+        return cls(name.strip(), serve_args=shlex.split(rest))
+
+
+@dataclass
+class PlanSettings:
+    slo: dict[str, float]
+    max_error_rate: float = 0.01
+    rate_min: float = 0.25
+    rate_max: float = 64.0
+    precision: float = 0.1  # stop bisecting when the failing rate is within this of the passing one
+    probe_requests: int = 60  # at least this many requests per probe
+    probe_seconds: float = 30.0  # ... and at least this long at the probed rate
+    cost_per_hour: float | None = None
+    peak_rate: float | None = None
+    verify_seconds: float | None = None
+
+    def probe_count(self, rate: float) -> int:
+        return max(self.probe_requests, math.ceil(rate * self.probe_seconds))
+
+
+@dataclass
+class Probe:
+    rate: float
+    passed: bool
+    requests: int
+    errors: float  # fraction failed
+    p99: dict[str, float | None]  # per SLO latency
+    p99_interval: dict[str, tuple[float, float] | None]  # distribution-free 95% interval of each p99
+    goodput: float | None
+    throughput: float
+    waiting_mean: float | None
+    running_mean: float | None
+    kv_usage_max: float | None
+    breakdown: dict[str, float]
+    diagnosis: str
+    why: str  # what failed, or "" when it passed
+
+
+@dataclass
+class CandidatePlan:
+    name: str
+    how: str  # the serve flags or the URL
+    sustainable_rate: float | None = None  # req/s; None: not even rate_min held
+    failing_rate: float | None = None  # the lowest rate seen to fail
+    goodput: float | None = None
+    cost_per_1k_successful: float | None = None
+    replicas: int | None = None
+    limiting_factor: str | None = None
+    hpa_waiting: int | None = None  # vllm:num_requests_waiting average to scale out at
+    confidence: str = ""
+    probes: list[Probe] = field(default_factory=list)
+    verify: Probe | None = None
+    eval_verdict: str | None = None
+    error: str | None = None
+
+
+def p99_interval(values: list[float], q: float = 0.99, z: float = 1.96) -> tuple[float, float] | None:
+    """Ranks n*q -/+ z*sqrt(n*q*(1-q)) of the sorted values (the binomial bound on an order
+    statistic): where the true p99 lies with about 95% confidence. Needs enough samples."""
+    n = len(values)
+    if n < 20:
+        return None
+    xs = sorted(values)
+    half = z * math.sqrt(n * q * (1 - q))
+    lo = max(0, math.floor(n * q - half) - 1)
+    hi = min(n - 1, math.ceil(n * q + half) - 1)
+    return xs[lo], xs[hi]
+
+
+def _limiting(p: Probe) -> str:
+    if p.kv_usage_max is not None and p.kv_usage_max >= KV_PRESSURE:
+        return "KV pressure"
+    if p.errors > 0 and not p.breakdown:
+        return "errors"
+    return max(p.breakdown, key=lambda k: p.breakdown[k]) if p.breakdown else "unknown"
+
+
+def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
+    recs = [r for r in point.run.records]
+    ok = [r for r in recs if r.ok]
+    values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
+              "tpot": [r.tpot for r in ok if r.tpot is not None],
+              "e2e": [r.e2e for r in ok if r.e2e is not None],
+              "itl": [max(r.itls) for r in ok if r.itls]}
+    s = point.summary
+    errors = (len(recs) - len(ok)) / len(recs) if recs else 1.0
+    p99 = {k: percentile(values[k], 99) for k in settings.slo}  # itl: of each request's longest gap
+    why = []
+    if errors > settings.max_error_rate:
+        why.append(f"{100 * errors:.1f}% errors")
+    for k, limit in settings.slo.items():
+        v = p99[k]
+        if v is None or v > limit:
+            why.append(f"{k} p99 {'-' if v is None else f'{v:.3f}'} s > {limit:g} s")
+    d = point.server
+    return Probe(rate=rate, passed=not why, requests=len(recs), errors=errors, p99=p99,
+                 p99_interval={k: p99_interval(values[k]) for k in settings.slo}, goodput=s.goodput,
+                 throughput=s.request_throughput, waiting_mean=d.waiting_mean if d else None,
+                 running_mean=d.running_mean if d else None, kv_usage_max=d.kv_usage_max if d else None,
+                 breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why))
+
+
+async def probe(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
+                rate: float, seconds: float | None = None) -> Probe:
+    """One open-loop point at ``rate`` req/s (fresh salt, so no cache carries over)."""
+    n = max(settings.probe_requests, math.ceil(rate * seconds)) if seconds else settings.probe_count(rate)
+    cfg = BenchConfig(shapes=[LoadShape(rate=rate)], num_requests=n, synthetic=workload.synthetic,
+                      dataset=workload.dataset, trace=workload.trace, output_len=workload.output_len,
+                      slo=settings.slo, cost_per_hour=settings.cost_per_hour, seed=workload.seed,
+                      timeout=workload.timeout, progress=False, metrics_interval=workload.metrics_interval)
+    result = BenchResult(target={}, config={})
+    await run_bench(cfg, target, counter, result)
+    return judge(result.points[0], rate, settings)
+
+
+async def search(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
+                 plan: CandidatePlan, log: Any = None) -> None:
+    """Doubling, then bisection, to the highest rate that meets the SLO."""
+    def note(p: Probe) -> None:
+        plan.probes.append(p)
+        if log:
+            log(f"  {plan.name}: {p.rate:.3g} req/s {'meets' if p.passed else 'misses'} the SLO"
+                + (f" ({p.why})" if p.why else ""))
+
+    good: Probe | None = None
+    bad: Probe | None = None
+    rate = settings.rate_min
+    while rate <= settings.rate_max:
+        p = await probe(target, counter, workload, settings, rate)
+        note(p)
+        if not p.passed:
+            bad = p
+            break
+        good = p
+        rate *= 2
+    # Missed at the first rate: halve a few times (slow rates make long probes) to find one that holds.
+    while good is None and bad is not None and bad.rate / 2 >= settings.rate_min / DOWN_STEPS_FACTOR:
+        p = await probe(target, counter, workload, settings, bad.rate / 2)
+        note(p)
+        if p.passed:
+            good = p
+        else:
+            bad = p
+    while good is not None and bad is not None and bad.rate / good.rate - 1 > settings.precision:
+        mid = math.sqrt(good.rate * bad.rate)
+        p = await probe(target, counter, workload, settings, mid)
+        note(p)
+        if p.passed:
+            good = p
+        else:
+            bad = p
+    _conclude(plan, good, bad, settings)
+    if good is not None and settings.verify_seconds:
+        plan.verify = await probe(target, counter, workload, settings, good.rate, settings.verify_seconds)
+        if log:
+            log(f"  {plan.name}: verify {good.rate:.3g} req/s for {settings.verify_seconds:g} s: "
+                + ("SLO held" if plan.verify.passed else f"SLO missed ({plan.verify.why})"))
+
+
+def _conclude(plan: CandidatePlan, good: Probe | None, bad: Probe | None, settings: PlanSettings) -> None:
+    plan.failing_rate = bad.rate if bad else None
+    plan.limiting_factor = _limiting(bad) if bad else f"none up to {settings.rate_max:g} req/s"
+    if good is None:
+        return
+    plan.sustainable_rate = good.rate
+    plan.goodput = good.goodput if good.goodput is not None else good.throughput
+    if settings.cost_per_hour is not None and plan.goodput:
+        plan.cost_per_1k_successful = settings.cost_per_hour / 3600.0 / plan.goodput * 1000.0
+    if settings.peak_rate:
+        plan.replicas = max(1, math.ceil(settings.peak_rate / good.rate))
+    if good.waiting_mean is not None:
+        plan.hpa_waiting = max(1, math.ceil(good.waiting_mean))
+    sure = []
+    for k, limit in settings.slo.items():
+        iv = good.p99_interval.get(k)
+        if iv is None:
+            sure.append(f"{k}: too few samples for an interval")
+        elif iv[1] <= limit:
+            sure.append(f"{k} p99 95% interval {iv[0]:.3f}-{iv[1]:.3f} s, within {limit:g} s")
+        else:
+            sure.append(f"{k} p99 95% interval {iv[0]:.3f}-{iv[1]:.3f} s reaches past {limit:g} s (marginal)")
+    plan.confidence = "; ".join(sure)
+
+
+# -------------------------------------------------------------------------- servers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """A `tokenmill serve` subprocess on a free loopback port, stopped on exit."""
+
+    def __init__(self, args: list[str], startup_s: float = 600.0) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenmill-plan-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"`tokenmill serve {' '.join(args)}` exited ({self.proc.returncode}); "
+                                   f"see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"`tokenmill serve {' '.join(args)}` did not start in {startup_s:g} s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        if self.proc.returncode in (0, -15):
+            os.unlink(self.log.name)
+
+
+async def plan_candidate(cand: Candidate, target_template: Target, tokenizer: str | None, workload: BenchConfig,
+                         settings: PlanSettings, log: Any = None) -> CandidatePlan:
+    plan = CandidatePlan(cand.name, cand.url or " ".join(cand.serve_args or []) or "(defaults)")
+    served = None
+    try:
+        if cand.url is None:
+            if log:
+                log(f"{cand.name}: starting tokenmill serve {plan.how}")
+            served = Served(cand.serve_args or [])
+            url = served.url
+        else:
+            url = cand.url.rstrip("/")
+        target = Target(url, target_template.model, target_template.endpoint, target_template.api_key,
+                        ignore_eos=target_template.ignore_eos, temperature=target_template.temperature)
+        if not target.model:
+            async with httpx.AsyncClient(trust_env=False) as client:
+                target.model = await resolve_model(client, url, target.api_key)
+        counter = await asyncio.to_thread(make_counter, tokenizer, url, target.model, target.api_key, True)
+        try:
+            await search(target, counter, workload, settings, plan, log)
+        finally:
+            counter.close()
+    except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
+        plan.error = str(exc)
+    finally:
+        if served is not None:
+            served.stop()
+    return plan
+
+
+def apply_eval(plans: list[CandidatePlan], eval_path: str) -> None:
+    """The eval's verdict per candidate: its base goes with the first candidate (the reference),
+    its candidates with the next ones, in order."""
+    import json
+
+    doc = json.loads(open(eval_path, encoding="utf-8").read())
+    if not isinstance(doc, dict) or "base" not in doc:
+        raise ValueError(f"{eval_path} is not a tokenmill eval result")
+    verdicts = ["reference"] + ["PASS" if k.get("passed") else "FAIL" for k in doc.get("comparisons", [])]
+    for plan, verdict in zip(plans, verdicts):
+        plan.eval_verdict = verdict
+
+
+def to_dict(plans: list[CandidatePlan], settings: PlanSettings) -> dict[str, Any]:
+    return {"tokenmill_plan": 1, "settings": asdict(settings), "candidates": [asdict(p) for p in plans]}
+
+
+def table(plans: list[CandidatePlan], settings: PlanSettings) -> str:
+    def f(x: Any, fmt: str = "{:.3g}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    rows = [("candidate", [p.name for p in plans]),
+            ("sustainable rate (req/s)", [f(p.sustainable_rate) if p.sustainable_rate is not None else
+                                          f"< {settings.rate_min / DOWN_STEPS_FACTOR:g}" for p in plans]),
+            ("first failing rate (req/s)", [f(p.failing_rate) for p in plans]),
+            ("goodput there (req/s)", [f(p.goodput) for p in plans]),
+            ("$/1k successful", [f(p.cost_per_1k_successful, "{:.4f}") for p in plans]),
+            (f"replicas for {settings.peak_rate:g} req/s" if settings.peak_rate else "replicas",
+             [f(p.replicas, "{}") for p in plans]),
+            ("limiting factor", [p.limiting_factor or "-" for p in plans]),
+            ("HPA: waiting requests", [f(p.hpa_waiting, "{}") for p in plans]),
+            ("eval gate", [p.eval_verdict or "-" for p in plans]),
+            ("verified", ["-" if p.verify is None else ("SLO held" if p.verify.passed else "SLO missed")
+                          for p in plans])]
+    width0 = max(len(r[0]) for r in rows)
+    widths = [max(len(r[1][i]) for r in rows) for i in range(len(plans))]
+    lines = ["  ".join([name.ljust(width0)] + [c.rjust(w) for c, w in zip(cells, widths)]) for name, cells in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    for p in plans:
+        if p.error:
+            lines.append(f"{p.name}: error: {p.error}")
+        if p.confidence:
+            lines.append(f"{p.name}: {p.confidence}")
+        if p.verify is not None and not p.verify.passed:
+            lines.append(f"{p.name}: verification missed the SLO: {p.verify.why}")
+    return "\n".join(lines)
+
+
+def run(cands: list[Candidate], target: Target, tokenizer: str | None, workload: BenchConfig,
+        settings: PlanSettings, log: Any = None) -> list[CandidatePlan]:
+    return [asyncio.run(plan_candidate(c, target, tokenizer, workload, settings, log)) for c in cands]
+
+
+# -------------------------------------------------------------------------- command line
+
+EPILOG = """examples:
+  tokenmill plan --candidate f32="--quantization none" --candidate default="" \
+      --input-len 256 --output-len 64 --slo ttft=2,tpot=0.25 --cost-per-hour 0.20 --peak-rate 10
+  tokenmill plan --candidate base=http://127.0.0.1:8001 --candidate int4=http://127.0.0.1:8002 \
+      --trace capture.jsonl --slo ttft=1 --verify 300 --output plan.json --plot plan.png
+"""
+
+
+def add_plan_parser(sub: Any) -> None:
+    import argparse
+
+    from tokenmill.bench.cli import _workload_arguments
+
+    p = sub.add_parser("plan", allow_abbrev=False, help="the highest rate each configuration holds under an SLO",
+                       description=__doc__.splitlines()[0], epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = p.add_argument_group("candidates and targets")
+    c.add_argument("--candidate", action="append", required=True, metavar="NAME=FLAGS|URL",
+                   help="a configuration: NAME=\"tokenmill serve flags\" (started here on loopback) or "
+                        "NAME=http://... (a running server); repeat; the first is the reference")
+    c.add_argument("--slo", required=True, help="latency targets on p99: ttft=SECONDS,tpot=...,itl=...,e2e=...")
+    c.add_argument("--max-error-rate", type=float, default=0.01, help="failed requests allowed (default 0.01)")
+    c.add_argument("--cost-per-hour", type=float, default=None, help="dollars per hour for one replica")
+    c.add_argument("--peak-rate", type=float, default=None, help="the peak req/s to size replicas for")
+    c.add_argument("--eval-result", default=None, metavar="EVAL.json",
+                   help="a tokenmill eval result: its verdict per candidate (its base goes with the first)")
+    s = p.add_argument_group("search")
+    s.add_argument("--rate-min", type=float, default=0.25, help="first rate probed, req/s (default 0.25)")
+    s.add_argument("--rate-max", type=float, default=64.0, help="highest rate probed (default 64)")
+    s.add_argument("--precision", type=float, default=0.1,
+                   help="stop when the failing rate is within this fraction of the passing one (default 0.1)")
+    s.add_argument("--probe-requests", type=int, default=60, help="at least this many requests per probe")
+    s.add_argument("--probe-seconds", type=float, default=30.0, help="and at least this long (default 30)")
+    s.add_argument("--verify", type=float, default=None, metavar="SECONDS",
+                   help="rerun the sustainable rate this long and say whether the SLO held")
+    t = p.add_argument_group("requests")
+    t.add_argument("--model", default=None, help="model name (default: the server's first)")
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    t.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    t.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, s")
+    _workload_arguments(p.add_argument_group("workload (as tokenmill bench)"))
+    o = p.add_argument_group("output")
+    o.add_argument("--output", default=None, help="write the plan (every probe) as JSON")
+    o.add_argument("--plot", default=None, help="latency p99 against rate, with the SLO line (PNG)")
+    p.set_defaults(func=plan_main)
+
+
+def plan_main(args: Any) -> int:
+    import json
+
+    from tokenmill.bench.lengths import parse_length
+    from tokenmill.bench.stats import parse_slo
+    from tokenmill.bench.workloads import SyntheticConfig
+
+    try:
+        cands = [Candidate.parse(c) for c in args.candidate]
+        slo = parse_slo(args.slo)
+        if not slo:
+            raise ValueError("--slo needs at least one target")
+        settings = PlanSettings(slo=slo, max_error_rate=args.max_error_rate, rate_min=args.rate_min,
+                                rate_max=args.rate_max, precision=args.precision,
+                                probe_requests=args.probe_requests, probe_seconds=args.probe_seconds,
+                                cost_per_hour=args.cost_per_hour, peak_rate=args.peak_rate,
+                                verify_seconds=args.verify)
+        if not 0 < settings.rate_min <= settings.rate_max or settings.precision <= 0:
+            raise ValueError("need 0 < --rate-min <= --rate-max and --precision > 0")
+        workload = BenchConfig(
+            shapes=[], synthetic=SyntheticConfig(parse_length(args.input_len or "256"),
+                                                 parse_length(args.output_len or "64"), args.prefix_len,
+                                                 args.num_prefixes, args.prefix_pick),
+            dataset=args.dataset, trace=args.trace, output_len=parse_length(args.output_len or "64"),
+            seed=args.seed, timeout=args.timeout)
+    except ValueError as exc:
+        print(f"tokenmill plan: {exc}", file=sys.stderr)
+        return 2
+    target = Target("", args.model or "", args.endpoint, args.api_key)
+    plans = run(cands, target, args.tokenizer, workload, settings,
+                log=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.eval_result:
+        try:
+            apply_eval(plans, args.eval_result)
+        except (OSError, ValueError) as exc:
+            print(f"tokenmill plan: --eval-result: {exc}", file=sys.stderr)
+    print(table(plans, settings))
+    doc = to_dict(plans, settings)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+    if args.plot:
+        write_plot(doc, args.plot)
+    return 1 if any(p.error for p in plans) else 0
+
+
+def write_plot(doc: dict[str, Any], path: str) -> None:
+    """p99 of each SLO latency against the probed rate, one line per candidate, the SLO dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slo = doc["settings"]["slo"]
+    fig, axes = plt.subplots(1, len(slo), figsize=(5 * len(slo), 4), squeeze=False)
+    for ax, (key, limit) in zip(axes[0], slo.items()):
+        for cand in doc["candidates"]:
+            pts = sorted((p["rate"], p["p99"].get(key)) for p in cand["probes"] if p["p99"].get(key) is not None)
+            if pts:
+                ax.plot([r for r, _ in pts], [v for _, v in pts], marker="o", label=cand["name"])
+        ax.axhline(limit, linestyle="--", color="red", label=f"SLO {limit:g} s")
+        ax.set_xscale("log")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(f"{key} p99 (s)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

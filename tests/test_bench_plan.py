@@ -1,0 +1,80 @@
+"""`tokenmill plan`: the rate search against a server of known capacity, and the report's sums."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fake_openai_server import FakeConfig, FakeServer  # noqa: E402
+
+from tokenmill.bench.plan import Candidate, p99_interval  # noqa: E402
+
+
+def test_candidate_parsing_and_p99_interval() -> None:
+    c = Candidate.parse('int4=--quantization int4 --max-num-seqs 32')
+    assert c.serve_args == ["--quantization", "int4", "--max-num-seqs", "32"] and c.url is None
+    assert Candidate.parse("live=http://127.0.0.1:8001").url == "http://127.0.0.1:8001"
+    with pytest.raises(ValueError):
+        Candidate.parse("no-name")
+    assert p99_interval([0.1] * 10) is None  # too few samples for a bound
+    lo, hi = p99_interval([i / 1000 for i in range(1000)])
+    assert lo < 0.99 < hi and hi - lo < 0.02
+
+
+def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
+    """One request at a time, 20 tokens in 0.115 s: about 8.7 req/s at most; a TTFT SLO of 0.3 s
+    holds somewhat below that (queueing grows near saturation) and fails well above."""
+    from tokenmill.entrypoints.cli import main
+
+    out, plot = tmp_path / "plan.json", tmp_path / "plan.png"
+    with FakeServer(FakeConfig(ttft=0.02, itl=0.005, slots=1)) as srv:
+        rc = main(["plan", "--candidate", f"fake={srv.url}", "--slo", "ttft=0.3", "--rate-min", "4",
+                   "--rate-max", "32", "--precision", "0.3", "--probe-requests", "16", "--probe-seconds", "1",
+                   "--input-len", "16", "--output-len", "20", "--cost-per-hour", "3.6", "--peak-rate", "50",
+                   "--verify", "1", "--output", str(out), "--plot", str(plot)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    cand = json.loads(out.read_text())["candidates"][0]
+    rate, failing = cand["sustainable_rate"], cand["failing_rate"]
+    assert 4 <= rate < failing <= 32 and failing / rate - 1 <= 0.3
+    assert rate <= 8.7 * 1.15 and failing >= 4, (rate, failing)
+    good = [p for p in cand["probes"] if p["passed"]]
+    assert all(p["p99"]["ttft"] <= 0.3 for p in good)
+    assert all(p["p99"]["ttft"] > 0.3 or p["errors"] > 0.01 for p in cand["probes"] if not p["passed"])
+    # the report's sums reproduce from its inputs
+    assert cand["cost_per_1k_successful"] == pytest.approx(3.6 / 3600 / cand["goodput"] * 1000)
+    assert cand["replicas"] == math.ceil(50 / rate)
+    assert cand["limiting_factor"] and "sustainable rate" in text and plot.stat().st_size > 1000
+    # --verify reran the chosen rate (near capacity it may hold or not; the table says which)
+    assert cand["verify"]["rate"] == rate and cand["verify"]["requests"] >= 16
+    assert ("SLO held" if cand["verify"]["passed"] else "SLO missed") in text
+
+
+def test_judge_and_limiting_factor() -> None:
+    """A probe's verdict from its records, and what limits it: the server's latency split, or the KV
+    pool when it filled."""
+    from tokenmill.bench import server_metrics as sm
+    from tokenmill.bench.loadgen import PointRun
+    from tokenmill.bench.plan import PlanSettings, _limiting, judge
+    from tokenmill.bench.runner import PointResult
+    from tokenmill.bench.stats import summarize
+    from tokenmill.bench.types import RequestRecord
+
+    recs = [RequestRecord(index=i, start=0.1 * i, ok=i != 0, ttft=0.1 + 0.01 * i, e2e=0.5, output_tokens=10)
+            for i in range(40)]
+    run = PointRun(records=recs)
+    point = PointResult("rate=4/s", {}, summarize(recs, {"ttft": 0.5}), run,
+                        server=sm.ServerDelta(kv_usage_max=0.5, waiting_mean=2.2),
+                        breakdown={"queueing": 0.05, "prefill": 0.3, "decode": 0.1})
+    settings = PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.05)
+    p = judge(point, 4.0, settings)
+    assert p.passed and p.errors == pytest.approx(1 / 40) and p.p99["ttft"] == pytest.approx(0.4862, abs=1e-3)
+    assert _limiting(p) == "prefill"
+    assert not judge(point, 4.0, PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.0)).passed  # 1 error of 40
+    assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
+    point.server.kv_usage_max = 0.97
+    assert _limiting(judge(point, 4.0, settings)) == "KV pressure"
