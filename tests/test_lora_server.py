@@ -144,3 +144,38 @@ def test_hot_load_while_streams_run(app, made):
     assert max(end for _, end in ends) > loaded  # the load happened while streams ran
     assert took < 5.0  # within 1 s when the machine is not shared; generous here
     assert call(app, "POST", "/v1/unload_lora_adapter", {"lora_name": "hot2"}).status_code == 200
+
+
+def test_lora_requests_info_gauge(app):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.router.models import resident_from_metrics
+
+    state = app.state.tokenmill
+
+    async def scrape_while_held():
+        adapter_id = await state.adapters.acquire("b")  # a request holding b, not started yet
+        try:
+            waiting = call_text()
+            state.adapters.started(adapter_id)
+            running = call_text()
+        finally:
+            state.adapters.release(adapter_id, started=True)
+        return waiting, running
+
+    def call_text():
+        return state.metrics.render().decode()
+
+    waiting, running = asyncio.run(scrape_while_held())
+
+    def info(text):
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "vllm:lora_requests_info":
+                    return s.labels
+        raise AssertionError("no vllm:lora_requests_info")
+
+    assert info(waiting) == {"running_lora_adapters": "", "waiting_lora_adapters": "b", "max_lora": "2"}
+    assert info(running) == {"running_lora_adapters": "b", "waiting_lora_adapters": "", "max_lora": "2"}
+    assert "b" in resident_from_metrics(text_string_to_metric_families(running))
+    assert info(call_text())["running_lora_adapters"] == ""

@@ -68,6 +68,7 @@ class Adapter:
     resident: bool = False
     loading: bool = False
     active: int = 0  # requests holding it (acquire .. release)
+    running: int = 0  # of those, the ones the engine has started (their first output arrived)
     removed: bool = False  # unloaded by name; its tensors go when its last request ends
     requests: int = 0  # served so far
 
@@ -174,10 +175,24 @@ class AdapterManager:
         self._lru.move_to_end(adapter.adapter_id)
         return adapter.adapter_id
 
-    def release(self, adapter_id: int) -> None:
+    def started(self, adapter_id: int) -> None:
+        """A request holding the adapter got its first output: it runs (metrics)."""
         adapter = self._by_id.get(adapter_id)
         if adapter is not None:
+            adapter.running += 1
+
+    def release(self, adapter_id: int, started: bool = False) -> None:
+        adapter = self._by_id.get(adapter_id)
+        if adapter is not None:
+            if started:
+                adapter.running -= 1
             self._drop(adapter)
+
+    def request_counts(self) -> tuple[list[str], list[str]]:
+        """Names of the adapters with running requests, and with waiting ones (vLLM's
+        ``lora_requests_info`` labels)."""
+        holders = [a for a in self._by_id.values() if a.active > 0]
+        return ([a.name for a in holders if a.running > 0], [a.name for a in holders if a.active > a.running])
 
     def _drop(self, adapter: Adapter) -> None:
         adapter.active -= 1
@@ -238,3 +253,28 @@ class AdapterManager:
                 await asyncio.wait_for(cond.wait(), timeout=min(timeout, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+
+class LoraRequestsInfo:
+    """vLLM's ``vllm:lora_requests_info`` gauge: which adapters have running and waiting
+    requests and how many may be resident, as labels (the value is the time of the
+    scrape); what a gateway reads to prefer a replica with an adapter resident."""
+
+    def __init__(self, manager: AdapterManager) -> None:
+        self.manager = manager
+
+    def collect(self) -> Any:
+        import time
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        running, waiting = self.manager.request_counts()
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                   labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        family.add_metric([",".join(running), str(self.manager.state.max_loras), ",".join(waiting)], time.time())
+        yield family
+        resident = GaugeMetricFamily("tokenmill:lora_resident_info", "LoRA adapters resident now (labels; "
+                                     "the value is their count).", labels=["resident_lora_adapters"])
+        names = self.manager.resident_names()
+        resident.add_metric([",".join(names)], len(names))
+        yield resident

@@ -129,6 +129,10 @@ class ServerState:
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
         self.adapters = _adapter_manager(aengine, settings)  # LoRA adapters (engine/adapters.py), or None
+        if self.adapters is not None:
+            from ..engine.adapters import LoraRequestsInfo
+
+            self.metrics.vllm.register(LoraRequestsInfo(self.adapters))
         # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
         self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
         self.tenant_gate = TenantGate(settings.retry_after_s)
@@ -381,6 +385,8 @@ class ServerState:
                 ntok = len(delta.token_ids)
                 if first_token is None:
                     first_token = now
+                    if adapter and self.adapters is not None:
+                        self.adapters.started(adapter)
                     cached = delta.num_cached_tokens
                     self._classify_miss(job, cached)
                     if job.held:
@@ -417,7 +423,7 @@ class ServerState:
             self._live.pop(job.request_id, None)
             self._cut.discard(job.request_id)
             if adapter and self.adapters is not None:
-                self.adapters.release(adapter)
+                self.adapters.release(adapter, started=first_token is not None)
             # abort first: it is synchronous, so a cancellation arriving at the
             # await below cannot skip it
             if not done:
