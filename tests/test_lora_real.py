@@ -13,7 +13,16 @@ pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")
 
 
-def test_bundled_model_with_one_adapter(real_loaded, real_tokenizer, bundled_model_path, tmp_path):
+@pytest.fixture()
+def one_thread():
+    """One thread: on a loaded machine two threads spend most of their time waiting for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bundled_model_with_one_adapter(real_loaded, real_tokenizer, bundled_model_path, tmp_path, one_thread):
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(bundled_model_path)
     base = transformers.AutoModelForCausalLM.from_pretrained(
@@ -29,16 +38,16 @@ def test_bundled_model_with_one_adapter(real_loaded, real_tokenizer, bundled_mod
     prompt = real_tokenizer.encode("The capital of France is")
     with torch.no_grad():
         ids = torch.tensor([prompt])
-        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                              do_sample=False)[0, len(prompt):].tolist()
         with model.disable_adapter():
-            ref_base = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+            ref_base = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
                                       do_sample=False)[0, len(prompt):].tolist()
     assert ref != ref_base
     llm = LLM(loaded_model=real_loaded, tokenizer=real_tokenizer, dtype="float32", quantization="none",
-              kv_cache_memory="128MiB", enable_lora=True, max_lora_rank=8)
+              kv_cache_memory="128MiB", enable_lora=True, max_lora_rank=8, num_threads=1)
     llm.load_lora("fr", str(tmp_path / "adapter"))
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([prompt, prompt], params, lora=["fr", None])
     assert outs[0].outputs[0].token_ids == ref
     assert outs[1].outputs[0].token_ids == ref_base
