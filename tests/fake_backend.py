@@ -11,7 +11,9 @@ It simulates what matters to a router and nothing else:
   `..._waiting`, `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total`,
   `vllm:prefix_cache_hits_total` in tokens, `vllm:cache_config_info`);
 - SSE streaming in OpenAI's wire format, `/tokenize`, `/reset_prefix_cache`,
-  `/health` (which `POST /admin/health {"healthy": false}` can fail).
+  `/health` (which `POST /admin/health {"healthy": false}` can fail);
+- a request whose prompt contains ``CRASH_WORD`` kills the process (SIGKILL),
+  as a request that crashes a real server would.
 
 Its "tokenizer" maps each whitespace-separated word to a stable id.
 
@@ -47,6 +49,9 @@ class FakeConfig:
     prefill_s_per_token: float = 0.0002
     decode_s_per_token: float = 0.002
     default_max_tokens: int = 8
+
+
+CRASH_WORD = "__crash_this_backend__"
 
 
 def tokenize(text: str) -> list[int]:
@@ -156,6 +161,8 @@ def make_app(cfg: FakeConfig) -> FastAPI:
             return JSONResponse({"error": {"message": "rejected", "type": "server_error", "param": None,
                                            "code": engine().reject_status}}, status_code=engine().reject_status)
         text = chat_text(body.get("messages", [])) if chat else str(body.get("prompt", ""))
+        if CRASH_WORD in text:
+            os.kill(os.getpid(), signal.SIGKILL)
         tokens = tokenize(text)
         max_tokens = int(body.get("max_tokens") or cfg.default_max_tokens)
         rid = f"{cfg.name}-{time.monotonic_ns()}"
@@ -179,7 +186,19 @@ def make_app(cfg: FakeConfig) -> FastAPI:
                 yield f"data: {json.dumps({'id': rid, 'object': obj, 'model': cfg.model, 'choices': [choice(None, 'length')], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-        text_out = "".join([p async for p in gen])
+        async def collect() -> str:
+            return "".join([p async for p in gen])
+
+        # as the real server does: a client that hangs up stops the generation
+        work = asyncio.ensure_future(collect())
+        while not work.done():
+            await asyncio.wait({work}, timeout=0.05)
+            if not work.done() and await request.is_disconnected():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                await gen.aclose()
+                return JSONResponse({}, status_code=499)
+        text_out = work.result()
         if chat:
             ch = {"index": 0, "message": {"role": "assistant", "content": text_out}, "finish_reason": "length"}
         else:

@@ -305,3 +305,47 @@ def test_wrong_keys_slow_down_sign_in_per_client(keyed):
     t = LoginThrottle(max_delay_s=60)
     delays = [t.failed("c") for _ in range(12)]
     assert delays[:3] == [0, 0, 0] and delays[3:6] == [1, 2, 4] and delays[-1] == 60
+
+
+def _throttled_after_spoofed_addresses(app: Any, trusted: str | None) -> list[int]:
+    """Six wrong sign-ins, each claiming another X-Forwarded-For, through the server's own uvicorn config."""
+    import argparse
+    import threading
+    import time as _time
+
+    import httpx
+    import uvicorn
+
+    from fake_backend import free_port
+    from tokenmill.entrypoints.lifecycle import _uvicorn_config
+
+    args = argparse.Namespace(host="127.0.0.1", port=free_port(), uvicorn_log_level="warning", root_path="",
+                              ssl_keyfile=None, ssl_certfile=None, forwarded_allow_ips=trusted)
+    server = uvicorn.Server(_uvicorn_config(args, app))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        _time.sleep(0.02)
+    try:
+        url = f"http://127.0.0.1:{args.port}"
+        statuses = []
+        for i in range(6):
+            r = httpx.post(url + "/ui/login", data={"key": "wrong"}, follow_redirects=False,
+                           headers={"Origin": url, "X-Forwarded-For": f"203.0.113.{i}"})
+            statuses.append(r.status_code)
+        return statuses
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_the_sign_in_throttle_ignores_x_forwarded_for_unless_the_proxy_is_trusted():
+    app = _app(KEY)
+    try:
+        statuses = _throttled_after_spoofed_addresses(app, None)
+        assert 429 in statuses, statuses  # one address (the peer's) whatever the header says
+        app.state.console_sessions.throttle.succeeded("127.0.0.1")
+        trusted = _throttled_after_spoofed_addresses(app, "127.0.0.1")
+        assert trusted == [401] * 6, trusted  # a trusted proxy's header names six different clients
+    finally:
+        app.state.tokenmill.aengine.shutdown()

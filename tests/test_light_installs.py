@@ -71,7 +71,8 @@ def test_endpoint_picker_without_grpc_says_which_extra(tmp_path):
 
 # import name -> distribution name, where they differ
 DISTRIBUTIONS = {"yaml": "pyyaml", "google": "protobuf", "envoy": "xds-protos", "grpc": "grpcio",
-                 "grpc_health": "grpcio-health-checking", "prometheus_client": "prometheus-client", "zmq": "pyzmq"}
+                 "grpc_health": "grpcio-health-checking", "prometheus_client": "prometheus-client", "zmq": "pyzmq",
+                 "opentelemetry": "opentelemetry-sdk"}
 
 
 def _imported_packages() -> dict[str, set[str]]:

@@ -63,14 +63,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-def _prompts(n: int = 4, length: int = 40) -> list[list[int]]:
+def _prompts(n: int = 3, length: int = 40) -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(1, TINY_VOCAB - 1, (length + 5 * i,), generator=g).tolist() for i in range(n)]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
-    """(name, transformers model, tokenmill LoadedModel of its saved folder)."""
+    """(name, transformers model, tokenmill LoadedModel of its saved folder, transformers'
+    greedy tokens for ``_prompts()``)."""
     torch.manual_seed(0)
     model = FAMILIES[request.param]().float().eval()
     _randomize(model, 1)
@@ -78,7 +79,7 @@ def family(request, tmp_path_factory):
     model.save_pretrained(folder)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return request.param, model, load_model(str(folder))
+    return request.param, model, load_model(str(folder)), _reference(model, _prompts(), GREEDY.max_tokens)
 
 
 def _reference(model, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -91,7 +92,7 @@ def _reference(model, prompts: list[list[int]], new: int) -> list[list[int]]:
     return out
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def _llm(loaded, **options) -> LLM:
@@ -106,16 +107,15 @@ def _tokens(outputs) -> list[list[int]]:
 
 
 def test_greedy_equals_transformers_cold_warm_batched_preempted(family):
-    name, model, loaded = family
+    name, _model, loaded, expected = family
     prompts = _prompts()
-    expected = _reference(model, prompts, GREEDY.max_tokens)
     llm = _llm(loaded)
     assert _tokens(llm.generate(prompts[:1], GREEDY)) == expected[:1]  # alone, cold
     warm = llm.generate(prompts, GREEDY)  # batched; the first prompt's blocks are cached
     assert warm[0].num_cached_tokens > WINDOW
     assert _tokens(warm) == expected, name
     # A pool too small for the batch: preemption by recompute, no prefix cache.
-    squeezed = _llm(loaded, num_blocks=40, enable_prefix_caching=False, max_num_seqs=4)
+    squeezed = _llm(loaded, num_blocks=26, enable_prefix_caching=False, max_num_seqs=3)
     assert _tokens(squeezed.generate(prompts, GREEDY)) == expected
     assert squeezed.engine.total_preemptions > 0
     squeezed.engine.check_idle_invariants()
@@ -124,9 +124,9 @@ def test_greedy_equals_transformers_cold_warm_batched_preempted(family):
 def test_backends_agree(family, monkeypatch):
     """The reference attention (fresh gathers) gives the same tokens as the engine's choice,
     and small prefill chunks (windows cut across chunk and block edges) change nothing."""
-    name, model, loaded = family
-    prompts = _prompts(2)
-    expected = _reference(model, prompts, 8)
+    _name, _model, loaded, expected = family
+    prompts = _prompts()[:2]
+    expected = [tokens[:8] for tokens in expected[:2]]  # greedy output is prefix-consistent
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     chunked = _llm(loaded, max_num_batched_tokens=7)
     assert _tokens(chunked.generate(prompts, params)) == expected
@@ -137,7 +137,7 @@ def test_backends_agree(family, monkeypatch):
 
 
 def test_attention_masks_choose_the_backend(family):
-    name, _model, loaded = family
+    name, _model, loaded, _expected = family
     llm = _llm(loaded)
     masks = llm.engine.model.attention_masks()
     runner = llm.engine.runner
@@ -163,12 +163,12 @@ def test_unsupported_rope_scaling_is_one_clear_line():
 def test_last_position_logits_match(family):
     """Logits, not just their argmax: Gemma 2's final soft-capping is monotonic, so only the
     values show it."""
-    _name, model, loaded = family
+    _name, model, loaded, _expected = family
     llm = _llm(loaded)
     engine = llm.engine
     from tokenmill.engine.request import Request
 
-    for ids in _prompts(2):
+    for ids in _prompts()[:1]:
         req = Request("logits", ids, SamplingParams(max_tokens=1), max_tokens=1)
         req.block_table = engine.pool.allocate(-(-len(ids) // engine.block_size))
         try:
@@ -228,3 +228,82 @@ def test_two_ranks_match_transformers(name, tmp_path):
     with LLM(str(tmp_path), tokenizer=tiny_tokenizer(), tensor_parallel_size=2, num_threads=1, num_blocks=64,
              block_size=4, max_model_len=128) as llm:
         assert _tokens(llm.generate(prompts, params)) == _reference(model, prompts, 8)
+
+
+# --------------------------------------------------------------------------- the same families from GGUF files
+
+
+def _gguf_of(model, path: str, arch: str) -> None:
+    """``model``'s weights as llama.cpp's converter writes them: its tensor names, Gemma's
+    norms stored as 1 + w, Phi-3's q/k/v and gate/up fused, long-RoPE factors as tensors."""
+    import gguf
+    import numpy as np
+
+    from tokenmill.model import loader
+
+    cfg = model.config
+    per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
+    family = "gemma" if arch.startswith("gemma") else arch
+    per_layer |= {v: k for k, v in loader._GGUF_ARCH_LAYER_NAMES.get(family, {}).items()}
+    top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        w.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
+    if rope.get("rope_type") == "longrope":
+        w.add_uint32("phi3.rope.scaling.original_context_length", cfg.original_max_position_embeddings)
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()
+          if k != "lm_head.weight" or not cfg.tie_word_embeddings}
+    for name, value in sd.items():
+        if family == "gemma" and name.endswith("norm.weight"):
+            value = value + 1.0
+        if name in top:
+            w.add_tensor(top[name], np.ascontiguousarray(value))
+            continue
+        _, _, idx, rest = name.split(".", 3)
+        w.add_tensor(f"blk.{idx}.{per_layer[rest]}", np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _gemma3_llama_cpp():
+    """A Gemma 3 with the settings llama.cpp keeps as constants: every 6th layer global,
+    local RoPE base 10000, queries scaled by the head size."""
+    cfg = transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=6, sliding_window=WINDOW, query_pre_attn_scalar=16,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("arch,make", [("gemma3", _gemma3_llama_cpp), ("gemma2", _gemma2),
+                                       ("phi3", lambda: _phi3(window=None, longrope=True))])
+def test_gguf_files_equal_transformers(arch, make, tmp_path):
+    torch.manual_seed(0)
+    model = make().float().eval()
+    _randomize(model, 3)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, 0
+    path = str(tmp_path / "tiny.gguf")
+    _gguf_of(model, path, arch)
+    loaded = load_model(path)
+    prompts = _prompts(2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert _tokens(_llm(loaded).generate(prompts, params)) == _reference(model, prompts, 8)

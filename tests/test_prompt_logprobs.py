@@ -158,3 +158,32 @@ def test_numbers_do_not_depend_on_chunking_or_cache(budget: int, length: int, wa
 def _one_shot():
     """One engine whose budget takes every prompt here in a single step."""
     return make_tiny_llm(max_num_batched_tokens=256)
+
+
+def test_n_sequences_score_their_shared_prompt_once(monkeypatch):
+    """Prompt logprobs with n=8: the prompt's rows are scored once (the first sequence; the
+    others wait for it and then read its blocks from the prefix cache), every sequence
+    gets the same list, equal to n=1's."""
+    import tokenmill.engine.prompt_logprobs as module
+
+    scored_rows: list[int] = []
+    compute = module.compute
+
+    def counting(model, hidden, plans):
+        scored_rows.extend(p.count for p in plans)
+        return compute(model, hidden, plans)
+
+    monkeypatch.setattr(module, "compute", counting)
+    llm = make_tiny_llm()
+    prompt = _prompts(1, 60, 60, seed=11)[0]
+    single = llm.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=2, temperature=0.0))[0]
+    assert sum(scored_rows) == len(prompt) - 1
+    scored_rows.clear()
+    many = llm.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=2, temperature=0.8, n=8,
+                                                 seed=5))[0]
+    assert sum(scored_rows) == len(prompt) - 1, scored_rows  # once, not 8 times
+    assert len(many.outputs) == 8 and len({tuple(o.token_ids) for o in many.outputs}) > 1
+    for a, b in zip(single.prompt_logprobs[1:], many.prompt_logprobs[1:]):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOL
+    engine = llm.engine
+    assert engine.pool.usage == 0 or not engine.has_unfinished()

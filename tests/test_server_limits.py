@@ -225,3 +225,26 @@ def test_heap_housekeeping(monkeypatch):
     trimmer = HeapTrimmer(interval_s=0.01).start()
     time.sleep(0.05)
     trimmer.stop()
+
+
+def test_the_default_waiting_queue_is_sized_to_the_pool():
+    from tokenmill.entrypoints.serving import default_max_waiting
+
+    assert default_max_waiting(num_blocks=10_000, max_num_seqs=64) == 256  # four batches
+    assert default_max_waiting(num_blocks=100, max_num_seqs=64) == 100  # no more than the pool's blocks
+    assert default_max_waiting(num_blocks=16, max_num_seqs=64) == 64  # at least one batch
+    app = make_tiny_app({"num_blocks": 96, "max_num_seqs": 16})  # no --max-waiting given
+    try:
+        state = app.state.tokenmill
+        assert state.settings.max_waiting == 64
+        body = {"prompt": ["a", "b", "c", "d", "e"], "n": 16, "max_tokens": 1}  # 80 sequences
+        import asyncio
+
+        async def send() -> httpx.Response:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await c.post("/v1/completions", json=body)
+
+        resp = asyncio.run(send())
+        assert resp.status_code == 400 and _error(resp)["code"] == "too_many_sequences"
+    finally:
+        app.state.tokenmill.aengine.shutdown()

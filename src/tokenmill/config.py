@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .engine.grammar_limits import GrammarLimits
 from .options import KernelOptions
 
 DTYPES: dict[str, torch.dtype] = {
@@ -162,6 +163,7 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' compile bounds
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # How steps run (kernels, attention backend, step executors): read from the

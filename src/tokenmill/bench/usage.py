@@ -177,7 +177,7 @@ def usage_main(args: argparse.Namespace) -> int:
 
 
 def add_usage_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("usage", help="per-tenant usage and cost from a server's /metrics or a capture",
+    p = subparsers.add_parser("usage", allow_abbrev=False, help="per-tenant usage and cost from a server's /metrics or a capture",
                               description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--metrics", metavar="URL_OR_FILE", help="a server (http://host:port) or a saved /metrics scrape")

@@ -74,6 +74,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     the model, the KV pool and every part of an engine on it."""
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache),
                                  scheduler=dataclasses.replace(config.scheduler))
+    # what can be wrong with the configuration is said now, not after minutes of loading
+    config.speculative_config = SpeculativeConfig.parse(config.speculative_config)
+    problems = config.grammar_limits.problems()
+    if problems:
+        raise ValueError("grammar limits: " + "; ".join(problems))
     torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
     device = torch.device(config.device)
     dtype_choice = _resolve_before_load(config, device)
@@ -116,7 +121,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
         block_size=block_size, prefix_cache=prefix_cache, pool=pool,
         scheduler=Scheduler(config.scheduler, block_size, pool, prefix_cache, device_type=device.type),
         runner=runner,
-        structured=StructuredOutputs(tokenizer, loaded.config.vocab_size, sorted(tokenizer.eos_token_ids)),
+        structured=StructuredOutputs(tokenizer, loaded.config.vocab_size, sorted(tokenizer.eos_token_ids),
+                                     limits=config.grammar_limits),
         speculator=build_speculator(config, loaded.config.vocab_size, device, max_len, kernels, tokenizer))
 
 

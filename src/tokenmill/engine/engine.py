@@ -50,6 +50,8 @@ class SequenceDelta:
     # Once per sequence, in the first delta after the whole prompt is scored
     # (requests with SamplingParams.prompt_logprobs): one entry per prompt token, None first.
     prompt_logprobs: list[Logprob | None] | None = None
+    # Traced requests, in the finished delta: (time, prompt tokens) of each prefill chunk.
+    prefill_chunks: list[tuple[float, int]] | None = None
 
 
 @dataclass(eq=False)
@@ -114,9 +116,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, placement: Placement | None = None,
-                    adapter: int = 0) -> list[Request]:
+                    trace: bool = False, adapter: int = 0) -> list[Request]:
         """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
-        (tenant, class, weight, priority) orders it under the priority and fair policies.
+        (tenant, class, weight, priority) orders it under the priority and fair policies;
+        ``trace``: record its prefill chunks for its trace (the finished delta's);
         ``adapter``: the id of a resident LoRA adapter to run it with (0: the base model)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -146,13 +149,17 @@ class LLMEngine:
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
-                          placement=placement or DEFAULT_PLACEMENT, adapter_id=adapter)
+                          placement=placement or DEFAULT_PLACEMENT, prefill_chunks=[] if trace else None,
+                          adapter_id=adapter)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
                 if params.structured_after:
                     req.pending_grammar, req.grammar = req.grammar, None
             if params.prompt_logprobs is not None:
-                req.prompt_logprobs = [None]  # the first token has no context
+                if group:  # scored once, by the first sequence (Request.prompt_scorer)
+                    req.prompt_scorer = group[0].request
+                else:
+                    req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
                 req.generator = torch.Generator()  # on the CPU, like the engine's (see __init__)
                 req.generator.manual_seed(params.seed + index)
@@ -347,8 +354,9 @@ class LLMEngine:
         new_logprobs = req.output_logprobs[seq.sent_tokens :] if req.params.logprobs is not None else []
         seq.sent_tokens = len(req.output_token_ids)
         prompt_lps = None
-        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not req.wants_prompt_logprobs:
-            prompt_lps = list(req.prompt_logprobs)
+        scorer = req.prompt_scorer or req
+        if req.params.prompt_logprobs is not None and not seq.sent_prompt_logprobs and not scorer.wants_prompt_logprobs:
+            prompt_lps = scorer.prompt_logprobs  # one list for every sequence of the prompt, not a copy each
             seq.sent_prompt_logprobs = True
         metrics: dict[str, float] = {}
         if finished:
@@ -368,6 +376,7 @@ class LLMEngine:
             stop_reason=req.stop_reason if finished else None,
             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
             metrics=metrics, prompt_logprobs=prompt_lps,
+            prefill_chunks=list(req.prefill_chunks) if finished and req.prefill_chunks is not None else None,
         )
 
     def _forget(self, seq: _Sequence) -> None:
@@ -396,9 +405,10 @@ class LLMEngine:
             tier=_tier_snapshot(cache.tier if cache is not None else None))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); with a disk tier, copy
+        """Stop tensor-parallel workers and grammar compile workers; with a disk tier, copy
         the pool's idle cached blocks there and close it, so the next process finds them.
         Idempotent."""
+        self.structured.close()
         if self.parallel is not None:
             self.parallel.close()
         tier = self.prefix_cache.tier if self.prefix_cache is not None else None

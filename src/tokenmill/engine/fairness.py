@@ -7,56 +7,41 @@ waiting request to admit next (``next_to_admit``) and which running request to
 preempt when the pool runs short (``victim``), and tells it what each step
 computed (``charge``). The order decides, in this sequence:
 
-1. **Starvation bound.** A request that has waited ``starvation_bound_s`` or
-   longer goes before every other (the oldest of them first), whatever its
-   class: a low class is slowed under overload, never starved.
-2. **Priority class** (``Placement.priority_class``, a tenant's, 0 first).
-3. **Fair share** (``fair`` policy only): among the tenants of that class with
+1. **Priority class** (``Placement.priority_class``, a tenant's, 0 first). A
+   request that has waited ``starvation_bound_s`` or longer counts as one of
+   the best class waiting and goes first within its tenant (within the class,
+   under ``priority``), one worse-class request at a time (``next_to_admit``):
+   a low class is slowed under overload, never starved, never let to crowd out
+   a better one; the fair share between tenants still holds when everyone has
+   waited long.
+2. **Fair share** (``fair`` policy only): among the tenants of that class with
    a request waiting, the one with the least *virtual service*: the prefill and
    decode tokens computed for it, divided by its weight. A tenant that becomes
    active (its first request since it had none) starts at the least virtual
    service of the active tenants, so idle time is not banked into a burst later
    (the virtual token counter of fair LLM serving).
-4. **The request's ``priority``** (vLLM's field, lower first), within its
+3. **The request's ``priority``** (vLLM's field, lower first), within its
    tenant and class, then **arrival** (and the queue's own order on ties).
 
 Victims go the other way: the lowest class first, then the highest
 ``priority`` value, then the tenant most over its share, then the newest; the
 scheduler offers only requests whose preemption cannot undo a block another
-request took in the same step.
+request took in the same step. When every sequence slot (or the blocks) is taken,
+the request to admit next may displace a running one (``outranks``): of a worse
+class, or, under fair share, of a tenant holding more than its weighted share of
+the slots; it is admitted in the same step, so its wait is one step, not the
+time for a slot to free.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
-from .request import Request
+if TYPE_CHECKING:  # typing only: importing the request module would import torch
+    from .request import Request
 
 POLICIES = ("fcfs", "priority", "fair")
-
-# Priority classes by name, as the keys file and headers spell them (0 goes first).
-PRIORITY_CLASSES = {"critical": 0, "high": 1, "normal": 2, "standard": 2, "low": 3, "batch": 4, "sheddable": 4}
-
-
-def parse_priority_class(value: str | int | None) -> int:
-    """A class name (``PRIORITY_CLASSES``) or a non-negative integer; None: normal."""
-    if value is None:
-        return PRIORITY_CLASSES["normal"]
-    if isinstance(value, bool):
-        raise ValueError(f"priority class must be a name or an integer, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"priority class must be non-negative, got {value}")
-        return value
-    text = str(value).strip().lower()
-    if text.isdigit():
-        return int(text)
-    if text not in PRIORITY_CLASSES:
-        raise ValueError(f"unknown priority class {value!r}; use one of {', '.join(PRIORITY_CLASSES)} "
-                         "or an integer (0 first)")
-    return PRIORITY_CLASSES[text]
-
 
 @dataclass
 class TenantShare:
@@ -108,51 +93,100 @@ class QueueOrder:
     def overdue(self, request: Request, now: float) -> bool:
         return now - request.arrival_time >= self.starvation_bound_s
 
-    def next_to_admit(self, waiting: Sequence[Request], now: float) -> Request | None:
-        """The waiting request to admit next (None when nothing waits)."""
+    def slots(self, running: Iterable[Request]) -> dict[str, int]:
+        """Running sequences per tenant."""
+        slots: dict[str, int] = {}
+        for r in running:
+            slots[r.placement.tenant] = slots.get(r.placement.tenant, 0) + 1
+        return slots
+
+    def _standing(self, tenant: str, slots: Mapping[str, int]) -> tuple[float, float, str]:
+        """A tenant's place in the fair share, least served first: virtual service, then
+        running sequences per unit of weight (a tenant that just became active ties on
+        the first and wins on this one), then its name."""
+        share = self.tenants[tenant]
+        return share.virtual, slots.get(tenant, 0) / share.weight, tenant
+
+    def protected(self, request: Request, now: float) -> bool:
+        """Past the starvation bound and already preempted once: not picked again while
+        anyone else can be, so a request cannot be admitted and preempted forever."""
+        return request.num_preemptions > 0 and self.overdue(request, now)
+
+    def next_to_admit(self, waiting: Sequence[Request], now: float,
+                      running: Iterable[Request] = ()) -> Request | None:
+        """The waiting request to admit next (None when nothing waits); ``running``
+        breaks ties between tenants equally served.
+
+        A request past the starvation bound counts as one of the best class waiting;
+        within its tenant (within the whole class, under ``priority``) it goes first.
+        A worse class is lifted so one request at a time: not while a request of a class
+        worse than the best waiting one, past the bound, runs (one admitted so, or
+        one that aged while running). So a class below others gets a slot whenever it
+        has starved the bound, and no more: a flood of it cannot take the best class's
+        place by ageing."""
         if not waiting:
             return None
-        # Ties keep the queue's own order (a preempted request is back at its front).
-        indexed = list(enumerate(waiting))
-        overdue = [(i, r) for i, r in indexed if self.overdue(r, now)]
-        if overdue:
-            return min(overdue, key=lambda ir: (ir[1].arrival_time, ir[0]))[1]
+        running = list(running)
         top = min(r.placement.priority_class for r in waiting)
-        candidates = [(i, r) for i, r in indexed if r.placement.priority_class == top]
+        lifting = not any(r.placement.priority_class > top and self.overdue(r, now) for r in running)
+
+        def late(r: Request) -> bool:
+            return self.overdue(r, now) and (lifting or r.placement.priority_class == top)
+
+        # Ties keep the queue's own order (a preempted request is back at its front).
+        candidates = [(i, r) for i, r in enumerate(waiting) if r.placement.priority_class == top or late(r)]
         if self.fair_share:
-            tenant = min({r.placement.tenant for _, r in candidates},
-                         key=lambda t: (self.tenants[t].virtual, t))
+            slots = self.slots(running)
+            tenant = min({r.placement.tenant for _, r in candidates}, key=lambda t: self._standing(t, slots))
             candidates = [(i, r) for i, r in candidates if r.placement.tenant == tenant]
-        return min(candidates, key=lambda ir: (ir[1].placement.priority, ir[1].arrival_time, ir[0]))[1]
+
+        def rank(ir: tuple[int, Request]) -> tuple[bool, int, float, int]:
+            i, r = ir
+            if late(r):
+                return False, 0, r.arrival_time, i
+            return True, r.placement.priority, r.arrival_time, i
+
+        return min(candidates, key=rank)[1]
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """The running request to preempt among ``candidates`` (in admission order, the
         newest last): the lowest class, then the highest ``priority`` value, then the
-        tenant furthest over its share, then the newest. Requests past the starvation
-        bound rank above every class and among themselves go newest first, as under
-        FCFS, so the oldest always makes progress (no preempt-and-readmit cycle)."""
+        tenant furthest over its share, then the newest. Protected requests
+        (``protected``) rank above every class and among themselves go newest first,
+        as under FCFS, so the oldest always makes progress."""
         def rank(ir: tuple[int, Request]) -> tuple[int, int, float, float]:
             i, r = ir
-            if self.overdue(r, now):
+            if self.protected(r, now):
                 return -1, 0, 0.0, r.arrival_time
             served = self.tenants[r.placement.tenant].virtual if self.fair_share else 0.0
             return r.placement.priority_class, r.placement.priority, served, i
 
         return max(enumerate(candidates), key=rank)[1]
 
-    def outranks(self, waiting: Request, running: Request, now: float) -> bool:
-        """Whether ``waiting`` may take ``running``'s place when there is no room: only a
-        strictly better class does (fair share between tenants is kept by admission
-        order, not by recompute), and nobody takes the place of a request past the
-        starvation bound."""
-        if self.overdue(running, now):
+    def outranks(self, waiting: Request, running: Request, now: float, slots: Mapping[str, int]) -> bool:
+        """Whether ``waiting`` (the next to admit) may take ``running``'s place when there
+        is no room (``slots``: running sequences per tenant). A request preempted before
+        keeps its place (no request is displaced twice, so nothing swaps back and
+        forth). A better class may take it; under fair share, in the same class, a tenant behind in the
+        fair share (``_standing``, so the victim is not admitted again before it) may
+        take a slot from one that would still hold more slots per unit of weight after
+        the swap."""
+        if running.num_preemptions > 0:
             return False
-        return self.overdue(waiting, now) or waiting.placement.priority_class < running.placement.priority_class
+        w, r = waiting.placement, running.placement
+        if w.priority_class < r.priority_class:
+            return True
+        if not self.fair_share or w.priority_class != r.priority_class or w.tenant == r.tenant:
+            return False
+        if self._standing(w.tenant, slots) >= self._standing(r.tenant, slots):
+            return False
+        return slots.get(r.tenant, 0) / r.weight > (slots.get(w.tenant, 0) + 1) / w.weight
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per tenant: weight, virtual service, tokens computed, sequences in the scheduler."""
+        tenants = dict(self.tenants)  # the engine thread may add one meanwhile
         return {t: {"weight": s.weight, "virtual": s.virtual, "tokens": s.tokens, "active": s.active}
-                for t, s in sorted(self.tenants.items())}
+                for t, s in sorted(tenants.items())}
 
 
 def make_queue_order(policy: str, starvation_bound_s: float) -> QueueOrder | None:

@@ -67,7 +67,7 @@ def smooth_for_int8(model: LlamaForCausalLM, token_ids: list[int], block_size: i
                     device: torch.device, kernels: Kernels) -> int:
     """Calibrate on ``token_ids`` (256-token prefills through a scratch paged cache) and
     fold the smoothing factors into the float model; returns the projections smoothed."""
-    chunk = 256
+    chunk = min(256, model.rope.cos.shape[0])  # within the positions the model was built for
     seqs = [token_ids[i : i + chunk] for i in range(0, min(len(token_ids), smoothquant.CALIBRATION_TOKENS), chunk)]
     seqs = [s for s in seqs if len(s) > 1]
     blocks = -(-chunk // block_size)

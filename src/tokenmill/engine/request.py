@@ -149,7 +149,7 @@ class Placement:
     within them. FCFS ignores it."""
 
     tenant: str = "default"
-    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     priority: int = 0
 
@@ -181,6 +181,9 @@ class Request:
     max_tokens: int = 16  # resolved against the context length
     placement: Placement = DEFAULT_PLACEMENT
     adapter_id: int = 0  # the LoRA adapter it runs with (engine/adapters.py); 0: the base model
+    # Traced requests only (None otherwise, at no cost): (time, prompt tokens) of each prefill
+    # chunk as its step ends, recomputes after a preemption included.
+    prefill_chunks: list[tuple[float, int]] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -212,6 +215,16 @@ class Request:
     # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
     # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
+    # Of a request's n sequences with prompt logprobs only the first scores the prompt; the
+    # others point at it here, wait to be admitted until it is done (then its blocks are in the
+    # prefix cache) and hand on its list: the prompt is computed once, whatever n is.
+    prompt_scorer: "Request | None" = None
+
+    @property
+    def held_for_scorer(self) -> bool:
+        """Waiting for its first sibling to finish scoring the shared prompt."""
+        scorer = self.prompt_scorer
+        return scorer is not None and scorer.wants_prompt_logprobs and not scorer.is_finished
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -233,7 +246,8 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         """Asked for prompt logprobs and not all of them are computed yet. Such a
         request skips the prefix cache: cached positions have no logits."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+        return (self.params.prompt_logprobs is not None and self.prompt_scorer is None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     @property
     def samples(self) -> bool:

@@ -10,7 +10,9 @@ is mostly a cache hit is not stuck behind a long prompt's chunks, and older
 ones go first in admission order, so nobody starves. When the pool runs out, the newest running
 request (or the queue order's victim) is preempted by recompute: its blocks go back (full ones stay in the
 prefix cache, so recompute is often a cache hit) and it re-enters the queue
-at the front. A step that preempted admits nobody new (no thrash).
+at the front. A step that preempted for blocks admits nobody new (no thrash);
+one that preempted to make room for a better-placed waiting request
+(fairness.py) admits it.
 
 In-flight prefix sharing: a burst of requests behind one system prompt or
 document would otherwise each compute the shared blocks that the first one
@@ -326,16 +328,22 @@ class Scheduler:
         # 2. Waiting requests join, FCFS, in a step that preempted nobody. They walk
         #    the prefix cache now, so step 3 knows what is left of their prompts.
         admitted: list[Request] = []
-        if self.order is not None and not batch.preempted:
-            self._make_room(batch)
-        if not batch.preempted:
+        displaced, head = self._make_room(batch) if self.order is not None and not batch.preempted else (None, None)
+        if not batch.preempted or displaced is not None:
             self.policy.begin_step(self.running, self.waiting, now)
             admit_budget = self._budget  # what admitted requests' first chunks will take
             prefilling = self._prefilling([])
             while self.waiting and admit_budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0] if self.order is None else self.order.next_to_admit(self.waiting, now)
+                admissible = [r for r in self.waiting if not r.held_for_scorer]  # see Request.prompt_scorer
+                if not admissible:
+                    break
+                if head is not None and head.held_for_scorer:
+                    head = None
+                request = (admissible[0] if self.order is None else head  # the one room was made for
+                           or self.order.next_to_admit(admissible, now, self.running))
+                head = None
                 assert request is not None
-                if not self.policy.may_admit(request):
+                if request is displaced or not self.policy.may_admit(request):  # not back in its own step
                     break
                 self._match_prefix(request)
                 first_chunk = min(request.num_tokens - request.num_computed_tokens, self._budget)
@@ -465,24 +473,28 @@ class Scheduler:
         return [r for r in self.running if r is newest or all(
             held[b] == 1 for b in r.block_table[r.num_computed_tokens // self.block_size:])]
 
-    def _make_room(self, batch: ScheduledBatch) -> None:
-        """A waiting request of a better class than someone running, with no room to join
-        (no sequence slot, or not the blocks of its first chunk): preempt one running
-        request of a worse class. It joins in the next step (a step that preempted
-        admits nobody)."""
+    def _make_room(self, batch: ScheduledBatch) -> tuple[Request | None, Request | None]:
+        """The request to admit next has no room (no sequence slot, or not the blocks of
+        its first chunk) but outranks someone running (fairness.py: ``outranks``):
+        preempt one such request and return it with the one it made room for; the step
+        then still admits, that one first (the preemption was for it, not for a lack
+        of blocks)."""
         assert self.order is not None
-        head = self.order.next_to_admit(self.waiting, self._now)
-        if head is None or not self.running:
-            return
-        first_chunk = min(head.num_tokens, max(1, self._budget))
+        head = self.order.next_to_admit(self.waiting, self._now, self.running)
+        if head is None or not self.running or self._budget <= 0:
+            return None, None
+        first_chunk = min(head.num_tokens, self._budget)
         if (len(self.running) < self.config.max_num_seqs
                 and -(-first_chunk // self.block_size) <= self.pool.num_available):
-            return
-        worse = [r for r in self._preemptible() if self.order.outranks(head, r, self._now)]
-        if worse:
-            victim = self.order.victim(worse, self._now)
-            self.running.remove(victim)
-            self._evict(batch, victim)
+            return None, None
+        slots = self.order.slots(self.running)
+        worse = [r for r in self._preemptible() if self.order.outranks(head, r, self._now, slots)]
+        if not worse:
+            return None, None
+        victim = self.order.victim(worse, self._now)
+        self.running.remove(victim)
+        self._evict(batch, victim)
+        return victim, head
 
     def _send_back(self, request: Request) -> None:
         """Undo an admission that could not get blocks: back to the queue's front."""
@@ -495,8 +507,10 @@ class Scheduler:
         if self.order is not None:
             self.order.charge(batch.items)
         for request, num_new in batch.items:
-            self.num_prompt_tokens_computed += max(0, min(num_new, request.num_prompt_tokens
-                                                          - request.num_computed_tokens))
+            prompt_new = max(0, min(num_new, request.num_prompt_tokens - request.num_computed_tokens))
+            self.num_prompt_tokens_computed += prompt_new
+            if request.prefill_chunks is not None and prompt_new:  # traced (tracing.py)
+                request.prefill_chunks.append((time.monotonic(), prompt_new))
             # Speculative proposals count once accepted (accept_proposals).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self._cache_full_blocks(request)

@@ -70,41 +70,85 @@ class SpeculativeConfig:
     max_backoff_steps: int = 64
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
-                             f"{', '.join(METHODS)}")
-        if self.method == "ngram" and self.model:
-            raise ValueError("--speculative-config: \"model\" names a draft model, for method 'draft_model'")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("--speculative-config: method 'draft_model' needs \"model\": a local draft model path")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("prompt_lookup_min must be at least 1 and at most prompt_lookup_max")
+        problems = self.problems()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """One line per bad field, each naming it, what it must be and what it was (empty: usable)."""
+        out: list[str] = []
+
+        def integer(name: str, low: int, high: int | None = None) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+                    (high is not None and value > high):
+                span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                out.append(f"--speculative-config: {name} must be an integer {span} (got {value!r})")
+
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            out.append(f"--speculative-config: method {self.method!r} is not supported; choose one of "
+                       f"{', '.join(METHODS)}")
+        integer("num_speculative_tokens", 1, 16)
+        integer("prompt_lookup_max", 1)
+        integer("prompt_lookup_min", 1)
+        integer("max_verify_rows", 1)
+        integer("max_backoff_steps", 0)
+        if not out and self.prompt_lookup_min > self.prompt_lookup_max:
+            out.append("--speculative-config: prompt_lookup_min must be at most prompt_lookup_max "
+                       f"(got {self.prompt_lookup_min} > {self.prompt_lookup_max})")
+        if self.model is not None and not isinstance(self.model, str):
+            out.append(f"--speculative-config: model must be a path (got {self.model!r})")
+        elif self.method == "ngram" and self.model:
+            out.append("--speculative-config: \"model\" names a draft model, for method 'draft_model'")
+        elif self.method == "draft_model" and not self.model:
+            out.append("--speculative-config: method 'draft_model' needs \"model\": a local draft model path")
+        if isinstance(self.draft_kv_cache_memory, bool) or not isinstance(self.draft_kv_cache_memory, (str, int)):
+            out.append("--speculative-config: draft_kv_cache_memory must be a size such as \"512MiB\" "
+                       f"(got {self.draft_kv_cache_memory!r})")
+        return out
 
     @classmethod
     def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
-        """From the JSON text of ``--speculative-config`` (or a dict)."""
+        """From the JSON text of ``--speculative-config`` (or a dict); ValueError naming every bad field."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        problems = cls.check(value)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cls(**cls._fields_of(value))
+
+    @classmethod
+    def check(cls, value: Any) -> list[str]:
+        """Every problem of a ``--speculative-config`` value, one line each (before any model loads)."""
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
+                return [f"--speculative-config is not JSON: {exc}"]
         if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
-        known = {f for f in cls.__dataclass_fields__}
+            return ["--speculative-config must be a JSON object"]
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"--speculative-config: unknown keys {', '.join(unknown)}")
+            return [f"--speculative-config: unknown keys {', '.join(map(repr, unknown))} "
+                    f"(known: {', '.join(sorted(known))})"]
+        fields = cls._fields_of(value)
+        probe = object.__new__(cls)  # the fields as given, checked without __post_init__ raising
+        for name, default in ((f, cls.__dataclass_fields__[f].default) for f in known):
+            object.__setattr__(probe, name, fields.get(name, default))
+        return probe.problems()
+
+    @staticmethod
+    def _fields_of(value: Any) -> dict[str, Any]:
+        if isinstance(value, str):
+            value = json.loads(value)
         value = dict(value)
         if value.get("model") in ("[ngram]", "ngram", ""):  # vLLM's older spelling of the n-gram method
             value.pop("model")
             value.setdefault("method", "ngram")
         elif value.get("model") and "method" not in value:
             value["method"] = "draft_model"
-        return cls(**value)
+        return value
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_max: int, n_min: int) -> list[int]:

@@ -26,21 +26,28 @@ rejected proposal leaves nothing to undo.
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import torch
+from .grammar_limits import GrammarLimits, GrammarTooLarge, check_text
+from .grammar_worker import GrammarBusy, GrammarRefused, GrammarWorkers, Vetted, digest
+
+if TYPE_CHECKING:  # torch is imported where masks are made: the compile worker process never needs it
+    import torch
 
 GrammarKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
 # JSON without free whitespace: a small model left free to emit whitespace
 # inside an object can loop on newlines until max_tokens.
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_CACHE_SIZE = 128
+COMPILE_STACK_BYTES = 64 << 20  # the server's compile thread: far more than the worker's test stack
+_VETTED = 65536  # digests of grammars a worker compiled, remembered
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,8 @@ class StepMasks:
 
     def select(self, requests: Sequence[Any]) -> torch.Tensor:
         """The first row of each of ``requests``, in order."""
+        import torch
+
         order = torch.tensor([self.first_row[id(r)] for r in requests], dtype=torch.long)
         return self.rows.index_select(0, order)
 
@@ -238,19 +247,29 @@ class GrammarError(ValueError):
 class StructuredOutputs:
     """Compiles grammars for one tokenizer and fills batches of token masks.
 
-    Thread-safe for ``compile`` (the server validates requests on its own
-    threads while the engine thread runs)."""
+    A grammar this process has not compiled before is compiled first by a
+    worker process under ``limits`` (grammar_worker.py: a crash or a timeout
+    there refuses the grammar, nothing else), then here, on one compile
+    thread with a large stack and a lower CPU priority than the engine.
+    Compiled templates are kept up to ``limits.cache_bytes`` of their measured
+    size. Thread-safe for ``compile`` and ``prepare`` (the server validates
+    requests on its own threads while the engine thread runs)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
-                 num_threads: int = 2) -> None:
+                 num_threads: int = 2, limits: GrammarLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self.limits = limits or GrammarLimits()
         self._num_threads = num_threads
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._executor: Any = None
-        self._templates: OrderedDict[str, Any] = OrderedDict()
+        self._templates: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (template, bytes)
+        self.cache_bytes = 0
+        self._vetted: OrderedDict[bytes, int] = OrderedDict()  # digest -> measured bytes
+        self._workers: GrammarWorkers | None = None
+        self._compiler: _CompileThread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.words = (vocab_size + 31) // 32
         # what masks cost: time spent filling them, and the part of it the step waited for
@@ -270,49 +289,118 @@ class StructuredOutputs:
                 self._executor = llguidance.LLExecutor(self._num_threads)
             return self._ll_tokenizer
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """A fresh matcher for ``spec``; raises GrammarError naming what cannot be enforced."""
-        import llguidance
+    @property
+    def workers(self) -> GrammarWorkers:
+        with self._lock:
+            if self._workers is None:
+                setup = {"tokenizer": self._tokenizer.backend.to_str(), "n_vocab": self.vocab_size,
+                         "eos": self.eos_token_ids}
+                self._workers = GrammarWorkers(setup, self.limits)
+            return self._workers
 
+    def prepare(self, spec: GrammarSpec) -> "Future[Any]":
+        """Start compiling ``spec`` without waiting: a future of its template (cached
+        once done). Raises GrammarError at once for a grammar over the size limits
+        and GrammarBusy when the compile queue is full."""
         key = spec.key()
         with self._lock:
-            template = self._templates.get(key)
-            if template is not None:
+            entry = self._templates.get(key)
+            if entry is not None:
                 self._templates.move_to_end(key)
-                return template.deep_copy()
+            vetted = digest(key) in self._vetted
+        done: Future[Any] = Future()
+        if entry is not None:
+            done.set_result(entry[0])
+            return done
         try:
-            tok = self._tok()
+            self._tok()
         except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot read
             raise GrammarError(f"structured outputs are not available with this model's tokenizer: {exc}") from None
         try:
-            grammar = spec.to_llguidance()
-            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tok)
+            check_text(spec.kind, spec.value, self.limits)
+        except GrammarTooLarge as exc:
+            raise GrammarError(str(exc)) from None
+        compiler = self._compile_thread()
+        if vetted:
+            return compiler.submit(lambda: self._compile_here(spec, key, None))
+        value = list(spec.value) if spec.kind == "choice" else spec.value
+        first = self.workers.submit(spec.kind, value, key)
+
+        def vetted_then_here(future: "Future[Vetted]") -> None:
+            try:
+                result = future.result()
+            except GrammarRefused as exc:
+                done.set_exception(GrammarError(str(exc)))
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                done.set_exception(exc)
+                return
+            chained = compiler.submit(lambda: self._compile_here(spec, key, result))
+            chained.add_done_callback(lambda f: _copy_outcome(f, done))
+
+        first.add_done_callback(vetted_then_here)
+        return done
+
+    def _compile_thread(self) -> "_CompileThread":
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = _CompileThread()
+            return self._compiler
+
+    def _compile_here(self, spec: GrammarSpec, key: str, vetted: Vetted | None) -> Any:
+        """Compile in this process a grammar a worker compiled already; cache the template."""
+        import llguidance
+
+        tok = self._tok()
+        try:
+            grammar = vetted.grammar if vetted is not None else spec.to_llguidance()
         except Exception as exc:  # noqa: BLE001 - whatever the input did to the compiler, it is the input's fault
             raise GrammarError(_first_line(str(exc))) from None
-        if is_error or messages:
-            # warnings name keywords the compiler would ignore: refuse instead of half-enforcing
-            raise GrammarError(_first_line(messages[0]) if messages else "the grammar is invalid")
         template = llguidance.LLMatcher(tok, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(_first_line(template.get_error()))
+        fingerprint = digest(key)
         with self._lock:
-            self._templates[key] = template
-            while len(self._templates) > _CACHE_SIZE:
-                self._templates.popitem(last=False)
-        return template.deep_copy()
+            if vetted is not None:
+                self._vetted[fingerprint] = vetted.nbytes
+                while len(self._vetted) > _VETTED:
+                    self._vetted.popitem(last=False)
+            nbytes = self._vetted.get(fingerprint, 8 * len(grammar))
+            if key not in self._templates and nbytes <= self.limits.cache_bytes:
+                self._templates[key] = (template, nbytes)
+                self.cache_bytes += nbytes
+                while self.cache_bytes > self.limits.cache_bytes:
+                    _, (_, freed) = self._templates.popitem(last=False)
+                    self.cache_bytes -= freed
+        return template
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """A fresh matcher for ``spec``; raises GrammarError naming what cannot be enforced
+        (GrammarBusy when too many grammars wait for a worker)."""
+        return self.prepare(spec).result().deep_copy()
 
     def validate(self, spec: GrammarSpec) -> None:
-        self.compile(spec)
+        self.prepare(spec).result()
+
+    def close(self) -> None:
+        """Stops the worker processes (they also end with this process: their stdin closes)."""
+        if self._workers is not None:
+            self._workers.close()
 
     # -- masks --------------------------------------------------------------
     def fill(self, matchers: Sequence[Any]) -> torch.Tensor:
-        """Bitmask rows (int32, 32 tokens per word) for ``matchers``, in order."""
-        from llguidance.torch import fill_next_token_bitmask_par
+        """Bitmask rows (int32, 32 tokens per word) for ``matchers``, in order.
+
+        The executor is called directly rather than through ``llguidance.torch``:
+        importing that module runs ``torch.compile`` on a helper, which stalled the
+        engine thread (and every stream) for over a second at the first constrained step."""
+        import torch
 
         self._tok()
         started = time.perf_counter()
         mask = torch.full((len(matchers), self.words), -1, dtype=torch.int32)
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], mask.data_ptr(),
+                                               self.words * 4, len(matchers))
         self.mask_rows += len(matchers)
         self.mask_seconds += time.perf_counter() - started
         return mask
@@ -332,7 +420,7 @@ class StructuredOutputs:
         if drafts is None or not any(drafts):
             mask = self.fill([r.grammar for r in requests])
             return StepMasks(mask, {id(r): i for i, r in enumerate(requests)})
-        from llguidance.torch import fill_next_token_bitmask_par, fill_next_token_bitmask_par_with_draft_tokens
+        import torch
 
         self._tok()
         started = time.perf_counter()
@@ -349,8 +437,8 @@ class StructuredOutputs:
             total += 1 + len(draft)
         mask = torch.full((total, self.words), -1, dtype=torch.int32)
         if plain:
-            fill_next_token_bitmask_par(self._executor, plain, mask)
-        fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
+            self._executor.unsafe_compute_mask_ptr(plain, mask.data_ptr(), self.words * 4, total)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, mask.data_ptr(), self.words * 4, total)
         self.mask_rows += total
         self.mask_seconds += time.perf_counter() - started
         return StepMasks(mask, first)
@@ -368,3 +456,50 @@ def _first_line(message: str) -> str:
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     text = " ".join(lines[:4]) if lines else "the grammar is invalid"
     return text if len(text) <= 400 else text[:400] + "..."
+
+
+def _copy_outcome(source: "Future[Any]", target: "Future[Any]") -> None:
+    exc = source.exception()
+    if exc is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+class _CompileThread:
+    """One thread with a large stack, at a lower CPU priority than the engine, that compiles grammars.
+
+    Not a ThreadPoolExecutor: its threads start lazily, under whatever stack
+    size is in force then; this one is made once with its own."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.Queue[tuple[Callable[[], Any], Future[Any]]]" = queue.Queue()
+        with _STACK_LOCK:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="tokenmill-grammar-compile")
+                self._thread.start()
+            finally:
+                threading.stack_size(previous)
+
+    def submit(self, fn: Callable[[], Any]) -> "Future[Any]":
+        future: Future[Any] = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _run(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        except (OSError, AttributeError):
+            pass
+        while True:
+            fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+
+
+_STACK_LOCK = threading.Lock()

@@ -105,12 +105,16 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
         draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
     app.add_middleware(GateMiddleware, state=state)
     # in front of every route: deny by default, judged on the route path (auth.py)
-    app.add_middleware(AuthMiddleware, sessions=sessions,
+    app.add_middleware(AuthMiddleware, sessions=sessions, tenants=state.tenants,
                        on_reject=lambda: state.metrics.rejected.labels("auth").inc())
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
     app.add_middleware(AnthropicErrors)  # /v1/messages errors in Anthropic's shape, whoever raised them
+    if state.tracing is not None:  # off: not in the stack at all
+        from ..tracing import TracingMiddleware
+
+        app.add_middleware(TracingMiddleware, tracing=state.tracing)
     return app
 
 

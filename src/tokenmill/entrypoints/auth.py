@@ -12,9 +12,12 @@ is served, whatever the root path, proxy or mount in front.
 
 ``identify`` is the one place that decides which credential a request
 presents and whether it is valid; ``decide`` turns that into the verdict for
-the request's route. A new kind of credential (per-tenant keys, say) is a
-new branch in ``identify`` and, if it carries an identity, a field of
-``Presented``.
+the request's route. A new kind of credential is a new branch in ``identify``
+and, if it carries an identity, a field of ``Presented``: a Bearer key is
+looked up in the tenant directory (tenants.py: the keys file's hashed keys and
+the ``--api-key`` keys, the latter the ``default`` tenant), and the tenant it
+names rides in the scope (``tenants.TENANT_SCOPE_KEY``) to the handlers; a
+console session is the default tenant.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .console_auth import _SAFE_METHODS, ConsoleSessions, bearer_token, same_origin
 from .errors import error_body
+from .tenants import TENANT_SCOPE_KEY, Tenant, TenantDirectory
 
 # Routes served without a credential: liveness and metrics for probes and scrapers, the API's
 # schema pages, and the console's sign-in page and form (the page itself shows the form to a
@@ -46,6 +50,7 @@ class Presented:
 
     kind: CredentialKind
     valid: bool
+    tenant: Tenant | None = None  # whose key it is (Bearer keys looked up in the tenant directory)
 
 
 def route_path(scope: Scope) -> str:
@@ -64,7 +69,7 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def identify(scope: Scope, sessions: ConsoleSessions) -> Presented:
+def identify(scope: Scope, sessions: ConsoleSessions, tenants: TenantDirectory | None = None) -> Presented:
     """Which credential the request presents and whether it is valid.
 
     ``Authorization: Bearer KEY`` (or ``x-api-key: KEY``) is looked at first; a request that sends a
@@ -74,40 +79,56 @@ def identify(scope: Scope, sessions: ConsoleSessions) -> Presented:
     if given is None:
         given = headers.get(b"x-api-key")  # the header Anthropic's clients send the key in
     if given is not None:
-        return Presented("bearer", sessions.key_matches(given.decode("latin-1")))
+        key = given.decode("latin-1")
+        if tenants is not None:
+            tenant = tenants.lookup(key)
+            return Presented("bearer", tenant is not None, tenant)
+        return Presented("bearer", sessions.key_matches(key))
     token = sessions.token_of(scope)
     if token is not None:
         return Presented("cookie", sessions.valid(token))
     return Presented("none", False)
 
 
-def decide(scope: Scope, sessions: ConsoleSessions) -> Verdict:
+def decide(scope: Scope, sessions: ConsoleSessions, tenants: TenantDirectory | None = None) -> Verdict:
     """The verdict for one request: served without a credential, allowed, or refused (and why)."""
-    if not sessions.enabled or route_path(scope) in OPEN_ROUTES:
-        return "open"
-    presented = identify(scope, sessions)
+    return judge(scope, sessions, tenants)[0]
+
+
+def judge(scope: Scope, sessions: ConsoleSessions,
+          tenants: TenantDirectory | None = None) -> tuple[Verdict, Tenant | None]:
+    """``decide``'s verdict and the caller's tenant (None: no key checked, or a console session)."""
+    enabled = sessions.enabled or (tenants is not None and tenants.enabled)
+    if not enabled or route_path(scope) in OPEN_ROUTES:
+        return "open", None
+    presented = identify(scope, sessions, tenants)
     if not presented.valid:
-        return "unauthorized"
+        return "unauthorized", None
     if presented.kind == "cookie" and scope.get("method", "GET") not in _SAFE_METHODS and not same_origin(scope):
-        return "cross_origin"  # a browser sends the cookie on other sites' forms too
-    return "ok"
+        return "cross_origin", None  # a browser sends the cookie on other sites' forms too
+    return "ok", presented.tenant
 
 
 class AuthMiddleware:
     """Refuses every request ``decide`` does not allow, before routing and before the body is read."""
 
     def __init__(self, app: ASGIApp, sessions: ConsoleSessions,
-                 on_reject: Callable[[], None] | None = None) -> None:
+                 on_reject: Callable[[], None] | None = None, tenants: TenantDirectory | None = None) -> None:
         self.app = app
         self.sessions = sessions
+        self.tenants = tenants
         self.on_reject = on_reject or (lambda: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        verdict = decide(scope, self.sessions)
+        verdict, tenant = judge(scope, self.sessions, self.tenants)
         if verdict in ("open", "ok"):
+            if tenant is not None and self.tenants is not None:  # the operator may speak for a tenant
+                tenant = self.tenants.delegated(tenant, {k.lower(): v for k, v in scope.get("headers") or []})
+            if tenant is not None:
+                scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)
             return
         self.on_reject()

@@ -334,7 +334,27 @@ class ConsoleStats:
                 "finished": {k: int(v) for k, v in sorted(finished.items())},
             },
             "last_minute": recent,
+            "tenants": self._tenants(),
         }
+
+    def _tenants(self) -> list[dict[str, Any]]:
+        """Per tenant (the keys file's, and default): its place (class, weight, the fair
+        share's tokens computed, sequences in the engine) and usage; empty when the
+        server has no keys file and nobody but the default tenant was seen."""
+        state = self.state
+        usage = state.usage.snapshot()
+        order = state.engine.scheduler.order
+        shares = order.snapshot() if order is not None else {}  # a read of plain numbers, no lock needed
+        if set(usage) == {"default"} and not state.settings.api_keys_file:
+            return []
+        rows = []
+        for name, counters in usage.items():
+            tenant = state.tenants.tenant(name)
+            share = shares.get(name, {})
+            rows.append({"tenant": name, "priority_class": tenant.priority_class, "weight": tenant.weight,
+                         "computed_tokens": int(share.get("tokens", 0)), "active": int(share.get("active", 0)),
+                         **counters})
+        return rows
 
 
 def mount_console(app: FastAPI, ui: bool = True) -> ConsoleStats:

@@ -34,7 +34,10 @@ keep sending ``Authorization: Bearer KEY``, which works as before.
   client address, each further wrong key makes it wait (1 s, then twice as
   long each time, up to ``max_delay_s``); until then sign-in answers 429 with ``Retry-After``
   without looking at the key. A right key clears the count. Behind a reverse
-  proxy every client shares the proxy's address, so they share the delay.
+  proxy every client shares the proxy's address, so they share the delay,
+  unless the proxy is named in ``--forwarded-allow-ips``: only then is its
+  ``X-Forwarded-For`` believed (lifecycle.py), so no client can choose its own
+  address and with it a fresh count.
 """
 from __future__ import annotations
 

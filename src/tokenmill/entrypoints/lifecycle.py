@@ -114,8 +114,13 @@ def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
     import uvicorn
 
     level = getattr(args, "uvicorn_log_level", "warning")
+    # X-Forwarded-For names the client only when it comes from a proxy the operator trusts
+    # (--forwarded-allow-ips); otherwise any client could pick its own address, and with it
+    # its own row in the console's sign-in throttle. uvicorn would trust loopback by default.
+    trusted = getattr(args, "forwarded_allow_ips", None)
     return uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                           timeout_graceful_shutdown=1, access_log=level in ("info", "debug", "trace"),
+                          proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
                           root_path=getattr(args, "root_path", "") or "",
                           ssl_keyfile=getattr(args, "ssl_keyfile", None),
                           ssl_certfile=getattr(args, "ssl_certfile", None))

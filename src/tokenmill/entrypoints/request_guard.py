@@ -6,9 +6,14 @@ long as that takes, and a client that sends half a body and stops would hold
 a request open (and shutdown with it) forever. So before routing, the whole
 body is read here, under two bounds:
 
-- ``max_request_bytes``: a ``Content-Length`` above it is refused at once
-  with 413 (nothing is read); a chunked body is counted as it arrives and
-  refused the moment it passes the limit. The default follows the context
+- ``max_request_bytes``: a ``Content-Length`` above it is refused with 413
+  before the app sees a byte; a chunked body is counted as it arrives and
+  refused the moment it passes the limit. The rest of a refused body, up to
+  ``DRAIN_BYTES``, is read and dropped before the answer: a server that
+  closes a connection with unread data in it resets it, and the client (a
+  router, say) may lose the 413 and see only a broken connection, which a
+  router would take for a dead backend. Beyond that much the connection is
+  closed at once. The default follows the context
   length (``default_body_limit``): a body much larger than any prompt the
   model can take cannot be a valid request.
 - ``request_read_timeout_s``: the whole body must arrive within it (408);
@@ -40,6 +45,7 @@ BYTES_PER_CONTEXT_TOKEN = 64
 MIN_BODY_LIMIT = 1 << 20
 JOIN_OFF_LOOP_BYTES = 1 << 20
 _POLL_S = 0.25  # how often a body read looks at the drain flag
+DRAIN_BYTES = 8 << 20  # of a refused body, read and dropped so the client can read the 413
 TRIM_AFTER_BYTES = 4 << 20  # after a body this large, freed heap memory is handed back to the OS
 
 def default_body_limit(max_model_len: int) -> int:
@@ -78,6 +84,8 @@ class BodyGuard:
         declared = _content_length(scope)
         if declared is not None and declared > limit:
             self.on_reject("too_large")
+            if declared <= DRAIN_BYTES:
+                await self._drain(receive, 0)
             await _reject(send, 413, f"the request body has {declared} bytes, more than this server accepts "
                           f"({limit} bytes; see --max-request-bytes)", "request_too_large")
             return
@@ -99,6 +107,21 @@ class BodyGuard:
             if len(body) > TRIM_AFTER_BYTES:
                 del body
                 await asyncio.to_thread(trim_heap)
+
+    async def _drain(self, receive: Receive, seen: int) -> None:
+        """Read and drop the rest of a refused body: up to DRAIN_BYTES in all, within the read deadline."""
+        deadline = time.monotonic() + self.timeout()
+        while seen <= DRAIN_BYTES and not self.draining():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                message = await asyncio.wait_for(receive(), timeout=min(_POLL_S, left))
+            except asyncio.TimeoutError:
+                continue
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                return
+            seen += len(message.get("body", b""))
 
     async def _read(self, receive: Receive, send: Send, limit: int) -> bytes | None:
         """The whole body, or None once an error response is sent (or the client left)."""
@@ -131,6 +154,9 @@ class BodyGuard:
                 size += len(chunk)
                 if size > limit:
                     self.on_reject("too_large")
+                    chunks.clear()
+                    if message.get("more_body", False):
+                        await self._drain(receive, size)
                     await _reject(send, 413, f"the request body is larger than this server accepts ({limit} bytes; "
                                   "see --max-request-bytes)", "request_too_large")
                     return None

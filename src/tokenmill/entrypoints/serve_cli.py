@@ -146,7 +146,15 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each request (HTTP, engine queue, prefill, decode) to this "
+                        "OTLP/HTTP collector, e.g. http://127.0.0.1:4318; needs pip install 'tokenmill[tracing]' "
+                        "(default off)")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
+    p.add_argument("--forwarded-allow-ips", default=None, metavar="IPS",
+                   help="proxies (comma-separated addresses, or '*') whose X-Forwarded-For / -Proto headers "
+                        "are believed; without it they are ignored and the client is the connection's peer "
+                        "(the console's sign-in throttle keys on it)")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
     p.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
@@ -160,7 +168,8 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help=argparse.SUPPRESS)  # older vLLM name; off is the default
     p.add_argument("--max-waiting", type=_positive, default=None,
-                   help="refuse new requests with 429 once this many are waiting (default: unbounded)")
+                   help="refuse new requests with 429 once this many sequences (prompts x n) wait (default: 4 x "
+                        "--max-num-seqs, at most the KV pool's blocks, at least --max-num-seqs)")
     p.add_argument("--max-output-tokens", type=_positive, default=None,
                    help="cap on every request's output; also the default when a request gives no max_tokens")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
@@ -241,6 +250,29 @@ def add_tool_arguments(p: Any) -> None:
                         "recently used evicted first; 0 stores none (default 1024)")
 
 
+def add_grammar_arguments(p: Any) -> None:
+    """Bounds on structured outputs' grammars (engine/grammar_limits.py, docs/security.md)."""
+    p.add_argument("--grammar-max-bytes", type=human_int, default=256 * 1024, metavar="BYTES",
+                   help="refuse a grammar, regex or JSON schema longer than this with 400 (default 256K)")
+    p.add_argument("--grammar-max-rules", type=_positive, default=2000,
+                   help="refuse a grammar with more rules (or a schema with more definitions and references) "
+                        "with 400 (default 2000)")
+    p.add_argument("--grammar-max-depth", type=_positive, default=200,
+                   help="refuse a grammar whose rules (or a schema whose $refs and nesting) chain deeper "
+                        "with 400 (default 200)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds one grammar may take to compile in a worker process before it is refused "
+                        "(default 10)")
+    p.add_argument("--grammar-worker-memory", type=human_int, default=2 << 30, metavar="BYTES",
+                   help="address space of a grammar compile worker process (default 2G)")
+    p.add_argument("--grammar-workers", type=_positive, default=1,
+                   help="grammar compile worker processes (default 1)")
+    p.add_argument("--grammar-queue-size", type=_positive, default=16,
+                   help="grammars that may wait for a compile worker; beyond, 429 (default 16)")
+    p.add_argument("--grammar-cache-bytes", type=human_int, default=256 << 20, metavar="BYTES",
+                   help="compiled grammars kept for reuse, by their measured size (default 256M)")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", allow_abbrev=False, help="start the OpenAI-compatible server",
                               description="Serve a model over an OpenAI-compatible HTTP API. "
@@ -250,6 +282,7 @@ def register(subparsers: Any) -> None:
     add_device_arguments(p.add_argument_group("device (vLLM's GPU flags, with their CPU meaning)"))
     add_chat_template_argument(p.add_argument_group("chat template"))
     add_tool_arguments(p.add_argument_group("tool calling"))
+    add_grammar_arguments(p.add_argument_group("structured outputs (limits)"))
     add_server_arguments(p.add_argument_group("HTTP server"))
     from .adapter_routes import add_lora_arguments
 
@@ -325,6 +358,19 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
+    if getattr(args, "api_keys_file", None):
+        from .tenants import TenantTable
+
+        try:
+            TenantTable.load(args.api_keys_file)
+        except (OSError, ValueError) as exc:
+            return f"--api-keys-file: {exc}"
+    if getattr(args, "otlp_traces_endpoint", None):
+        try:
+            import opentelemetry.exporter.otlp.proto.http  # noqa: F401
+            import opentelemetry.sdk  # noqa: F401
+        except ImportError:
+            return "--otlp-traces-endpoint needs the tracing extra: pip install 'tokenmill[tracing]'"
     return None
 
 
@@ -350,12 +396,46 @@ def parse_origins(values: list[str] | None) -> list[str] | None:
     return out
 
 
+_GRAMMAR_FLAGS = {"max_bytes": "--grammar-max-bytes", "max_rules": "--grammar-max-rules",
+                  "max_depth": "--grammar-max-depth", "compile_timeout_s": "--grammar-compile-timeout",
+                  "worker_memory_bytes": "--grammar-worker-memory", "workers": "--grammar-workers",
+                  "queue_size": "--grammar-queue-size", "cache_bytes": "--grammar-cache-bytes"}
+
+
+def config_problems(args: argparse.Namespace) -> list[str]:
+    """Every problem of the flags that can be found before the model loads, one line each."""
+    from ..engine.speculative import SpeculativeConfig
+    from .serve_config import grammar_limits_from_args
+
+    out: list[str] = []
+    spec = getattr(args, "speculative_config", None)
+    if spec is not None:
+        found = SpeculativeConfig.check(spec)
+        out += found
+        if not found:
+            draft = SpeculativeConfig.parse(spec)
+            if draft is not None and draft.model and not os.path.exists(draft.model):
+                out.append(f"--speculative-config: model {draft.model!r}: no such file or folder")
+    for problem in grammar_limits_from_args(args).problems():  # named by their flags
+        field = problem.split(" ", 1)[0]
+        out.append(problem.replace(field, _GRAMMAR_FLAGS.get(field, field), 1))
+    timeout = getattr(args, "request_read_timeout", 30.0)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        out.append(f"--request-read-timeout must be a positive number of seconds (got {timeout!r})")
+    grace = getattr(args, "shutdown_grace", 30.0)
+    if not (isinstance(grace, (int, float)) and grace >= 0):
+        out.append(f"--shutdown-grace must be a number of seconds >= 0 (got {grace!r})")
+    return list(dict.fromkeys(out))
+
+
 def _run(args: argparse.Namespace) -> int:
     import sys
 
     problem = finalize_serve_args(args)
-    if problem:
-        print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+    problems = ([problem] if problem else []) + config_problems(args)
+    if problems:
+        for line in problems:  # every bad field, one line each, before anything loads
+            print(f"tokenmill serve: error: {line}", file=sys.stderr)
         return 2
     if (args.tensor_parallel_size or 1) > 1:  # refuse a split that cannot work in one line, before loading
         from ..engine.distributed import startup_problem

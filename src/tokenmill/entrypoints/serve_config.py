@@ -84,7 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
                    scheduling_policy=scheduling_policy_from_args(args),
-                   starvation_bound_s=getattr(args, "starvation_bound", 30.0))
+                   starvation_bound_s=getattr(args, "starvation_bound", 30.0),
+                   grammar_limits=grammar_limits_from_args(args))
     return EngineConfig.from_options(**options)
 
 
@@ -94,6 +95,22 @@ def scheduling_policy_from_args(args: argparse.Namespace) -> str:
     if policy is None:
         return "fair" if getattr(args, "api_keys_file", None) else "fcfs"
     return policy
+
+
+def grammar_limits_from_args(args: argparse.Namespace) -> Any:
+    """The --grammar-* flags as a GrammarLimits (the defaults where a flag is absent)."""
+    from ..engine.grammar_limits import GrammarLimits
+
+    defaults = GrammarLimits()
+    return GrammarLimits(
+        max_bytes=getattr(args, "grammar_max_bytes", defaults.max_bytes),
+        max_rules=getattr(args, "grammar_max_rules", defaults.max_rules),
+        max_depth=getattr(args, "grammar_max_depth", defaults.max_depth),
+        compile_timeout_s=getattr(args, "grammar_compile_timeout", defaults.compile_timeout_s),
+        worker_memory_bytes=getattr(args, "grammar_worker_memory", defaults.worker_memory_bytes),
+        workers=getattr(args, "grammar_workers", defaults.workers),
+        queue_size=getattr(args, "grammar_queue_size", defaults.queue_size),
+        cache_bytes=getattr(args, "grammar_cache_bytes", defaults.cache_bytes))
 
 
 def default_model_name(path: str | None) -> str:
@@ -130,6 +147,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
         api_keys_file=getattr(args, "api_keys_file", None),
+        otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -22,6 +23,7 @@ from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
+from ..tracing import CURRENT_SPAN
 from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
 from .tenant_gate import TenantGate, TenantLimited
@@ -39,6 +41,7 @@ class ServerSettings:
     model_path: str | None = None
     api_key: str | list[str] | None = None  # several: any of them opens the API
     api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tracing.py); None: off
     max_waiting: int | None = None
     max_output_tokens: int | None = None
     log_requests: bool = False
@@ -110,11 +113,26 @@ class Job:
         return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
+WAITING_BATCHES = 4  # the default waiting queue: this many full batches of sequences ...
+
+
+def default_max_waiting(num_blocks: int, max_num_seqs: int) -> int:
+    """``--max-waiting`` when not given: ``WAITING_BATCHES`` batches of ``--max-num-seqs``
+    sequences, but no more sequences than the KV pool has blocks (a sequence needs at least
+    one block to start, so a longer queue could never drain faster), and never fewer than
+    one batch. One request of many prompts and a large ``n`` can no longer queue thousands
+    of sequences in front of everyone."""
+    return max(max_num_seqs, min(WAITING_BATCHES * max_num_seqs, num_blocks))
+
+
 class ServerState:
     def __init__(self, aengine: AsyncEngine, settings: ServerSettings) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
+        if settings.max_waiting is None:  # decided once, from the pool (default_max_waiting)
+            settings = dataclasses.replace(settings, max_waiting=default_max_waiting(
+                self.engine.pool.num_blocks, self.engine.config.scheduler.max_num_seqs))
         self.settings = settings
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
@@ -138,6 +156,9 @@ class ServerState:
         self.tenant_gate = TenantGate(settings.retry_after_s)
         self.usage = TenantUsage(self.tenants.label, self.tenants.names)
         self.metrics.exposed.register(self.usage)
+        from ..tracing import make_tracing
+
+        self.tracing = make_tracing(settings.otlp_traces_endpoint, "tokenmill-server")
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
@@ -371,7 +392,9 @@ class ServerState:
         adapter = 0
         if self.adapters is not None and job.model in self.adapters:
             adapter = await self._acquire_adapter(job)
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement, adapter)
+        span = CURRENT_SPAN.get() if self.tracing is not None else None
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement,
+                                    trace=span is not None, adapter=adapter)
         self._live[job.request_id] = job
         failed = False
         job.streamed = True
@@ -407,6 +430,8 @@ class ServerState:
                     self.metrics.finished(delta.finish_reason)
                     self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
                     queue_time += delta.metrics.get("queue_time", 0.0)
+                    if span is not None:
+                        self._trace_sequence(span, job, delta, out_tokens.get(delta.index, 0))
                 yield delta
             if job.request_id in self._cut:
                 log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
@@ -459,6 +484,23 @@ class ServerState:
             self.release(job)
             raise APIError(400, str(exc), param="model", code="invalid_lora_adapter") from None
 
+    def _trace_sequence(self, span: Any, job: Job, delta: SequenceDelta, output_tokens: int) -> None:
+        """A finished sequence's engine spans under the request's span, and its counts on it."""
+        assert self.tracing is not None
+        tenant = (job.tenant or DEFAULT_TENANT).name
+        self.tracing.engine_spans(span, delta.metrics, delta.prefill_chunks, {
+            "tokenmill.request_id": job.request_id, "tokenmill.tenant": tenant, "gen_ai.request.model": self.model_name,
+            "gen_ai.usage.input_tokens": delta.num_prompt_tokens, "tokenmill.cached_tokens": delta.num_cached_tokens,
+            "gen_ai.usage.output_tokens": output_tokens, "tokenmill.finish_reason": str(delta.finish_reason),
+            "tokenmill.preemptions": int(delta.metrics.get("num_preemptions", 0))})
+        totals = getattr(span, "attributes", None) or {}
+        span.set_attribute("tokenmill.tenant", self.tenants.label(tenant))
+        span.set_attribute("gen_ai.request.model", self.model_name)
+        for key, value in (("gen_ai.usage.output_tokens", output_tokens),
+                           ("tokenmill.cached_tokens", delta.num_cached_tokens),
+                           ("gen_ai.usage.input_tokens", delta.num_prompt_tokens if delta.index == 0 else 0)):
+            span.set_attribute(key, int(totals.get(key, 0)) + value)
+
     def _classify_miss(self, job: Job, cached: int) -> None:
         """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
         if self.misses is None:
@@ -490,6 +532,8 @@ class ServerState:
     def close(self) -> None:
         if self.capture is not None:
             self.capture.close()
+        if self.tracing is not None:
+            self.tracing.close()
 
 
 def _max_cost(job: Job) -> int:

@@ -210,16 +210,22 @@ async def completion_body(state: ServerState, spec: CompletionSpec, jobs: list[J
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
     choices = []
+    echoed: dict[int, Any] = {}  # per prompt, converted once: its n choices share one list
+    scored: dict[int, Any] = {}
     for idx in range(total):
-        prefix = spec.echo_texts[idx // spec.n] if spec.echo_texts else ""
+        job_i = idx // spec.n
+        prefix = spec.echo_texts[job_i] if spec.echo_texts else ""
         lp = completion_logprobs(state, lps[idx], len(prefix)) if spec.logprobs is not None else None
-        prompt_ids = jobs[idx // spec.n].prompt_ids
         if spec.echo_logprobs:
-            lp = join(echo_logprobs(state, prompt_ids, prompt_lps[idx], spec.logprobs or 0), lp)
+            if job_i not in echoed:
+                echoed[job_i] = echo_logprobs(state, jobs[job_i].prompt_ids, prompt_lps[idx], spec.logprobs or 0)
+            lp = join(echoed[job_i], lp)
         choice = {"index": idx, "text": prefix + texts[idx], "logprobs": lp,
                   "finish_reason": finish[idx], "stop_reason": stops[idx]}
         if spec.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(state, prompt_lps[idx], spec.prompt_logprobs)
+            if job_i not in scored:
+                scored[job_i] = vllm_prompt_logprobs(state, prompt_lps[idx], spec.prompt_logprobs)
+            choice["prompt_logprobs"] = scored[job_i]
         choices.append(choice)
     return {"id": spec.request_id, "object": "text_completion", "created": spec.created, "model": spec.model,
             "choices": choices, "usage": tally.usage()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ..engine.grammar_worker import GrammarBusy
 from ..engine.structured import GrammarError, GrammarSpec
 from .errors import APIError
 
@@ -123,9 +124,16 @@ _WHAT = {"json": "the JSON schema", "json_object": "JSON output", "regex": "the 
 
 
 async def check_grammar(state: Any, spec: GrammarSpec, param: str) -> None:
-    """Compile ``spec`` off the event loop; a 400 naming what cannot be enforced."""
+    """Compile ``spec`` off the event loop (a worker process first, engine/grammar_worker.py):
+    a 400 naming what cannot be enforced or which limit it is over, a 429 when too many
+    grammars already wait to be compiled."""
     try:
-        await asyncio.to_thread(state.engine.structured.validate, spec)
+        # the size checks and the cache key read the whole schema: off the event loop too
+        pending = await asyncio.to_thread(state.engine.structured.prepare, spec)
+        await asyncio.wrap_future(pending)
+    except GrammarBusy as exc:
+        raise APIError(429, f"{param}: {exc}", param=param, code="grammar_queue_full",
+                       headers={"Retry-After": "1"}) from None
     except GrammarError as exc:
         raise APIError(400, f"{param}: {_WHAT.get(spec.kind, 'the constraint')} cannot be enforced: {exc}",
                        param=param, code="invalid_structured_output") from None

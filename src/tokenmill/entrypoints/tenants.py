@@ -35,14 +35,17 @@ import hmac
 import json
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
 
-from ..engine.fairness import parse_priority_class
+from ..priority_classes import parse_priority_class
 
 log = logging.getLogger("tokenmill.server")
 
 DEFAULT_TENANT_NAME = "default"
+# The Gateway API Inference Extension's request headers (router/tenancy.py)
+FAIRNESS_HEADER = b"x-gateway-inference-fairness-id"
+OBJECTIVE_HEADER = b"x-gateway-inference-objective"
 OTHER_TENANT_LABEL = "other"  # metric label for a name the label set does not hold
 
 
@@ -62,7 +65,7 @@ class TenantLimits:
 @dataclass(frozen=True)
 class Tenant:
     name: str
-    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     limits: TenantLimits = field(default_factory=TenantLimits)
 
@@ -176,6 +179,26 @@ class TenantDirectory:
         if any(hmac.compare_digest(digest, d) for d in self._default):
             return table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
         return None
+
+    def delegated(self, caller: Tenant | None, headers: Mapping[bytes, bytes]) -> Tenant | None:
+        """The tenant a request from the default tenant (an ``--api-key``: the operator, or a
+        router or gateway in front of the server) is sent for: the keys-file tenant its
+        ``x-gateway-inference-fairness-id`` names, with the class its
+        ``x-gateway-inference-objective`` names when that is a class name or number.
+        Anyone else's headers change nothing (a tenant cannot claim to be another)."""
+        if caller is None or caller.name != DEFAULT_TENANT_NAME:
+            return caller
+        tenant = caller
+        fairness = headers.get(FAIRNESS_HEADER)
+        if fairness is not None:
+            tenant = self.table.tenants.get(fairness.decode("latin-1").strip(), tenant)
+        objective = headers.get(OBJECTIVE_HEADER)
+        if objective is not None:
+            try:
+                tenant = replace(tenant, priority_class=parse_priority_class(objective.decode("latin-1")))
+            except ValueError:
+                pass  # an InferenceObjective name this server does not know: the tenant's own class
+        return tenant
 
     def tenant(self, name: str) -> Tenant:
         return self.table.tenants.get(name, DEFAULT_TENANT)

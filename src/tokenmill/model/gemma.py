@@ -98,8 +98,8 @@ def gguf_settings(arch: str, meta: Any, layers: int, head_dim: int) -> dict[str,
     """The same from llama.cpp's GGUF metadata (``meta(suffix, default)`` reads
     ``{arch}.{suffix}``). llama.cpp keeps some of these as constants of the
     architecture rather than keys: the layer pattern (every 6th layer global in
-    Gemma 3, every 2nd in Gemma 2), Gemma 3's local RoPE base (10000) and its
-    query scale (the head size)."""
+    Gemma 3, every 2nd in Gemma 2), Gemma 3's local RoPE base (10000) and the
+    query scale."""
     gemma3 = arch != "gemma2"
     pattern = meta("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer: True = sliding
@@ -108,8 +108,12 @@ def gguf_settings(arch: str, meta: Any, layers: int, head_dim: int) -> dict[str,
         every = int(pattern or (6 if gemma3 else 2))
         layer_types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
     window = meta("attention.sliding_window")
+    # The 27B models scale queries by hidden / heads, the others by the head size (llama.cpp
+    # tells them apart by their layer count).
+    big = layers == (46 if arch == "gemma2" else 62)
+    scalar = meta("embedding_length") / meta("attention.head_count") if big else head_dim
     family = {
-        "query_pre_attn_scalar": float(head_dim),
+        "query_pre_attn_scalar": float(scalar),
         "attn_logit_softcapping": meta("attn_logit_softcapping"),
         "final_logit_softcapping": meta("final_logit_softcapping"),
     }

@@ -293,7 +293,12 @@ def base_of(module: nn.Module) -> nn.Module:
 
 
 def attach(model: nn.Module, state: LoraState) -> None:
-    """Put every projection an adapter may target behind a ``LoraLinear`` bound to ``state``."""
+    """Put every projection an adapter may target behind a ``LoraLinear`` bound to ``state``;
+    ValueError for a model whose layers are not the Llama family's (Gemma, Phi-3, ...)."""
+    from .llama import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:
+        raise ValueError(f"LoRA adapters are served for Llama-family models only, not {type(model).__name__}")
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
         attn, mlp = layer.self_attn, layer.mlp
         for owner, fused in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):

@@ -45,8 +45,10 @@ def split_routes(router: Any) -> list[Route]:
             return _error(401, "invalid admin key", "authentication_error", "invalid_api_key")
         try:
             body = json.loads(await request.body())
+        except RecursionError:
+            return _error(400, "request body is nested too deeply", code="invalid_json")
         except ValueError:
-            return _error(400, "request body is not valid JSON")
+            return _error(400, "request body is not valid JSON", code="invalid_json")
         if isinstance(body, dict) and "split" in body:
             body = body["split"]
         if not isinstance(body, dict) or not body or not all(

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
+from ..cli_args import human_int
 from .config import POLICIES, PREFIX_SOURCES, RouterConfig, parse_kv_events
+from .tenancy import parse_objectives
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,6 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
     p.add_argument("--backend-api-key", default=None, help="key sent to backends (default: forward the client's)")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="the servers' tenants file: its keys open the router, each tenant's max_inflight and "
+                        "tokens_per_minute hold across all replicas, the tenant goes to the replica in "
+                        "x-gateway-inference-fairness-id; reloaded on SIGHUP (docs/tenants.md)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces of each proxied request to this OTLP/HTTP collector; the "
+                        "trace goes on to the replica in traceparent (needs tokenmill[tracing]; default off)")
+    p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                   help="an x-gateway-inference-objective name and its priority (higher first; below 0 may be "
+                        "shed under --shed-load); repeatable")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (or a folder holding it) of the served model; default: ask a "
                         "backend's POST /tokenize, else route on character chunks")
@@ -63,6 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="answer 429 when every ready backend's load is at least this (default 0: never)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
+    p.add_argument("--max-request-bytes", type=human_int, default=8 << 20, metavar="BYTES",
+                   help="refuse client bodies larger than this with 413 (default 8M)")
+    p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="seconds a client has to send a whole request body; else 408 (default 30)")
     p.add_argument("--endpoint-picker", action="store_true",
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
@@ -87,9 +104,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         min_match_ratio=args.min_match_ratio,
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
+        max_request_bytes=args.max_request_bytes, request_read_timeout=args.request_read_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
+        api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -130,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         "routing %s with policy %s on http://%s:%d (tokenizer: %s)",
         ", ".join(config.backends + config.backend_dns) or f"InferencePool {config.pool_name}", config.policy,
         config.host, config.port, server.router.tokenizer.mode)
+    if config.api_keys_file and hasattr(signal, "SIGHUP"):  # new keys and limits without a restart
+        signal.signal(signal.SIGHUP, lambda *_: server.router.tenancy.reload())
     try:
         asyncio.run(server.serve())
     except KeyboardInterrupt:

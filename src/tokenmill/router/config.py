@@ -48,6 +48,11 @@ class RouterConfig:
     port: int = 8000
     policy: str = "prefix"
     api_key: str | None = None  # clients must send it (Authorization: Bearer)
+    # Tenants (the servers' keys file): their keys open the router too, and their limits
+    # hold across every replica (tenancy.py). Objectives: InferenceObjective name -> priority.
+    api_keys_file: str | None = None
+    objectives: dict[str, int] = field(default_factory=dict)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tokenmill/tracing.py); None: off
     backend_api_key: str | None = None  # sent to backends instead of the client's
 
     # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,
@@ -91,6 +96,9 @@ class RouterConfig:
     health_timeouts_to_fail: int = 2
     connect_timeout: float = 3.0
     request_timeout: float = 600.0
+    # Client bodies: refused with 413 past this size, 408 when not all sent within the deadline.
+    max_request_bytes: int = 8 << 20  # what a backend drains before its 413 (request_guard.DRAIN_BYTES)
+    request_read_timeout: float = 30.0
 
     # Endpoint-picker (Envoy ext_proc) mode.
     endpoint_picker: bool = False
@@ -102,6 +110,13 @@ class RouterConfig:
     canary: Any = None
 
     def validate(self) -> None:
+        if self.api_keys_file:
+            from ..entrypoints.tenants import TenantTable
+
+            try:
+                TenantTable.load(self.api_keys_file)
+            except OSError as exc:
+                raise ValueError(f"--api-keys-file: {exc}") from None
         if self.canary is not None:
             self.canary.validate()
             from .backend import normalize_url
@@ -125,5 +140,7 @@ class RouterConfig:
             raise ValueError("block sizes must be positive")
         if self.fallback_endpoints < 0:
             raise ValueError("--fallback-endpoints must be >= 0")
+        if self.max_request_bytes < 1 or not self.request_read_timeout > 0:
+            raise ValueError("--max-request-bytes and --request-read-timeout must be positive")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")

@@ -55,6 +55,12 @@ class Router:
         self.pool = BackendPool(config, self.client, on_health_change=self._health_changed)
         self.policy = make_policy(config)
         self.sessions = SessionTable()
+        from .tenancy import RouterTenancy
+
+        self.tenancy = RouterTenancy(config.api_keys_file, config.objectives, config.api_key)
+        from ..tracing import make_tracing
+
+        self.tracing = make_tracing(config.otlp_traces_endpoint, "tokenmill-router")
         self.tokenizer = self._make_tokenizer()
         self.metrics.tokenizer.labels(self.tokenizer.mode).set(1)
 
@@ -76,6 +82,8 @@ class Router:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.client.aclose()
+        if self.tracing is not None:
+            self.tracing.close()
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         """Called whenever a backend enters or leaves rotation."""
@@ -121,15 +129,18 @@ class Router:
         return out
 
     async def route(self, path: str, body: Any, exclude: Collection[str] = (),
-                    subset: Collection[str] | None = None, session: str | None = None) -> Decision:
+                    subset: Collection[str] | None = None, session: str | None = None,
+                    priority: int | None = None) -> Decision:
         """Pick a backend and count the request in flight there (call ``release``). A request
         of a known ``session`` (sessions.session_key) goes to its home replica while that one
-        is ready and not overloaded."""
+        is ready and not overloaded. ``priority``: its objective's (tenancy.py); one of zero
+        or more is never shed."""
         cands = self.candidates(exclude, subset)
         if not cands:
             raise NoBackendError("no ready backend")
         c = self.config
-        if c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in cands):
+        sheddable = priority is None or priority < 0
+        if sheddable and c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in cands):
             self.metrics.decisions.labels("shed").inc()
             raise ShedError("all backends are saturated")
         keys = await self.block_keys(path, body, cands) if self.policy.name == "prefix" else []

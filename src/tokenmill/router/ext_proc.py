@@ -55,6 +55,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import session_key
+from .tenancy import OBJECTIVE_HEADER, objective_priority
 
 log = logging.getLogger("tokenmill.router")
 
@@ -149,10 +150,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         path = st.headers.get(":path", "").split("?")[0]
         try:
             body = json.loads(bytes(st.body)) if st.body else None
-        except ValueError:
-            body = None  # not an OpenAI body: route on load alone
+        except (ValueError, RecursionError):
+            body = None  # not an OpenAI body (or nested past the parser): route on load alone
         try:
-            decision = await self.router.route(path, body, subset=st.subset, session=session_key(st.headers, body))
+            priority = objective_priority(st.headers.get(OBJECTIVE_HEADER), self.router.tenancy.objectives)
+            decision = await self.router.route(path, body, subset=st.subset, session=session_key(st.headers, body),
+                                               priority=priority)
         except NoBackendError:
             self.router.metrics.responses.labels("503").inc()
             return immediate(503, "no ready endpoint", "no_backend")

@@ -31,6 +31,10 @@ class RouterMetrics:
         self.stream_errors = Counter(
             "tokenmill_router_stream_errors", "Streams that broke after their first byte.",
             ["backend"], registry=r)
+        self.poisoned = Counter(
+            "tokenmill_router_poisoned_requests",
+            "Requests refused, not retried, because their backend died while handling them.",
+            registry=r)
         self.health_changes = Counter(
             "tokenmill_router_backend_health_changes", "Backends entering (up) or leaving (down) rotation.",
             ["backend", "state"], registry=r)

@@ -153,9 +153,29 @@ class BackendPool:
             self.on_health_change(backend, healthy)
 
     def report_failure(self, backend: Backend, reason: str) -> None:
-        """The proxy could not talk to this backend: out of rotation now."""
+        """The proxy could not reach this backend at all: out of rotation now."""
         self._set(backend, False, reason)
         self._wake.set()
+
+    def report_suspect(self, backend: Backend, reason: str) -> None:
+        """The backend answered 5xx: check every backend's health now (the check decides)."""
+        log.info("backend %s answered %s; checking its health", backend.url, reason)
+        self._wake.set()
+
+    async def probe(self, backend: Backend) -> bool:
+        """Whether the backend is alive right now (its /health answers 200 within the health
+        timeout). A backend that is not is taken out of rotation. Used after a request failed
+        once it was sent, to tell a backend that died from a connection that broke."""
+        try:
+            r = await self.client.get(backend.url + "/health", timeout=httpx.Timeout(self.config.health_timeout),
+                                      headers=self._headers())
+        except httpx.HTTPError as exc:
+            self.report_failure(backend, f"not answering after a failed request: {type(exc).__name__}")
+            return False
+        if r.status_code != 200:
+            self.report_failure(backend, f"health {r.status_code} after a failed request")
+            return False
+        return True
 
     async def check(self, backend: Backend) -> None:
         timeout = httpx.Timeout(self.config.health_timeout)

@@ -4,23 +4,38 @@ Streams pass through chunk by chunk: the backend's bytes are relayed as they
 arrive, never re-framed or buffered. Failure handling follows what a client
 can tolerate:
 
-- connect failure, or a failure before the first byte (including a 429 or
-  502/503/504 answer): retried once on another backend; the failed one leaves
-  rotation if it could not be reached; on the last try such an answer is
-  passed through as it is;
+- a backend that cannot be reached (the request never left): it leaves
+  rotation and the request is tried once on another;
+- a 429 or 502/503/504 answer before the first byte: tried once elsewhere;
+  on the last try such an answer is passed through as it is. A 5xx makes
+  the health loop check at once; a 4xx (the client's fault, 413 included)
+  never counts against a backend;
+- a failure after the request was sent: the backend's /health is asked at
+  once. Dead: the request is *poison* (its attempt coincided with the
+  backend's death), so it is refused with 502 rather than replayed to kill
+  the next replica. Alive (a connection that broke, or a backend that
+  refused the body and closed): not held against the backend, tried once
+  elsewhere;
 - a stream that breaks after its first byte: the client gets an SSE error
   event and the stream ends (no hang, no silent truncation);
 - non-streaming responses are read whole before answering, so any failure
-  there counts as "before the first byte".
+  there counts as "before the first byte"; a client that hangs up meanwhile
+  cancels the backend request (its connection closes, so the backend aborts).
+
+Bodies are read whole first, within ``max_request_bytes`` (413) and
+``request_read_timeout`` (408), as the server does (request_guard.py); every
+error, a body nested too deep for the JSON parser included, is OpenAI-shaped
+JSON.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 from starlette.applications import Starlette
@@ -29,9 +44,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..entrypoints.console_auth import bearer_token
+from ..entrypoints.request_guard import BodyGuard
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import response_id_in, session_key
+from .tenancy import FAIRNESS_HEADER, TenantLimited
 
 log = logging.getLogger("tokenmill.router")
 
@@ -42,6 +59,34 @@ _RESP_DROP = {"content-length", "connection", "keep-alive", "transfer-encoding",
 # A replica that is shedding (429) or failing (502-504) before any byte is
 # worth one try elsewhere; on the last try its answer is passed through.
 _RETRY_STATUS = {429, 502, 503, 504}
+# failures where the request never reached the backend: the backend is unreachable, the request innocent
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+class Poisoned(Exception):
+    """The backend died while handling this request: refuse it, do not replay it elsewhere."""
+
+
+def parse_body(raw: bytes) -> tuple[dict | None, JSONResponse | None]:
+    """The JSON object of a request body, or the 400 that refuses it."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        return None, error(400, "request body is nested too deeply", "invalid_request_error", "invalid_json")
+    except ValueError:
+        return None, error(400, "request body is not valid JSON", "invalid_request_error", "invalid_json")
+    if not isinstance(body, dict):
+        return None, error(400, "request body must be a JSON object", "invalid_request_error")
+    return body, None
+
+
+async def _then(chunks: AsyncIterator[bytes], done: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``chunks``, then ``done()`` however the stream ends."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        done()
 
 
 def error(status: int, message: str, kind: str = "server_error", code: str | None = None) -> JSONResponse:
@@ -63,13 +108,17 @@ class Proxy:
     # -- helpers ----------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
         key = self.router.config.api_key
-        if not key:
+        tenancy = self.router.tenancy
+        if not key and tenancy.directory is None:
             return True
         got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
         if got is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
             got = request.headers["x-api-key"].encode("latin-1")
-        return got is not None and hmac.compare_digest(hashlib.sha256(got).digest(),
-                                                       hashlib.sha256(key.encode()).digest())
+        if got is None:
+            return False
+        if key and hmac.compare_digest(hashlib.sha256(got).digest(), hashlib.sha256(key.encode()).digest()):
+            return True
+        return tenancy.key_opens(got.decode("latin-1"))
 
     def _forward_headers(self, request: Request) -> dict[str, str]:
         out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
@@ -154,14 +203,67 @@ class Proxy:
         if not self._authorized(request):
             return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
         raw = await request.body()
+        body, refusal = parse_body(raw)
+        if refusal is not None or body is None:
+            return self._answer(refusal or error(400, "bad body", "invalid_request_error"))
+        if body.get("stream"):
+            return await self._admitted(request, raw, body)
+        # not streamed: the answer is read whole; a client that leaves meanwhile cancels it,
+        # which closes the backend connection and so aborts the backend's work
+        work = asyncio.ensure_future(self._admitted(request, raw, body))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            body = json.loads(raw)
-        except ValueError:
-            return self._answer(error(400, "request body is not valid JSON", "invalid_request_error"))
-        if not isinstance(body, dict):
-            return self._answer(error(400, "request body must be a JSON object", "invalid_request_error"))
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (work, gone):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if work.cancelled():
+            self.metrics.responses.labels("499").inc()
+            return Response(status_code=499)
+        return work.result()
+
+    async def _admitted(self, request: Request, raw: bytes, body: dict) -> Response:
+        """The tenant's limits and the trace around the routing and its attempts."""
         path = request.url.path
         headers = self._forward_headers(request)
+        got = bearer_token(request.headers.get("authorization"))
+        if got is None and "x-api-key" in request.headers:
+            got = request.headers["x-api-key"].encode("latin-1")
+        caller = self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
+        try:
+            self.router.tenancy.admit(caller, path, body)
+        except TenantLimited as exc:
+            response = error(429, str(exc), "rate_limit_error", exc.code)
+            response.headers["Retry-After"] = str(exc.retry_after_s)
+            return self._answer(response)
+        if caller.fairness_id:
+            headers[FAIRNESS_HEADER] = caller.fairness_id
+        tracing, span = self.router.tracing, None
+        if tracing is not None:  # the caller's trace continues here and on to the replica
+            span = tracing.start(f"route {request.method} {path}", tracing.extract(request.headers),
+                                 attributes={"tokenmill.tenant": caller.fairness_id or "",
+                                             "gen_ai.request.model": str(body.get("model") or "")})
+            headers.pop("traceparent", None)
+            headers.pop("tracestate", None)
+            tracing.inject(span, headers)
+
+        def done() -> None:
+            self.router.tenancy.done(caller)
+            if span is not None:
+                span.set_attribute("http.response.status_code", result.status_code)
+                span.end()
+
+        result = await self._generate(request, path, body, raw, headers, caller.priority)
+        if isinstance(result, StreamingResponse):
+            result.body_iterator = _then(result.body_iterator, done)
+        else:
+            done()
+        return result
+
+    async def _generate(self, request: Request, path: str, body: dict, raw: bytes, headers: dict[str, str],
+                        priority: int | None) -> Response:
         stream = bool(body.get("stream"))
         tried: set[str] = set()
         last_error = ""
@@ -172,7 +274,7 @@ class Proxy:
                 _, subset = self.canary.subset_for(request.headers, body, ready)
             try:
                 decision = await self.router.route(path, body, exclude=tried, subset=subset,
-                                                   session=session_key(request.headers, body))
+                                                   session=session_key(request.headers, body), priority=priority)
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
@@ -185,7 +287,13 @@ class Proxy:
             tried.add(b.url)
             if attempt:
                 self.metrics.retries.inc()
-            result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1)
+            try:
+                result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1)
+            except Poisoned as exc:
+                self.metrics.poisoned.inc()
+                log.warning("request refused, not retried: %s", exc)
+                return self._answer(error(502, f"{exc}; the request is not retried on another backend",
+                                          code="backend_died"))
             if isinstance(result, Response):
                 if self.canary is not None:
                     result.headers["x-tokenmill-variant"] = self.canary.variant_of(b.endpoint) or ""
@@ -205,8 +313,12 @@ class Proxy:
         except httpx.TransportError as exc:
             self._observe_failure(b)
             self.router.release(b)
-            self.router.pool.report_failure(b, f"{type(exc).__name__}: {exc}")
-            return f"{b.endpoint}: {type(exc).__name__}"
+            return await self._failed(b, exc, "sending the request")
+        except BaseException:  # cancelled (the client left): httpx closes the connection, the backend aborts
+            self.router.release(b)
+            raise
+        if resp.status_code >= 500:
+            self.router.pool.report_suspect(b, f"HTTP {resp.status_code}")
         if resp.status_code in _RETRY_STATUS and not last_try and len(self.router.candidates({b.url})) > 0:
             await resp.aclose()
             if resp.status_code >= 500:
@@ -219,11 +331,15 @@ class Proxy:
                 content = await resp.aread()
             except httpx.TransportError as exc:
                 self._observe_failure(b)
-                self.router.pool.report_failure(b, f"{type(exc).__name__} reading body")
-                return f"{b.endpoint}: {type(exc).__name__}"
-            finally:
                 await resp.aclose()
                 self.router.release(b)
+                return await self._failed(b, exc, "reading the answer")
+            except BaseException:  # cancelled (the client left): the connection closes, the backend aborts
+                await resp.aclose()
+                self.router.release(b)
+                raise
+            await resp.aclose()
+            self.router.release(b)
             if self.canary is not None:
                 self.canary.observe_response(b.endpoint, resp.status_code, content, started)
             self._learn_response(path, resp.status_code, content, b)
@@ -237,8 +353,7 @@ class Proxy:
             await resp.aclose()
             self._observe_failure(b)
             self.router.release(b)
-            self.router.pool.report_failure(b, f"{type(exc).__name__} before first byte")
-            return f"{b.endpoint}: {type(exc).__name__}"
+            return await self._failed(b, exc, "before the first byte")
         except BaseException:
             await resp.aclose()
             self.router.release(b)
@@ -247,6 +362,21 @@ class Proxy:
         meter = self.canary.meter(b.endpoint, started) if self.canary is not None else None
         return StreamingResponse(self._relay(b, resp, first, chunks, meter), resp.status_code,
                                  self._response_headers(resp, b))
+
+    async def _failed(self, b: Backend, exc: httpx.TransportError, when: str) -> str:
+        """A transport failure of one attempt: an error text to retry on, or Poisoned.
+
+        Not sent: the backend is unreachable (out of rotation), the request innocent.
+        Sent: the backend's health decides: dead means this request may be what
+        killed it, so it must not reach another replica."""
+        what = f"{b.endpoint}: {type(exc).__name__} {when}"
+        if isinstance(exc, _NOT_SENT):
+            self.router.pool.report_failure(b, what)
+            return what
+        if not await self.router.pool.probe(b):
+            raise Poisoned(f"backend {b.endpoint} stopped answering while handling this request "
+                           f"({type(exc).__name__} {when})")
+        return what + " (the backend is alive)"
 
     def _learn_response(self, path: str, status: int, content: bytes, b: Backend) -> None:
         """Remember which replica produced a Responses API id: its continuation
@@ -278,7 +408,7 @@ class Proxy:
             broken = True
             log.warning("stream from %s broke after first byte: %s", b.url, exc)
             self.metrics.stream_errors.labels(b.url).inc()
-            self.router.pool.report_failure(b, f"stream broke: {type(exc).__name__}")
+            await self.router.pool.probe(b)  # out of rotation only if it is dead
             sep = b"" if last.endswith(b"\n\n") else b"\n\n"
             yield sep + sse_error(f"backend {b.endpoint} failed mid-stream: {type(exc).__name__}")
         finally:
@@ -286,6 +416,27 @@ class Proxy:
                 meter.finish(error=broken or resp.status_code >= 500)
             await resp.aclose()
             self.router.release(b)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has hung up (the body was read already, by the body guard)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    return error(status, str(detail), kind, code)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s", request.url.path)
+    return error(500, f"internal error: {type(exc).__name__}", code="internal_error")
 
 
 def build_app(router: Router, manage_router: bool = True) -> Starlette:
@@ -320,4 +471,12 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
             if manage_router:
                 await router.stop()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+
+    config = router.config
+    guard = Middleware(BodyGuard, limit=lambda: config.max_request_bytes, timeout=lambda: config.request_read_timeout,
+                       draining=lambda: False,
+                       on_reject=lambda reason: router.metrics.responses.labels(reason).inc())
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
+                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})

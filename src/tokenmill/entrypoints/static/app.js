@@ -125,7 +125,23 @@ function render(s) {
   drawLatency($("chart-tpot"), lm.points.map((p) => [p[0], p[2]]), lm.tpot, lm.window_s);
   setText("ttft-pct", pctText(lm.ttft));
   setText("tpot-pct", pctText(lm.tpot));
+  showTenants(s.tenants || []);
   if (!factsShown) { showFacts(m); factsShown = true; }
+}
+
+function showTenants(rows) {
+  const table = $("tenants");
+  table.hidden = rows.length === 0;
+  const body = table.tBodies[0];
+  body.textContent = "";
+  for (const t of rows) {
+    const queue = fmtSecs(t.queue_time_seconds);
+    const cells = [t.tenant, String(t.priority_class), String(t.weight), fmtNum(t.active), fmtNum(t.requests),
+                   fmtNum(t.prompt_tokens), fmtNum(t.cached_tokens), fmtNum(t.output_tokens), fmtNum(t.errors),
+                   fmtNum(t.rejected), queue];
+    const tr = body.insertRow();
+    for (const c of cells) tr.insertCell().textContent = c;
+  }
 }
 
 function pctText(p) {

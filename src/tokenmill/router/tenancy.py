@@ -1,0 +1,133 @@
+"""Tenants at the router: who sends a request, how much it matters, and the tenant's
+limits across every replica.
+
+The Gateway API Inference Extension names two request headers:
+
+- ``x-gateway-inference-objective``: the name of an InferenceObjective, which
+  carries an integer priority (higher first; below zero means the request may be
+  shed). ``tokenmill route --objective NAME=PRIORITY`` gives the table; a class
+  name of the keys file (``critical``, ``high``, ``normal``, ``low``, ``batch``)
+  or an integer also works, and anything else counts as 0.
+- ``x-gateway-inference-fairness-id``: the flow (tenant) the request is fair
+  against.
+
+With ``--api-keys-file`` (the servers' file, tenants.py) the router knows the
+tenant from the key, enforces the tenant's ``max_inflight`` and
+``tokens_per_minute`` over all replicas together (the servers each see only
+their share, so without this one tenant could take every replica), and tells the
+replica who the tenant is with the fairness-id header; a replica honours that
+header only from a caller holding an ``--api-key`` (the router's
+``--backend-api-key``). Without a keys file, the fairness-id header the client
+or gateway sent passes through unchanged.
+
+Tokens per minute are estimated at the router, which does not always tokenize:
+a prompt's characters / 4, plus ``n x max_tokens`` (16 when not given); the
+router holds the whole estimate (it does not read the responses' usage), so it
+is the stricter of the two gates.
+
+Shedding (``--shed-load``): a request whose objective has a priority below zero
+is shed when every replica is saturated, one with a priority of zero or more is
+routed anyway (the replica's scheduler orders it); without the header, as
+before, every request may be shed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..entrypoints.tenant_gate import TenantGate, TenantLimited
+from ..entrypoints.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
+from ..priority_classes import PRIORITY_CLASSES
+from .tokenize import prompt_of
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+# Priority of a keys-file class name used as an objective: the Inference Extension's
+# sense (higher first, negative sheddable), from the class's place (0 first).
+_CLASS_PRIORITY = {name: 2 - value for name, value in PRIORITY_CLASSES.items()}
+
+
+def parse_objectives(items: list[str]) -> dict[str, int]:
+    """``NAME=PRIORITY`` items -> {name: priority}."""
+    out: dict[str, int] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = int(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"--objective {item!r}: expected NAME=PRIORITY (an integer, higher first)")
+    return out
+
+
+def objective_priority(value: str | None, table: Mapping[str, int]) -> int | None:
+    """The priority an objective header names (None: no header)."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value in table:
+        return table[value]
+    if value.lower() in _CLASS_PRIORITY:
+        return _CLASS_PRIORITY[value.lower()]
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Caller:
+    """What the router knows of a request's sender."""
+
+    tenant: Tenant | None  # from the keys file (None: no keys file, or the operator's key)
+    fairness_id: str | None  # what goes to the replica in the fairness header
+    priority: int | None  # the objective's priority (None: no objective header)
+
+
+def estimate_tokens(path: str, body: Any) -> int:
+    """The tokens a request may use, estimated without a tokenizer."""
+    text, ids = prompt_of(path, body)
+    prompt = len(ids) if ids is not None else len(text or "") // 4 + 1
+    n = body.get("n") if isinstance(body.get("n"), int) and body.get("n", 1) > 0 else 1
+    out = body.get("max_tokens") or body.get("max_completion_tokens") or body.get("max_output_tokens") or 16
+    return prompt + n * (out if isinstance(out, int) and out > 0 else 16)
+
+
+class RouterTenancy:
+    """The router's tenant directory, objective table and tenant gate."""
+
+    def __init__(self, keys_file: str | None, objectives: Mapping[str, int], api_key: str | None = None) -> None:
+        self.directory = TenantDirectory(keys_file, [api_key] if api_key else []) if keys_file else None
+        self.objectives = dict(objectives)
+        self.gate = TenantGate()
+
+    def reload(self) -> bool:
+        return self.directory.reload() if self.directory is not None else False
+
+    def key_opens(self, key: str) -> bool:
+        return self.directory is not None and self.directory.lookup(key) is not None
+
+    def caller(self, headers: Mapping[str, str], key: str | None) -> Caller:
+        priority = objective_priority(headers.get(OBJECTIVE_HEADER), self.objectives)
+        tenant = self.directory.lookup(key) if self.directory is not None and key is not None else None
+        if tenant is not None and tenant.name != DEFAULT_TENANT.name:
+            return Caller(tenant, tenant.name, priority)
+        return Caller(None, headers.get(FAIRNESS_HEADER), priority)
+
+    def admit(self, caller: Caller, path: str, body: Any) -> int:
+        """Count the request against its tenant's limits across replicas; returns the
+        tokens held (give them back with ``done``). Raises TenantLimited."""
+        if caller.tenant is None:
+            return 0
+        tokens = estimate_tokens(path, body)
+        self.gate.admit(caller.tenant, 1, 0, tokens)
+        return tokens
+
+    def done(self, caller: Caller) -> None:
+        if caller.tenant is not None:
+            self.gate.finished(caller.tenant, 1, 0)
+
+
+__all__ = ["Caller", "FAIRNESS_HEADER", "OBJECTIVE_HEADER", "RouterTenancy", "TenantLimited",
+           "estimate_tokens", "objective_priority", "parse_objectives"]
