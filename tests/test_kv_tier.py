@@ -24,13 +24,14 @@ class ShadowIO:
         self.sim = sim
         self.block_bytes = BLOCK * 8
 
-    def read(self, block: int) -> np.ndarray:
-        slots = self.sim.shadow.get(block, {})
-        return np.array([slots.get(i, -1) for i in range(BLOCK)], dtype=np.int64).view(np.uint8)
+    def read_many(self, blocks) -> np.ndarray:
+        rows = [[self.sim.shadow.get(b, {}).get(i, -1) for i in range(BLOCK)] for b in blocks]
+        return np.array(rows, dtype=np.int64).reshape(len(blocks), BLOCK).view(np.uint8)
 
-    def write(self, block: int, data: np.ndarray) -> None:
-        values = np.asarray(data, dtype=np.uint8).view(np.int64)
-        self.sim.shadow[block] = {i: int(v) for i, v in enumerate(values) if v != -1}
+    def write_many(self, blocks, data: np.ndarray) -> None:
+        for block, row in zip(blocks, np.asarray(data, dtype=np.uint8).reshape(len(blocks), -1)):
+            values = np.ascontiguousarray(row).view(np.int64)
+            self.sim.shadow[block] = {i: int(v) for i, v in enumerate(values) if v != -1}
 
 
 IDENTITY = TierIdentity("test", "float32", "float32", BLOCK, [[BLOCK, 8]])
@@ -95,6 +96,10 @@ def test_block_io_round_trips_every_layer_and_scale():
             t[:, 1].zero_()
     io.write(1, data)
     assert all(torch.equal(a, t[:, 1]) for a, t in zip(before, [t for layer in caches for t in layer]))
+    rows = io.read_many([3, 1])  # a batch is the single reads stacked, and writes back the same
+    assert np.array_equal(rows[0], io.read(3)) and np.array_equal(rows[1], data)
+    io.write_many([2, 0], rows)
+    assert np.array_equal(io.read(2), rows[0]) and np.array_equal(io.read(0), data)
 
 
 def test_warm_restart_keeps_whole_paths_and_drops_torn_ones(tmp_path):

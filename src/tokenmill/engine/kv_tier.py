@@ -66,15 +66,34 @@ class BlockIO:
         return [[*t.shape[:1], *t.shape[2:], t.element_size()] for t in self.tensors]
 
     def read(self, block: int) -> np.ndarray:
-        parts = [t[:, block].contiguous().view(torch.uint8).reshape(-1) for t in self.tensors]
-        return torch.cat(parts).cpu().numpy()
+        return self.read_many([block])[0]
 
     def write(self, block: int, data: np.ndarray) -> None:
+        self.write_many([block], np.asarray(data).reshape(1, -1))
+
+    def read_many(self, blocks: Sequence[int]) -> np.ndarray:
+        """``[len(blocks), block_bytes]``: each block's bytes, one gather per pool tensor."""
+        if not blocks:
+            return np.empty((0, self.block_bytes), dtype=np.uint8)
+        n = len(blocks)
+        parts = []
+        for t in self.tensors:
+            idx = torch.tensor(blocks, device=t.device)
+            rows = t.index_select(1, idx).transpose(0, 1).contiguous()  # [n, kv heads, ...]
+            parts.append(rows.view(torch.uint8).reshape(n, -1))
+        return torch.cat(parts, dim=1).cpu().numpy()
+
+    def write_many(self, blocks: Sequence[int], data: np.ndarray) -> None:
+        """Fill ``blocks`` from ``data`` (``read_many``'s layout), one scatter per pool tensor."""
+        if not blocks:
+            return
+        n = len(blocks)
+        flat = torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1))
         offset = 0
-        flat = torch.from_numpy(np.ascontiguousarray(data))
         for t, size in zip(self.tensors, self.sizes):
-            chunk = flat[offset:offset + size].to(t.device)
-            t[:, block].copy_(chunk.view(t.dtype).reshape(t[:, block].shape))
+            idx = torch.tensor(blocks, device=t.device)
+            chunk = flat[:, offset:offset + size].contiguous().to(t.device).view(t.dtype)
+            t.index_copy_(1, idx, chunk.reshape(n, t.shape[0], *t.shape[2:]).transpose(0, 1))
             offset += size
 
 
@@ -146,6 +165,7 @@ class DiskTier:
         self.closed = False
         self.free_slots: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._pending: dict[int, np.ndarray] = {}  # slot -> bytes not yet written
+        self._reads: list[tuple[int, SlotEntry]] = []  # blocks moved to a slot, not copied out yet
         self._lock = threading.Lock()
         self._queue: "queue.Queue[tuple[str, int, object] | None]" = queue.Queue()
         self.recovered = self._open()
@@ -211,20 +231,37 @@ class DiskTier:
 
     # -- the engine thread's side -----------------------------------------------
     def store(self, block: int, entry: SlotEntry) -> None:
-        """Copy pool block ``block`` out now (before it is reused) and queue its write."""
-        data = self.io.read(block)
-        with self._lock:
-            self._pending[entry.slot] = data
+        """Move pool block ``block`` into ``entry.slot``. Its bytes are copied out at the next
+        ``flush_reads`` (all of a step's evictions in one gather), which must come before
+        anything writes into the block: ``load_many`` calls it, and the scheduler at the end
+        of each step's scheduling (a reused block is written only when the step runs)."""
+        self._reads.append((block, entry))
         self.stats.stored_blocks += 1
-        self._queue.put(("store", entry.slot, (data, entry)))
 
-    def load(self, slot: int, block: int) -> None:
-        """Fill pool block ``block`` from ``slot`` (its queued bytes if not written yet)."""
+    def flush_reads(self) -> None:
+        if not self._reads:
+            return
+        reads, self._reads = self._reads, []
+        data = self.io.read_many([block for block, _ in reads])
+        for row, (_, entry) in zip(data, reads):
+            with self._lock:
+                self._pending[entry.slot] = row
+            self._queue.put(("store", entry.slot, (row, entry)))
+
+    def load_many(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Fill pool blocks from slots (``(slot, block)`` pairs; a slot's queued bytes if they
+        are not written yet), one scatter per pool tensor."""
+        if not pairs:
+            return
         t0 = time.perf_counter()
-        with self._lock:
-            data = self._pending.get(slot)
-        self.io.write(block, data if data is not None else np.asarray(self.data[slot]))
-        self.stats.restored_blocks += 1
+        self.flush_reads()
+        rows = []
+        for slot, _ in pairs:
+            with self._lock:
+                pending = self._pending.get(slot)
+            rows.append(pending if pending is not None else np.asarray(self.data[slot]))
+        self.io.write_many([block for _, block in pairs], np.stack(rows))
+        self.stats.restored_blocks += len(pairs)
         self.stats.restore_seconds += time.perf_counter() - t0
 
     def free(self, slot: int) -> None:
@@ -262,6 +299,7 @@ class DiskTier:
 
     def flush(self) -> None:
         """Wait until every queued write is on disk."""
+        self.flush_reads()
         self._queue.join()
         self.data.flush()
 
@@ -270,6 +308,7 @@ class DiskTier:
         if self.closed:
             return
         self.closed = True
+        self.flush_reads()
         self._queue.put(None)
         self._thread.join(timeout=30)
         self.data.flush()

@@ -264,10 +264,13 @@ class PrefixCache:
             return self.tier.free_slots.pop()
         return None
 
-    def _leave_disk(self, node: _Node) -> None:
+    def _leave_disk(self, node: _Node, free: bool = True) -> None:
+        """The node no longer names its slot; the slot is free again unless the caller still
+        has to read it (``restore`` frees its slots once they are loaded)."""
         assert self.tier is not None
         del self._by_slot[node.slot]
-        self.tier.free(node.slot)
+        if free:
+            self.tier.free(node.slot)
         node.slot = -1
 
     def _remove(self, node: _Node) -> None:
@@ -310,6 +313,7 @@ class PrefixCache:
         for n in path:  # the most recent now: making room below must not drop them
             n.last_used = next(self._clock)
         blocks: list[int] = []
+        loads: list[tuple[int, int]] = []
         for n in path:
             if pool.num_available < 1:
                 break
@@ -317,15 +321,24 @@ class PrefixCache:
             if not n.on_disk or n.parent is None or n.parent.children.get(n.key) is not n:
                 pool.release([block])  # dropped while making room: the rest is recomputed
                 break
-            self.tier.load(n.slot, block)
+            loads.append((n.slot, block))
             self._removed(n, MEDIUM_DISK)
-            self._leave_disk(n)
+            self._leave_disk(n, free=False)
             n.block = block
             self._by_block[block] = n
             n.parent.pool_children += 1
             self._stored([n])
             blocks.append(block)
+        self.tier.load_many(loads)  # one copy per pool tensor for the whole path
+        for slot, _ in loads:
+            self.tier.free(slot)
         return blocks
+
+    def flush_tier(self) -> None:
+        """Copy out the blocks moved to disk since the last call, before anything overwrites
+        them (the scheduler calls this at the end of each step's scheduling)."""
+        if self.tier is not None:
+            self.tier.flush_reads()
 
     def evict_all_idle(self) -> list[int]:
         """Drop every idle block and everything on disk (``/reset_prefix_cache``); return

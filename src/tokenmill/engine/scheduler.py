@@ -419,6 +419,8 @@ class Scheduler:
                 scheduled.add(request)
                 progressing[request] = True
                 self._note_finishing(finishing, request, num_new)
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush_tier()  # blocks moved to disk this step leave the pool before it runs
         return batch
 
     def _age(self, request: Request) -> tuple[int, int]:
