@@ -214,7 +214,8 @@ class Scheduler:
         """Chained hashes of the prompt's full blocks (block i's covers tokens 0 .. end of i)."""
         if request.prompt_block_hashes is None:
             # seeded by the adapter: K/V under different adapters are never shared
-            bs, ids, h = self.block_size, request.prompt_token_ids, hash(("adapter", request.adapter_id)) if request.adapter_id else 0
+            bs, ids = self.block_size, request.prompt_token_ids
+            h = hash(("adapter", request.adapter_id)) if request.adapter_id else 0
             hashes: list[int] = []
             for i in range(len(ids) // bs):
                 h = hash((h, tuple(ids[i * bs : (i + 1) * bs])))
