@@ -62,8 +62,6 @@ VLLM_ONLY_FLAGS: dict[str, str] = {
     "-pp": "pipeline parallelism is not implemented",
     "--data-parallel-size": "run several replicas behind `tokenmill route` instead",
     "-dp": "run several replicas behind `tokenmill route` instead",
-    "--lora-modules": "LoRA adapters are not implemented",
-    "--enable-lora": "LoRA adapters are not implemented",
 }
 
 

@@ -165,6 +165,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # vLLM's --speculative-config (JSON text or dict), e.g. {"method": "ngram", "num_speculative_tokens": 4}
     speculative_config: Any = None
+    # LoRA adapters (model/lora.py, engine/adapters.py): served only when enabled; at most
+    # max_loras resident at once, each of rank at most max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' compile bounds
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -44,6 +44,7 @@ class _Add:
     stream: _Stream
     arrival_time: float = field(default_factory=time.monotonic)
     placement: Placement | None = None
+    adapter: int = 0  # a resident LoRA adapter's id; 0: the base model
     trace: bool = False
 
 
@@ -71,7 +72,8 @@ class AsyncEngine:
         return self._thread.is_alive() and not self._stopping
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       placement: Placement | None = None, trace: bool = False) -> AsyncIterator[SequenceDelta]:
+                       placement: Placement | None = None, trace: bool = False,
+                       adapter: int = 0) -> AsyncIterator[SequenceDelta]:
         """Yield deltas until every sequence of the request has finished.
 
         Raises ValueError (bad request) before the first delta. If the
@@ -81,7 +83,8 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        self._send("add", _Add(request_id, prompt, params, stream, placement=placement, trace=trace))
+        self._send("add", _Add(request_id, prompt, params, stream, placement=placement, trace=trace,
+                               adapter=adapter))
         finished = False
         try:
             while True:
@@ -179,7 +182,7 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
-                                    placement=cmd.placement, trace=cmd.trace)
+                                    placement=cmd.placement, trace=cmd.trace, adapter=cmd.adapter)
         except Exception as exc:  # noqa: BLE001 - reported to the caller as a bad request
             cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
             return

@@ -27,7 +27,7 @@ from ..model.kv_quant import resolve_kv_dtype
 from ..model.llama import LlamaForCausalLM
 from ..model.loader import LoadedModel, load_model
 from ..tokenizer import Tokenizer
-from . import auto
+from . import adapters, auto
 from .block_pool import BlockPool
 from .draft import DraftModelProposer
 from .executors import Kernels, choose_kernels
@@ -100,6 +100,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     model = build_model(loaded, config, device, dtype, max_len, calibration, parallel, kernels)
     model.use_ops(kernels.ops)  # now, so that layouts the kernels read count as weights
     weights = weight_bytes(model)
+    if config.enable_lora:  # every targeted projection behind a LoRA wrapper (model/lora.py)
+        adapters.attach(model, config, device, dtype, parallel is not None)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     if kv_dtype != dtype and parallel is not None:
         raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} is not supported with tensor parallelism "

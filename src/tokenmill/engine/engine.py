@@ -96,6 +96,7 @@ class LLMEngine:
         self.pool = parts.pool
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.lora = parts.runner.lora  # the resident LoRA adapters, or None (model/lora.py)
         self.structured = parts.structured
         self.speculator = parts.speculator
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
@@ -117,12 +118,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, placement: Placement | None = None,
-                    trace: bool = False) -> list[Request]:
+                    trace: bool = False, adapter: int = 0) -> list[Request]:
         """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
         (tenant, class, weight, priority) orders it under the priority and fair policies;
-        ``trace``: record its prefill chunks for its trace (the finished delta's)."""
+        ``trace``: record its prefill chunks for its trace (the finished delta's);
+        ``adapter``: the id of a resident LoRA adapter to run it with (0: the base model)."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
+        if adapter and (self.lora is None or adapter not in self.lora.adapters):
+            raise ValueError(f"LoRA adapter {adapter} is not loaded")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
         self.limits.check_prompt_ids(token_ids)  # a LimitError (ValueError) names the field at fault
         self.limits.check_stop_ids(params.stop_token_ids)
@@ -134,7 +138,8 @@ class LLMEngine:
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
                           arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
-                          placement=placement or DEFAULT_PLACEMENT, prefill_chunks=[] if trace else None)
+                          placement=placement or DEFAULT_PLACEMENT, prefill_chunks=[] if trace else None,
+                          adapter_id=adapter)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
                 if params.structured_after:

@@ -135,7 +135,8 @@ class FusedDecodeExecutor(_FusedExecutor):
     name = "fused CPU decode"
 
     def accepts(self, batch: StepBatch) -> bool:
-        return batch.num_tokens <= self.decoder.max_batch and batch.samples_every_seq and batch.all_decodes
+        return (batch.num_tokens <= self.decoder.max_batch and batch.samples_every_seq and batch.all_decodes
+                and not batch.has_adapters)  # LoRA rows: the eager forward (model/lora.py)
 
 
 class FusedPrefillExecutor(_FusedExecutor):
@@ -149,7 +150,7 @@ class FusedPrefillExecutor(_FusedExecutor):
     name = "fused CPU prefill"
 
     def accepts(self, batch: StepBatch) -> bool:
-        return not batch.all_decodes and not batch.scores_prompt
+        return not batch.all_decodes and not batch.scores_prompt and not batch.has_adapters
 
 
 def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, batch: StepBatch) -> StepResult:
@@ -172,7 +173,7 @@ class CudaGraphExecutor:
 
     def accepts(self, batch: StepBatch) -> bool:
         self._planned = None
-        if not batch.samples_every_seq:
+        if not batch.samples_every_seq or batch.has_adapters:  # graphs were captured without adapters
             return False
         bucket = self.graphs.plan(batch)
         if isinstance(bucket, str):

@@ -48,6 +48,7 @@ from torch import nn
 
 from ..model import cpu_kernels
 from ..model.llama import LlamaForCausalLM, Linear
+from ..model.lora import base_of
 from ..model.quant import Int4Linear, Int8GroupLinear, Int8Linear
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ def _f32(t: torch.Tensor, keep: list[torch.Tensor]) -> int:
 
 def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernels.KernelLibrary) -> _Linear:
     """Describe one projection for the kernel, or raise Unsupported."""
+    mod = base_of(mod)  # behind a LoRA wrapper: the executors give adapter rows to the eager path
     s = _Linear()
     bias = getattr(mod, "bias", None)
     s.bias = _f32(bias, keep) if bias is not None else None

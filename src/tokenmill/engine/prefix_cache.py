@@ -17,6 +17,14 @@ below pool nodes or other disk nodes (a node is evicted only once none of its
 children is in the pool, and a prompt restores a path from its top down), so
 "leaf" for pool eviction means "no child in the pool". When the tier is full
 its least recently used disk leaf is dropped to make room.
+
+LoRA adapters (``namespace``: the adapter's id; 0 is the base model): K/V
+computed under one adapter differ from the base's and from another adapter's
+for the same tokens, so they are never shared. The first block of a path under
+an adapter carries a marker before its tokens (``-namespace``; token ids are
+never negative), so each adapter's paths are their own subtree and their block
+names (KV events) differ; the events carry the id as ``lora_id`` and the
+tokens without the marker.
 """
 from __future__ import annotations
 
@@ -101,8 +109,10 @@ class PrefixCache:
         parent = nodes[0].parent
         self.events.append(BlockStored(block_hashes=[n.hash for n in nodes],
                                        parent_block_hash=parent.hash if parent is not None else None,
-                                       token_ids=[t for n in nodes for t in n.key], block_size=self.block_size,
-                                       medium=MEDIUM_DISK if nodes[0].on_disk else "GPU"))
+                                       token_ids=[t for n in nodes for t in n.key if t >= 0],
+                                       block_size=self.block_size,
+                                       medium=MEDIUM_DISK if nodes[0].on_disk else "GPU",
+                                       lora_id=_namespace(nodes[0]) or None))
 
     def _removed(self, node: _Node, medium: str) -> None:
         if self.events is None:
@@ -129,17 +139,19 @@ class PrefixCache:
     def contains_block(self, block: int) -> bool:
         return block in self._by_block
 
-    def _block_key(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+    def _block_key(self, token_ids: list[int], index: int, namespace: int = 0) -> tuple[int, ...]:
         start = index * self.block_size
-        return tuple(token_ids[start : start + self.block_size])
+        key = tuple(token_ids[start : start + self.block_size])
+        return (-namespace, *key) if namespace and index == 0 else key
 
-    def match(self, token_ids: list[int], max_blocks: int) -> list[int]:
+    def match(self, token_ids: list[int], max_blocks: int, namespace: int = 0) -> list[int]:
         """Block ids of the longest prefix of ``token_ids`` cached in the pool (at most
-        ``max_blocks`` full blocks). The caller must acquire them."""
+        ``max_blocks`` full blocks) under ``namespace`` (an adapter id; 0: the base model).
+        The caller must acquire them."""
         node = self.root
         blocks: list[int] = []
         for i in range(max_blocks):
-            child = node.children.get(self._block_key(token_ids, i))
+            child = node.children.get(self._block_key(token_ids, i, namespace))
             if child is None or child.on_disk:
                 break
             blocks.append(child.block)
@@ -147,8 +159,10 @@ class PrefixCache:
         return blocks
 
     # -- updates -------------------------------------------------------
-    def insert(self, token_ids: list[int], block_table: list[int], start: int, end: int) -> dict[int, int]:
-        """Index the full, computed blocks ``start..end-1`` of a request.
+    def insert(self, token_ids: list[int], block_table: list[int], start: int, end: int,
+               namespace: int = 0) -> dict[int, int]:
+        """Index the full, computed blocks ``start..end-1`` of a request (run under
+        ``namespace``: its adapter id; 0: the base model).
 
         Blocks before ``start`` must already be indexed along this path.
         Returns ``{index: cached_block}`` for blocks whose content was already
@@ -158,11 +172,11 @@ class PrefixCache:
         """
         node = self.root
         for i in range(start):
-            node = node.children[self._block_key(token_ids, i)]
+            node = node.children[self._block_key(token_ids, i, namespace)]
         swaps: dict[int, int] = {}
         stored: list[_Node] = []
         for i in range(start, end):
-            key = self._block_key(token_ids, i)
+            key = self._block_key(token_ids, i, namespace)
             child = node.children.get(key)
             if child is None:
                 child = _Node(key=key, block=block_table[i], parent=node, hash=chain_hash(node.hash, key))
@@ -279,7 +293,8 @@ class PrefixCache:
         if parent.on_disk and not parent.children:
             heapq.heappush(self._disk_heap, (parent.last_used, parent.slot))
 
-    def restore(self, token_ids: list[int], have: int, max_blocks: int, pool: "BlockPool") -> list[int]:
+    def restore(self, token_ids: list[int], have: int, max_blocks: int, pool: "BlockPool",
+                namespace: int = 0) -> list[int]:
         """Continue a prompt's pool match (``have`` blocks, acquired by the caller) through
         nodes on disk: each gets a fresh pool block (ref count 1, the caller's) filled from its
         slot. Returns those blocks, in order; stops where the pool has no room."""
@@ -287,10 +302,10 @@ class PrefixCache:
             return []
         node = self.root
         for i in range(have):
-            node = node.children[self._block_key(token_ids, i)]
+            node = node.children[self._block_key(token_ids, i, namespace)]
         path: list[_Node] = []
         for i in range(have, max_blocks):
-            child = node.children.get(self._block_key(token_ids, i))
+            child = node.children.get(self._block_key(token_ids, i, namespace))
             if child is None or not child.on_disk:
                 break
             path.append(child)
@@ -422,3 +437,10 @@ class PrefixCache:
             assert len(free) == len(self.tier.free_slots), "a disk slot is free twice"
             assert not free & set(self._by_slot), "a disk slot is both free and held"
             assert len(free) + len(self._by_slot) == self.tier.num_slots, "a disk slot leaked"
+
+
+def _namespace(node: _Node) -> int:
+    """The adapter id a node's path runs under (the marker of its first block; 0: the base)."""
+    while node.parent is not None and node.parent.parent is not None:
+        node = node.parent
+    return -node.key[0] if node.key and node.key[0] < 0 else 0

@@ -180,6 +180,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
     placement: Placement = DEFAULT_PLACEMENT
+    adapter_id: int = 0  # the LoRA adapter it runs with (engine/adapters.py); 0: the base model
     # Traced requests only (None otherwise, at no cost): (time, prompt tokens) of each prefill
     # chunk as its step ends, recomputes after a preemption included.
     prefill_chunks: list[tuple[float, int]] | None = None

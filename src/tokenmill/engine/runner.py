@@ -27,6 +27,7 @@ from ..model.attention import (StepAttention, StepLayout, attention_backend_clas
                                select_attention_backend)
 from ..model import kv_quant
 from ..model.llama import LlamaForCausalLM
+from ..model.lora import LoraState
 from . import cuda_graphs, fused_decode, prompt_logprobs
 from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, FusedPrefillExecutor, Kernels,
                         StepExecutor, StepItems, StepResult)
@@ -53,6 +54,7 @@ class StepInputs:
     logits_rows: torch.Tensor  # [S] rows of the hidden states to sample from
     sampled: list[Request]  # the requests those rows belong to, in order
     prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # requests scoring their prompt
+    lora_segments: list[tuple[int, int, int]] = field(default_factory=list)  # (adapter, first row, end row)
 
 
 class ModelRunner:
@@ -73,6 +75,7 @@ class ModelRunner:
         cfg = model.config
         assert cfg.head_dim is not None
         self.model = model
+        self.lora: LoraState | None = getattr(model, "lora_state", None)  # adapters (model/lora.py)
         self.kernels = kernels
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -161,6 +164,7 @@ class ModelRunner:
             logits_rows=torch.tensor(batch.logits_rows, dtype=torch.long, device=dev),
             sampled=batch.sampled_requests,
             prompt_rows=prompt_rows,
+            lora_segments=batch.adapter_segments,
         )
 
     @torch.inference_mode()
@@ -177,7 +181,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run_eager(self, step: StepBatch | StepItems) -> StepResult:
         inputs = self.prepare(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        if inputs.lora_segments:
+            assert self.lora is not None, "a step with adapter rows on a model without LoRA"
+            self.lora.begin_step(inputs.lora_segments)
+            try:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+            finally:
+                self.lora.end_step()
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         for request, entries in prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows):
             request.prompt_logprobs.extend(entries)
         if not inputs.sampled:

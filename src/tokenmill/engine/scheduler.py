@@ -157,12 +157,13 @@ class Scheduler:
         if self.prefix_cache is None or request.block_table or request.wants_prompt_logprobs:
             return
         max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
+        blocks = self.prefix_cache.match(request.all_token_ids, max_blocks, request.adapter_id)
         for block in blocks:
             self.pool.acquire(block)
         # blocks further along the prompt that the cache moved to its disk tier come back
         # into fresh pool blocks (the request's own) instead of being recomputed
-        blocks += self.prefix_cache.restore(request.all_token_ids, len(blocks), max_blocks, self.pool)
+        blocks += self.prefix_cache.restore(request.all_token_ids, len(blocks), max_blocks, self.pool,
+                                            request.adapter_id)
         request.block_table = list(blocks)
         request.num_cached_blocks = len(blocks)
         request.num_computed_tokens = len(blocks) * self.block_size
@@ -183,7 +184,7 @@ class Scheduler:
         max_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks <= done:
             return
-        blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
+        blocks = self.prefix_cache.match(request.all_token_ids, max_blocks, request.adapter_id)
         if len(blocks) > done:
             self._adopt(request, done, blocks[done:])
 
@@ -212,7 +213,9 @@ class Scheduler:
     def _block_hashes(self, request: Request) -> list[int]:
         """Chained hashes of the prompt's full blocks (block i's covers tokens 0 .. end of i)."""
         if request.prompt_block_hashes is None:
-            bs, ids, h = self.block_size, request.prompt_token_ids, 0
+            # seeded by the adapter: K/V under different adapters are never shared
+            bs, ids = self.block_size, request.prompt_token_ids
+            h = hash(("adapter", request.adapter_id)) if request.adapter_id else 0
             hashes: list[int] = []
             for i in range(len(ids) // bs):
                 h = hash((h, tuple(ids[i * bs : (i + 1) * bs])))
@@ -283,7 +286,7 @@ class Scheduler:
                 break
             producer, at = owner
             previous = taken[-1] if taken else (request.block_table[index - 1] if index else None)
-            if (at != index or self._age(producer) >= age
+            if (at != index or self._age(producer) >= age or producer.adapter_id != request.adapter_id
                     or (index and producer.block_table[index - 1] != previous)
                     or producer.prompt_token_ids[index * bs:(index + 1) * bs]
                     != request.prompt_token_ids[index * bs:(index + 1) * bs]):
@@ -529,7 +532,7 @@ class Scheduler:
         if num_full <= request.num_cached_blocks:
             return
         swaps = self.prefix_cache.insert(
-            request.all_token_ids, request.block_table, request.num_cached_blocks, num_full
+            request.all_token_ids, request.block_table, request.num_cached_blocks, num_full, request.adapter_id
         )
         for index, cached_block in swaps.items():
             self.pool.acquire(cached_block)

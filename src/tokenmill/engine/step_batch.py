@@ -47,6 +47,7 @@ class StepSeq(NamedTuple):
     sampled: tuple[int, ...]
     grammar: Any = None  # the request's grammar matcher (structured outputs), or None
     placement: Placement = DEFAULT_PLACEMENT  # tenant, class, weight, priority (engine/fairness.py)
+    adapter: int = 0  # the LoRA adapter its rows run with (model/lora.py); 0: the base model
 
     @classmethod
     def of(cls, request: Request, num_new: int) -> "StepSeq":
@@ -60,7 +61,7 @@ class StepSeq(NamedTuple):
         tokens = ((request.token_at(start),) if num_new == 1
                   else tuple(request.step_token_ids(start, num_new)))
         return cls(request, start, num_new, kind, tokens, tuple(request.block_table), sampled, request.grammar,
-                   request.placement)
+                   request.placement, request.adapter_id)
 
     @property
     def end(self) -> int:
@@ -100,10 +101,35 @@ class StepBatch:
 
     def decodes_first(self) -> "StepBatch":
         """The same sequences, one-token ones first (stable): the order whose decodes the
-        attention kernels batch."""
+        attention kernels batch; within each kind, the rows of one adapter together, so
+        that each adapter's update reads its weights once (``adapter_segments``)."""
+        if self.has_adapters:
+            ordered = tuple(sorted(self.seqs, key=lambda s: (s.num_new != 1, s.adapter)))
+            return self if all(a is b for a, b in zip(ordered, self.seqs)) else StepBatch(ordered)
         if all(s.num_new == 1 for s in self.seqs[: self.num_single]):
             return self
         return StepBatch(tuple(sorted(self.seqs, key=lambda s: s.num_new != 1)))
+
+    @cached_property
+    def has_adapters(self) -> bool:
+        """Whether any row runs with a LoRA adapter."""
+        return any(s.adapter for s in self.seqs)
+
+    @cached_property
+    def adapter_segments(self) -> list[tuple[int, int, int]]:
+        """``(adapter, first row, end row)`` of each run of rows of one adapter, in this
+        order (rows of the base model are in none)."""
+        segments: list[tuple[int, int, int]] = []
+        first = 0
+        for s in self.seqs:
+            end = first + s.num_new
+            if s.adapter:
+                if segments and segments[-1][0] == s.adapter and segments[-1][2] == first:
+                    segments[-1] = (s.adapter, segments[-1][1], end)
+                else:
+                    segments.append((s.adapter, first, end))
+            first = end
+        return segments
 
     @cached_property
     def num_single(self) -> int:

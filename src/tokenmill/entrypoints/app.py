@@ -94,6 +94,9 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
 
     app.state.response_store = ResponseStore(settings.responses_store_size)
     app.include_router(messages_router)
+    from .adapter_routes import router as adapter_router
+
+    app.include_router(adapter_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
@@ -124,12 +127,20 @@ def _misc_routes(app: FastAPI) -> None:
     async def list_models(request: Request) -> ModelList:
         state = get_state(request)
         root = state.settings.model_path
+        from .adapter_routes import adapter_cards
+
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
-                               for name in state.settings.served_model_names])
+                               for name in state.settings.served_model_names]
+                         + [ModelCard(**card) for card in adapter_cards(state)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
     async def get_model(model_id: str, request: Request) -> ModelCard:
         state = get_state(request)
+        from .adapter_routes import adapter_cards
+
+        for card in adapter_cards(state):
+            if card["id"] == model_id:
+                return ModelCard(**card)
         if model_id not in state.settings.served_model_names:
             raise model_not_found(model_id, state.settings.served_model_names)
         return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)

@@ -65,13 +65,36 @@ class LLM:
         self.engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._adapter_ids = itertools.count(1)
+        self.adapters: dict[str, int] = {}  # LoRA adapters by name (enable_lora=True)
+
+    def load_lora(self, name: str, path: str) -> int:
+        """Load a PEFT adapter folder under ``name`` (resident until ``unload_lora``); its id."""
+        from ..engine.adapters import read_adapter
+
+        if self.engine.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} is already loaded")
+        weights = read_adapter(self.engine.lora, name, path, next(self._adapter_ids))
+        self.engine.lora.install(weights)
+        self.adapters[name] = weights.adapter_id
+        return weights.adapter_id
+
+    def unload_lora(self, name: str) -> None:
+        adapter_id = self.adapters.pop(name)
+        assert self.engine.lora is not None
+        self.engine.lora.remove(adapter_id)
 
     def generate(
         self,
         prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion, continuously batched."""
+        """Run prompts (strings or token-id lists) to completion, continuously batched.
+        ``lora``: the loaded adapter (by name) to run every prompt with, or one per prompt
+        (None: the base model)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -81,11 +104,17 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        loras = list(lora) if lora is not None and not isinstance(lora, str) else [lora] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("give one adapter name, or one per prompt")
+        unknown = sorted({n for n in loras if n is not None and n not in self.adapters})
+        if unknown:
+            raise ValueError(f"LoRA adapters {unknown} are not loaded")
         outputs: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params, name in zip(prompts, params_list, loras):
             rid = f"offline-{next(self._ids)}"
-            reqs = self.engine.add_request(rid, prompt, params)
+            reqs = self.engine.add_request(rid, prompt, params, adapter=self.adapters[name] if name else 0)
             order.append(rid)
             outputs[rid] = RequestOutput(
                 request_id=rid, prompt=prompt if isinstance(prompt, str) else None,

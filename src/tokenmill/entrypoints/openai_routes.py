@@ -260,7 +260,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
         params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
-        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
+        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority,
+                        model=body.model))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     for job in jobs:
@@ -303,7 +304,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
     params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
-    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
+    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority,
+               model=body.model), plan
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)

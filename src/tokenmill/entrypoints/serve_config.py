@@ -79,6 +79,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     from ..config import EngineConfig
 
     options = engine_options(args)
+    if getattr(args, "enable_lora", False):
+        options.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
                    scheduling_policy=scheduling_policy_from_args(args),
@@ -155,7 +157,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
-        responses_store_size=getattr(args, "responses_store_size", 1024))
+        responses_store_size=getattr(args, "responses_store_size", 1024),
+        lora_modules=_lora_modules(args))
+
+
+def _lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    from .adapter_routes import parse_lora_modules
+
+    return parse_lora_modules(getattr(args, "lora_modules", None))
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:

@@ -61,6 +61,7 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja source replacing the model's chat template
     reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
     responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, folder) loaded at start
 
 
 SESSION_HEADER = "x-session-id"
@@ -103,6 +104,7 @@ class Job:
     session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
     miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
     streamed: bool = False  # stream_job took it over
+    model: str | None = None  # the request's ``model``: a LoRA adapter's name selects it
 
     @property
     def placement(self) -> Placement:
@@ -148,6 +150,11 @@ class ServerState:
         # 400 can name the field; the engine runs the same checks for in-process callers.
         self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        self.adapters = _adapter_manager(aengine, settings)  # LoRA adapters (engine/adapters.py), or None
+        if self.adapters is not None:
+            from ..engine.adapters import LoraRequestsInfo
+
+            self.metrics.vllm.register(LoraRequestsInfo(self.adapters))
         # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
         self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
         self.tenant_gate = TenantGate(settings.retry_after_s)
@@ -275,9 +282,12 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve (the one wording every endpoint uses)."""
-        if name and name not in self.settings.served_model_names:
-            raise model_not_found(name, self.settings.served_model_names)
+        """404 for a model this server does not serve (the one wording every endpoint uses);
+        a LoRA adapter's name is served."""
+        if name and name not in self.settings.served_model_names and not (
+                self.adapters is not None and name in self.adapters):
+            raise model_not_found(name, self.settings.served_model_names
+                                  + (self.adapters.names() if self.adapters is not None else []))
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -345,9 +355,12 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
+        adapter = 0
+        if self.adapters is not None and job.model in self.adapters:
+            adapter = await self._acquire_adapter(job)
         span = CURRENT_SPAN.get() if self.tracing is not None else None
         gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement,
-                                    trace=span is not None)
+                                    trace=span is not None, adapter=adapter)
         self._live[job.request_id] = job
         failed = False
         job.streamed = True
@@ -361,6 +374,8 @@ class ServerState:
                 ntok = len(delta.token_ids)
                 if first_token is None:
                     first_token = now
+                    if adapter and self.adapters is not None:
+                        self.adapters.started(adapter)
                     cached = delta.num_cached_tokens
                     self._classify_miss(job, cached)
                     if job.held:
@@ -398,6 +413,8 @@ class ServerState:
         finally:
             self._live.pop(job.request_id, None)
             self._cut.discard(job.request_id)
+            if adapter and self.adapters is not None:
+                self.adapters.release(adapter, started=first_token is not None)
             # abort first: it is synchronous, so a cancellation arriving at the
             # await below cannot skip it
             if not done:
@@ -413,6 +430,25 @@ class ServerState:
                               len(job.prompt_ids) if first_token is not None else 0, cached, output,
                               queue_time, failed)
             await gen.aclose()
+
+    async def _acquire_adapter(self, job: Job) -> int:
+        """The resident id of the job's adapter (loaded now if it is not resident)."""
+        from ..engine.adapters import AdapterBusy, AdapterNotFound
+        from ..model.lora import LoraError
+
+        assert self.adapters is not None and job.model is not None
+        try:
+            return await self.adapters.acquire(job.model)
+        except AdapterNotFound:
+            self.release(job)
+            raise APIError(404, f"The model `{job.model}` does not exist (its adapter was unloaded)",
+                           param="model", code="model_not_found") from None
+        except AdapterBusy as exc:
+            self.release(job)
+            raise APIError(503, str(exc), code="lora_slots_busy", headers={"Retry-After": "5"}) from None
+        except LoraError as exc:  # its files changed since it was registered
+            self.release(job)
+            raise APIError(400, str(exc), param="model", code="invalid_lora_adapter") from None
 
     def _trace_sequence(self, span: Any, job: Job, delta: SequenceDelta, output_tokens: int) -> None:
         """A finished sequence's engine spans under the request's span, and its counts on it."""
@@ -525,3 +561,22 @@ def as_api_error() -> Any:
         yield
     except LimitError as exc:
         raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+
+
+def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
+    """The server's LoRA adapters, those of ``--lora-modules`` registered (and resident while
+    there is room); None when the engine serves none."""
+    lora = aengine.engine.lora
+    if lora is None:
+        if settings.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    from ..engine.adapters import AdapterManager
+
+    manager = AdapterManager(lora, lambda fn: aengine.call(lambda engine: fn(engine.lora)))
+    for name, path in settings.lora_modules:
+        if name in settings.served_model_names:
+            raise ValueError(f"--lora-modules: {name!r} is the base model's name")
+        manager.register_now(name, path)
+        log.info("LoRA adapter %r registered from %s", name, path)
+    return manager

@@ -49,9 +49,11 @@ class Linear(nn.Linear):
 
 
 def linear_add(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + layer(x)`` for any projection (quantized ones have no fused add)."""
-    if isinstance(layer, Linear):
-        return layer.forward_add(x, residual)
+    """``residual + layer(x)`` for any projection: a layer with a fused add (dense ``Linear``,
+    a LoRA wrapper) does it itself; quantized ones have none."""
+    forward_add = getattr(layer, "forward_add", None)
+    if forward_add is not None:
+        return forward_add(x, residual)
     return residual + layer(x)
 
 

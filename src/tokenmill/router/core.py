@@ -13,6 +13,7 @@ from typing import Any, Callable, Collection
 
 import httpx
 
+from . import models
 from .backend import Backend
 from .config import RouterConfig
 from .metrics import RouterMetrics
@@ -147,6 +148,12 @@ class Router:
         cands = [b for b in cands if b.healthy] or self.candidates(exclude, subset)
         if not cands:
             raise NoBackendError("no ready backend")
+        # the replicas that serve the request's model, those with its LoRA adapter resident first
+        w = c.kv_usage_weight
+        cands, why = models.select(cands, models.model_of(body),
+                                   lambda b, low: PrefixAware(c).overloaded(b.load(w), low), lambda b: b.load(w))
+        if why != "any":
+            self.metrics.model_routing.labels(why).inc()
         decision = self._session_home(session, cands, keys) or self.policy.choose(cands, keys)
         if session is not None:
             self.sessions.settle(session, decision.backend.url, kept=decision.reason == "session")

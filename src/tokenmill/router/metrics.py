@@ -21,6 +21,10 @@ class RouterMetrics:
         self.responses = Counter(
             "tokenmill_router_responses", "Responses to clients by status code.",
             ["code"], registry=r)
+        self.model_routing = Counter(
+            "tokenmill_router_model_routing", "Requests narrowed by their model: to replicas serving it "
+            "(model) or, for a LoRA adapter, to replicas with it resident (lora_resident).",
+            ["reason"], registry=r)
         self.retries = Counter(
             "tokenmill_router_retries", "Requests retried on another backend before their first byte.",
             registry=r)

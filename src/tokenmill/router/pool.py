@@ -23,6 +23,7 @@ from typing import Callable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import models
 from .backend import Backend, BackendStats, normalize_url
 from .config import RouterConfig
 from .kv_index import EventIndex, EventSubscriber, RoutingIndex
@@ -202,8 +203,17 @@ class BackendPool:
                 # Ours while the scrape was under way: the smaller count errs toward "external".
                 stats.inflight_at_scrape = min(inflight, backend.in_flight)
                 self._apply_stats(backend, stats)
+                models.view_of(backend).resident = models.resident_from_metrics(
+                    text_string_to_metric_families(m.text))
         except (httpx.HTTPError, ValueError) as exc:
             log.debug("metrics scrape of %s failed: %s", backend.url, exc)
+        try:  # which models (and LoRA adapters) it serves: routing by model (models.py)
+            r = await self.client.get(backend.url + "/v1/models", timeout=timeout, headers=self._headers())
+            if r.status_code == 200:
+                view = models.view_of(backend)
+                view.models, view.adapters = models.parse_models(r.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("model list of %s failed: %s", backend.url, exc)
         self._set(backend, True)
 
     def _apply_stats(self, backend: Backend, stats: BackendStats) -> None:
