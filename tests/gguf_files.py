@@ -56,17 +56,23 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
         w.add_bos_token_id(bos_token_id)
     if eos_token_id is not None:
         w.add_eos_token_id(eos_token_id)
+    weights = _stack_experts(weights)
+    if getattr(cfg, "num_experts", 0):
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     for name, tensor in weights.items():
         if name in top:
             gname = top[name]
         else:
             _, _, idx, rest = name.split(".", 3)
-            gname = f"blk.{idx}.{per_layer[rest]}"
+            gname = f"blk.{idx}.{per_layer[rest]}".replace(".{}", "")
         value = np.ascontiguousarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor, dtype=np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name) and value.ndim == 2:
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
             value = llama_cpp_permute(value, heads)
-        qtype = next((q for key, q in (qtypes or {}).items() if key in name), "F32") if value.ndim == 2 else "F32"
+        qtype = next((q for key, q in (qtypes or {}).items() if key in name), "F32") if value.ndim >= 2 else "F32"
         if qtype == "F32":
             w.add_tensor(gname, value)
         else:
@@ -77,3 +83,23 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _stack_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """HF per-expert tensors (``mlp.experts.{j}.gate_proj.weight``) stacked into llama.cpp's
+    3-D ``ffn_*_exps`` layout, under the loader's ``mlp.experts.{}...`` names."""
+    out: dict[str, Any] = {}
+    stacks: dict[str, dict[int, Any]] = {}
+    for name, tensor in weights.items():
+        parts = name.split(".")
+        if len(parts) > 5 and parts[3:5] == ["mlp", "experts"]:
+            key = ".".join(parts[:5] + ["{}"] + parts[6:])
+            value = tensor.numpy() if hasattr(tensor, "numpy") else tensor
+            stacks.setdefault(key, {})[int(parts[5])] = np.asarray(value, dtype=np.float32)
+            if key not in out:
+                out[key] = None
+        else:
+            out[name] = tensor
+    for key, experts in stacks.items():
+        out[key] = np.stack([experts[j] for j in range(len(experts))])
+    return out

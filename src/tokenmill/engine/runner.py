@@ -76,7 +76,8 @@ class ModelRunner:
         options = kernels.options
         model.use_ops(kernels.ops)
         graphs_backend = None
-        if not eager_only and kv_dtype == dtype and not kernel_attention_fits(device, dtype, cfg.head_dim,
+        # Mixture-of-experts routing sizes each expert's rows from the data: nothing to record.
+        if not eager_only and kv_dtype == dtype and not cfg.num_experts and not kernel_attention_fits(device, dtype, cfg.head_dim,
                                                                               kernels.library):
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.

@@ -31,7 +31,10 @@ import torch
 
 from tokenmill.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# llama.cpp's architecture names where they differ from Hugging Face's model_type (a llama
+# file with experts is Mixtral: _gguf_config)
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 
 # GGUF block geometry: (elements per block, bytes per block)
 BLOCK_SHAPES: dict[str, tuple[int, int]] = {
@@ -247,6 +250,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    # stacked [experts, rows, cols]: split per expert by load_gguf ("{}" is the expert)
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -292,7 +300,8 @@ def _short_float(value: float) -> float:
 
 def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     arch = md.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    architecture = _GGUF_ARCHITECTURES.get(arch, arch)
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
@@ -319,12 +328,16 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             rope_scaling["original_max_position_embeddings"] = int(orig)
     elif meta("rope.scale_linear") is not None:
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scale_linear"))}
-    ffn = meta("feed_forward_length")
+    ffn = meta("feed_forward_length") or meta("expert_feed_forward_length")
     if isinstance(ffn, list):
         ffn = ffn[0]
     layer0 = "model.layers.0.self_attn."
+    experts = int(meta("expert_count", 0) or 0)
+    if experts and architecture == "llama":
+        architecture = "mixtral"
+    sparse = sorted({int(n.split(".")[2]) for n in tensor_shapes if n.endswith("mlp.gate.weight")})
     return ModelConfig(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(ffn),
@@ -341,6 +354,11 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         qk_norm=f"{layer0}q_norm.weight" in tensor_shapes,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or 0) or int(ffn),
+        norm_topk_prob=bool(meta("expert_weights_norm", True)),  # llama.cpp renormalises both families
+        mlp_only_layers=tuple(i for i in range(int(meta("block_count"))) if experts and i not in sparse),
     )
 
 
@@ -350,7 +368,10 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     entries = []
     for t in gguf_file.tensors:
         hf = gguf_to_hf_name(t.name)
-        if hf is not None:
+        if hf is not None and "{}" in hf:  # stacked experts: one 2-D tensor each, views of the file
+            entries += [(hf.format(j), GGUFTensor(t.name, t.type_name, t.shape[1:], t.data[j]))
+                        for j in range(t.shape[0])]
+        elif hf is not None:
             entries.append((hf, t))
     shapes = {hf: t.shape for hf, t in entries}
     if "model.embed_tokens.weight" not in shapes:
@@ -364,7 +385,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
     # Only Llama-arch files were written with the interleaving permutation; Qwen's RoPE is
     # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
-    permuted = config.architecture in ("llama", "mistral")
+    permuted = config.architecture in ("llama", "mistral", "mixtral")
 
     weights: dict[str, torch.Tensor] = {}
     quant_types: dict[str, str] = {}
@@ -418,6 +439,7 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling = None
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     return ModelConfig(
         architecture=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -433,9 +455,16 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE as its config says
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
 
 
@@ -470,6 +499,10 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
                 tensor = f.get_tensor(key)
                 quant_types[key] = _SAFETENSORS_TYPES.get(tensor.dtype, str(tensor.dtype))
                 weights[key] = tensor.to(dtype)
+    if config.num_experts:
+        from .moe import canonical_expert_names
+
+        canonical_expert_names(weights, quant_types)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         quant_types.pop("lm_head.weight", None)

@@ -52,7 +52,7 @@ W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float a
 # of w8a8's next-token agreement on the bundled model (docs/quantization.md). Where the
 # kernels have VNNI (one process) they are Int8GroupLinear with 8-bit activations per 32
 # inputs, which kept the agreement and halves their integer work; elsewhere weight-only.
-W8A8_WEIGHT_ONLY_PROJECTIONS = ("mlp.down_proj",)
+W8A8_WEIGHT_ONLY_PROJECTIONS = ("down_proj",)  # the dense MLP's and each expert's
 INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -729,10 +729,19 @@ _SOURCES = {
 
 
 def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
-    """(module name, module, checkpoint weight names it was fused from)."""
+    """(module name, module, checkpoint weight names it was fused from); a mixture of
+    experts' projections are each expert's (its router stays in float: it picks experts)."""
     out: list[tuple[str, nn.Linear, tuple[str, ...]]] = []
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        for path, sources in _SOURCES.items():
+        experts = getattr(layer.mlp, "experts", None)
+        paths = dict(_SOURCES)
+        if experts is not None:
+            for path in ("mlp.gate_up_proj", "mlp.down_proj"):
+                sources = paths.pop(path)
+                for j in range(len(experts)):
+                    paths[path.replace("mlp.", f"mlp.experts.{j}.")] = tuple(
+                        s.replace("mlp.", f"mlp.experts.{j}.") for s in sources)
+        for path, sources in paths.items():
             mod = layer.get_submodule(path)
             out.append((f"layers.{i}.{path}", mod, tuple(f"model.layers.{i}.{s}.weight" for s in sources)))
     if with_head:
