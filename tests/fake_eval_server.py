@@ -11,7 +11,9 @@ HTTP eval can be checked against the offline one number for number:
   answered greedily;
 - ``/v1/chat/completions``: greedy; ``tools`` are answered with the scripted
   ``tool_call`` and ``response_format`` with the scripted ``json_text``
-  (the tiny random model cannot do either), so scoring can be tested.
+  (the tiny random model cannot do either), so scoring can be tested;
+  ``chat_reply`` scripts every plain chat answer (a stub that refuses or
+  complies on cue, for the safety gate).
 
 ``echo_logprobs=False`` makes it behave like a server without prompt logprobs.
 """
@@ -21,7 +23,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,6 +39,7 @@ class Script:
     tool_call: dict[str, Any] | None = None  # {"name": ..., "arguments": {...}}
     json_text: str | None = None
     echo_logprobs: bool = True
+    chat_reply: Callable[[list[dict[str, Any]]], str] | None = None
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -107,6 +110,8 @@ def build_app(engine: Any, script: Script) -> FastAPI:
             if script.json_text is None:
                 return _error(400, "response_format is not supported")
             message["content"] = script.json_text
+        elif script.chat_reply is not None:
+            message["content"] = script.chat_reply(body["messages"])
         else:
             ids = chat_ids(body["messages"])
             with lock:

@@ -39,7 +39,10 @@ def test_variant_columns_and_cost_per_successful_task(tmp_path, capsys):
     variants = [r["variant"] for r in data["points"][0]["records"]]
     assert sorted(set(variants)) == ["base", "int4"] and variants.count("int4") == 5
     eval_doc = tmp_path / "eval.json"
-    eval_doc.write_text(json.dumps({"base": {"accuracy": 80.0}, "candidates": [{"accuracy": 50.0}]}))
+    eval_doc.write_text(json.dumps({
+        "base": {"accuracy": 80.0, "safety": {"refusal_rate": 12.0, "over_refusal_rate": 0.0}},
+        "candidates": [{"accuracy": 50.0, "safety": {"refusal_rate": 4.0, "over_refusal_rate": 8.0}}],
+        "comparisons": [{"passed": False}]}))
     capsys.readouterr()
     assert cli("bench", "--compare", str(out), "--eval-result", str(eval_doc),
                "--variant-cost", "base=2", "--variant-cost", "int4=1") == 0
@@ -53,6 +56,11 @@ def test_variant_columns_and_cost_per_successful_task(tmp_path, capsys):
     row = next(line for line in text.splitlines() if line.startswith("$/1k successful"))
     assert f"{base.run_cost / (15 * 0.8) * 1000:.4f}" in row and f"{int4.run_cost / (5 * 0.5) * 1000:.4f}" in row
     assert "task accuracy" in text and "80.0%" in text
+    # the eval's safety side goes with the same columns: a cheaper variant that stopped refusing shows
+    row = next(line for line in text.splitlines() if line.startswith("harmful refused"))
+    assert "12.0%" in row and "4.0%" in row
+    row = next(line for line in text.splitlines() if line.startswith("eval gate"))
+    assert "base" in row and "FAIL" in row
 
 
 def test_variant_cost_parse():

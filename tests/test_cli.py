@@ -8,7 +8,7 @@ import pytest
 
 from tokenmill.entrypoints import cli
 
-EXPECTED = {"serve", "generate", "bench", "trace", "route", "eval"}
+EXPECTED = {"serve", "generate", "bench", "trace", "usage", "route", "eval"}
 
 
 def _listed_commands(help_text: str) -> set[str]:

@@ -37,7 +37,7 @@ def data_files(tmp_path_factory) -> tuple[str, str]:
 def _args(folder: str, data: tuple[str, str], out: str, *extra: str) -> list[str]:
     return ["eval", "--model", folder, "--eval-set", data[0], "--text", data[1], "--window", "64", "--stride", "32",
             "--decode-tokens", "4", "--prefill-tokens", "32", "--decode-batch", "1,3", "--output", out,
-            "--threads", "1", *extra]
+            "--threads", "1", "--no-safety", *extra]
 
 
 def test_eval_cli_table_and_json(tiny_folder, data_files, tmp_path, capsys) -> None:
@@ -95,7 +95,7 @@ def test_eval_cli_bundled_model_int8_int4(tmp_path, capsys) -> None:
     """The real model, the bundled data (trimmed for time), real forward passes for every figure."""
     out = str(tmp_path / "result.json")
     rc = main(["eval", "--candidate", "int8", "--candidate", "int4", "--max-text-tokens", "600", "--limit", "14",
-               "--decode-tokens", "8", "--prefill-tokens", "64", "--threads", "1", "--output", out,
+               "--decode-tokens", "8", "--prefill-tokens", "64", "--threads", "1", "--output", out, "--no-safety",
                "--max-ppl-increase", "5%", "--max-accuracy-drop", "30pt"])
     table = capsys.readouterr().out
     doc = json.loads(open(out).read())

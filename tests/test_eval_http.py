@@ -79,14 +79,14 @@ def test_server_items_validate(tmp_path):
 
 def _http_args(base: str, cand: str, data, out: str, *extra: str) -> list[str]:
     return ["eval", "--url", base, "--candidate-url", cand, "--eval-set", data[0], "--text", data[1],
-            "--window", "64", "--stride", "32", "--output", out, *extra]
+            "--window", "64", "--stride", "32", "--output", out, "--no-safety", *extra]
 
 
 def test_http_eval_reproduces_offline(tiny_folder, data_files, tmp_path, capsys):  # noqa: F811
     offline = str(tmp_path / "offline.json")
     assert main(["eval", "--model", tiny_folder, "--eval-set", data_files[0], "--text", data_files[1],
                  "--window", "64", "--stride", "32", "--no-speed", "--candidate", "int4", "--output", offline,
-                 "--threads", "1"]) == 0
+                 "--threads", "1", "--no-safety"]) == 0
     capsys.readouterr()
     online = str(tmp_path / "online.json")
     with EvalServer(_engine(tiny_folder, "none")) as base, EvalServer(_engine(tiny_folder, "int4")) as cand:

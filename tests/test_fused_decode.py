@@ -18,6 +18,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.engine import fused_decode
 from tokenmill.engine.executors import FusedDecodeExecutor
+from tokenmill.engine.step_batch import StepBatch
 from tokenmill.model import cpu_kernels, quant
 from tokenmill.options import KernelOptions
 
@@ -69,8 +70,9 @@ def _decode(engine: LLMEngine, reqs: list[Request], fused: bool, monkeypatch=Non
     items = [(r, 1) for r in reqs]
     if fused:
         executor = _fused_executor(engine)
-        assert executor.accepts(items)
-        logits, sampled = executor.run(items)
+        batch = StepBatch.build(items)
+        assert executor.accepts(batch)
+        logits, sampled = executor.run(batch)
     else:
         logits, sampled = engine.runner.run_eager(items)
     assert sampled == reqs

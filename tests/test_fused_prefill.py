@@ -14,6 +14,7 @@ import torch
 from conftest import tiny_loaded
 from test_fused_decode import _engine, _prompts, _rel, _requests
 from tokenmill.engine.executors import FusedPrefillExecutor, fused_step_inputs
+from tokenmill.engine.step_batch import StepBatch
 from tokenmill.engine.request import Request, SamplingParams
 from tokenmill.model import cpu_kernels
 from tokenmill.options import KernelOptions
@@ -49,8 +50,9 @@ def _step_both_ways(engine, items):
     reqs = [r for r, _ in items]
     upto = [r.num_computed_tokens + n for r, n in items]
     executor = _prefill_executor(engine)
-    assert executor.accepts(items)
-    got, got_sampled = executor.run(items)
+    batch = StepBatch.build(items)
+    assert executor.accepts(batch)
+    got, got_sampled = executor.run(batch)
     got_kv = _pool_rows(engine, reqs, upto)
     want, want_sampled = engine.runner.run_eager(items)
     assert got_sampled == want_sampled
@@ -101,12 +103,12 @@ def test_only_sampled_rows_get_logits_and_unfinished_chunks_none() -> None:
     engine = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8")
     reqs = _requests(engine, [[3] * 40, [4] * 30])
     items = [(reqs[0], 20), (reqs[1], 30)]  # the first stops short of its prompt's end
-    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(items)
+    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(StepBatch.build(items))
     assert chunks.tolist() == [[0, 20], [20, 30]] and rows.tolist() == [49] and sampled == [reqs[1]]
     assert seq_lens.tolist() == list(range(1, 21)) + list(range(1, 31)) and tables.shape[0] == 50
-    logits, sampled = _prefill_executor(engine).run(items)
+    logits, sampled = _prefill_executor(engine).run(StepBatch.build(items))
     assert logits.shape == (1, engine.model_config.vocab_size) and sampled == [reqs[1]]
-    none, nobody = _prefill_executor(engine).run([(reqs[0], 20)])
+    none, nobody = _prefill_executor(engine).run(StepBatch.build([(reqs[0], 20)]))
     assert none.shape == (0, engine.model_config.vocab_size) and nobody == []
 
 
@@ -114,7 +116,7 @@ def test_the_decoder_refuses_chunks_that_are_not_one_sequence() -> None:
     engine = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8")
     reqs = _requests(engine, [[3] * 20, [4] * 20])
     items = [(reqs[0], 20), (reqs[1], 20)]
-    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(items)
+    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(StepBatch.build(items))
     emb = engine.model.embed_tokens(torch.tensor(ids)).float().contiguous()
     before = [k.clone() for k, _ in engine.runner.kv_caches]
     decoder = engine.runner.fused
@@ -129,7 +131,7 @@ def test_the_decoder_refuses_chunks_that_are_not_one_sequence() -> None:
 def test_prompt_logprobs_quantized_pools_and_dense_layers_keep_the_eager_prefill() -> None:
     engine = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8")
     req = Request("p", [5] * 20, SamplingParams(max_tokens=2, prompt_logprobs=1))
-    assert not _prefill_executor(engine).accepts([(req, 20)])
+    assert not _prefill_executor(engine).accepts(StepBatch.build([(req, 20)]))
     assert [e.name for e in engine.runner.executors] == ["fused CPU decode", "fused CPU prefill", "eager"]
     quantized = _engine(tiny_loaded(seed=5, num_hidden_layers=2), dtype="float32", quantization="w8a8",
                         kv_cache_dtype="int8")

@@ -112,10 +112,10 @@ def test_http_eval_on_the_two_servers_matches_offline(servers, tmp_path, capsys)
     data.write_text("\n".join(json.dumps(x) for x in EVAL_ITEMS))
     off, on = tmp_path / "off.json", tmp_path / "on.json"
     assert main(["eval", "--eval-set", str(data), "--no-text", "--no-speed", "--candidate", "int4",
-                 "--threads", "1", "--output", str(off)]) in (0, 1)
+                 "--threads", "1", "--no-safety", "--output", str(off)]) in (0, 1)
     capsys.readouterr()
     assert main(["eval", "--url", servers["base"], "--candidate-url", servers["int4"], "--eval-set", str(data),
-                 "--no-text", "--output", str(on)]) in (0, 1)
+                 "--no-text", "--no-safety", "--output", str(on)]) in (0, 1)
     notes = capsys.readouterr().err
     a, b = json.loads(off.read_text()), json.loads(on.read_text())
     served = {i["id"] for i in b["base"]["items"]}

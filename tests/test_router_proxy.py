@@ -166,3 +166,34 @@ def test_shed_when_every_backend_saturated(fakes):
         assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
     finally:
         router.stop()
+
+
+def test_agent_sessions_stay_on_their_replica_while_it_is_healthy(fakes):
+    """Multi-turn conversations (x-session-id), interleaved with unrelated traffic: each turn goes
+    to the replica that served the conversation's previous turn."""
+    urls = [f.url for f in fakes]
+    _reset(urls)
+    router = _router(urls)
+    homes: dict[int, str] = {}
+    kept = turns = 0
+    try:
+        with httpx.Client(timeout=30) as client:
+            for turn in range(4):
+                for s in range(12):
+                    history = " ".join(f"turn {t} of conversation {s} said something" for t in range(turn + 1))
+                    r = client.post(router.url + "/v1/chat/completions", headers={"x-session-id": f"agent-{s}"},
+                                    json={"model": "m", "max_tokens": 2,
+                                          "messages": [{"role": "user", "content": history}]})
+                    assert r.status_code == 200
+                    backend = r.headers["x-tokenmill-backend"]
+                    if s in homes:
+                        turns += 1
+                        kept += backend == homes[s]
+                    homes[s] = backend
+                    # unrelated one-off traffic between the turns
+                    client.post(router.url + "/v1/completions",
+                                json={"model": "m", "prompt": f"one-off {turn} {s} " * 20, "max_tokens": 2})
+        assert turns == 36 and kept / turns >= 0.95, (kept, turns)
+        assert len(set(homes.values())) > 1  # sessions were spread, not herded onto one replica
+    finally:
+        router.stop()

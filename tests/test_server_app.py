@@ -343,8 +343,14 @@ def test_draining_refuses_new_work(app):
 def test_models_tokenize_detokenize(app):
     models = get(app, "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
-    tok = post(app, "/tokenize", {"prompt": "héllo", "model": "whatever-the-client-calls-it"}).json()
+    tok = post(app, "/tokenize", {"prompt": "héllo", "model": "tiny"}).json()
     assert tok["count"] == len(tok["tokens"]) == 6  # é is two bytes
+    assert "token_strs" not in tok
+    spelled = post(app, "/tokenize", {"prompt": "héllo", "return_token_strs": True}).json()
+    assert len(spelled["token_strs"]) == 6 and spelled["token_strs"][0] == "h"
+    wrong = _check_error_shape(post(app, "/tokenize", {"prompt": "x", "model": "another-model"}), 404)
+    assert wrong["code"] == "model_not_found"
+    assert wrong["message"] == _check_error_shape(get(app, "/v1/models/another-model"), 404)["message"]
     assert tok["max_model_len"] == app.state.tokenmill.max_model_len
     assert post(app, "/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "héllo"
     chat = post(app, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
@@ -421,12 +427,15 @@ def test_capture_traffic(tmp_path):
     try:
         post(app, "/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 3, "ignore_eos": True})
         post(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                           "ignore_eos": True, "n": 2})
+                                           "ignore_eos": True, "n": 2}, headers={"x-session-id": "conv-7"})
     finally:
         app.state.tokenmill.aengine.shutdown()
         app.state.tokenmill.close()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["endpoint"] for r in records] == ["completions", "chat"]
+    # the conversation is kept, hashed like the prompt (the client's name is not stored)
+    assert "session" not in records[0] and len(records[1]["session"]) == 16
+    assert "conv-7" not in path.read_text()
     assert records[0]["prompt_tokens"] == len(LONG_PROMPT) and records[0]["output_tokens"] == 3
     assert len(records[0]["block_hashes"]) == len(LONG_PROMPT) // 16
     assert records[1]["output_tokens"] == 4 and records[1]["finish_reason"] == "length"

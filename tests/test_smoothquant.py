@@ -9,6 +9,7 @@ import pytest
 from conftest import bundled_quality, tiny_loaded, tiny_tokenizer
 from tokenmill import LLM, SamplingParams
 from tokenmill.model import smoothquant
+from tokenmill.engine import loading
 from tokenmill.model.quant import W8A8_WEIGHT_ONLY_LAST_LAYERS, Int8Linear
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -40,7 +41,7 @@ def test_smoothing_keeps_the_float_model_and_helps_int8_activations():
 
     smoothed = _llm()
     engine = smoothed.engine
-    n = smoothquant.smooth_for_int8(engine.model, calib, engine.block_size, engine.dtype, engine.device,
+    n = loading.smooth_for_int8(engine.model, calib, engine.block_size, engine.dtype, engine.device,
                                     engine.kernels)
     assert n == 3 * engine.model_config.num_hidden_layers
     assert _texts(smoothed, prompts) == want  # the same float model, rescaled

@@ -15,6 +15,7 @@ import torch
 from conftest import make_tiny_llm
 from tokenmill import SamplingParams
 from tokenmill.engine.executors import FusedDecodeExecutor
+from tokenmill.engine.step_batch import RowKind
 from tokenmill.engine.speculative import SpeculativeConfig, Speculator
 from tokenmill.engine.structured import GrammarSpec, grammar_prefix
 
@@ -68,10 +69,10 @@ def test_greedy_output_is_the_plain_constrained_output(plain, grammar, fused, mo
     for executor in fused_executors:
         real_fused = executor.run
 
-        def counting(items, real_fused=real_fused):
+        def counting(batch, real_fused=real_fused):
             nonlocal fused_verifies
-            fused_verifies += sum(1 for r, _ in items if r.spec_token_ids and r.grammar is not None)
-            return real_fused(items)
+            fused_verifies += sum(1 for s in batch.seqs if s.kind is RowKind.VERIFY and s.grammar is not None)
+            return real_fused(batch)
 
         monkeypatch.setattr(executor, "run", counting)
     spec = llm.engine.speculator

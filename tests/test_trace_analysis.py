@@ -115,3 +115,29 @@ def test_cli_trace_analyze(tmp_path, capsys):
     args = parser.parse_args(["trace", "analyze", str(tmp_path / "missing.jsonl")])
     assert args.func(args) == 1
     assert "no such capture file" in capsys.readouterr().err
+
+
+def test_server_miss_reasons_in_the_capture_are_reported_worst_first(tmp_path, capsys):
+    """Sessions whose second turn puts a fresh nonce inside the system prompt: the classifier (as
+    the server runs it) names the volatile span and its offset, the capture keeps them, and the
+    analyser reports the offender with its advice."""
+    from tokenmill.cache_misses import MissClassifier
+
+    rng = random.Random(3)
+    classifier = MissClassifier(16)
+    path = tmp_path / "misses.jsonl"
+    with TrafficCapture(path) as cap:
+        for s in range(20):
+            for turn in range(2):
+                nonce = [rng.randrange(50_000, 60_000) for _ in range(6)]
+                ids = SYSTEM[:40] + nonce + SYSTEM[40:] + [3000 + s] * (10 + 20 * turn)
+                cached = 32 if turn else 0  # the chain breaks at the nonce (offset 40)
+                miss = classifier.classify(ids, cached, f"s{s}")
+                cap.record(arrival_time=1_700_000_000 + s + turn * 0.5, prompt_token_ids=ids, cached_tokens=cached,
+                           output_tokens=8, sampling={}, ttft=0.05, e2e=0.2,
+                           miss_reason=miss.reason if miss else None, miss_offset=miss.offset if miss else None)
+    rep = analyze(read_capture([path]))
+    by = {m.reason: m for m in rep.miss_reasons}
+    assert (by["volatile_span"].requests, by["volatile_span"].common_offset) == (20, 40)
+    assert rep.miss_reasons == sorted(rep.miss_reasons, key=lambda m: -m.lost_tokens)
+    assert any("volatile span" in w and "token 40" in w for w in rep.warnings)

@@ -43,6 +43,12 @@ Record schema (version 1), one JSON object per line:
 - ``key_id``: a short fingerprint of the hash key (null when unkeyed): hashes
   are comparable between records with the same ``key_id`` only
 - ``prompt_text``: the prompt text, present only with ``capture_text=True``
+- ``session``: present when the client named its conversation (``x-session-id``
+  header): a keyed hash of that name (like the block hashes, comparable only
+  under one ``key_id``), so a replay can keep the turns of one conversation
+  together, in order, each after the previous answer and its think time
+- ``miss_reason``, ``miss_offset``: why the prompt missed cache it could have reused and the
+  token offset where reuse stopped (``cache_misses.py``), present only for such requests
 
 Nothing the client typed is stored unless ``capture_text=True``: not the
 prompt, not the messages, not the stop strings (``sampling`` then carries
@@ -105,6 +111,13 @@ def block_hashes(
         chained.append(parent.hex()[:HASH_HEX_CHARS])
         content.append(digest(data).hex()[:HASH_HEX_CHARS])
     return chained, content
+
+
+def session_hash(session: str, key: bytes = b"") -> str:
+    """The captured form of a client's session name: hashed (keyed), so no client text is stored."""
+    data = b"tokenmill-session" + session.encode("utf-8", "replace")
+    digest = hmac.new(key, data, hashlib.sha256).digest() if key else hashlib.sha256(data).digest()
+    return digest.hex()[:HASH_HEX_CHARS]
 
 
 def key_id(key: bytes) -> str | None:
@@ -191,6 +204,10 @@ class TrafficCapture:
         endpoint: str = "completions",
         request_id: str | None = None,
         finish_reason: str | None = None,
+        tenant: str | None = None,
+        miss_reason: str | None = None,
+        miss_offset: int | None = None,
+        session: str | None = None,
     ) -> dict[str, Any]:
         """Build the record dict (no I/O); split out so tests can inspect it."""
         chained, content = block_hashes(prompt_token_ids, self.block_size, self.hash_key)
@@ -213,18 +230,28 @@ class TrafficCapture:
         }
         if self.capture_text and prompt_text is not None:
             rec["prompt_text"] = prompt_text
+        if tenant is not None:  # the tenant's metric label (bounded: tenants.py)
+            rec["tenant"] = tenant
+        if miss_reason is not None:  # why the prompt missed reusable cache, and where (cache_misses.py)
+            rec["miss_reason"] = miss_reason
+            rec["miss_offset"] = miss_offset
+        if session:
+            rec["session"] = session_hash(session, self.hash_key)
         return rec
 
     def record(self, arrival_time: float, prompt_token_ids: Sequence[int], cached_tokens: int,
                output_tokens: int, sampling: dict[str, Any] | None, ttft: float | None,
                e2e: float | None, prompt_text: str | None = None, endpoint: str = "completions",
-               request_id: str | None = None, finish_reason: str | None = None) -> None:
+               request_id: str | None = None, finish_reason: str | None = None,
+               tenant: str | None = None, miss_reason: str | None = None,
+               miss_offset: int | None = None, session: str | None = None) -> None:
         """Hash, serialise and append one request. Never raises."""
         try:
             line = json.dumps(
                 self.make_record(arrival_time, prompt_token_ids, cached_tokens, output_tokens,
                                  sampling, ttft, e2e, prompt_text, endpoint, request_id,
-                                 finish_reason),
+                                 finish_reason, tenant, session=session, miss_reason=miss_reason,
+                                 miss_offset=miss_offset),
                 separators=(",", ":"), ensure_ascii=False,
             ) + "\n"
             with self._lock:

@@ -71,10 +71,24 @@ class ModelConfig:
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
     decoder_sparse_step: int = 1  # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
+    # Sliding-window attention (Gemma 2/3, Phi-3, Mistral): a query at position p sees keys
+    # at positions > p - sliding_window; ``layer_types`` says which layers ("sliding_attention"
+    # or "full_attention"); None with a window: every layer slides.
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    family: dict[str, Any] = field(default_factory=dict)  # family-specific settings (model/gemma.py)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def layer_window(self, index: int) -> int | None:
+        """The sliding window of layer ``index``, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[index] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -93,6 +107,10 @@ class CacheConfig:
     # KV pool dtype: auto (the compute dtype), that dtype by name, or int8 / fp8 (e4m3) codes
     # with a scale per block and kv head (model/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # Second tier (engine/kv_tier.py): evicted blocks kept on local disk, up to this many bytes,
+    # in this folder (kept across restarts of the same model). 0: no tier.
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None
 
 
 # Tokens per step by device, when not given. On a small CPU a long prefill step stalls
@@ -114,6 +132,11 @@ class SchedulerConfig:
     max_waiting: int | None = None  # bound on the waiting queue (server returns 429 past it)
     # Prefills younger than this many steps go shortest-first; older ones go first, FCFS.
     prefill_starvation_steps: int = 4
+    # Waiting-queue order (engine/fairness.py): fcfs | priority (class, request priority,
+    # arrival) | fair (class, tenants' weighted share of computed tokens, priority, arrival).
+    scheduling_policy: str = "fcfs"
+    # Under priority and fair: a request waiting this long goes first, whatever its class.
+    starvation_bound_s: float = 30.0
 
     def token_budget(self, device_type: str) -> int:
         """The step's token budget: as given, else the device's default (its one home)."""
@@ -153,7 +176,7 @@ class EngineConfig:
         cfg = cls()
         sections = (cfg.cache, cfg.scheduler)
         for key, value in options.items():
-            if key in ("kv_cache_memory", "memory_budget"):
+            if key in ("kv_cache_memory", "memory_budget", "kv_offload_bytes"):
                 value = parse_size(value)
             if hasattr(cfg, key) and key not in ("cache", "scheduler"):
                 setattr(cfg, key, value)

@@ -146,6 +146,25 @@ class _TokenmillOnly(Collector):
                                        labels=["model_name"])
         computed.add_metric([self.model_name], st.prompt_tokens_computed)
         yield computed
+        if st.tier is not None:  # the prefix cache's disk tier (engine/kv_tier.py)
+            t = st.tier
+            for name, doc, value, family in (
+                    ("tokenmill:kv_tier_blocks", "KV blocks held in the disk tier.", t.used_slots, GaugeMetricFamily),
+                    ("tokenmill:kv_tier_bytes", "Bytes of the disk tier in use.", t.used_slots * t.slot_bytes,
+                     GaugeMetricFamily),
+                    ("tokenmill:kv_tier_capacity_blocks", "KV blocks the disk tier can hold.", t.slots,
+                     GaugeMetricFamily),
+                    ("tokenmill:kv_tier_stored_blocks", "Blocks moved from the pool to the disk tier.",
+                     t.stored_blocks, CounterMetricFamily),
+                    ("tokenmill:kv_tier_restored_blocks", "Blocks restored from the disk tier on a prefix hit.",
+                     t.restored_blocks, CounterMetricFamily),
+                    ("tokenmill:kv_tier_restore_seconds", "Time spent restoring blocks from the disk tier.",
+                     t.restore_seconds, CounterMetricFamily),
+                    ("tokenmill:kv_tier_dropped_blocks", "Blocks the full disk tier dropped (least recently used).",
+                     t.dropped_blocks, CounterMetricFamily)):
+                m = family(name, doc, labels=["model_name"])
+                m.add_metric([self.model_name], value)
+                yield m
 
 
 class ServerMetrics:
@@ -190,11 +209,15 @@ class ServerMetrics:
 
         self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=None)
+        self.cache_misses = Counter("tokenmill:prefix_cache_misses",
+                                    "Requests whose prompt missed reusable cache, by reason (cache_misses.py).",
+                                    ["reason"], registry=None)
         self.exposed = CollectorRegistry(auto_describe=False)
         self.exposed.register(_Passthrough(self.vllm))
         self.exposed.register(_AliasCollector(self.vllm))
         self.exposed.register(_TokenmillOnly(model_name, engine))
         self.exposed.register(self.rejected)
+        self.exposed.register(self.cache_misses)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "abort").inc()

@@ -68,6 +68,24 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
+# The turn format of an architecture whose GGUF files may come without a template
+# (llama.cpp falls back the same way). Gemma has no system turn: a system message
+# opens the first user turn.
+ARCHITECTURE_CHAT_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% if messages and messages[0]['role'] == 'system' %}"
+        "{% set system = messages[0]['content'] ~ '\n\n' %}{% set turns = messages[1:] %}"
+        "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+        "{% for message in turns %}"
+        "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else 'user' }}\n"
+        "{{ (system if loop.first else '') ~ (message['content'] | trim) }}<end_of_turn>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    ),
+}
+ARCHITECTURE_CHAT_TEMPLATES["gemma2"] = ARCHITECTURE_CHAT_TEMPLATES["gemma3"]
+
 
 # --------------------------------------------------------------------------- chat templates
 
@@ -250,7 +268,9 @@ class Tokenizer:
             backend = _sentencepiece_backend(fields)
             add_bos_default = True
         else:
-            raise ValueError(f"{path}: unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+            from tokenmill.model.support import UnsupportedModel
+
+            raise UnsupportedModel(f"{path}: unsupported GGUF tokenizer model {kind!r}; supported: gpt2, llama")
         types = fields.get("tokenizer.ggml.token_type") or []
         control = [AddedToken(tokens[i], special=True, normalized=False)
                    for i, t in enumerate(types) if t == _TT_CONTROL]
@@ -268,7 +288,8 @@ class Tokenizer:
             eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
             extra_eos_ids=extra,
             add_bos=bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)),
-            chat_template=fields.get("tokenizer.chat_template"),
+            chat_template=(fields.get("tokenizer.chat_template")
+                           or ARCHITECTURE_CHAT_TEMPLATES.get(fields.get("general.architecture"))),
             vocab_size=len(tokens),
         )
 
@@ -360,15 +381,16 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """The prompt string for a conversation, as ``transformers`` renders it."""
+                            template: str | None = None, **kwargs: Any) -> str:
+        """The prompt string for a conversation, as ``transformers`` renders it
+        (with ``template`` instead of the model's own when given)."""
         context: dict[str, Any] = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
             "add_generation_prompt": add_generation_prompt,
         }
         context.update(kwargs)
-        return render_chat_template(self.chat_template, messages, **context)
+        return render_chat_template(template or self.chat_template, messages, **context)
 
 
 def _dir_chat_template(folder: Path, cfg: dict[str, Any]) -> str | None:

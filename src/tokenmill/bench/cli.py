@@ -119,7 +119,8 @@ def _workload_arguments(w: Any) -> None:
                    help="vLLM's dataset kind: random (synthetic prompts), sharegpt or custom (--dataset-path)")
     w.add_argument("--data", default=None,
                    help="guidellm's data: prompt_tokens=N,output_tokens=M, or a dataset file")
-    w.add_argument("--trace", help="replay a capture from `tokenmill serve --capture-traffic`")
+    w.add_argument("--trace", help="replay a capture from `tokenmill serve --capture-traffic`, or a Mooncake "
+                                   "hash_ids trace; sessions replay as conversations")
     w.add_argument("--trace-speed", type=float, default=1.0, help="replay this many times faster")
     w.add_argument("--tokenizer", help="tokenizer.json (or its folder) for exact token counts")
     w.add_argument("--seed", type=int, default=0)
@@ -284,11 +285,22 @@ def add_trace_parser(sub: Any) -> None:
     a.add_argument("--top", type=int, default=5, help="how many shared prefixes to list")
     a.add_argument("--json", dest="json_out", help="also write the analysis as JSON")
     a.set_defaults(func=trace_main)
+    e = tsub.add_parser("export", allow_abbrev=False,
+                        help="write a capture as a Mooncake hash_ids trace (prefix structure and sessions kept)")
+    e.add_argument("files", nargs="+", help="capture JSONL files (rotated parts: FILE.1, ...)")
+    e.add_argument("--output", required=True, help="the Mooncake JSONL to write")
+    e.add_argument("--format", default="mooncake", choices=["mooncake"], help="trace format (mooncake)")
+    e.add_argument("--block-size", type=int, default=512,
+                   help="tokens per hash id, a multiple of the capture's 16 (default 512, Mooncake's)")
+    e.set_defaults(func=trace_export_main)
 
 
 def register(subparsers: Any) -> None:
     add_bench_parser(subparsers)
     add_trace_parser(subparsers)
+    from tokenmill.bench.usage import add_usage_parser
+
+    add_usage_parser(subparsers)
 
 
 def _fail(msg: str, code: int = 1) -> int:
@@ -485,6 +497,34 @@ def _save_vllm_results(args: argparse.Namespace, result: Any) -> list[str]:
             json.dump(data, fh, indent=1)
         paths.append(path)
     return paths
+
+
+def _capture_paths(files: list[str]) -> list[str]:
+    paths: list[str] = []
+    for f in files:
+        paths += sorted(glob.glob(f)) or [f]
+    return paths
+
+
+def trace_export_main(args: argparse.Namespace) -> int:
+    from tokenmill.bench.mooncake import write_mooncake
+    from tokenmill.capture import read_capture
+
+    paths = _capture_paths(args.files)
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        return _fail(f"no such capture file: {', '.join(missing)}")
+    try:
+        records = read_capture(paths)
+        if not records:
+            raise ValueError("no capture records")
+        n = write_mooncake(records, args.output, args.block_size)
+    except (OSError, ValueError, KeyError) as exc:
+        return _fail(f"cannot export: {exc}")
+    sessions = len({r["session"] for r in records if r.get("session")})
+    print(f"wrote {n} requests ({sessions} sessions) to {args.output} as a Mooncake trace, "
+          f"{args.block_size} tokens per hash id")
+    return 0
 
 
 def trace_main(args: argparse.Namespace) -> int:

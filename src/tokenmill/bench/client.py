@@ -113,8 +113,11 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
     perf_counter origin. Output tokens come from ``usage`` when the server
     sends it, else from ``count_tokens(text)``, else one per content chunk."""
     rec = RequestRecord(index=index, prompt_len_target=spec.prompt_len,
-                        output_len_target=spec.output_len)
+                        output_len_target=spec.output_len, session=spec.session, turn=spec.turn)
     body = build_body(target, spec)
+    headers = target.headers()
+    if spec.session is not None:  # the server's capture keeps the conversation together
+        headers.setdefault("x-session-id", spec.session)
     start = _clock()
     rec.start = start - t0
     last = start
@@ -123,7 +126,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
     usage: dict[str, Any] | None = None
     try:
         async with client.stream("POST", target.base_url + target.path, json=body,
-                                 headers=target.headers()) as resp:
+                                 headers=headers) as resp:
             rec.status = resp.status_code
             rec.variant = resp.headers.get("x-tokenmill-variant") or None
             if resp.status_code != 200:
@@ -176,6 +179,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
     if rec.error:
         return rec
     rec.ok = True
+    rec.answer = "".join(pieces)
     if usage:
         rec.usage_reported = True
         rec.prompt_tokens = usage.get("prompt_tokens")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokenmill.bench.client import Target, send_request
+from tokenmill.bench.sessions import chains, next_turn
 from tokenmill.bench.types import RequestRecord, RequestSpec
 
 CONNECT_FAILURES_TO_ABORT = 5
@@ -109,59 +110,80 @@ async def run_point(client: httpx.AsyncClient, target: Target, specs: list[Reque
                     count_tokens: Callable[[str], int] | None = None,
                     progress: Progress | None = None) -> PointRun:
     """Send ``specs`` with ``shape``; stops early after repeated connection
-    failures or when ``shape.duration`` has passed (in-flight requests finish)."""
+    failures or when ``shape.duration`` has passed (in-flight requests finish).
+
+    The shape schedules conversations (sessions.py): a request outside one is a
+    conversation of one turn; a later turn follows its previous turn's answer
+    after its think time, and a failed turn ends its conversation."""
     t0 = time.perf_counter()
     deadline = t0 + shape.duration if shape.duration else None
+    sem = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
+    chat = target.endpoint == "chat"
 
     def stop() -> bool:
         return bool(run.aborted) or (deadline is not None and time.perf_counter() >= deadline)
 
-    async def one(i: int, lateness: float = 0.0) -> None:
-        rec = await send_request(client, target, specs[i], i, t0, count_tokens)
+    async def one(i: int, spec: RequestSpec, lateness: float = 0.0) -> RequestRecord:
+        if sem is None:
+            rec = await send_request(client, target, spec, i, t0, count_tokens)
+        else:
+            async with sem:
+                if run.aborted:
+                    return RequestRecord(index=i, error="not sent: the run was aborted")
+                rec = await send_request(client, target, spec, i, t0, count_tokens)
         rec.lateness = lateness
         run.add(rec)
         if progress:
             progress.update(rec)
+        return rec
 
+    async def conversation(chain: list[int], lateness: float = 0.0) -> None:
+        sent = specs[chain[0]]
+        rec = await one(chain[0], sent, lateness)
+        for j in chain[1:]:
+            if not rec.ok or stop():
+                return
+            turn = specs[j]
+            if turn.think > 0:
+                await asyncio.sleep(turn.think)
+            if stop():
+                return
+            sent = next_turn(sent, rec.answer, rec.output_tokens, turn, chat)
+            rec = await one(j, sent)
+
+    convs = chains(specs)
     if not shape.trace and shape.rate is None:
-        next_i = 0
+        next_c = 0
 
         async def worker() -> None:
-            nonlocal next_i
-            while not stop() and next_i < len(specs):
-                i = next_i
-                next_i += 1
-                await one(i)
+            nonlocal next_c
+            while not stop() and next_c < len(convs):
+                c = next_c
+                next_c += 1
+                await conversation(convs[c])
 
         await asyncio.gather(*(worker() for _ in range(max(1, shape.concurrency or 1))))
         return run
 
     if shape.trace:
-        times = [s.arrival or 0.0 for s in specs]
+        times = [specs[c[0]].arrival or 0.0 for c in convs]
     else:
-        times = shape.arrivals(len(specs), random.Random(seed))
-    sem = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
+        times = shape.arrivals(len(convs), random.Random(seed))
     tasks: list[asyncio.Task[None]] = []
 
-    async def gated(i: int, scheduled: float) -> None:
+    async def scheduled(c: int, at: float) -> None:
         # Lateness is the client's own lag behind the schedule (event loop
         # overload), measured before any --max-concurrency wait on purpose.
-        lateness = max(0.0, time.perf_counter() - t0 - scheduled)
-        if sem is None:
-            await one(i, lateness)
-            return
-        async with sem:
-            if not run.aborted:
-                await one(i, lateness)
+        await conversation(convs[c], max(0.0, time.perf_counter() - t0 - at))
 
     try:
-        for i, at in enumerate(times):
+        for c, at in enumerate(times):
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             if stop():
                 break
-            tasks.append(asyncio.create_task(gated(i, at)))
+            tasks.append(asyncio.create_task(scheduled(c, at)))
         await asyncio.gather(*tasks)
     finally:
         for t in tasks:

@@ -132,6 +132,12 @@ class Summary:
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
 
 
+def deployment_cost(cost_per_hour: float, duration_s: float) -> float:
+    """What the deployment costs over ``duration_s``: the one cost model of every report
+    (bench's runs, usage's tenants), spread afterwards over what was served."""
+    return cost_per_hour * duration_s / 3600.0
+
+
 def summarize(records: Sequence[RequestRecord], slo: dict[str, float] | None = None,
               cost_per_hour: float | None = None) -> Summary:
     """Reduce per-request records to a Summary."""
@@ -162,7 +168,7 @@ def summarize(records: Sequence[RequestRecord], slo: dict[str, float] | None = N
         s.good = sum(1 for r in records if meets_slo(r, slo))
         s.goodput = s.good / s.duration if s.duration > 0 else 0.0
     if cost_per_hour is not None and s.duration > 0:
-        s.run_cost = cost_per_hour * s.duration / 3600.0
+        s.run_cost = deployment_cost(cost_per_hour, s.duration)
         if ok:
             s.cost_per_1k_requests = s.run_cost / len(ok) * 1000.0
         if s.good:

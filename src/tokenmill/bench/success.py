@@ -3,7 +3,9 @@
 A request is *successful* when it completed within the run's SLO (every
 completed request when the run had none) and, when an eval result is given
 (``tokenmill eval`` JSON), the answer would have been right: the count of
-SLO-meeting requests is scaled by the configuration's task accuracy. The
+SLO-meeting requests is scaled by the configuration's task accuracy (and
+the eval's safety figures and verdict are shown beside it, since a cheaper
+variant that stopped refusing is no saving). The
 price is the run's ``--cost-per-hour`` times its duration (or, for a variant
 of a run through ``tokenmill route``, that variant's own price per hour from
 ``--variant-cost``).
@@ -31,6 +33,9 @@ class Column:
     run_cost: float | None
     successes: float | None = None  # requests within SLO, times task accuracy when known
     accuracy: float | None = None  # percent, from an eval result
+    refusal_rate: float | None = None  # percent of the eval's harmful prompts refused
+    over_refusal_rate: float | None = None  # percent of its benign prompts refused
+    verdict: str | None = None  # the eval gate's PASS / FAIL for a candidate, "base" for the base
 
     @property
     def cost_per_1k_successful(self) -> float | None:
@@ -89,11 +94,17 @@ def apply_eval(cols: list[Column], eval_path: str) -> None:
     doc = json.loads(Path(eval_path).read_text(encoding="utf-8"))
     if not isinstance(doc, dict) or "base" not in doc:
         raise ValueError(f"{eval_path} is not a tokenmill eval result")
-    accs = [r.get("accuracy") for r in [doc["base"], *doc.get("candidates", [])]]
-    for col, acc in zip(cols, accs):
+    results = [doc["base"], *doc.get("candidates", [])]
+    verdicts = ["base"] + ["PASS" if k.get("passed") else "FAIL" for k in doc.get("comparisons", [])]
+    for i, (col, res) in enumerate(zip(cols, results)):
+        acc = res.get("accuracy")
         if acc is not None and col.successes is not None:
             col.accuracy = float(acc)
             col.successes = col.successes * col.accuracy / 100.0
+        safety = res.get("safety") or {}
+        col.refusal_rate = safety.get("refusal_rate")
+        col.over_refusal_rate = safety.get("over_refusal_rate")
+        col.verdict = verdicts[i] if i < len(verdicts) else None
 
 
 def rows(cols: list[Column]) -> list[list[str]]:
@@ -101,7 +112,18 @@ def rows(cols: list[Column]) -> list[list[str]]:
         return "-" if x is None else f"{x:.4f}"
 
     out = [["successful requests"] + [("-" if c.successes is None else f"{c.successes:.1f}") for c in cols]]
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}%"
+
+    quality = []
     if any(c.accuracy is not None for c in cols):
-        out.insert(0, ["task accuracy"] + [("-" if c.accuracy is None else f"{c.accuracy:.1f}%") for c in cols])
+        quality.append(["task accuracy"] + [pct(c.accuracy) for c in cols])
+    if any(c.refusal_rate is not None for c in cols):
+        quality.append(["harmful refused"] + [pct(c.refusal_rate) for c in cols])
+    if any(c.over_refusal_rate is not None for c in cols):
+        quality.append(["benign refused"] + [pct(c.over_refusal_rate) for c in cols])
+    if any(c.verdict is not None for c in cols):
+        quality.append(["eval gate"] + [c.verdict or "-" for c in cols])
+    out = quality + out
     out.append(["$/1k successful"] + [money(c.cost_per_1k_successful) for c in cols])
     return out

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import random
 import sys
-from importlib import resources
 from pathlib import Path
 
 import httpx
+
+from ..corpus import corpus_text
 
 
 class TokenCounter:
@@ -104,8 +105,7 @@ def make_counter(tokenizer: str | None, base_url: str | None, model: str | None,
 
 def corpus_words() -> list[str]:
     """Words of the bundled prose text that synthetic prompts are cut from."""
-    text = resources.files("tokenmill.bench").joinpath("corpus.txt").read_text(encoding="utf-8")
-    return text.split()
+    return corpus_text().split()
 
 
 FILLERS = ("the", "a", "and", ".", "x")

@@ -63,6 +63,15 @@ class LayoutFinding:
 
 
 @dataclass
+class MissSummary:
+    reason: str
+    requests: int
+    share: float  # of all requests
+    common_offset: int | None  # the most frequent token offset where reuse stopped
+    lost_tokens: int  # prompt tokens after that offset, summed: what the breaker cost
+
+
+@dataclass
 class TraceReport:
     requests: int
     span: float
@@ -78,6 +87,8 @@ class TraceReport:
     timeline: list[dict[str, float]] = field(default_factory=list)
     top_prefixes: list[SharedPrefix] = field(default_factory=list)
     layout: LayoutFinding | None = None
+    # the server's own verdicts (capture records' miss_reason / miss_offset): the worst offenders
+    miss_reasons: list[MissSummary] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -200,6 +211,13 @@ def analyze(recs: Sequence[dict[str, Any]], top: int = 5) -> TraceReport:
         actual_hit_rate=cached / sum(ptoks) if sum(ptoks) else None,
         ideal_hit_rate=ideal, peak_concurrency=peak, timeline=timeline,
         top_prefixes=_top_prefixes(recs, counts, bs, top))
+    rep.miss_reasons = _miss_reasons(recs)
+    for m in rep.miss_reasons:
+        if m.reason in ("volatile_span", "reordered", "rewritten_history") and m.share >= 0.05:
+            rep.warnings.append(
+                f"{m.requests} requests ({m.share:.0%}) missed the cache at a {m.reason.replace('_', ' ')} "
+                f"(most often at token {m.common_offset}), recomputing {m.lost_tokens} prompt tokens: "
+                + _ADVICE[m.reason])
     layout = _layout(recs, counts, bs, ideal)
     if layout and layout.fraction >= LAYOUT_MIN_FRACTION and \
             layout.ideal_fixed - layout.ideal_now >= LAYOUT_MIN_GAIN:
@@ -211,6 +229,28 @@ def analyze(recs: Sequence[dict[str, Any]], top: int = 5) -> TraceReport:
             f"a perfect cache would hit {ideal:.1%}: the cache is too small for this traffic, "
             "evicts too early, or requests with shared prefixes go to different replicas")
     return rep
+
+
+_ADVICE = {
+    "volatile_span": "move what changes per request (timestamps, ids, nonces) after the shared text",
+    "reordered": "keep tool definitions and JSON keys in one fixed order",
+    "rewritten_history": "append to the conversation rather than dropping or rewriting earlier turns",
+}
+
+
+def _miss_reasons(recs: Sequence[dict[str, Any]]) -> list[MissSummary]:
+    """Requests by the server's miss reason, worst (most tokens lost) first."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in recs:
+        if r.get("miss_reason"):
+            by.setdefault(str(r["miss_reason"]), []).append(r)
+    out = []
+    for reason, rs in by.items():
+        offsets = Counter(int(r["miss_offset"]) for r in rs if r.get("miss_offset") is not None)
+        lost = sum(max(0, int(r["prompt_tokens"]) - int(r.get("cached_tokens") or 0)) for r in rs)
+        out.append(MissSummary(reason, len(rs), len(rs) / len(recs),
+                               offsets.most_common(1)[0][0] if offsets else None, lost))
+    return sorted(out, key=lambda m: -m.lost_tokens)
 
 
 def _tok(x: float | None) -> str:
@@ -240,6 +280,10 @@ def render(rep: TraceReport) -> str:
                          [[f"#{i + 1} " + (repr(p.preview) if p.preview else ""),
                            str(p.tokens), str(p.requests), str(p.saved_tokens)]
                           for i, p in enumerate(rep.top_prefixes)]))
+    if rep.miss_reasons:
+        out.append(table(["miss reason", "requests", "share", "usual offset", "tokens recomputed"],
+                         [[m.reason, str(m.requests), f"{m.share:.1%}", _tok(m.common_offset), str(m.lost_tokens)]
+                          for m in rep.miss_reasons]))
     for w in rep.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)

@@ -21,6 +21,12 @@ class RequestSpec:
     arrival: float | None = None  # seconds from run start (trace replay), else None
     sampling: dict[str, Any] = field(default_factory=dict)
     prefix_id: int | None = None  # which shared prefix (synthetic workloads)
+    # Multi-turn conversations (trace replay): turn 0 opens ``session`` with its whole prompt;
+    # a later turn's ``prompt`` is only what the user adds, sent ``think`` seconds after the
+    # previous turn's answer, after that turn's prompt and answer (sessions.py).
+    session: str | None = None
+    turn: int = 0
+    think: float = 0.0
 
 
 @dataclass
@@ -49,6 +55,9 @@ class RequestRecord:
     lateness: float = 0.0  # how late the client sent it vs its schedule (open loop)
     finish_reason: str | None = None
     variant: str | None = None  # the router's x-tokenmill-variant answer header, when routed to variants
+    session: str | None = None  # the conversation of a multi-turn replay, and the turn's place in it
+    turn: int = 0
+    answer: str = field(default="", repr=False)  # the streamed text: the next turn's context, never saved
 
     @property
     def tpot(self) -> float | None:
@@ -59,6 +68,7 @@ class RequestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["answer"]
         d["tpot"] = self.tpot
         d["itls"] = [round(x, 6) for x in self.itls]
         return d

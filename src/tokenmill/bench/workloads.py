@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.lengths import LengthDist
+from tokenmill.bench.mooncake import is_mooncake, read_mooncake
 from tokenmill.bench.tokens import TextBuilder, TokenCounter
 from tokenmill.bench.types import RequestSpec
 from tokenmill.capture import read_capture
@@ -155,12 +156,21 @@ _SAMPLING_KEEP = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_pe
 def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilder, salt: str,
                n: int | None = None, speed: float = 1.0,
                target_rate: float | None = None) -> list[RequestSpec]:
-    """Replay a capture: same arrival times (divided by ``speed``, or rescaled
-    to ``target_rate`` req/s), same prompt and output lengths, and, when the
-    text was not captured, synthetic text with the same prefix-sharing
-    structure: each full block's text is derived from its chained hash, so two
-    requests share text exactly as far as they shared blocks."""
-    records = read_capture([path] if isinstance(path, str) else path)
+    """Replay a capture (or a Mooncake trace, mooncake.py): same arrival times
+    (divided by ``speed``, or rescaled to ``target_rate`` req/s), same prompt and
+    output lengths, and, when the text was not captured, synthetic text with the
+    same prefix-sharing structure: each full block's text is derived from its
+    chained hash, so two requests share text exactly as far as they shared blocks.
+
+    Records of one session replay as a conversation (sessions.py): the first
+    turn whole, each later turn as the words it adds to the previous prompt and
+    answer (its prompt tokens less theirs), with the think time the capture saw
+    between the previous answer's end and its arrival (or the trace's delay)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    if paths and is_mooncake(paths[0]):
+        records = [r for p in paths for r in read_mooncake(p)]
+    else:
+        records = read_capture(paths)
     if n is not None:
         records = records[:n]
     if not records:
@@ -173,8 +183,31 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
     bos = max(0, counter.count(FILL_WORD) - 1) if counter.exact else 0
     salt_tokens = max(0, counter.count(salt) - bos) if salt else 0
     pool = _one_token_words(builder)
+    newline_tokens = max(0, counter.count("\n" + FILL_WORD) - counter.count(FILL_WORD)) if counter.exact else 0
     specs: list[RequestSpec] = []
+    previous: dict[str, tuple[dict[str, Any], int]] = {}  # session -> (its last record, turns so far)
     for i, rec in enumerate(records):
+        sampling = {k: v for k, v in (rec.get("sampling") or {}).items() if k in _SAMPLING_KEEP}
+        out_tokens = max(1, int(rec.get("output_tokens") or 1))
+        session = rec.get("session")
+        before = previous.get(session) if session else None
+        if session:
+            previous[session] = (rec, 0 if before is None else before[1] + 1)
+        if before is not None:
+            last, turn = before[0], before[1] + 1
+            had = int(last.get("prompt_tokens") or 0) + max(1, int(last.get("output_tokens") or 1))
+            added = max(1, int(rec.get("prompt_tokens") or 1) - had)
+            r = random.Random(f"turn-{session}-{turn}")
+            words_needed = max(1, added - newline_tokens)  # the line break is a token of its own
+            text = "\n" + " ".join(r.choice(pool) for _ in range(words_needed))
+            think = rec.get("think")
+            if think is None:
+                ended = last["arrival_time"] + float(last.get("e2e") or 0.0)
+                think = max(0.0, rec["arrival_time"] - ended)
+            specs.append(RequestSpec(prompt=text, prompt_len=added, output_len=out_tokens,
+                                     arrival=(rec["arrival_time"] - t_first) / speed, sampling=sampling,
+                                     session=session, turn=turn, think=float(think) / speed))
+            continue
         p_tokens = int(rec.get("prompt_tokens") or 1)
         if rec.get("prompt_text"):
             prompt = salt + rec["prompt_text"]
@@ -184,6 +217,7 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
             for h in rec.get("block_hashes") or []:
                 r = random.Random(h)
                 words += [r.choice(pool) for _ in range(bs)]
+            words = words[: max(0, p_tokens - bos)]  # a trace's last block may be partial
             tail = p_tokens - bos - len(words)
             r = random.Random(f"tail-{i}-{t_first}")
             words += [r.choice(pool) for _ in range(max(0, tail))]
@@ -192,11 +226,9 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
             if trim:
                 words = words[:-trim]
             prompt = salt + " ".join(words)
-        sampling = {k: v for k, v in (rec.get("sampling") or {}).items() if k in _SAMPLING_KEEP}
-        specs.append(RequestSpec(prompt=prompt, prompt_len=counter.count(prompt),
-                                 output_len=max(1, int(rec.get("output_tokens") or 1)),
-                                 arrival=(rec["arrival_time"] - t_first) / speed,
-                                 sampling=sampling))
+        specs.append(RequestSpec(prompt=prompt, prompt_len=counter.count(prompt), output_len=out_tokens,
+                                 arrival=(rec["arrival_time"] - t_first) / speed, sampling=sampling,
+                                 session=session))
     return specs
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from .engine import LLMEngine, SequenceDelta
-from .request import SamplingParams
+from .request import Placement, SamplingParams
 
 log = logging.getLogger("tokenmill.async_engine")
 
@@ -43,6 +43,7 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     arrival_time: float = field(default_factory=time.monotonic)
+    placement: Placement | None = None
 
 
 _FINISHED = object()
@@ -52,6 +53,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine, list[SequenceDelta]], None] | None = None) -> None:
         self.engine = engine
         self.on_step = on_step  # metrics hook, called in the engine thread
+        self.after_call: list[Callable[[LLMEngine], None]] = []  # engine-thread hooks after each call()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
@@ -67,8 +69,8 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def generate(self, request_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[SequenceDelta]:
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       placement: Placement | None = None) -> AsyncIterator[SequenceDelta]:
         """Yield deltas until every sequence of the request has finished.
 
         Raises ValueError (bad request) before the first delta. If the
@@ -78,7 +80,7 @@ class AsyncEngine:
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        self._send("add", _Add(request_id, prompt, params, stream))
+        self._send("add", _Add(request_id, prompt, params, stream, placement=placement))
         finished = False
         try:
             while True:
@@ -167,13 +169,16 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, future, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, future, result, None)
+            for hook in self.after_call:  # a call may change state outside a step (a cache reset)
+                hook(self.engine)
 
     def _add(self, cmd: _Add) -> None:
         if cmd.request_id in self._streams:
             cmd.stream.put(ValueError(f"request id {cmd.request_id!r} is already in use"))
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival_time,
+                                    placement=cmd.placement)
         except Exception as exc:  # noqa: BLE001 - reported to the caller as a bad request
             cmd.stream.put(exc if isinstance(exc, ValueError) else ValueError(str(exc)))
             return

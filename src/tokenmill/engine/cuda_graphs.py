@@ -75,7 +75,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..model.attention import TorchPagedAttention
 from ..model.llama import LlamaForCausalLM
 from ..options import KernelOptions
-from .request import Request, one_token_step
+from .request import Request
+from .step_batch import StepBatch
 
 log = logging.getLogger("tokenmill.cuda_graphs")
 
@@ -285,28 +286,28 @@ class DecodeGraphRunner:
         self.stats = GraphStats()
 
     # -- deciding -------------------------------------------------------
-    def plan(self, items: list[tuple[Request, int]]) -> tuple[int, int] | str:
+    def plan(self, batch: StepBatch) -> tuple[int, int] | str:
         """The (batch, width) bucket of a step, or why it runs eager."""
-        if not items or any(num_new != 1 for _, num_new in items):
+        if not batch or batch.num_single != len(batch):
             return "not_pure_decode"
-        batch = _bucket(len(items), self.batch_sizes)
-        if batch is None:
+        size = _bucket(len(batch), self.batch_sizes)
+        if size is None:
             return "batch_too_large"
         bs = self.block_size
-        need = max(-(-(request.num_computed_tokens + 1) // bs) for request, _ in items)
+        need = max(-(-(seq.start + 1) // bs) for seq in batch.seqs)
         width = _bucket(need, self.widths)
         if width is None:
             return "context_too_long"
-        if any(len(request.block_table) < -(-(request.num_computed_tokens + 1) // bs) for request, _ in items):
+        if any(len(seq.block_table) < -(-(seq.start + 1) // bs) for seq in batch.seqs):
             return "short_block_table"  # not a state the scheduler makes; eager handles it as it always has
-        return batch, width
+        return size, width
 
     # -- running --------------------------------------------------------
-    def execute(self, items: list[tuple[Request, int]],
-                bucket: tuple[int, int]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, batch: StepBatch, bucket: tuple[int, int]) -> tuple[torch.Tensor, list[Request]]:
         """Replay the graph of ``bucket`` (from ``plan``) on this step."""
         graph = self._graph(*bucket)
-        rows, sampled = self._fill(graph, items)
+        self._fill(graph, batch)
+        rows, sampled = batch.logits_rows, batch.sampled_requests
         graph.static.copy_(graph.host, non_blocking=graph.copied is not None)
         if graph.copied is not None:
             graph.copied.record()
@@ -315,27 +316,26 @@ class DecodeGraphRunner:
         self.stats.replays += 1
         out = graph.graph.output
         # A copy, not a view: the next replay of any graph may reuse this memory (shared pool).
-        if len(rows) == len(items):
-            logits = out[: len(items)].clone()
+        if len(rows) == len(batch):
+            logits = out[: len(batch)].clone()
         else:  # some rows are 1-token prefill chunks short of their prompt's end (maybe all)
             logits = out[torch.tensor(rows, dtype=torch.long, device=out.device)]
         return logits, sampled
 
-    def _fill(self, graph: _DecodeGraph, items: list[tuple[Request, int]]) -> tuple[list[int], list[Request]]:
-        """Write the step into the graph's host buffer; padded rows and table entries
-        point at the scratch block."""
+    def _fill(self, graph: _DecodeGraph, batch: StepBatch) -> None:
+        """Write the step (one token per sequence) into the graph's host buffer; padded rows
+        and table entries point at the scratch block."""
         b, w, bs = graph.batch, graph.width, self.block_size
-        n = len(items)
+        n = len(batch)
         scratch = self.scratch_block
-        step_ids, step_positions, rows, sampled = one_token_step(items)
         pad = [0] * (b - n)
-        ids, positions = step_ids + pad, step_positions + pad
+        ids, positions = batch.token_ids + pad, batch.positions + pad
         slots = [scratch * bs] * b
         lens = [1] * b
         counts = [0] * b
         blocks: list[int] = []
-        for row, ((request, _), pos) in enumerate(zip(items, step_positions)):
-            table = request.block_table
+        for row, seq in enumerate(batch.seqs):
+            table, pos = seq.block_table, seq.start
             slots[row] = table[pos // bs] * bs + pos % bs
             lens[row] = pos + 1
             used = pos // bs + 1
@@ -350,7 +350,6 @@ class DecodeGraphRunner:
         if n:
             used_mask = torch.arange(w)[None, :] < torch.tensor(counts, dtype=torch.long)[:, None]
             tables[used_mask] = torch.tensor(blocks, dtype=torch.long)
-        return rows, sampled
 
     def _graph(self, batch: int, width: int) -> _DecodeGraph:
         key = (batch, width)
@@ -361,7 +360,7 @@ class DecodeGraphRunner:
             host = torch.empty(size, dtype=torch.long, pin_memory=pin)
             graph = _DecodeGraph(batch, width, torch.empty(size, dtype=torch.long, device=self.device), host,
                                  copied=torch.cuda.Event() if pin else None)
-            self._fill(graph, [])  # capture (and its warm-up runs) on padding: only the scratch block is written
+            self._fill(graph, StepBatch(()))  # capture (and its warm-up runs) on padding: only the scratch block is written
             graph.static.copy_(graph.host)
             graph.graph = self.backend.capture(self._forward_fn(graph))
             self.graphs[key] = graph

@@ -47,12 +47,14 @@ import torch.distributed as dist
 
 from ..config import EngineConfig, parse_dtype
 from ..model import parallel
-from ..model.llama import LlamaForCausalLM, RotaryEmbedding
+from ..model.architectures import model_class
+from ..model.llama import LlamaForCausalLM
 from ..model.attention import StepLayout
 from ..model.loader import LoadedModel
-from .executors import Kernels, choose_kernels
+from .executors import Kernels, StepItems, choose_kernels
 from .request import Request
 from .runner import ModelRunner
+from .step_batch import StepBatch
 
 log = logging.getLogger("tokenmill.tp")
 
@@ -134,16 +136,16 @@ def build_rank_model(config: EngineConfig, loaded: LoadedModel, tp: parallel.TPI
     dtype = parse_dtype(config.dtype)
     max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions=max_len)
+        model = model_class(cfg)(cfg, max_positions=max_len)
     parallel.shard_model(model, tp)
     model = model.to_empty(device=device).to(dtype)
-    model.rope = RotaryEmbedding(cfg, max_len).to(device)
+    model.reset_rope(max_len, device)
     model.load_weights(loaded.weights)
     if str(config.quantization).lower() == "w8a8" and control is not None:
         tokens = _receive_calibration(control)
         if tokens is None:
             return None
-        from ..model.smoothquant import smooth_for_int8
+        from .loading import smooth_for_int8
 
         with torch.inference_mode():
             done = smooth_for_int8(model, tokens, config.cache.block_size, dtype, device,
@@ -201,11 +203,11 @@ class ParallelRunner(ModelRunner):
         self.group = group
         self.broadcast_s = 0.0  # driver: seconds spent handing layouts to the workers
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, step: StepBatch | StepItems) -> tuple[torch.Tensor, list[Request]]:
         if self.group is not None and self.group.failure is not None:
             raise TensorParallelError(self.group.failure)
         with torch.inference_mode():
-            inputs = self.prepare(items)
+            inputs = self.prepare(step)
             layout = _Layout(inputs.input_ids.cpu(), inputs.positions.cpu(),
                              inputs.attn.layout.to(torch.device("cpu")), inputs.logits_rows.cpu())
             try:

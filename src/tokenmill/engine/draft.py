@@ -21,6 +21,7 @@ from ..model.loader import load_model
 from .block_pool import BlockPool
 from .request import Request, RequestStatus, SamplingParams
 from .executors import Kernels
+from .loading import build_model
 from .runner import ModelRunner, num_blocks_for_budget
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
@@ -29,8 +30,6 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 class DraftModelProposer:
     def __init__(self, model_path: str, kv_cache_memory: str | int, target_vocab: int, device: torch.device,
                  max_len: int, block_size: int, kernels: Kernels) -> None:
-        from .engine import build_model
-
         loaded = load_model(model_path, dtype=torch.float32)
         if loaded.config.vocab_size != target_vocab:
             raise ValueError(f"the draft model's vocabulary ({loaded.config.vocab_size} tokens) differs from the "

@@ -8,34 +8,26 @@ a ``SequenceDelta`` with the new tokens and text since the last step.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import EngineConfig, parse_dtype
-from ..model.kv_quant import is_quantized, resolve_kv_dtype
-from ..model.llama import LlamaForCausalLM, RotaryEmbedding
-from ..model.loader import LoadedModel, load_model
-from ..model.sampler import Logprob, sample
+from ..config import EngineConfig
+from ..model.loader import LoadedModel
+from ..model.sampler import Logprob, SampleResult, sample
 from ..tokenizer import Tokenizer
-from . import auto
-from .block_pool import BlockPool
+from .builder import build_engine
 from .detokenizer import IncrementalDetokenizer
-from .prefix_cache import PrefixCache
-from .request import Request, RequestStatus, SamplingParams
-from .executors import Kernels, choose_kernels
-from .runner import ModelRunner, num_blocks_for_budget
-from .scheduler import Scheduler
-from .speculative import SpeculativeConfig, Speculator
-from .stats import EngineStats, SpecSnapshot
-from .structured import StructuredOutputs
+from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
+from .scheduler import ScheduledBatch
+from .stats import EngineStats, SpecSnapshot, TierSnapshot
+from .step_batch import StepBatch
+from .structured import StepMasks
 
 if TYPE_CHECKING:
-    from .distributed import TensorParallelGroup
+    from .kv_tier import DiskTier
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -83,95 +75,34 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
-        self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.device = torch.device(config.device)
-        config.scheduler.max_num_batched_tokens = config.scheduler.token_budget(self.device.type)
-        dtype_choice = auto.resolve_dtype(config.dtype, self.device,
-                                          auto.int8_compute(config.quantization, self.device, config.kernel_options))
-        config.dtype = dtype_choice[0]
-        self.dtype = parse_dtype(config.dtype)
-        # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
-        self.parallel: TensorParallelGroup | None = None
-        if config.tensor_parallel_size > 1:
-            from .distributed import TensorParallelGroup
-
-            self.parallel = TensorParallelGroup.start(config, loaded)
-            loaded = self.parallel.loaded
-        loaded = loaded or load_model(config.model, dtype=self.dtype)
-        quant_choice = auto.resolve_quantization(config.quantization, loaded, self.device, config.kernel_options)
-        config.quantization = quant_choice[0]
-        kv_choice = auto.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, config.quantization, self.dtype,
-                                                self.device, config.tensor_parallel_size > 1)
-        config.cache.kv_cache_dtype = kv_choice[0]
-        if dtype_choice[1] != "as asked" or quant_choice[1] != "as asked":
-            log.info("chosen for this machine: %s", auto.describe(dtype_choice, quant_choice, kv_choice))
-        self.model_config = loaded.config
-        self.tokenizer = tokenizer or Tokenizer.from_model_path(config.model)
-        cfg = loaded.config
-        max_len = config.scheduler.max_model_len or cfg.max_position_embeddings
-        self.max_model_len = max_len
-        calibration = None
-        if str(config.quantization).lower() == "w8a8":  # int8 activations: smooth first
-            from ..model.smoothquant import calibration_text
-
-            calibration = self.tokenizer.encode(calibration_text())
-        # What steps run on (C kernels or torch, the model's ops), decided once, here.
-        self.kernels = choose_kernels(self.device, config.kernel_options)
-        model = build_model(loaded, config, self.device, self.dtype, max_len, calibration, self.parallel,
-                            self.kernels)
-        self.model = model
-        model.use_ops(self.kernels.ops)  # now, so that layouts the kernels read count as weights
-        self.weight_bytes = _weight_bytes(model)
-
-        cache_cfg = config.cache
-        block_size = cache_cfg.block_size
-        kv_budget = cache_cfg.kv_cache_memory
-        if kv_budget is None and config.memory_budget is not None:
-            kv_budget = config.memory_budget - self.weight_bytes
-            if kv_budget <= 0:
-                raise ValueError(f"memory budget {config.memory_budget} bytes does not hold the weights "
-                                 f"({self.weight_bytes} bytes)")
-        self.kv_dtype = resolve_kv_dtype(cache_cfg.kv_cache_dtype, self.dtype)
-        if self.kv_dtype != self.dtype and self.parallel is not None:
-            raise ValueError(f"kv_cache_dtype {cache_cfg.kv_cache_dtype} is not supported with tensor parallelism "
-                             "yet; use auto")
-        num_blocks = cache_cfg.num_blocks or num_blocks_for_budget(
-            cfg, block_size, self.kv_dtype, kv_budget or _default_kv_budget(cache_cfg.kv_cache_fraction, self.device))
-        if config.cap_kv_pool and not cache_cfg.num_blocks and not cache_cfg.kv_cache_memory:
-            reachable = -(-config.scheduler.max_num_seqs * max_len // block_size) + 1
-            num_blocks = min(num_blocks, reachable)
-        self.block_size = block_size
-        self.prefix_cache = PrefixCache(block_size) if cache_cfg.enable_prefix_caching else None
-        self.pool = BlockPool(num_blocks, self.prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, block_size, self.pool, self.prefix_cache,
-                                   device_type=self.device.type)
-        self.runner = (ModelRunner(model, num_blocks, block_size, self.dtype, self.device, self.kernels,
-                                   kv_dtype=self.kv_dtype)
-                       if self.parallel is None else
-                       self.parallel.make_runner(model, num_blocks, block_size, self.dtype, self.device, self.kernels))
-        log.info("steps run on: %s", ", ".join(e.name for e in self.runner.executors))
+        """Build every part (``builder.build_engine``); ``self.config`` is the resolved copy
+        of ``config`` (what ``auto`` chose here), the caller's is left as it was."""
+        parts = build_engine(config, loaded, tokenizer)
+        self.config = parts.config
+        self.device, self.dtype, self.kv_dtype = parts.device, parts.dtype, parts.kv_dtype
+        self.parallel = parts.parallel
+        self.tokenizer = parts.tokenizer
+        self.model_config = parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.kernels = parts.kernels
+        self.model = parts.model
+        self.weight_bytes = parts.weight_bytes
+        self.block_size = parts.block_size
+        self.prefix_cache = parts.prefix_cache
+        self.pool = parts.pool
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.structured = parts.structured
+        self.speculator = parts.speculator
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on
         # any device: a CUDA generator would be refused by torch.rand there, and a seed
         # then gives the same draws on CPU and GPU.
         self.generator = torch.Generator()
-        self.generator.manual_seed(config.seed)
-        self.structured = StructuredOutputs(self.tokenizer, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        self.generator.manual_seed(self.config.seed)
         self._groups: dict[str, list[_Sequence]] = {}
         self._by_request: dict[int, _Sequence] = {}
         self.last_step = StepStats()
         self.total_preemptions = 0
-        spec = SpeculativeConfig.parse(config.speculative_config)
-        self.speculator: Speculator | None = None
-        if spec is not None:
-            proposer = None
-            if spec.method == "draft_model":
-                from .draft import DraftModelProposer
-
-                assert spec.model is not None
-                proposer = DraftModelProposer(spec.model, spec.draft_kv_cache_memory, cfg.vocab_size, self.device,
-                                              max_len, block_size, self.kernels)
-            self.speculator = Speculator(spec, proposer, grammar_eos=self.tokenizer.eos_token_ids)
         self._steps = 0
         self.stats = EngineStats()
         self._publish()
@@ -181,8 +112,9 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> list[Request]:
-        """Queue a request (n sequences). Raises ValueError for what cannot run."""
+                    arrival_time: float | None = None, placement: Placement | None = None) -> list[Request]:
+        """Queue a request (n sequences). Raises ValueError for what cannot run. ``placement``
+        (tenant, class, weight, priority) orders it under the priority and fair policies."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already running")
         token_ids = self.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
@@ -193,6 +125,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids or []):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        params.check_vocab(vocab)  # the sampler indexes the logits with these
         room = self.max_model_len - len(token_ids)
         if room < (0 if params.max_tokens == 0 else 1):
             raise ValueError(
@@ -207,9 +140,12 @@ class LLMEngine:
         group: list[_Sequence] = []
         for index in range(params.n):
             req = Request(request_id=f"{request_id}#{index}", prompt_token_ids=token_ids, params=params,
-                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens)
+                          arrival_time=arrival, eos_token_ids=eos, max_tokens=max_tokens,
+                          placement=placement or DEFAULT_PLACEMENT)
             if params.structured is not None:
                 req.grammar = self.structured.compile(params.structured)  # GrammarError is a ValueError
+                if params.structured_after:
+                    req.pending_grammar, req.grammar = req.grammar, None
             if params.prompt_logprobs is not None:
                 req.prompt_logprobs = [None]  # the first token has no context
             if params.seed is not None:
@@ -250,43 +186,57 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------
     def step(self) -> list[SequenceDelta]:
+        """One step: schedule -> execute -> sample (or verify proposals) -> finish -> report."""
         started = time.monotonic()
-        if self.speculator is not None:
-            self.speculator.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
-        batch = self.scheduler.schedule(started)
-        self.total_preemptions += len(batch.preempted)
-        self._steps += 1
-        if not batch:
-            self.last_step = StepStats(num_preempted=len(batch.preempted))
+        scheduled = self._schedule(started)
+        if not scheduled:
+            self.last_step = StepStats(num_preempted=len(scheduled.preempted))
             self._publish()
             return []
-        # Grammar masks depend only on tokens already accepted (and this step's proposals):
-        # compute them while the forward pass runs.
-        constrained = [r for r, n in batch.items if r.grammar is not None
-                       and r.num_computed_tokens + n == r.num_tokens + len(r.spec_token_ids)]
+        batch = StepBatch.build(scheduled.items)
+        logits, sampled, mask = self._execute(batch)
+        self.scheduler.after_step(scheduled)
+        plain, checks = _split_rows(sampled)
+        result = self._sample(logits, sampled, plain, checks, mask)
+        now = time.monotonic()
+        touched: list[_Sequence] = []
+        if result is not None:
+            for req, token, lp in zip([sampled[row] for row in plain], result.token_ids, result.logprobs):
+                touched.append(self._by_request[id(req)])
+                self._append_token(touched[-1], token, lp, now)
+        touched += self._verify(logits, checks, mask, now)
+        touched += self._finish_prompt_only(batch)
+        return self._report(scheduled, touched, started, now)
+
+    def _schedule(self, now: float) -> ScheduledBatch:
+        """Proposals for sequences in decode (when speculating), then the scheduler's choice."""
+        if self.speculator is not None:
+            self.speculator.propose([r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1])
+        scheduled = self.scheduler.schedule(now)
+        self.total_preemptions += len(scheduled.preempted)
+        self._steps += 1
+        return scheduled
+
+    def _execute(self, batch: StepBatch) -> tuple[torch.Tensor, list[Request], StepMasks | None]:
+        """The forward pass (and prompt logprobs, for requests that ask); the grammar masks
+        of the step's constrained rows are computed meanwhile: they depend only on tokens
+        already accepted (and this step's proposals)."""
+        constrained = batch.constrained
         masks = self.structured.fill_step_async(constrained) if constrained else None
         try:
-            logits, sampled = self.runner.execute(batch.items)  # and prompt logprobs, for requests that ask
+            logits, sampled = self.runner.execute(batch)
         finally:
             mask = self.structured.wait(masks) if masks is not None else None
-        self.scheduler.after_step(batch)
-        # Rows of requests that ran speculative proposals are checked, the others sampled.
-        plain_rows: list[int] = []
-        checks: list[tuple[Request, int]] = []
-        row = 0
-        while row < len(sampled):
-            req = sampled[row]
-            if req.spec_token_ids:
-                checks.append((req, row))
-                row += 1 + len(req.spec_token_ids)
-            else:
-                plain_rows.append(row)
-                row += 1
+        return logits, sampled, mask
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Request], plain_rows: list[int],
+                checks: list[tuple[Request, int]], mask: StepMasks | None) -> SampleResult | None:
+        """Tokens of the rows that are sampled (not verified), grammar-masked where asked."""
+        if not plain_rows:
+            return None
         plain = [sampled[i] for i in plain_rows]
-        if checks and plain:
-            logits_plain = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
-        else:
-            logits_plain = logits
+        if checks:
+            logits = logits.index_select(0, torch.tensor(plain_rows, device=logits.device))
         token_mask = None
         rows = [row for row, r in enumerate(plain) if r.grammar is not None]
         if rows:
@@ -295,15 +245,12 @@ class LLMEngine:
                 token_mask = (rows, self.structured.fill([plain[row].grammar for row in rows]))
             else:
                 token_mask = (rows, mask.select([plain[row] for row in rows]))
-        result = sample(logits_plain, plain, self.generator, token_mask, self.kernels.library) if plain else None
-        now = time.monotonic()
-        deltas: list[SequenceDelta] = []
-        touched: list[_Sequence] = []
-        if result is not None:
-            for req, token, lp in zip(plain, result.token_ids, result.logprobs):
-                seq = self._by_request[id(req)]
-                self._append_token(seq, token, lp, now)
-                touched.append(seq)
+        return sample(logits, plain, self.generator, token_mask, self.kernels.library)
+
+    def _verify(self, logits: torch.Tensor, checks: list[tuple[Request, int]], mask: StepMasks | None,
+                now: float) -> list[_Sequence]:
+        """Check each verify's proposals (exact acceptance) and append what stands."""
+        touched = []
         for req, row in checks:
             assert self.speculator is not None
             count = 1 + len(req.spec_token_ids)
@@ -315,27 +262,38 @@ class LLMEngine:
             seq = self._by_request[id(req)]
             appended = 0
             for token in tokens:
+                pending = req.pending_grammar is not None
                 self._append_token(seq, token, None, now)
                 appended += 1
-                if req.is_finished:
-                    break
+                if req.is_finished or (pending and req.pending_grammar is None):
+                    break  # finished, or the reasoning ended: the next tokens were checked without the grammar
             self.scheduler.accept_proposals(req, appended - 1)
             touched.append(seq)
-        for req, _ in batch.items:  # max_tokens=0: done once the prompt is computed
+        return touched
+
+    def _finish_prompt_only(self, batch: StepBatch) -> list[_Sequence]:
+        """``max_tokens=0`` requests are done once their prompt is computed."""
+        touched = []
+        for seq in batch.seqs:
+            req = seq.request
             if not req.samples and not req.is_finished and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._finish(req, "length", None)
                 touched.append(self._by_request[id(req)])
-        for seq in touched:
-            deltas.append(self._delta(seq, now))
+        return touched
+
+    def _report(self, scheduled: ScheduledBatch, touched: list[_Sequence], started: float,
+                now: float) -> list[SequenceDelta]:
+        """The step's deltas; finished sequences forgotten; the step's figures published."""
+        deltas = [self._delta(seq, now) for seq in touched]
         for seq in touched:
             if seq.request.is_finished:
                 self._forget(seq)
-        decode_tokens = sum(1 for _, n in batch.items if n == 1)
+        decode_tokens = sum(1 for _, n in scheduled.items if n == 1)
         self.last_step = StepStats(
-            num_tokens=batch.num_tokens,
-            num_prefill_tokens=batch.num_tokens - decode_tokens,
+            num_tokens=scheduled.num_tokens,
+            num_prefill_tokens=scheduled.num_tokens - decode_tokens,
             num_decode_tokens=decode_tokens,
-            num_preempted=len(batch.preempted),
+            num_preempted=len(scheduled.preempted),
             duration_s=now - started,
         )
         self._publish()
@@ -351,7 +309,11 @@ class LLMEngine:
         stop_str = seq.detok.add_token(token)
         params = req.params
         grammar_done = False
-        if req.grammar is not None and token not in req.eos_token_ids:
+        if req.pending_grammar is not None and stop_str is None:
+            marker = params.structured_after or ""
+            if marker in seq.detok.text[-(len(marker) + 64):]:  # reasoning over: the format applies now
+                req.grammar, req.pending_grammar = req.pending_grammar, None
+        elif req.grammar is not None and token not in req.eos_token_ids:
             req.grammar.consume_token(token)
             # stopped: the grammar allows nothing more (not even more whitespace); error: cannot go on
             grammar_done = req.grammar.is_stopped() or req.grammar.is_error()
@@ -425,12 +387,19 @@ class LLMEngine:
             prompt_tokens_computed=self.scheduler.num_prompt_tokens_computed,
             spec=None if spec is None else SpecSnapshot(
                 spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
-                tuple(spec.stats.accepted_per_position)))
+                tuple(spec.stats.accepted_per_position)),
+            tier=_tier_snapshot(cache.tier if cache is not None else None))
 
     def close(self) -> None:
-        """Stop tensor-parallel workers (nothing to do on one device); idempotent."""
+        """Stop tensor-parallel workers (nothing to do on one device); with a disk tier, copy
+        the pool's idle cached blocks there and close it, so the next process finds them.
+        Idempotent."""
         if self.parallel is not None:
             self.parallel.close()
+        tier = self.prefix_cache.tier if self.prefix_cache is not None else None
+        if tier is not None and not tier.closed:
+            self.prefix_cache.offload_all(self.pool)
+            tier.close()
 
     # -- cache admin -----------------------------------------------------
     def reset_prefix_cache(self) -> int:
@@ -450,64 +419,26 @@ class LLMEngine:
             self.prefix_cache.check_invariants(self.pool.ref_counts)
 
 
-def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_len: int, calibration: list[int] | None = None, parallel: Any = None,
-                kernels: Kernels | None = None) -> LlamaForCausalLM:
-    """The model on ``device`` in ``dtype``, weights loaded and quantized per ``config``;
-    for int8 activations (w8a8), smoothed first on the ``calibration`` tokens; with
-    ``parallel`` (tensor parallelism), this rank's shard of every layer."""
-    # Build on the meta device (no random init of weights about to be overwritten),
-    # then materialise and load; the rotary tables are computed for real.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config, max_positions=max_len)
-    if parallel is not None:
-        parallel.shard_model(model)
-    model = model.to_empty(device=device).to(dtype)
-    model.rope = RotaryEmbedding(loaded.config, max_len).to(device)
-    model.load_weights(loaded.weights)
-    if calibration and str(config.quantization).lower() == "w8a8":
-        from ..model.smoothquant import smooth_for_int8
-
-        if parallel is not None:
-            parallel.share_calibration(calibration)  # every rank smooths its shard on these tokens, in step
-
-        with torch.inference_mode():
-            smooth_for_int8(model, calibration, config.cache.block_size, dtype, device,
-                            kernels or choose_kernels(device, config.kernel_options))
-    if config.quantization not in ("none", None):
-        from ..model.quant import quantize_model
-
-        quantize_model(model, loaded, config)
-        if parallel is not None:
-            parallel.after_quantize(model)
-    model.eval()
-    return model
+def _tier_snapshot(tier: "DiskTier | None") -> TierSnapshot | None:
+    if tier is None:
+        return None
+    st = tier.stats
+    return TierSnapshot(tier.num_slots, tier.num_slots - len(tier.free_slots), tier.io.block_bytes,
+                        st.stored_blocks, st.restored_blocks, st.restore_seconds, st.dropped_blocks)
 
 
-def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and buffers that hold weights (quantized layers keep
-    theirs in buffers); a tied lm_head shares the embedding and counts once."""
-    seen: set[int] = set()
-    total = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith(("rope.cos", "rope.sin")) or t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
-def _default_kv_budget(fraction: float, device: torch.device | None = None) -> int:
-    """``fraction`` of the memory still free where the pool will live: the GPU's
-    (after the weights are loaded) on CUDA, the host's available memory otherwise."""
-    if device is not None and device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * fraction)
-    except OSError:
-        pass
-    return 1 << 30
+def _split_rows(sampled: list[Request]) -> tuple[list[int], list[tuple[Request, int]]]:
+    """The logits rows that are sampled, and (request, first row) of each verify: a request
+    that ran speculative proposals has one row per token it checks."""
+    plain: list[int] = []
+    checks: list[tuple[Request, int]] = []
+    row = 0
+    while row < len(sampled):
+        req = sampled[row]
+        if req.spec_token_ids:
+            checks.append((req, row))
+            row += 1 + len(req.spec_token_ids)
+        else:
+            plain.append(row)
+            row += 1
+    return plain, checks

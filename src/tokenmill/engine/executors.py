@@ -32,6 +32,7 @@ from ..model.ops import ModelOps, select_ops
 from ..options import KernelOptions
 from . import fused_decode
 from .request import Request
+from .step_batch import RowKind, StepBatch
 
 if TYPE_CHECKING:
     from .cuda_graphs import DecodeGraphRunner
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tokenmill.executors")
 
-StepItems = list[tuple[Request, int]]
+StepItems = list[tuple[Request, int]]  # what the scheduler gives out; the runner builds a StepBatch of it
 StepResult = tuple[torch.Tensor, list[Request]]
 
 
@@ -63,19 +64,13 @@ def choose_kernels(device: torch.device, options: KernelOptions) -> Kernels:
 class StepExecutor(Protocol):
     name: str
 
-    def accepts(self, items: StepItems) -> bool:
-        """Whether this executor runs the step (items: requests and their new tokens)."""
+    def accepts(self, batch: StepBatch) -> bool:
+        """Whether this executor runs the step."""
         ...
 
-    def run(self, items: StepItems) -> StepResult:
+    def run(self, batch: StepBatch) -> StepResult:
         """Float32 logits of the sampled rows and the requests they belong to."""
         ...
-
-
-def _samples_every_row(items: StepItems) -> bool:
-    """Whole-step accelerators return logits of sampled rows only: a step that scores
-    its prompt (prompt logprobs) or samples nothing needs the eager path's hidden states."""
-    return all(r.samples and not r.wants_prompt_logprobs for r, _ in items)
 
 
 class EagerExecutor:
@@ -86,53 +81,38 @@ class EagerExecutor:
     def __init__(self, runner: "ModelRunner") -> None:
         self.runner = runner
 
-    def accepts(self, items: StepItems) -> bool:
+    def accepts(self, batch: StepBatch) -> bool:
         return True
 
-    def run(self, items: StepItems) -> StepResult:
-        return self.runner.run_eager(items)
+    def run(self, batch: StepBatch) -> StepResult:
+        return self.runner.run_eager(batch)
 
 
-def _is_decode(request: Request, num_new: int) -> bool:
-    """One new token, or one plus the request's speculative proposals (one row each)."""
-    return num_new == 1 + len(request.spec_token_ids)
-
-
-def fused_step_inputs(items: StepItems) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
+def fused_step_inputs(batch: StepBatch) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
                                                  torch.Tensor, list[Request]]:
-    """A step's rows as the fused native step takes them: token ids, each row's block table
-    ([rows, width] int32, -1 past a table's end: a table shorter than its sequence needs is
-    refused by the kernel, never read as block 0) and context length, the prefill chunks
-    ([C, 2] int32: first row and row count of every item that is not a decode), the rows
-    whose logits are sampled and their requests (a proposing request once per row: all its
-    rows are checked; a prefill chunk's last row when it reaches the prompt's end)."""
-    ids: list[int] = []
+    """A step's rows as the fused native step takes them, in the batch's order: token ids,
+    each row's block table ([rows, width] int32, -1 past a table's end: a table shorter
+    than its sequence needs is refused by the kernel, never read as block 0) and context
+    length, the prefill chunks ([C, 2] int32: first row and row count of every
+    ``RowKind.PREFILL`` sequence), the rows whose logits are sampled and their requests."""
     seq_lens: list[int] = []
     counts: list[int] = []
     chunks: list[tuple[int, int]] = []
-    rows: list[int] = []
-    sampled: list[Request] = []
-    for request, num_new in items:
-        start, first = request.num_computed_tokens, len(ids)
-        ids.extend(request.step_token_ids(start, num_new))
-        seq_lens.extend(range(start + 1, start + num_new + 1))
-        counts.append(num_new)
-        if request.spec_token_ids:
-            rows.extend(range(first, first + num_new))
-            sampled.extend([request] * num_new)
-        else:
-            if num_new > 1:
-                chunks.append((first, num_new))
-            if start + num_new == request.num_tokens and request.samples:
-                rows.append(len(ids) - 1)
-                sampled.append(request)
-    width = max(len(request.block_table) for request, _ in items)
-    tables = torch.tensor([request.block_table + [-1] * (width - len(request.block_table)) for request, _ in items],
+    first = 0
+    for seq in batch.seqs:
+        seq_lens.extend(range(seq.start + 1, seq.end + 1))
+        counts.append(seq.num_new)
+        if seq.kind is RowKind.PREFILL:
+            chunks.append((first, seq.num_new))
+        first += seq.num_new
+    width = max(len(seq.block_table) for seq in batch.seqs)
+    tables = torch.tensor([seq.block_table + (-1,) * (width - len(seq.block_table)) for seq in batch.seqs],
                           dtype=torch.int32)
     if any(n > 1 for n in counts):
         tables = tables.repeat_interleave(torch.tensor(counts), dim=0)
-    return (ids, tables.contiguous(), torch.tensor(seq_lens, dtype=torch.int32),
-            torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2), torch.tensor(rows, dtype=torch.int32), sampled)
+    return (batch.token_ids, tables.contiguous(), torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2),
+            torch.tensor(batch.logits_rows, dtype=torch.int32), batch.sampled_requests)
 
 
 class _FusedExecutor:
@@ -144,8 +124,8 @@ class _FusedExecutor:
         self.runner = runner
         self.decoder = decoder
 
-    def run(self, items: StepItems) -> StepResult:
-        return _run_fused(self.runner, self.decoder, items)
+    def run(self, batch: StepBatch) -> StepResult:
+        return _run_fused(self.runner, self.decoder, batch)
 
 
 class FusedDecodeExecutor(_FusedExecutor):
@@ -154,9 +134,8 @@ class FusedDecodeExecutor(_FusedExecutor):
 
     name = "fused CPU decode"
 
-    def accepts(self, items: StepItems) -> bool:
-        return (sum(n for _, n in items) <= self.decoder.max_batch and _samples_every_row(items)
-                and all(_is_decode(r, n) for r, n in items))
+    def accepts(self, batch: StepBatch) -> bool:
+        return batch.num_tokens <= self.decoder.max_batch and batch.samples_every_seq and batch.all_decodes
 
 
 class FusedPrefillExecutor(_FusedExecutor):
@@ -169,13 +148,12 @@ class FusedPrefillExecutor(_FusedExecutor):
 
     name = "fused CPU prefill"
 
-    def accepts(self, items: StepItems) -> bool:
-        return (any(not _is_decode(r, n) for r, n in items)
-                and not any(r.wants_prompt_logprobs for r, _ in items))
+    def accepts(self, batch: StepBatch) -> bool:
+        return not batch.all_decodes and not batch.scores_prompt
 
 
-def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, items: StepItems) -> StepResult:
-    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(items)
+def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, batch: StepBatch) -> StepResult:
+    ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(batch)
     embeddings = runner.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
     logits = decoder.run(embeddings, tables, seq_lens, chunks if chunks.shape[0] else None,
                          rows if len(rows) != len(ids) else None)
@@ -189,26 +167,26 @@ class CudaGraphExecutor:
 
     def __init__(self, graphs: "DecodeGraphRunner") -> None:
         self.graphs = graphs
-        # The bucket ``accepts`` planned, for the step ``run`` is then given (the same list).
-        self._planned: tuple[StepItems, tuple[int, int]] | None = None
+        # The bucket ``accepts`` planned, for the step ``run`` is then given (the same batch).
+        self._planned: tuple[StepBatch, tuple[int, int]] | None = None
 
-    def accepts(self, items: StepItems) -> bool:
+    def accepts(self, batch: StepBatch) -> bool:
         self._planned = None
-        if not _samples_every_row(items):
+        if not batch.samples_every_seq:
             return False
-        bucket = self.graphs.plan(items)
+        bucket = self.graphs.plan(batch)
         if isinstance(bucket, str):
             self.graphs.stats.fallback(bucket)
             return False
-        self._planned = (items, bucket)
+        self._planned = (batch, bucket)
         return True
 
-    def run(self, items: StepItems) -> StepResult:
+    def run(self, batch: StepBatch) -> StepResult:
         planned, self._planned = self._planned, None
-        if planned is not None and planned[0] is items:
+        if planned is not None and planned[0] is batch:
             bucket = planned[1]
         else:  # called without accepts (tests, tools): plan it here
-            plan = self.graphs.plan(items)
+            plan = self.graphs.plan(batch)
             assert not isinstance(plan, str), plan
             bucket = plan
-        return self.graphs.execute(items, bucket)
+        return self.graphs.execute(batch, bucket)

@@ -206,6 +206,9 @@ def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
 def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
            lib: cpu_kernels.KernelLibrary, max_batch: int | None) -> FusedDecoder:
     cfg = model.config
+    refusal = model.native_step_refusal()
+    if refusal is not None:
+        raise Unsupported(refusal)
     k0 = kv_caches[0][0]
     if k0.device.type != "cpu" or k0.dtype not in cpu_kernels.KV_FORMAT:
         raise Unsupported(f"KV pool on {k0.device} in {k0.dtype}")

@@ -6,9 +6,12 @@ tracks (tokens, cache blocks, progress); ``RequestOutput`` is what goes back.
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
+
+import torch
 
 from ..model.sampler import Logprob
 
@@ -41,6 +44,17 @@ class SamplingParams:
     speculative: bool = True  # False: never decode this request speculatively
     # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
     structured: Any = None
+    # Text that ends the model's reasoning (e.g. "</think>"): the grammar applies only to
+    # the output after it, so a thinking model reasons freely and answers in the format.
+    structured_after: str | None = None
+    # Token rules applied to the logits before sampling (model/sampler.py):
+    # token id -> value added to its logit (OpenAI's ``logit_bias``, in [-100, 100]);
+    logit_bias: dict[int, float] | None = None
+    # only these tokens may be sampled (vLLM's ``allowed_token_ids``);
+    allowed_token_ids: list[int] | None = None
+    # token sequences never to complete (vLLM's ``bad_words``, tokenized): the last token
+    # of each is banned wherever the output already ends with the ones before it.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,10 +91,46 @@ class SamplingParams:
             raise ValueError("structured must be a GrammarSpec (tokenmill.GrammarSpec)")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        for token, value in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias: token id {token!r} is not a non-negative integer")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: the bias of token {token} is {value}, outside [-100, 100]")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids: must not be empty")
+        if any(t < 0 for t in self.allowed_token_ids or []):
+            raise ValueError("allowed_token_ids: token ids must be non-negative")
+        if any(not word or min(word) < 0 for word in self.bad_words_token_ids or []):
+            raise ValueError("bad_words: each word must tokenize to at least one valid token")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @functools.cached_property
+    def allowed_ids(self) -> torch.Tensor:
+        """``allowed_token_ids`` as a tensor, built once (the sampler uses it every step)."""
+        return torch.tensor(sorted(set(self.allowed_token_ids or ())), dtype=torch.long)
+
+    @functools.cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logit_bias`` as (token ids, values) tensors, built once."""
+        bias = self.logit_bias or {}
+        return (torch.tensor(list(bias), dtype=torch.long), torch.tensor(list(bias.values()), dtype=torch.float32))
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must apply logit_bias / allowed_token_ids / bad_words."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError for a token rule naming an id outside the vocabulary."""
+        named = [("logit_bias", t) for t in self.logit_bias or {}]
+        named += [("allowed_token_ids", t) for t in self.allowed_token_ids or []]
+        named += [("bad_words", t) for word in self.bad_words_token_ids or [] for t in word]
+        bad = next(((name, t) for name, t in named if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{bad[0]}: token id {bad[1]} is out of range [0, {vocab_size})")
 
     @property
     def needs_penalties(self) -> bool:
@@ -89,6 +139,28 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request stands among others when the scheduler is not FCFS
+    (engine/fairness.py): its tenant, the tenant's priority class (0 first) and
+    fair-share weight, and the request's own ``priority`` (vLLM's, lower first)
+    within them. FCFS ignores it."""
+
+    tenant: str = "default"
+    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    weight: float = 1.0
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"a tenant's weight must be positive, got {self.weight}")
+        if self.priority_class < 0:
+            raise ValueError(f"priority class must be non-negative, got {self.priority_class}")
+
+
+DEFAULT_PLACEMENT = Placement()
 
 
 class RequestStatus(enum.Enum):
@@ -107,6 +179,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     eos_token_ids: frozenset[int] = frozenset()
     max_tokens: int = 16  # resolved against the context length
+    placement: Placement = DEFAULT_PLACEMENT
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -133,6 +206,8 @@ class Request:
     spec_backoff_until: int = 0
     # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
     grammar: Any = None
+    # The grammar while the reasoning runs (params.structured_after not yet seen); then ``grammar``.
+    pending_grammar: Any = None
     # With params.prompt_logprobs: entry j scores prompt token j given tokens [0, j);
     # entry 0 is None (nothing precedes the first token). Filled chunk by chunk.
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)
@@ -181,24 +256,6 @@ class Request:
         if start + count > len(tokens):
             tokens = tokens + self.spec_token_ids
         return tokens[start : start + count]
-
-
-def one_token_step(items: Sequence[tuple[Request, int]]) -> tuple[list[int], list[int], list[int], list[Request]]:
-    """Inputs of a step in which every item computes one token (decodes, and 1-token
-    prefill chunks): each item's token id and position, and the rows that sample with
-    their requests (a 1-token chunk short of its prompt's end samples nothing)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    rows: list[int] = []
-    sampled: list[Request] = []
-    for row, (request, _) in enumerate(items):
-        position = request.num_computed_tokens
-        ids.append(request.token_at(position))
-        positions.append(position)
-        if position + 1 == request.num_tokens and request.samples:
-            rows.append(row)
-            sampled.append(request)
-    return ids, positions, rows, sampled
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""Builds the flattened batch for one step and runs it on the step's executor.
+"""Runs one step's batch on the step's executor; flattens it for the eager forward.
 
 The runner owns the KV pool tensors (allocated once, from a memory budget; on
 CPU one allocation on huge pages, see host_memory.py), the engine's attention
 backend and its step executors, all chosen once here from the engine's
-``Kernels`` (``executors.py``). ``prepare`` turns a scheduled batch into: token
-ids, positions, the step layout (a slot for each new token's K/V, padded block
-tables, lengths) prepared by the attention backend, and the row of each
-sequence whose logits are sampled. Prefill chunks and decodes go through one
-forward pass.
+``Kernels`` (``executors.py``). ``execute`` takes the step's ``StepBatch``
+(``step_batch.py``: which rows sample is decided there) and gives it to the
+first executor that accepts it. ``prepare`` adapts the batch to the eager
+forward: token ids, positions, the step layout (a slot for each new token's
+K/V, block tables padded with 0, lengths) prepared by the attention backend,
+and the rows whose logits are sampled. Prefill chunks and decodes go through
+one forward pass.
 
 On CUDA, pure-decode steps replay captured CUDA graphs (``cuda_graphs.py``);
 the pool then holds one extra block, past the ids the block pool hands out,
@@ -15,6 +17,7 @@ that padded graph rows write into.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +32,9 @@ from .executors import (CudaGraphExecutor, EagerExecutor, FusedDecodeExecutor, F
                         StepExecutor, StepItems, StepResult)
 from .host_memory import kv_pool_tensors
 from .request import Request
+from .step_batch import StepBatch
+
+log = logging.getLogger("tokenmill.runner")
 
 
 def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -76,10 +82,15 @@ class ModelRunner:
         options = kernels.options
         model.use_ops(kernels.ops)
         graphs_backend = None
+        masks = model.attention_masks()  # sliding windows, soft-capping: not in the kernels or the graphs
         # Mixture-of-experts routing sizes each expert's rows from the data: nothing to record.
-        if not eager_only and kv_dtype == dtype and not cfg.num_experts and not kernel_attention_fits(device, dtype, cfg.head_dim,
+        if not eager_only and kv_dtype == dtype and not cfg.num_experts and not kernel_attention_fits(
+                device, dtype, cfg.head_dim,
                                                                               kernels.library):
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
+            if graphs_backend is not None and masks:
+                log.info("CUDA graphs off: the captured decode step has no %s", masks)
+                graphs_backend = None
         # With graphs: one scratch block past the pool's ids, for padded rows' K/V writes.
         self.scratch_block: int | None = num_blocks if graphs_backend is not None else None
         self.pool_blocks = num_blocks + (1 if graphs_backend is not None else 0)  # blocks in the KV tensors
@@ -90,7 +101,7 @@ class ModelRunner:
             else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,
-                                                  kv_dtype=kv_dtype)
+                                                  kv_dtype=kv_dtype, masked=masks is not None)
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
                                                      graphs_backend, self.attention, options.cuda_graph_max_batch)
                        if graphs_backend is not None else None)
@@ -114,72 +125,57 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
-    def prepare(self, items: list[tuple[Request, int]]) -> StepInputs:
-        # Decodes (one new token) first: the attention kernel batches them.
-        items = sorted(items, key=lambda item: item[1] != 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Request] = []
-        prompt_rows: list[prompt_logprobs.PromptRows] = []
+    def prepare(self, step: StepBatch | StepItems) -> StepInputs:
+        """The step flattened for the model's forward, decodes first (the attention kernel
+        batches them); block tables padded with 0."""
+        batch = StepBatch.of(step).decodes_first()
         bs = self.block_size
-        for request, num_new in items:
-            start = request.num_computed_tokens
-            end = start + num_new
-            plan = prompt_logprobs.plan_rows(request, start, end, len(ids))
+        slots: list[int] = []
+        prompt_rows: list[prompt_logprobs.PromptRows] = []
+        first = 0
+        for seq in batch.seqs:
+            plan = prompt_logprobs.plan_rows(seq.request, seq.start, seq.end, first)
             if plan is not None:
                 prompt_rows.append(plan)
-            ids.extend(request.step_token_ids(start, num_new))
-            positions.extend(range(start, end))
-            table = request.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_lens.append(num_new)
-            if request.spec_token_ids:  # a speculative verify: every row's logits are checked
-                logits_rows.extend(range(len(ids) - num_new, len(ids)))
-                sampled.extend([request] * num_new)
-            elif end == request.num_tokens and request.samples:  # the chunk reaches the end: sample
-                logits_rows.append(len(ids) - 1)
-                sampled.append(request)
-        num_decodes = sum(1 for q in query_lens if q == 1)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(seq.start, seq.end))
+            first += seq.num_new
         # A 1-token prefill chunk is treated as a decode: same math.
-        max_blocks = max(len(r.block_table) for r, _ in items)
-        tables = torch.tensor([r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in items],
+        max_blocks = max(len(seq.block_table) for seq in batch.seqs)
+        tables = torch.tensor([seq.block_table + (0,) * (max_blocks - len(seq.block_table)) for seq in batch.seqs],
                               dtype=torch.long)
         dev = self.device
         layout = StepLayout(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             block_tables=tables.to(dev),
-            seq_lens=seq_lens,
-            query_lens=query_lens,
-            num_decodes=num_decodes,
+            seq_lens=[seq.end for seq in batch.seqs],
+            query_lens=[seq.num_new for seq in batch.seqs],
+            num_decodes=batch.num_single,
             block_size=bs,
         )
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=torch.tensor(batch.token_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(batch.positions, dtype=torch.long, device=dev),
             attn=self.attention.prepare(layout),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            sampled=sampled,
+            logits_rows=torch.tensor(batch.logits_rows, dtype=torch.long, device=dev),
+            sampled=batch.sampled_requests,
             prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
-    def execute(self, items: StepItems) -> StepResult:
+    def execute(self, step: StepBatch | StepItems) -> StepResult:
         """Run one step on the first executor that accepts it; return float32 logits of the
         sampled rows and their requests. Requests that asked for prompt logprobs get this
         step's appended to ``Request.prompt_logprobs`` (the eager executor's job)."""
+        batch = StepBatch.of(step)
         for executor in self.executors:
-            if executor.accepts(items):
-                return executor.run(items)
+            if executor.accepts(batch):
+                return executor.run(batch)
         raise AssertionError("the eager executor accepts every step")
 
     @torch.inference_mode()
-    def run_eager(self, items: StepItems) -> StepResult:
-        inputs = self.prepare(items)
+    def run_eager(self, step: StepBatch | StepItems) -> StepResult:
+        inputs = self.prepare(step)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         for request, entries in prompt_logprobs.compute(self.model, hidden, inputs.prompt_rows):
             request.prompt_logprobs.extend(entries)

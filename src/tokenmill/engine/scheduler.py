@@ -2,12 +2,13 @@
 
 One token budget per step (``max_num_batched_tokens``) serves decodes and
 prefill chunks alike. Running decodes are served first; then waiting requests
-join in FCFS order as the batching policy allows (matching their cached
+join in FCFS order (or the order of ``--scheduling-policy``: engine/fairness.py)
+as the batching policy allows (matching their cached
 prefix); then prefill chunks share what is left of the budget: requests that
 joined in the last few steps go shortest remaining prompt first, so one that
 is mostly a cache hit is not stuck behind a long prompt's chunks, and older
 ones go first in admission order, so nobody starves. When the pool runs out, the newest running
-request is preempted by recompute: its blocks go back (full ones stay in the
+request (or the queue order's victim) is preempted by recompute: its blocks go back (full ones stay in the
 prefix cache, so recompute is often a cache hit) and it re-enters the queue
 at the front. A step that preempted admits nobody new (no thrash).
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from .batching import BatchingPolicy, make_policy
 from .block_pool import BlockPool
+from .fairness import QueueOrder, make_queue_order
 from .prefix_cache import PrefixCache
 from .request import Request, RequestStatus
 
@@ -73,6 +75,8 @@ class Scheduler:
         self.pool = pool
         self.prefix_cache = prefix_cache
         self.policy = policy or make_policy(config.batching, config.max_num_seqs, config.dynamic_window_s)
+        # None: FCFS; else the waiting queue's order and the preemption victim (fairness.py)
+        self.order: QueueOrder | None = make_queue_order(config.scheduling_policy, config.starvation_bound_s)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -95,6 +99,8 @@ class Scheduler:
             )
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if self.order is not None:
+            self.order.arrived(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -110,6 +116,8 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
+        if self.order is not None:
+            self.order.left(request)
 
     def _release(self, request: Request) -> None:
         self.pool.release(request.block_table)
@@ -150,6 +158,9 @@ class Scheduler:
         blocks = self.prefix_cache.match(request.all_token_ids, max_blocks)
         for block in blocks:
             self.pool.acquire(block)
+        # blocks further along the prompt that the cache moved to its disk tier come back
+        # into fresh pool blocks (the request's own) instead of being recomputed
+        blocks += self.prefix_cache.restore(request.all_token_ids, len(blocks), max_blocks, self.pool)
         request.block_table = list(blocks)
         request.num_cached_blocks = len(blocks)
         request.num_computed_tokens = len(blocks) * self.block_size
@@ -313,12 +324,15 @@ class Scheduler:
         # 2. Waiting requests join, FCFS, in a step that preempted nobody. They walk
         #    the prefix cache now, so step 3 knows what is left of their prompts.
         admitted: list[Request] = []
+        if self.order is not None and not batch.preempted:
+            self._make_room(batch)
         if not batch.preempted:
             self.policy.begin_step(self.running, self.waiting, now)
             admit_budget = self._budget  # what admitted requests' first chunks will take
             prefilling = self._prefilling([])
             while self.waiting and admit_budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
+                request = self.waiting[0] if self.order is None else self.order.next_to_admit(self.waiting, now)
+                assert request is not None
                 if not self.policy.may_admit(request):
                     break
                 self._match_prefix(request)
@@ -326,7 +340,7 @@ class Scheduler:
                 if self._blocks_short(request, request.num_computed_tokens + first_chunk) > self.pool.num_available:
                     self._release(request)  # give back the prefix hit while it waits
                     break
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 request.admitted_step = self._step
                 self.running.append(request)
@@ -410,23 +424,63 @@ class Scheduler:
         when the pool is short, preempt the newest running requests until it fits
         (or until it is itself the newest and goes back to the queue)."""
         while not self._grow(request, request.num_computed_tokens + num_new):
-            victim = self.running.pop()
-            for i, (scheduled, n) in enumerate(batch.items):
-                if scheduled is victim:  # already given tokens this step: take them back
-                    del batch.items[i]
-                    self._budget += n
-                    break
-            if victim.first_scheduled_time is None and victim.num_computed_tokens == victim.num_cached_blocks * self.block_size:
-                self._send_back(victim)  # admitted this step, nothing computed: not a preemption
+            if self.order is None:
+                victim = self.running.pop()
             else:
-                self._preempt(victim)
-                batch.preempted.append(victim)
+                victim = self.order.victim(self._preemptible(), self._now)
+                self.running.remove(victim)
+            self._evict(batch, victim)
             if victim is request:
                 return
         batch.items.append((request, num_new))
         self._budget -= num_new
         if request.first_scheduled_time is None:
             self._started(request)
+
+    def _evict(self, batch: ScheduledBatch, victim: Request) -> None:
+        """``victim`` (already out of ``running``) goes back to the queue; tokens it was
+        given this step are taken back."""
+        for i, (scheduled, n) in enumerate(batch.items):
+            if scheduled is victim:  # already given tokens this step: take them back
+                del batch.items[i]
+                self._budget += n
+                break
+        if victim.first_scheduled_time is None and victim.num_computed_tokens == victim.num_cached_blocks * self.block_size:
+            self._send_back(victim)  # admitted this step, nothing computed: not a preemption
+        else:
+            self._preempt(victim)
+            batch.preempted.append(victim)
+
+    def _preemptible(self) -> list[Request]:
+        """Running requests (admission order) whose preemption cannot take back a block
+        another request relies on: the newest, and any whose blocks still to be computed
+        (which a waiter may have taken in this step) no other running request holds."""
+        held: dict[int, int] = {}
+        for r in self.running:
+            for block in r.block_table:
+                held[block] = held.get(block, 0) + 1
+        newest = self.running[-1]
+        return [r for r in self.running if r is newest or all(
+            held[b] == 1 for b in r.block_table[r.num_computed_tokens // self.block_size:])]
+
+    def _make_room(self, batch: ScheduledBatch) -> None:
+        """A waiting request of a better class than someone running, with no room to join
+        (no sequence slot, or not the blocks of its first chunk): preempt one running
+        request of a worse class. It joins in the next step (a step that preempted
+        admits nobody)."""
+        assert self.order is not None
+        head = self.order.next_to_admit(self.waiting, self._now)
+        if head is None or not self.running:
+            return
+        first_chunk = min(head.num_tokens, max(1, self._budget))
+        if (len(self.running) < self.config.max_num_seqs
+                and -(-first_chunk // self.block_size) <= self.pool.num_available):
+            return
+        worse = [r for r in self._preemptible() if self.order.outranks(head, r, self._now)]
+        if worse:
+            victim = self.order.victim(worse, self._now)
+            self.running.remove(victim)
+            self._evict(batch, victim)
 
     def _send_back(self, request: Request) -> None:
         """Undo an admission that could not get blocks: back to the queue's front."""
@@ -436,6 +490,8 @@ class Scheduler:
 
     def after_step(self, batch: ScheduledBatch) -> None:
         """Advance progress and index newly full blocks in the prefix cache."""
+        if self.order is not None:
+            self.order.charge(batch.items)
         for request, num_new in batch.items:
             self.num_prompt_tokens_computed += max(0, min(num_new, request.num_prompt_tokens
                                                           - request.num_computed_tokens))

@@ -23,8 +23,9 @@ Acceptance keeps the output distribution exact: greedy rows accept a proposal
 while it equals the argmax; sampled rows accept proposal d with probability
 p(d) under the row's processed distribution (temperature, top-k, top-p,
 min-p) and otherwise draw from p with d removed, which is rejection sampling
-for a proposal that puts all its mass on d. Requests with penalties, pending
-``min_tokens``, logprobs, or ``speculative=False`` decode one token at a time.
+for a proposal that puts all its mass on d. Requests with penalties, token
+rules (logit_bias, allowed_token_ids, bad_words), pending ``min_tokens``,
+logprobs, or ``speculative=False`` decode one token at a time.
 
 Structured outputs: a constrained request's proposals are cut at the first
 token its grammar refuses (and before EOS), and each verify row has the
@@ -153,6 +154,7 @@ def eligible(request: Any) -> bool:
     """Whether this request may decode speculatively (see the module docstring)."""
     p = request.params
     return (getattr(p, "speculative", True) and not p.needs_penalties and p.logprobs is None
+            and not getattr(p, "has_token_rules", False)
             and len(request.output_token_ids) >= p.min_tokens)
 
 

@@ -27,6 +27,19 @@ class SpecSnapshot:
 
 
 @dataclass(frozen=True)
+class TierSnapshot:
+    """The prefix cache's disk tier (engine/kv_tier.py)."""
+
+    slots: int
+    used_slots: int
+    slot_bytes: int
+    stored_blocks: int
+    restored_blocks: int
+    restore_seconds: float
+    dropped_blocks: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     steps: int = 0
     num_running: int = 0
@@ -42,6 +55,7 @@ class EngineStats:
     preemptions_total: int = 0
     prompt_tokens_computed: int = 0
     spec: SpecSnapshot | None = field(default=None)
+    tier: TierSnapshot | None = field(default=None)
 
     @property
     def kv_usage(self) -> float:

@@ -77,11 +77,12 @@ class GrammarSpec:
                 schema = {} if schema else {"not": {}}
             if not isinstance(schema, dict):
                 raise ValueError("the JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(closed_schema(schema), defaults=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(ascii_schema(closed_schema(schema)),
+                                                                 defaults=_JSON_OPTIONS)
         if self.kind == "regex":
             if not isinstance(self.value, str):
                 raise ValueError("the regex must be a string")
-            return llguidance.LLMatcher.grammar_from_regex(self.value)
+            return llguidance.LLMatcher.grammar_from_regex(ascii_classes(self.value))
         if self.kind == "choice":
             choices = list(self.value or [])
             if not choices or not all(isinstance(c, str) for c in choices):
@@ -124,6 +125,70 @@ def closed_schema(schema: Any, depth: int = 0) -> Any:
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
             and "patternProperties" not in schema:
         out["additionalProperties"] = False
+    return out
+
+
+# Shorthand classes as vLLM's default engine and JSON Schema read them (ASCII);
+# llguidance's regex engine reads them as Unicode (``\d`` matching any script's digits).
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` (and their negations outside brackets)
+    spelled as ASCII classes. A negated shorthand inside brackets (``[\\D]``) has no
+    ASCII spelling there and is left as written."""
+    out: list[str] = []
+    depth = 0  # bracket nesting (regex-syntax allows nested classes)
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            cls = _ASCII_CLASSES.get(nxt.lower())
+            if cls is not None and nxt.islower():
+                out.append(cls if depth else f"[{cls}]")
+            elif cls is not None and not depth:
+                out.append(f"[^{cls}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[":
+            depth += 1
+            out.append(ch)
+            i += 1
+            if pattern.startswith("^", i):
+                out.append("^")
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is a literal
+                out.append("]")
+                i += 1
+            continue
+        if ch == "]" and depth:
+            depth -= 1
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def ascii_schema(schema: Any, depth: int = 0) -> Any:
+    """``schema`` with every ``pattern`` (and ``patternProperties`` key) through ``ascii_classes``."""
+    if depth > 64:
+        return schema
+    if isinstance(schema, list):
+        return [ascii_schema(s, depth + 1) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "pattern" and isinstance(value, str):
+            out[key] = ascii_classes(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {ascii_classes(k): ascii_schema(v, depth + 1) for k, v in value.items()}
+        elif key in ("enum", "const", "default", "examples"):
+            out[key] = value
+        else:
+            out[key] = ascii_schema(value, depth + 1)
     return out
 
 

@@ -2,13 +2,15 @@
 
 Routes: ``/v1/completions`` and ``/v1/chat/completions`` (openai_routes.py),
 ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
-``/reset_prefix_cache``. A plain ASGI middleware in front of everything
-checks the API key (before the body is even parsed, so a bad key is a 401
-whatever the body), refuses new work with 503 while draining after SIGTERM,
-and counts requests in flight so shutdown can wait for them. The key is
-either ``Authorization: Bearer KEY`` or the web console's session cookie
+``/reset_prefix_cache``. In front of everything, auth.py's middleware checks
+the API key on every route but a listed few (before the body is even parsed,
+so a bad key is a 401 whatever the body); the key is either
+``Authorization: Bearer KEY`` (or ``x-api-key: KEY``, as Anthropic's clients send
+it) or the web console's session cookie
 (console_auth.py; cookie-authenticated writes must come from the server's
-own origin). Starting, draining and stopping a process around the app is
+own origin). Behind it a plain ASGI middleware refuses new work with 503
+while draining after SIGTERM, and counts requests in flight so shutdown can
+wait for them. Starting, draining and stopping a process around the app is
 lifecycle.py's job.
 """
 from __future__ import annotations
@@ -24,25 +26,26 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ..engine.async_engine import AsyncEngine
 from ..metrics import CONTENT_TYPE
+from .auth import AuthMiddleware, route_path
 from .console_auth import ConsoleSessions
 from .errors import APIError, error_body, install_error_handlers
-from .openai_routes import encode, get_state, render_chat_async, router
+from .openai_routes import ChatRender, encode, get_state, render_chat_async, router
 from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                        TokenizeRequest, TokenizeResponse)
+from .request_fields import ignored_headers, judge_extra
 from .request_guard import BodyGuard, default_body_limit
-from .serving import ServerSettings, ServerState
+from .serving import ServerSettings, ServerState, model_not_found
+from .tenants import DEFAULT_TENANT_NAME, tenant_of
 
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/reset_prefix_cache")
-_ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")
+_ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
 
 
 class GateMiddleware:
-    """API key, drain refusal and in-flight count, before routing."""
+    """Drain refusal and in-flight count, before routing (the API key is auth.py's, in front of this)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, sessions: ConsoleSessions | None = None) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
         self.state = state
-        self.sessions = sessions if sessions is not None else ConsoleSessions(state.settings.api_key)
 
     async def _reject(self, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str] | None = None) -> None:
@@ -56,19 +59,7 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
-        if self.sessions.enabled and path.startswith(_PROTECTED):
-            verdict = self.sessions.check(scope)
-            if verdict == "unauthorized":
-                self.state.metrics.rejected.labels("auth").inc()
-                await self._reject(send, 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                                   "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-                return
-            if verdict == "cross_origin":
-                self.state.metrics.rejected.labels("auth").inc()
-                await self._reject(send, 403, "cross-origin request with the console's session cookie refused "
-                                   "(send 'Authorization: Bearer KEY')", "cross_origin")
-                return
+        path = route_path(scope)
         if self.state.draining and not path.startswith(_ALWAYS_OPEN):
             self.state.metrics.rejected.labels("draining").inc()
             await self._reject(send, 503, "the server is shutting down", "shutting_down", {"Retry-After": "5"})
@@ -97,6 +88,11 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     from .responses_api import router as responses_router
 
     app.include_router(responses_router)
+    from .anthropic_api import AnthropicErrors, router as messages_router
+    from .response_store import ResponseStore
+
+    app.state.response_store = ResponseStore(settings.responses_store_size)
+    app.include_router(messages_router)
     _misc_routes(app)
     # one session store for the gate and the console's login routes (console.py)
     app.state.console_sessions = sessions = ConsoleSessions(settings.api_key)
@@ -104,10 +100,14 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     app.add_middleware(BodyGuard, limit=lambda: state.settings.max_request_bytes or default_body_limit(
         state.max_model_len), timeout=lambda: state.settings.request_read_timeout_s,
         draining=lambda: state.draining, on_reject=lambda reason: state.metrics.rejected.labels(reason).inc())
-    app.add_middleware(GateMiddleware, state=state, sessions=sessions)
+    app.add_middleware(GateMiddleware, state=state)
+    # in front of every route: deny by default, judged on the route path (auth.py)
+    app.add_middleware(AuthMiddleware, sessions=sessions,
+                       on_reject=lambda: state.metrics.rejected.labels("auth").inc())
     from .request_id import RequestIdMiddleware
 
     app.add_middleware(RequestIdMiddleware)  # outermost: 401s and 503s carry the id too
+    app.add_middleware(AnthropicErrors)  # /v1/messages errors in Anthropic's shape, whoever raised them
     return app
 
 
@@ -125,9 +125,7 @@ def _misc_routes(app: FastAPI) -> None:
     async def get_model(model_id: str, request: Request) -> ModelCard:
         state = get_state(request)
         if model_id not in state.settings.served_model_names:
-            raise APIError(404, f"the model {model_id!r} does not exist (served: "
-                           f"{', '.join(state.settings.served_model_names)})", param="model",
-                           code="model_not_found")
+            raise model_not_found(model_id, state.settings.served_model_names)
         return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -149,25 +147,43 @@ def _misc_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors)
-    async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-        # ``model`` is not checked: one tokenizer per server, and a 404 here would
-        # make clients (the router, the load tester) conclude /tokenize is missing
+    @app.get("/v1/usage")
+    async def usage(request: Request) -> JSONResponse:
+        """Usage per tenant (tenant_usage.py): a keys-file tenant sees its own, the
+        default tenant (the operator's --api-key, or no key at all) every tenant's."""
         state = get_state(request)
+        tenant = tenant_of(request.scope)
+        only = None if tenant is None or tenant.name == DEFAULT_TENANT_NAME else tenant.name
+        return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
+
+    @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        state = get_state(request)
+        state.check_model(body.model)
+        headers = ignored_headers(judge_extra(body.model_extra, "tokenize"))
         if body.messages is not None:
-            text = await render_chat_async(state, body.messages, body.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            how = ChatRender(body.add_generation_prompt and not body.continue_final_message, tools,
+                             continue_final_message=body.continue_final_message,
+                             variables=dict(body.chat_template_kwargs or {}))
+            text = await render_chat_async(state, body.messages, how)
             ids = await encode(state, text, False)
         else:
             ids = await encode(state, body.prompt or "", body.add_special_tokens)
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        out = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+        if body.return_token_strs:
+            out.token_strs = [state.tokenizer.id_to_token(t) or "" for t in ids]
+        return JSONResponse(out.model_dump(exclude_none=True), headers=headers)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
-    async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         state = get_state(request)
+        state.check_model(body.model)
+        headers = ignored_headers(judge_extra(body.model_extra, "detokenize"))
         bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)}, headers=headers)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

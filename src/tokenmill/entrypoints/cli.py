@@ -18,7 +18,7 @@ import sys
 PROVIDERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tokenmill.entrypoints.serve_cli", ("serve",)),
     ("tokenmill.entrypoints.generate_cli", ("generate",)),
-    ("tokenmill.bench.cli", ("bench", "trace")),
+    ("tokenmill.bench.cli", ("bench", "trace", "usage")),
     ("tokenmill.router.cli", ("route",)),
     ("tokenmill.evaluate.cli", ("eval",)),
 )
@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    from ..model.support import UnsupportedModel
+
+    try:
+        return int(args.func(args) or 0)
+    except UnsupportedModel as exc:  # one line naming what is not supported and what is; no traceback
+        print(f"tokenmill {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser | None:

@@ -325,6 +325,8 @@ class ConsoleStats:
                 "hit_tokens_total": st.prefix_hit_tokens,
             },
             "preemptions_total": st.preemptions_total,
+            # why prompts missed reusable cache, most requests first (cache_misses.py)
+            "cache_misses": state.misses.summary() if state.misses is not None else [],
             "speculative": _speculative(st),
             "totals": {  # read from the /metrics registry itself
                 "prompt_tokens": int(counters["vllm:prompt_tokens_total"]),

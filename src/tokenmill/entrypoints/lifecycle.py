@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..engine.async_engine import AsyncEngine
+from ..engine.kv_event_publisher import KVEventsConfig, attach_kv_events
 from .app import add_cors, build_app
 from .heap import HeapTrimmer, bound_onednn_caches, trim_heap
 from .serve_config import engine_config_from_args, settings_from_args, tokenizer_from_args
@@ -103,7 +105,7 @@ def _log_startup(args: argparse.Namespace, settings: ServerSettings, config: Eng
     url = f"{'https' if ssl else 'http'}://{args.host}:{args.port}{getattr(args, 'root_path', '') or ''}"
     log.info("tokenmill serving model=%s (%s) dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens "
              "max_model_len=%d prefix_caching=%s url=%s", settings.served_model_names[0],
-             args.model or "bundled SmolLM2-135M-Instruct", config.dtype, config.quantization,
+             args.model or "bundled SmolLM2-135M-Instruct", engine.config.dtype, engine.config.quantization,
              human_bytes(engine.weight_bytes), engine.pool.num_blocks, engine.block_size, state.pool_tokens,
              engine.max_model_len, engine.prefix_cache is not None, url)
 
@@ -127,8 +129,10 @@ def run_server(args: argparse.Namespace) -> int:
     bound_onednn_caches()  # before the model makes its first primitive (entrypoints/heap.py)
     settings = settings_from_args(args)
     config = engine_config_from_args(args)
+    kv_events = KVEventsConfig.parse(getattr(args, "kv_events_config", None))  # before the model loads
     engine = _start_engine(args, config)
     aengine = AsyncEngine(engine)
+    publisher = attach_kv_events(aengine, kv_events) if kv_events is not None else None
     app = build_app(aengine, settings)
     # /v1/engine/stats always; the web console at GET / unless --no-ui (entrypoints/console.py)
     mount_console(app, ui=not getattr(args, "no_ui", False))
@@ -143,12 +147,16 @@ def run_server(args: argparse.Namespace) -> int:
     # what requests free every half minute (entrypoints/heap.py)
     trim_heap()
     trimmer = HeapTrimmer().start()
+    if settings.api_keys_file and hasattr(signal, "SIGHUP"):  # new keys and limits without a restart
+        signal.signal(signal.SIGHUP, lambda *_: state.tenants.reload())
     try:
         uv_server.run()
     finally:
         trimmer.stop()
         state.close()
         aengine.shutdown()
+        if publisher is not None:
+            publisher.close()
         engine.close()
     log.info("tokenmill stopped")
     if engine.parallel is not None and engine.parallel.failure is not None:

@@ -8,7 +8,9 @@ token ids to the engine.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
+from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
 from fastapi import APIRouter, Request
@@ -16,9 +18,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ..engine.request import SamplingParams
 from .errors import APIError
+from .reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
-from .serving import Job, ServerState
+from .request_fields import ignored_headers, judge_extra
+from .serving import Job, ServerState, session_of
+from .tenants import tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
@@ -40,12 +45,29 @@ def _seed(seed: int | None) -> int | None:
     return None if seed is None else seed % (1 << 63)
 
 
+def _token_ids(state: ServerState, ids: Any, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= int(t) < state.vocab_size), None)
+    if bad is not None:  # the sampler indexes the vocabulary with these
+        raise APIError(400, f"{param}: token id {bad} is out of range [0, {state.vocab_size})", param=param)
+
+
+def bad_words_ids(state: ServerState, words: list[str]) -> list[list[int]]:
+    """Each bad word as the token sequences it can appear as: on its own and after a
+    space (as vLLM bans them), each sequence once."""
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (word, " " + word.lstrip()):
+            ids = state.tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
+
+
 def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
                     logprobs: int | None, structured: Any = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    bad = next((t for t in body.stop_token_ids or [] if not 0 <= t < state.vocab_size), None)
-    if bad is not None:  # the sampler indexes the vocabulary with these
-        raise APIError(400, f"stop_token_ids: token id {bad} is out of range [0, {state.vocab_size})",
-                       param="stop_token_ids")
+    _token_ids(state, body.stop_token_ids or [], "stop_token_ids")
+    _token_ids(state, body.logit_bias or {}, "logit_bias")
+    _token_ids(state, body.allowed_token_ids or [], "allowed_token_ids")
 
     defaults = state.settings.sampling_defaults  # --generation-config; a request's own values win
 
@@ -62,7 +84,10 @@ def sampling_params(state: ServerState, body: _SamplingFields, max_tokens: int,
             stop=body.stop_list or None, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, speculative=body.speculative,
-            structured=structured)
+            structured=structured,
+            logit_bias={int(k): float(v) for k, v in body.logit_bias.items()} if body.logit_bias else None,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words_token_ids=bad_words_ids(state, body.bad_words) if body.bad_words else None)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
 
@@ -73,30 +98,98 @@ async def encode(state: ServerState, text: str, add_special_tokens: bool) -> lis
     return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def render_chat_async(state: ServerState, messages: list[Any], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+@dataclass
+class ChatRender:
+    """How a conversation becomes a prompt, beyond its messages."""
+
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    continue_final_message: bool = False
+    variables: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs, documents, reasoning_effort
+
+
+_RESERVED_VARIABLES = ("messages", "add_generation_prompt", "tools")
+_FINAL = "\x00tokenmill-final-message\x00"  # stands for the continued message while rendering
+
+
+async def render_chat_async(state: ServerState, messages: list[Any], how: ChatRender | None = None) -> str:
     """``render_chat``, in a worker thread when the conversation is long (Jinja over megabytes takes a while)."""
     if sum(len(m.text()) for m in messages) > _LONG_TEXT:
-        return await asyncio.to_thread(render_chat, state, messages, add_generation_prompt, tools)
-    return render_chat(state, messages, add_generation_prompt, tools)
+        return await asyncio.to_thread(render_chat, state, messages, how)
+    return render_chat(state, messages, how)
 
 
-def render_chat(state: ServerState, messages: list[Any], add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
+def _uses_tools(conv: list[dict[str, Any]], tools: Any) -> bool:
+    return bool(tools) or any(m.get("tool_calls") or m["role"] == "tool" for m in conv)
+
+
+def render_chat(state: ServerState, messages: list[Any], how: ChatRender | None = None) -> str:
+    """The prompt of a conversation. Tool conversations use the server's tools template
+    when the model's own cannot render them (chat_templates.py). With
+    ``continue_final_message`` the last message is rendered as a placeholder and the
+    prompt cut there, then its text appended, so the model continues it (an empty one too)."""
+    how = how or ChatRender()
     conv = [template_message(m) for m in messages]
-    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    bad = next((k for k in how.variables if k in _RESERVED_VARIABLES), None)
+    if bad is not None:
+        raise APIError(400, f"chat_template_kwargs: {bad!r} is set by the request itself, not a template variable",
+                       param="chat_template_kwargs")
+    extra: dict[str, Any] = dict(how.variables)
+    if how.tools:
+        extra["tools"] = how.tools
+    template = state.tools_template.source if state.tools_template and _uses_tools(conv, how.tools) else None
+    final = ""
+    if how.continue_final_message:
+        final = conv[-1].get("content") or ""
+        conv[-1] = {**conv[-1], "content": _FINAL}
     try:
-        return state.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, **extra)
+        prompt = state.tokenizer.apply_chat_template(conv, add_generation_prompt=how.add_generation_prompt,
+                                                     template=template, **extra)
     except Exception as exc:  # noqa: BLE001 - a template's raise_exception or a render error
         raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                        param="messages") from None
+    if how.continue_final_message:
+        at = prompt.rfind(_FINAL)
+        if at < 0:
+            raise APIError(400, "continue_final_message: this chat template does not write the final message's "
+                           "content, so it cannot be continued", param="continue_final_message")
+        prompt = prompt[:at] + final
+    return prompt
+
+
+def chat_render(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ChatRender:
+    variables = dict(body.chat_template_kwargs or {})
+    if body.documents is not None:
+        variables.setdefault("documents", body.documents)
+    if body.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", body.reasoning_effort)
+    return ChatRender(body.add_generation_prompt, tools, body.continue_final_message, variables)
+
+
+def template_ignores(state: ServerState, name: str) -> bool:
+    """Whether the chat template never reads the variable ``name`` (a field passed only to it does nothing)."""
+    sources = [state.tokenizer.chat_template] + ([state.tools_template.source] if state.tools_template else [])
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    return not any(word.search(source) for source in sources)
+
+
+def template_ignored(state: ServerState, body: ChatCompletionRequest) -> list[str]:
+    """Template variables the request sets that the chat template never reads (reported, not refused:
+    the request is valid, this model's template just has no use for them)."""
+    names = [f"chat_template_kwargs.{k}" for k in body.chat_template_kwargs or {} if template_ignores(state, k)]
+    if body.reasoning_effort is not None and template_ignores(state, "reasoning_effort"):
+        names.append("reasoning_effort")
+    if body.documents is not None and template_ignores(state, "documents"):
+        names.append("documents")
+    return names
 
 
 def _include_usage(body: _SamplingFields) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-async def _until_done_or_gone(request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+async def _until_done_or_gone(request: Request, work: Awaitable[dict[str, Any]],
+                              headers: dict[str, str] | None = None) -> Response:
     """Run a non-streaming request, aborting it if the client hangs up first."""
 
     async def gone() -> None:
@@ -116,7 +209,21 @@ async def _until_done_or_gone(request: Request, work: Awaitable[dict[str, Any]])
         await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
         return Response(status_code=499)
-    return JSONResponse(task.result())
+    return JSONResponse(task.result(), headers=headers)
+
+
+def _with_headers(response: Response, headers: dict[str, str]) -> Response:
+    response.headers.update(headers)
+    return response
+
+
+def _continuous_usage(body: _SamplingFields) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.continuous_usage_stats)
+
+
+def truncate_prompt(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: only the prompt's last ``keep`` tokens are used."""
+    return ids[-keep:] if keep is not None and len(ids) > keep else ids
 
 
 def _new_id(prefix: str) -> str:
@@ -127,6 +234,7 @@ def _new_id(prefix: str) -> str:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
+    headers = ignored_headers(judge_extra(body.model_extra, "completions"))
     request_id = _new_id("cmpl")
     grammar, grammar_param = grammar_spec(body)
     if grammar is not None:
@@ -143,6 +251,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         else:
             ids = list(prompt)
             text = None
+        if body.truncate_prompt_tokens is not None and len(ids) > body.truncate_prompt_tokens:
+            ids, text = truncate_prompt(ids, body.truncate_prompt_tokens), None
         state.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
         max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
@@ -150,17 +260,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
         params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
-        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text))
+        jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
-    state.reserve(jobs)
+    for job in jobs:
+        job.session = session_of(request.headers, body.user)
+    state.reserve(jobs, tenant_of(request.scope))
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
-                          prompt_logprobs=body.prompt_logprobs)
+                          prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body))
     if body.stream:
-        return SSEResponse(completion_stream(state, spec, jobs), state, jobs)
+        return _with_headers(SSEResponse(completion_stream(state, spec, jobs), state, jobs), headers)
     try:
-        return await _until_done_or_gone(request, completion_body(state, spec, jobs))
+        return await _until_done_or_gone(request, completion_body(state, spec, jobs), headers)
     finally:
         for job in jobs:
             state.release(job)
@@ -170,7 +282,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     """Tools, grammar, prompt and sampling parameters of a chat request (also the
     Responses API's, translated to chat): everything checked before the engine sees it."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings)
+    plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings, state.tool_parser_hint)
     grammar, grammar_param = grammar_spec(body)
     if plan is not None:
         for schema, param in tool_schemas(plan):
@@ -184,28 +296,33 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
         await check_grammar(state, grammar, grammar_param or "response_format")
     state.check_admissible(body.n)
     state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
-    prompt = await render_chat_async(state, body.messages, body.add_generation_prompt, tools)
-    ids = await encode(state, prompt, False)
+    prompt = await render_chat_async(state, body.messages, chat_render(body, tools))
+    ids = truncate_prompt(await encode(state, prompt, body.add_special_tokens), body.truncate_prompt_tokens)
     state.check_prompt_ids(ids)
     max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
-    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt), plan
+    params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
+    return Job(f"{request_id}-0", ids, params, "chat", prompt_text=prompt, priority=body.priority), plan
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
+    headers = ignored_headers(judge_extra(body.model_extra, "chat.completions") + template_ignored(state, body))
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
-    state.reserve([job])
+    job.session = session_of(request.headers, body.user)
+    state.reserve([job], tenant_of(request.scope))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
-                    prompt_logprobs=body.prompt_logprobs)
+                    prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
+                    legacy_functions=body.functions is not None,
+                    reasoning=get_reasoning_parser(state.settings.reasoning_parser))
     if body.stream:
-        return SSEResponse(chat_stream(state, spec, job), state, [job])
+        return _with_headers(SSEResponse(chat_stream(state, spec, job), state, [job]), headers)
     try:
-        return await _until_done_or_gone(request, chat_body(state, spec, job))
+        return await _until_done_or_gone(request, chat_body(state, spec, job), headers)
     finally:
         state.release(job)

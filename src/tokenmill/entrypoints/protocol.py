@@ -4,8 +4,9 @@ Why pydantic here and nowhere else: this is where untrusted JSON becomes
 typed values. Every bound a client could abuse (negative counts, absurd
 sizes, out-of-range probabilities) is declared in the model, so it shows up
 in the OpenAPI schema (the fuzz test generates bodies from it) and fails as a
-400 before anything reaches the engine. Unknown fields are ignored, as the
-OpenAI SDKs send fields we do not use.
+400 before anything reaches the engine. A request body keeps the fields it does
+not declare (``model_extra``): request_fields.py refuses the ones of OpenAI's
+or vLLM's APIs this server cannot honour and reports the rest as ignored.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ MAX_LOGPROBS = 20
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
+MAX_TOKEN_RULES = 1 << 16  # logit_bias entries / allowed_token_ids per request
+MAX_BAD_WORDS = 256
 MAX_TOKENS_LIMIT = 1 << 20  # beyond any context length; the real bound is checked per model
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -52,12 +55,18 @@ class _Model(BaseModel):
         return data
 
 
+class _RequestBody(_Model):
+    """A whole request body: undeclared fields are kept for request_fields.py to judge."""
+
+    model_config = ConfigDict(extra="allow")
+
+
 class StreamOptions(_Model):
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(_RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -89,6 +98,33 @@ class _SamplingFields(_Model):
     structured_outputs: dict[str, Any] | None = None
     # vLLM's extra field: logprobs of the prompt's own tokens, this many alternatives each.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # token rules (model/sampler.py): ids are checked against the vocabulary per model
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_RULES)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_RULES)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)  # keep the prompt's last k
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    @model_validator(mode="after")
+    def _check_token_rules(self) -> "_SamplingFields":
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias: key {key!r} is not a token id (an integer)") from None
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias: the bias of token {key} is {value}, outside [-100, 100]")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: {self.best_of} with n={self.n} is not supported (generating extra "
+                             "completions to keep the likeliest needs beam-like ranking this server does not "
+                             "do, as vLLM's current engine does not); send n and rank the choices with logprobs")
+        if any(not w for w in self.bad_words or []):
+            raise ValueError("bad_words: words must not be empty")
+        return self
+
+    # vLLM's extra field: order within the caller's tenant and class under the priority and
+    # fair scheduling policies (lower first); FCFS ignores it.
+    priority: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
 
     @model_validator(mode="after")
     def _check_stop(self) -> "_SamplingFields":
@@ -154,6 +190,26 @@ class TextPart(_Model):
     text: str
 
 
+_MEDIA_PARTS = {"image_url": "images", "input_image": "images", "image": "images", "input_audio": "audio",
+                "audio_url": "audio", "video_url": "video", "file": "files", "input_file": "files"}
+
+
+def _content_parts(content: Any) -> Any:
+    """Text parts pass; a media part is a clear refusal (this server runs text models)."""
+    if not isinstance(content, list):
+        return content
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            continue  # the part's own validation says what is wrong
+        if kind in _MEDIA_PARTS:
+            raise ValueError(f"messages: content part {i} is of type {kind!r}, but this model does not accept "
+                             f"{_MEDIA_PARTS[kind]} (it reads text only); send text parts")
+        if kind != "text":
+            raise ValueError(f"messages: content part {i} has type {kind!r}; this server accepts 'text' parts")
+    return content
+
+
 class ToolCallFunction(_Model):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -166,11 +222,30 @@ class AssistantToolCall(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = Field(None, max_length=256)
     tool_call_id: str | None = None
+    function_call: ToolCallFunction | None = None  # the legacy functions API's assistant call
+
+    @model_validator(mode="before")
+    @classmethod
+    def _media(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _content_parts(data.get("content"))
+        return data
+
+    @model_validator(mode="after")
+    def _legacy(self) -> "ChatMessage":
+        """Legacy function calling as tool calling: an assistant ``function_call`` is a tool
+        call whose id is its name, a ``function`` message the tool result answering it."""
+        if self.function_call is not None and not self.tool_calls:
+            self.tool_calls = [AssistantToolCall(id=self.function_call.name, function=self.function_call)]
+        if self.role == "function":
+            self.role = "tool"
+            self.tool_call_id = self.tool_call_id or self.name
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -192,6 +267,9 @@ class ChatTool(_Model):
     function: FunctionDefinition
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
@@ -199,14 +277,38 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is left open and continued
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the template
+    documents: list[dict[str, Any]] | None = Field(None, max_length=256)  # RAG templates' ``documents``
+    reasoning_effort: ReasoningEffort | None = None  # passed to templates that read it
     tools: list[ChatTool] | None = Field(None, max_length=512)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    # the legacy function-calling API: mapped to tools / tool_choice, answered in its own shape
+    functions: list[FunctionDefinition] | None = Field(None, max_length=512)
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.continue_final_message:
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message: cannot be combined with add_generation_prompt true "
+                                 "(one continues the last message, the other opens a new one)")
+            self.add_generation_prompt = False
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message: the last message must be the assistant's, to continue")
+        if self.functions is not None or self.function_call is not None:
+            if self.tools is not None or self.tool_choice is not None:
+                raise ValueError("functions: give either the legacy functions/function_call or tools/tool_choice")
+            if self.functions:
+                self.tools = [ChatTool(type="function", function=f) for f in self.functions]
+            choice = self.function_call
+            if isinstance(choice, dict):
+                choice = {"type": "function", "function": {"name": choice.get("name")}}
+            self.tool_choice = choice
         called = False
         for m in self.messages:
             if m.role == "assistant" and m.tool_calls:
@@ -221,12 +323,16 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Model):
+class TokenizeRequest(_RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=512)  # rendered as a chat request's would be
+    return_token_strs: bool = False  # each token's vocabulary spelling beside its id
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
@@ -235,7 +341,7 @@ class TokenizeRequest(_Model):
         return self
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_RequestBody):
     model: str | None = None
     tokens: list[int] = Field(..., max_length=1 << 20)
 
@@ -318,6 +424,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the thinking before the answer
 
 
 class ChatChoice(BaseModel):
@@ -356,6 +463,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: the Responses API, stateless (as vLLM and llama.cpp serve it).
+"""``/v1/responses``: the Responses API, with stored responses to continue from.
 
 A request is translated into a chat completion (``input`` items -> messages,
 ``instructions`` -> a leading system message, flat function tools -> chat
@@ -7,8 +7,14 @@ tools, ``text.format`` -> ``response_format``, ``max_output_tokens`` ->
 ``/v1/chat/completions`` (templates, tools, grammars, limits); only the
 output shape differs: a list of ``message`` and ``function_call`` items, and
 while streaming, the typed events the SDKs accumulate (``response.created``
-... ``response.output_text.delta`` ... ``response.completed``). Nothing is
-stored: ``previous_response_id`` is refused, the client sends the history.
+... ``response.output_text.delta`` ... ``response.completed``).
+
+State (response_store.py): a response is stored unless the request says
+``store: false``; ``previous_response_id`` continues a stored one (its
+conversation, then the new input, so the prompt extends the previous prompt
+and answer and hits the prefix cache); ``GET`` and ``DELETE
+/v1/responses/{id}`` read and remove one; an id not in the store is a 404.
+With ``--reasoning-parser`` the thinking comes first as a ``reasoning`` item.
 """
 from __future__ import annotations
 
@@ -16,23 +22,27 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, get_args
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from .errors import APIError
 from .openai_routes import _ERRORS, _until_done_or_gone, get_state, prepare_chat
-from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
+from .protocol import MAX_TOKENS_LIMIT, ChatCompletionRequest, ReasoningEffort, _RequestBody
+from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
+from .request_fields import ignored_headers, judge_extra
+from .response_store import ResponseStore, StoredResponse
 from .serving import Job, ServerState
+from .tenants import tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 
 router = APIRouter()
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]] = Field(..., description="text, or a list of input items")
     instructions: str | None = None
@@ -49,6 +59,7 @@ class ResponsesRequest(_Model):
     metadata: dict[str, Any] | None = None
     user: str | None = Field(None, max_length=256)
     seed: int | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ...}: passed to templates that read it
 
 
 def _new_id(prefix: str) -> str:
@@ -67,6 +78,10 @@ def _part_text(content: Any, where: str) -> str:
             texts.append(str(part.get("text", "")))
         elif kind == "refusal":
             texts.append(str(part.get("refusal", "")))
+        elif kind in ("input_image", "input_audio", "input_file"):
+            raise APIError(400, f"{where}: a {kind!r} part, but this model does not accept "
+                           f"{'images' if kind == 'input_image' else 'audio' if kind == 'input_audio' else 'files'} "
+                           "(it reads text only); send text parts", param="input")
         else:
             raise APIError(400, f"{where}: content part type {kind!r} is not supported (text only)", param="input")
     return "".join(texts)
@@ -74,9 +89,13 @@ def _part_text(content: Any, where: str) -> str:
 
 def to_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     """``instructions`` and ``input`` as chat messages (tool calls and results included)."""
+    lead = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return lead + input_messages(body)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as chat messages."""
     messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         messages.append({"role": "user", "content": body.input})
         return messages
@@ -129,16 +148,24 @@ def _chat_tool_choice(choice: Any) -> Any:
     return choice
 
 
-def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    if body.previous_response_id:
-        raise APIError(400, "previous_response_id: this server keeps no responses; send the whole "
-                       "conversation in input", param="previous_response_id")
+def to_chat(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The request as a chat completion; ``history``: the stored conversation it continues."""
+    messages = to_messages(body)
+    if history:
+        lead = 1 if body.instructions else 0
+        messages = messages[:lead] + history + messages[lead:]
     fields: dict[str, Any] = {
-        "model": body.model, "messages": to_messages(body), "max_completion_tokens": body.max_output_tokens,
+        "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "tools": _chat_tools(body.tools),
         "tool_choice": _chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
         "stream": body.stream, "seed": body.seed,
     }
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        if effort not in get_args(ReasoningEffort):
+            raise APIError(400, f"reasoning.effort: {effort!r} is not one of {', '.join(get_args(ReasoningEffort))}",
+                           param="reasoning")
+        fields["reasoning_effort"] = effort
     fmt = (body.text or {}).get("format")
     if fmt is not None:
         fields["response_format"] = fmt
@@ -163,14 +190,38 @@ class _Spec:
     body: ResponsesRequest
     plan: ToolPlan | None
     created: int = field(default_factory=lambda: int(time.time()))
+    store: ResponseStore | None = None  # where the finished response goes (None: not stored)
+    history: list[dict[str, Any]] = field(default_factory=list)  # the conversation before this input
+    reasoning: ReasoningParser | None = None
+    prompt_text: str | None = None
+    count_tokens: Any = None  # text -> token count (reasoning_tokens)
+
+    def keep(self, response: dict[str, Any]) -> None:
+        """Store the finished response with its conversation (this input and answer appended)."""
+        if self.store is None:
+            return
+        answer: dict[str, Any] = {"role": "assistant", "content": None}
+        calls = []
+        for item in response["output"]:
+            if item["type"] == "message":
+                answer["content"] = "".join(part["text"] for part in item["content"])
+            elif item["type"] == "function_call":
+                calls.append({"id": item["call_id"], "type": "function",
+                              "function": {"name": item["name"], "arguments": item["arguments"]}})
+        if calls:
+            answer["tool_calls"] = calls
+        elif answer["content"] is None:
+            answer["content"] = ""
+        self.store.put(self.response_id, StoredResponse(response, self.history + input_messages(self.body) + [answer]))
 
 
-def _usage(tally: _Tally) -> dict[str, Any]:
+def _usage(tally: _Tally, spec: _Spec | None = None, reasoning: str | None = None) -> dict[str, Any]:
     u = tally.usage()
+    thought = spec.count_tokens(reasoning) if reasoning and spec is not None and spec.count_tokens else 0
     return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
             "total_tokens": u["total_tokens"],
             "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+            "output_tokens_details": {"reasoning_tokens": min(thought, u["completion_tokens"])}}
 
 
 def _response(spec: _Spec, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
@@ -181,8 +232,8 @@ def _response(spec: _Spec, status: str, output: list[dict[str, Any]], usage: dic
         "id": spec.response_id, "object": "response", "created_at": spec.created, "status": status,
         "error": None, "incomplete_details": incomplete, "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens, "model": spec.model, "output": output,
-        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": None, "reasoning": None,
-        "store": False, "temperature": 1.0 if body.temperature is None else body.temperature,
+        "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+        "reasoning": None, "store": spec.store is not None, "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": body.text or {"format": {"type": "text"}},
         "tool_choice": body.tool_choice or ("auto" if body.tools else "none"), "tools": body.tools or [],
         "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled", "usage": usage,
@@ -195,12 +246,22 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
 
 
 def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def _item_status(finish: str | None) -> str:
+    """A message item cut by max_output_tokens is as incomplete as the response."""
     return "incomplete" if finish == "length" else "completed"
 
 
@@ -216,13 +277,20 @@ async def _body(state: ServerState, spec: _Spec, job: Job) -> dict[str, Any]:
                 finish = d.finish_reason
     finally:
         await merged.aclose()  # type: ignore[attr-defined]
+    thought = None
+    if spec.reasoning is not None:
+        thought, text = split_reasoning(spec.reasoning, text, spec.prompt_text)
     content, calls = extract(spec.plan, text) if spec.plan is not None else (text, [])
     output: list[dict[str, Any]] = []
+    if thought is not None:
+        output.append(_reasoning_item(_new_id("rs"), thought))
     if content or not calls:
-        output.append(_message_item(_new_id("msg"), content or ""))
+        output.append(_message_item(_new_id("msg"), content or "", _item_status(finish)))
     for call in calls:
         output.append(_call_item(_new_id("fc"), new_call_id(), call.name, call.arguments))
-    return _response(spec, _status(finish), output, _usage(tally))
+    response = _response(spec, _status(finish), output, _usage(tally, spec, thought))
+    spec.keep(response)
+    return response
 
 
 def _event(kind: str, seq: int, **payload: Any) -> bytes:
@@ -236,6 +304,9 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
     output: list[dict[str, Any]] = []  # finished items, in output order
     open_msg: dict[str, Any] | None = None  # {"id", "index", "text"}
     open_call: dict[str, Any] | None = None  # {"id", "index", "call_id", "name", "arguments"}
+    finish: str | None = None  # the engine's finish reason, once known
+    open_thought: dict[str, Any] | None = None  # {"id", "index", "text"}
+    thought_total: str | None = None
 
     def ev(kind: str, **payload: Any) -> bytes:
         nonlocal seq
@@ -248,13 +319,38 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
             return []
         m, open_msg = open_msg, None
         part = {"type": "output_text", "text": m["text"], "annotations": [], "logprobs": []}
-        item = _message_item(m["id"], m["text"])
+        item = _message_item(m["id"], m["text"], _item_status(finish))
         output.append(item)
         return [ev("response.output_text.done", item_id=m["id"], output_index=m["index"], content_index=0,
                    text=m["text"], logprobs=[]),
                 ev("response.content_part.done", item_id=m["id"], output_index=m["index"], content_index=0,
                    part=part),
                 ev("response.output_item.done", output_index=m["index"], item=item)]
+
+    def thought_delta(text: str) -> list[bytes]:
+        nonlocal open_thought, thought_total
+        out: list[bytes] = []
+        if open_thought is None:
+            open_thought = {"id": _new_id("rs"), "index": len(output), "text": ""}
+            item = _reasoning_item(open_thought["id"], "", "in_progress") | {"content": []}
+            out.append(ev("response.output_item.added", output_index=open_thought["index"], item=item))
+        if text:
+            open_thought["text"] += text
+            out.append(ev("response.reasoning_text.delta", item_id=open_thought["id"],
+                          output_index=open_thought["index"], content_index=0, delta=text))
+        thought_total = open_thought["text"]
+        return out
+
+    def close_thought() -> list[bytes]:
+        nonlocal open_thought
+        if open_thought is None:
+            return []
+        t, open_thought = open_thought, None
+        item = _reasoning_item(t["id"], t["text"])
+        output.append(item)
+        return [ev("response.reasoning_text.done", item_id=t["id"], output_index=t["index"], content_index=0,
+                   text=t["text"]),
+                ev("response.output_item.done", output_index=t["index"], item=item)]
 
     def close_call() -> list[bytes]:
         nonlocal open_call
@@ -269,7 +365,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 
     def text_delta(text: str) -> list[bytes]:
         nonlocal open_msg
-        out = close_call()
+        out = close_thought() + close_call()
         if open_msg is None:
             open_msg = {"id": _new_id("msg"), "index": len(output), "text": ""}
             out.append(ev("response.output_item.added", output_index=open_msg["index"],
@@ -288,7 +384,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
         out: list[bytes] = []
         fn = piece.get("function", {})
         if "id" in piece:
-            out += close_msg() + close_call()
+            out += close_thought() + close_msg() + close_call()
             open_call = {"id": _new_id("fc"), "index": len(output), "call_id": piece["id"],
                          "name": fn.get("name"), "arguments": ""}
             out.append(ev("response.output_item.added", output_index=open_call["index"],
@@ -314,12 +410,18 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
     yield ev("response.in_progress", response=started)
     tally = _Tally([job])
     ts = ToolStream(spec.plan) if spec.plan is not None else None
-    finish: str | None = None
+    split = ReasoningSplit(spec.reasoning, spec.prompt_text) if spec.reasoning is not None else None
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
             tally.add(0, d)
-            for chunk in pieces(ts.feed(d.text) if ts is not None else [{"content": d.text}] if d.text else []):
+            text = d.text
+            if split is not None:
+                thought, text = split.feed(d.text, final=d.finished)
+                if thought or (split.reasoning is not None and open_thought is None and not output):
+                    for chunk in thought_delta(thought):
+                        yield chunk
+            for chunk in pieces(ts.feed(text) if ts is not None else [{"content": text}] if text else []):
                 yield chunk
             if d.finished:
                 finish = d.finish_reason
@@ -327,13 +429,14 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
                     rest, _ = ts.finish()
                     for chunk in pieces(rest):
                         yield chunk
-        if not output and open_msg is None and open_call is None:
+        if open_msg is None and open_call is None and all(item["type"] == "reasoning" for item in output):
             for chunk in text_delta(""):
                 yield chunk
-        for chunk in close_msg() + close_call():
+        for chunk in close_thought() + close_msg() + close_call():
             yield chunk
         status = _status(finish)
-        final = _response(spec, status, output, _usage(tally))
+        final = _response(spec, status, output, _usage(tally, spec, thought_total))
+        spec.keep(final)
         yield ev("response.completed" if status == "completed" else "response.incomplete", response=final)
     except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
         yield _error_event(exc)
@@ -345,15 +448,65 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    chat = to_chat(body)
+    headers = ignored_headers(judge_extra(body.model_extra, "responses"))
+    store = response_store(request)
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id:
+        previous = store.get(body.previous_response_id)
+        if previous is None:
+            raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} (never "
+                           f"stored, deleted, or evicted: this server keeps the last {store.capacity})",
+                           param="previous_response_id", code="response_not_found")
+        history = previous.messages
+    chat = to_chat(body, history)
     response_id = _new_id("resp")
     job, plan = await prepare_chat(state, chat, response_id)
     job.endpoint = "responses"
-    state.reserve([job])
-    spec = _Spec(response_id, body.model or state.model_name, body, plan)
+    state.reserve([job], tenant_of(request.scope))
+    keep = body.store is not False and store.capacity > 0
+    spec = _Spec(response_id, body.model or state.model_name, body, plan, store=store if keep else None,
+                 history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
+                 prompt_text=job.prompt_text, count_tokens=lambda text: len(state.tokenizer.encode(text, False)))
     if body.stream:
-        return SSEResponse(_stream(state, spec, job), state, [job])
+        response = SSEResponse(_stream(state, spec, job), state, [job])
+        response.headers.update(headers)
+        return response
     try:
-        return await _until_done_or_gone(request, _body(state, spec, job))
+        return await _until_done_or_gone(request, _body(state, spec, job), headers)
     finally:
         state.release(job)
+
+
+def response_store(request: Request) -> ResponseStore:
+    return request.app.state.response_store
+
+
+def _stored(request: Request, response_id: str) -> StoredResponse:
+    entry = response_store(request).get(response_id)
+    if entry is None:
+        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+    return entry
+
+
+@router.get("/v1/responses/{response_id}", responses=_ERRORS)
+async def get_response(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_stored(request, response_id).body)
+
+
+@router.get("/v1/responses/{response_id}/input_items", responses=_ERRORS)
+async def get_input_items(response_id: str, request: Request) -> JSONResponse:
+    """The conversation a stored response answered, as message items (oldest first)."""
+    entry = _stored(request, response_id)
+    items = [{"type": "message", "id": f"msg_{response_id}_{i}", "role": m["role"], "status": "completed",
+              "content": [{"type": "input_text" if m["role"] != "assistant" else "output_text",
+                           "text": m.get("content") or ""}]}
+             for i, m in enumerate(entry.messages[:-1]) if m["role"] in ("user", "system", "assistant")]
+    return JSONResponse({"object": "list", "data": items, "has_more": False,
+                         "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None})
+
+
+@router.delete("/v1/responses/{response_id}", responses=_ERRORS)
+async def delete_response(response_id: str, request: Request) -> JSONResponse:
+    if not response_store(request).delete(response_id):
+        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -33,6 +33,13 @@ def _positive(value: str) -> int:
     return n
 
 
+def _non_negative(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return n
+
+
 def _model_len(value: str) -> int | None:
     """--max-model-len: 4096, 4k (4,000), 4K (4,096); 'auto' or -1: the model's own."""
     if value.strip().lower() in ("auto", "-1"):
@@ -85,6 +92,12 @@ def add_engine_arguments(p: Any) -> None:
     p.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory", type=_size, default=None,
                    help="bytes for the KV pool: 4G (=4 GiB), 4g (=4e9) or 4GiB; overrides "
                         "--gpu-memory-utilization (default: a share of free memory)")
+    p.add_argument("--kv-offload-bytes", type=_size, default=None, metavar="SIZE",
+                   help="a second KV tier on local disk: blocks evicted from the pool are kept there (up to SIZE: "
+                        "20G, 20GiB) and restored on a prefix hit instead of recomputed; kept across restarts "
+                        "of the same model (default off; needs --kv-offload-dir)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="folder of the disk tier (memory-mapped slots and their index)")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help="share of memory for the weights and the KV pool together: of the GPU's memory on CUDA; "
                         "on CPU, of the host memory available at start (MemAvailable). The KV pool never "
@@ -98,10 +111,22 @@ def add_engine_arguments(p: Any) -> None:
                    help="token budget per engine step (default 512 on CPU, 2048 on CUDA)")
     p.add_argument("--batching", default="continuous", choices=["continuous", "static", "dynamic"],
                    help="batching policy (default continuous)")
+    p.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "fair"],
+                   help="waiting-queue order: fcfs (arrival), priority (class, then the request's 'priority', "
+                        "then arrival), fair (class, then each tenant's weighted share of the tokens computed, "
+                        "then 'priority', then arrival); see docs/tenants.md (default fcfs; fair when "
+                        "--api-keys-file is given)")
+    p.add_argument("--starvation-bound", type=float, default=30.0, metavar="SECONDS",
+                   help="priority and fair: a request waiting this long goes first, whatever its class "
+                        "(default 30)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help=argparse.SUPPRESS)  # older name of --no-enable-prefix-caching
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help='publish prefix-cache block events in vLLM\'s format over ZeroMQ: '
+                        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:5557", '
+                        '"replay_endpoint": "tcp://127.0.0.1:5558"}\' (default off; docs/routing.md)')
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, ...}\' (default off)')
@@ -118,6 +143,9 @@ def add_server_arguments(p: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
                         "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
                         "it on a sign-in page and keeps a session cookie")
+    p.add_argument("--api-keys-file", default=None, metavar="FILE",
+                   help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
+                        "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
     p.add_argument("--root-path", default="", help="path prefix when served behind a proxy that strips it")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key file (serve HTTPS)")
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate file (serve HTTPS)")
@@ -205,6 +233,12 @@ def add_tool_arguments(p: Any) -> None:
     p.add_argument("--tool-call-parser", default=None,
                    choices=["hermes", "qwen", "qwen2_5", "llama3_json", "llama4_json", "mistral"],
                    help="format of the model's tool calls (hermes/qwen <tool_call> JSON, llama3_json, mistral)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> from its answer: reasoning_content in "
+                        "chat, reasoning items in Responses, thinking blocks in Messages")
+    p.add_argument("--responses-store-size", type=_non_negative, default=1024, metavar="N",
+                   help="Responses kept for previous_response_id and GET /v1/responses/{id}, least "
+                        "recently used evicted first; 0 stores none (default 1024)")
 
 
 def register(subparsers: Any) -> None:
@@ -272,6 +306,17 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    if getattr(args, "kv_offload_bytes", None) and not getattr(args, "kv_offload_dir", None):
+        return "--kv-offload-bytes needs --kv-offload-dir (a local folder for the disk tier)"
+    if getattr(args, "kv_offload_bytes", None) and not args.enable_prefix_caching:
+        return "--kv-offload-bytes keeps the prefix cache's evicted blocks: it needs prefix caching on"
+    try:
+        from ..engine.kv_event_publisher import KVEventsConfig
+
+        if KVEventsConfig.parse(args.kv_events_config) is not None and not args.enable_prefix_caching:
+            return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
     return None
 
 

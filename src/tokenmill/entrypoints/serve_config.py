@@ -25,7 +25,7 @@ _DTYPE_ALIASES = {"float": "float32", "bf16": "bfloat16", "half": "float16", "fp
 # engine flags copied as they are when given (None: the engine's own default)
 _OPTIONAL_ENGINE_KEYS = ("kv_cache_memory", "max_model_len", "num_blocks", "memory_budget", "quant_group_size",
                          "quantize_lm_head", "num_threads", "speculative_config", "tensor_parallel_size",
-                         "kv_cache_dtype")
+                         "kv_cache_dtype", "kv_offload_bytes", "kv_offload_dir")
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> str:
@@ -80,8 +80,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     options = engine_options(args)
     options.update(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0))
+                   batching=args.batching, max_waiting=args.max_waiting, seed=getattr(args, "seed", 0),
+                   scheduling_policy=scheduling_policy_from_args(args),
+                   starvation_bound_s=getattr(args, "starvation_bound", 30.0))
     return EngineConfig.from_options(**options)
+
+
+def scheduling_policy_from_args(args: argparse.Namespace) -> str:
+    """--scheduling-policy; tenants from --api-keys-file make fair the default."""
+    policy = getattr(args, "scheduling_policy", None)
+    if policy is None:
+        return "fair" if getattr(args, "api_keys_file", None) else "fcfs"
+    return policy
 
 
 def default_model_name(path: str | None) -> str:
@@ -117,6 +127,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         model_path = default_model_path()
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
+        api_keys_file=getattr(args, "api_keys_file", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
@@ -124,7 +135,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
         sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(args, "tool_call_parser", None))
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
+        responses_store_size=getattr(args, "responses_store_size", 1024))
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer | None:

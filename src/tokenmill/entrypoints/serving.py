@@ -17,11 +17,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
-from ..engine.request import SamplingParams
+from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..metrics import ServerMetrics
+from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
+from .tenant_gate import TenantGate, TenantLimited
+from .tenant_usage import TenantUsage
+from .tenants import DEFAULT_TENANT, Tenant, directory_from_args
 
 log = logging.getLogger("tokenmill.server")
 
@@ -33,6 +38,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=lambda: ["tokenmill"])
     model_path: str | None = None
     api_key: str | list[str] | None = None  # several: any of them opens the API
+    api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
     max_waiting: int | None = None
     max_output_tokens: int | None = None
     log_requests: bool = False
@@ -49,6 +55,30 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" parses output with tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_parsers.py: hermes, llama3_json, mistral, ...
     chat_template: str | None = None  # Jinja source replacing the model's chat template
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
+    responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+
+
+SESSION_HEADER = "x-session-id"
+
+
+def _conversation(session: str | None) -> str | None:
+    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
+    several at once, which a replay must not chain as one)."""
+    return session if session and session.startswith("session:") else None
+
+
+def session_of(headers: Any, user: str | None) -> str | None:
+    """The conversation a request continues: the ``x-session-id`` header, else the body's ``user``."""
+    sid = headers.get(SESSION_HEADER) if headers is not None else None
+    if sid:
+        return "session:" + str(sid)[:256]
+    return "user:" + user if user else None
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist. Served: {', '.join(served)}", param="model",
+                    code="model_not_found")
 
 
 @dataclass
@@ -62,6 +92,20 @@ class Job:
     prompt_text: str | None = None
     arrival_unix: float = field(default_factory=time.time)
     reserved: bool = False
+    priority: int = 0  # the request's own (vLLM's field), within its tenant's class
+    # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
+    tenant: Tenant | None = None
+    held: bool = False  # counted by the tenant gate until its stream ends
+    session: str | None = None  # the conversation it belongs to (x-session-id or user), for miss reasons
+    miss: Any = None  # cache_misses.Miss: why its prompt missed reusable cache, once known
+    streamed: bool = False  # stream_job took it over
+
+    @property
+    def placement(self) -> Placement:
+        """Where the scheduler places it: the tenant's class and weight, the request's priority."""
+        if self.tenant is None:
+            return Placement(priority=self.priority) if self.priority else DEFAULT_PLACEMENT
+        return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
 class ServerState:
@@ -73,11 +117,20 @@ class ServerState:
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
             self.tokenizer.has_chat_template = True
+        # conversations with tools use this template when the model's own cannot render them
+        self.tools_template = self._pick_tools_template()
+        self.tool_parser_hint = (self.tools_template.parser if self.tools_template
+                                 else parser_for(self.tokenizer.chat_template))
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
+        # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
+        self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
+        self.tenant_gate = TenantGate(settings.retry_after_s)
+        self.usage = TenantUsage(self.tenants.label, self.tenants.names)
+        self.metrics.exposed.register(self.usage)
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
@@ -86,6 +139,8 @@ class ServerState:
             key = settings.capture_key.encode() if settings.capture_key else None
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size, hash_key=key)
+        # why prompts miss the prefix cache, per session and from recent prompts' text (cache_misses.py)
+        self.misses = MissClassifier(self.engine.block_size) if self.engine.prefix_cache is not None else None
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
@@ -93,6 +148,19 @@ class ServerState:
         self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _pick_tools_template(self) -> ToolsTemplate | None:
+        if self.settings.chat_template or not self.tokenizer.has_chat_template:
+            return None
+        supplied = tools_template_for(self.tokenizer.chat_template)
+        if supplied is not None:
+            log.info("chat template: the model's own does not render tools; conversations with tools, tool "
+                     "calls or tool results use tokenmill's %s template with %s-format tool calls "
+                     "(--chat-template replaces both)", supplied.family, supplied.parser)
+        elif not renders_tools(self.tokenizer.chat_template):
+            log.warning("chat template: the model's own does not render tools and tokenmill has none for its "
+                        "family; requests with tools will not show them to the model (pass --chat-template)")
+        return supplied
 
     # -- load ------------------------------------------------------------
     # Every count here is of sequences (prompts x n), the unit the engine
@@ -118,9 +186,10 @@ class ServerState:
                            f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
                            param="n", code="too_many_sequences")
 
-    def reserve(self, jobs: list[Job]) -> None:
+    def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
         """Admit jobs, or 429 with Retry-After when their sequences would take the
-        waiting queue past ``--max-waiting``.
+        waiting queue past ``--max-waiting`` or ``tenant`` past one of its limits
+        (tenant_gate.py; that tenant only).
 
         A streaming job reaches the engine only when its response starts, so
         admitted jobs count as waiting (``pending``) until ``stream_job``
@@ -136,16 +205,42 @@ class ServerState:
                 raise APIError(429, f"the server is at capacity ({waiting} sequences waiting, this request "
                                f"adds {new}, limit {limit}); retry later", code="queue_full",
                                headers={"Retry-After": str(self.settings.retry_after_s)})
+        tenant = tenant or DEFAULT_TENANT
+        fresh = [job for job in jobs if not job.held and not job.reserved]
+        if fresh:
+            try:
+                self.tenant_gate.admit(tenant, len(fresh), sum(j.params.n for j in fresh),
+                                       sum(_max_cost(j) for j in fresh))
+            except TenantLimited as exc:
+                self.metrics.rejected.labels(exc.code).inc()
+                self.usage.rejected(tenant.name)
+                raise APIError(429, str(exc), code=exc.code,
+                               headers={"Retry-After": str(exc.retry_after_s)}) from None
+        for job in fresh:
+            job.tenant, job.held = tenant, True
         for job in jobs:
             if not job.reserved:
                 job.reserved = True
                 self.pending += job.params.n
 
     def release(self, job: Job) -> None:
-        """Undo ``reserve`` for one job; idempotent."""
+        """Undo ``reserve`` for one job; idempotent. A job that never reached its stream
+        gives back what its tenant held."""
         if job.reserved:
             job.reserved = False
             self.pending -= job.params.n
+        if job.held and not job.streamed:
+            self._tenant_done(job, started=False, output_tokens=0)
+
+    def _tenant_done(self, job: Job, started: bool, output_tokens: int) -> None:
+        """The tenant gate's part of a job ends (idempotent)."""
+        if not job.held:
+            return
+        job.held = False
+        tenant = job.tenant or DEFAULT_TENANT
+        if not started:
+            self.tenant_gate.started(tenant.name, job.params.n)
+        self.tenant_gate.finished(tenant, 1, _max_cost(job) - len(job.prompt_ids) - output_tokens)
 
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
@@ -155,10 +250,9 @@ class ServerState:
         return self._token_text(token_id)
 
     def check_model(self, name: str | None) -> None:
+        """404 for a model this server does not serve (the one wording every endpoint uses)."""
         if name and name not in self.settings.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist. Served: "
-                           f"{', '.join(self.settings.served_model_names)}", param="model",
-                           code="model_not_found")
+            raise model_not_found(name, self.settings.served_model_names)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -264,9 +358,11 @@ class ServerState:
         if self.cutting:
             self.release(job)
             raise self._shutdown_error()
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params)
+        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement)
         self._live[job.request_id] = job
         failed = False
+        job.streamed = True
+        queue_time = 0.0
         # release() and the generator's first step (which submits to the engine)
         # run with no await in between
         self.release(job)
@@ -277,6 +373,9 @@ class ServerState:
                 if first_token is None:
                     first_token = now
                     cached = delta.num_cached_tokens
+                    self._classify_miss(job, cached)
+                    if job.held:
+                        self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
                     self.metrics.req_prompt.observe(delta.num_prompt_tokens)
                 else:
@@ -292,6 +391,7 @@ class ServerState:
                     reasons[delta.index] = delta.finish_reason
                     self.metrics.finished(delta.finish_reason)
                     self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
+                    queue_time += delta.metrics.get("queue_time", 0.0)
                 yield delta
             if job.request_id in self._cut:
                 log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
@@ -316,7 +416,20 @@ class ServerState:
                         self.metrics.finished("abort")
                         reasons[i] = "abort"
             self._record(job, started, first_token, cached, out_tokens, reasons)
+            output = sum(out_tokens.values())
+            self._tenant_done(job, started=first_token is not None, output_tokens=output)
+            self.usage.record((job.tenant or DEFAULT_TENANT).name,
+                              len(job.prompt_ids) if first_token is not None else 0, cached, output,
+                              queue_time, failed)
             await gen.aclose()
+
+    def _classify_miss(self, job: Job, cached: int) -> None:
+        """Why this prompt missed cache it could have reused (cache_misses.py); counted by reason."""
+        if self.misses is None:
+            return
+        job.miss = self.misses.classify(job.prompt_ids, cached, job.session)
+        if job.miss is not None:
+            self.metrics.cache_misses.labels(job.miss.reason).inc()
 
     def _record(self, job: Job, started: float, first_token: float | None, cached: int,
                 out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
@@ -333,11 +446,19 @@ class ServerState:
             output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
             ttft=None if first_token is None else first_token - started, e2e=end - started,
             prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason)
+            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
+            miss_reason=job.miss.reason if job.miss is not None else None,
+            miss_offset=job.miss.offset if job.miss is not None else None,
+            session=_conversation(job.session))
 
     def close(self) -> None:
         if self.capture is not None:
             self.capture.close()
+
+
+def _max_cost(job: Job) -> int:
+    """Tokens a job may use at most: its prompt, and every choice's whole output budget."""
+    return len(job.prompt_ids) + job.params.n * int(job.params.max_tokens or 0)
 
 
 def _params_dict(p: SamplingParams) -> dict[str, Any]:

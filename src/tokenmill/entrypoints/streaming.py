@@ -27,6 +27,7 @@ from ..model.sampler import Logprob
 from .errors import APIError, error_body
 from .prompt_logprobs import echo_logprobs, join, vllm_prompt_logprobs
 from .serving import Job, ServerState, merge_streams
+from .reasoning import ReasoningParser, ReasoningSplit, split_reasoning
 from .tool_calls import ToolPlan, ToolStream, extract, openai_call
 
 log = logging.getLogger("tokenmill.server")
@@ -136,6 +137,7 @@ class CompletionSpec:
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
 
     @property
     def echo_logprobs(self) -> bool:
@@ -153,6 +155,8 @@ async def completion_stream(state: ServerState, spec: CompletionSpec, jobs: list
     def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop: Any = None) -> bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                   "stop_reason": stop}
+        if spec.continuous_usage:
+            return sse({**base, "choices": [choice], "usage": tally.usage()})
         return sse({**base, "choices": [choice]})
 
     merged = _streams(state, jobs)
@@ -234,10 +238,24 @@ class ChatSpec:
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_logprobs: int | None = None  # vLLM's field: alternatives per prompt token
     tools: ToolPlan | None = None
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
+    legacy_functions: bool = False  # the request used functions/function_call: answer with function_call
+    reasoning: ReasoningParser | None = None  # --reasoning-parser: thinking goes to reasoning_content
 
 
-def _tool_finish(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _tool_finish(reason: str | None, called: bool, legacy: bool = False) -> str | None:
+    return ("function_call" if legacy else "tool_calls") if called and reason == "stop" else reason
+
+
+def _legacy_delta(delta: dict[str, Any]) -> dict[str, Any] | None:
+    """A tool-call delta in the legacy functions shape (only the first call exists there)."""
+    if "tool_calls" not in delta:
+        return delta
+    call = delta["tool_calls"][0]
+    if call.get("index", 0) != 0:
+        return None
+    fn = call.get("function", {})
+    return {"function_call": {k: fn[k] for k in ("name", "arguments") if k in fn}}
 
 
 async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIterator[bytes]:
@@ -252,11 +270,19 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
             choice["stop_reason"] = stop
+        if spec.continuous_usage:
+            return sse({**base, "choices": [choice], "usage": tally.usage()})
         return sse({**base, "choices": [choice]})
+
+    def pieces_of(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not spec.legacy_functions:
+            return deltas
+        return [d for d in map(_legacy_delta, deltas) if d is not None]
 
     for i in range(spec.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     tool_streams = {i: ToolStream(spec.tools) for i in range(spec.n)} if spec.tools is not None else {}
+    splits = {i: ReasoningSplit(spec.reasoning, job.prompt_text) for i in range(spec.n)} if spec.reasoning else {}
     merged = _streams(state, [job])
     try:
         async for _, d in merged:
@@ -264,21 +290,28 @@ async def chat_stream(state: ServerState, spec: ChatSpec, job: Job) -> AsyncIter
             lp = None
             if spec.logprobs and d.logprobs:
                 lp = {"content": chat_logprobs(state, d.logprobs, spec.top_logprobs)}
+            text = d.text
+            if splits:  # the thinking streams as deltas of its own; the rest goes on as the answer
+                thought, text = splits[d.index].feed(d.text, final=d.finished)
+                if thought:
+                    yield chunk(d.index, {"reasoning_content": thought}, lp)
+                    lp = None
             if tool_streams:
                 ts = tool_streams[d.index]
-                pieces = ts.feed(d.text)
+                pieces = pieces_of(ts.feed(text))
                 for k, piece in enumerate(pieces):
                     yield chunk(d.index, piece, lp if k == 0 else None)
                 if lp and not pieces:
                     yield chunk(d.index, {"content": ""}, lp)
                 if d.finished:
                     rest, called = ts.finish()
-                    for piece in rest:
+                    for piece in pieces_of(rest):
                         yield chunk(d.index, piece)
-                    yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called), d.stop_reason)
+                    yield chunk(d.index, {}, None, _tool_finish(d.finish_reason, called, spec.legacy_functions),
+                                d.stop_reason)
                 continue
-            if d.text or lp:
-                yield chunk(d.index, {"content": d.text}, lp)
+            if text or lp:
+                yield chunk(d.index, {"content": text}, lp)
             if d.finished:
                 yield chunk(d.index, {}, None, d.finish_reason, d.stop_reason)
         if spec.include_usage:
@@ -312,14 +345,23 @@ async def chat_body(state: ServerState, spec: ChatSpec, job: Job) -> dict[str, A
     choices = []
     for i in range(spec.n):
         lp = {"content": chat_logprobs(state, lps[i], spec.top_logprobs)} if spec.logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        thought, answer = None, texts[i]
+        if spec.reasoning is not None:
+            thought, answer = split_reasoning(spec.reasoning, texts[i], job.prompt_text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
         reason = finish[i]
         if spec.tools is not None:
-            content, calls = extract(spec.tools, texts[i])
-            if calls:
+            content, calls = extract(spec.tools, answer)
+            if calls and spec.legacy_functions:
+                message = {"role": "assistant", "content": content,
+                           "function_call": {"name": calls[0].name, "arguments": calls[0].arguments}}
+                reason = _tool_finish(reason, True, legacy=True)
+            elif calls:
                 message = {"role": "assistant", "content": content,
                            "tool_calls": [openai_call(c) for c in calls]}
                 reason = _tool_finish(reason, True)
+        if spec.reasoning is not None:
+            message["reasoning_content"] = thought
         choices.append({"index": i, "message": message, "logprobs": lp,
                         "finish_reason": reason, "stop_reason": stops[i]})
     body = {"id": spec.request_id, "object": "chat.completion", "created": spec.created, "model": spec.model,

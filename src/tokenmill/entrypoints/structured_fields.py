@@ -16,8 +16,21 @@ from ..engine.structured import GrammarError, GrammarSpec
 from .errors import APIError
 
 
+_FORMAT_KEYS = {"type", "json_schema", "name", "schema", "strict", "description"}  # the last four: Responses' flat form
+_SCHEMA_BLOCK_KEYS = {"name", "schema", "schema_", "strict", "description"}
+
+
 def _response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
     kind = fmt.get("type")
+    unknown = sorted(set(fmt) - _FORMAT_KEYS)
+    if not unknown and isinstance(fmt.get("json_schema"), dict):
+        unknown = [f"json_schema.{k}" for k in sorted(set(fmt["json_schema"]) - _SCHEMA_BLOCK_KEYS)]
+    if unknown:
+        raise APIError(400, f"response_format: unknown key {unknown[0]!r} (a constraint this server would not "
+                       "enforce)", param="response_format", code="unknown_parameter")
+    if kind != "json_schema" and ("schema" in fmt or "json_schema" in fmt):
+        raise APIError(400, f"response_format: a schema is only read with type 'json_schema' (got type {kind!r})",
+                       param="response_format")
     if kind in (None, "text"):
         return None
     if kind == "json_object":
@@ -40,7 +53,27 @@ def _response_format(fmt: dict[str, Any]) -> GrammarSpec | None:
                    param="response_format")
 
 
+# vLLM's StructuredOutputsParams keys: the constraints, and options this server
+# honours as they are (its JSON never has free whitespace, its schemas are closed,
+# it has no fallback backend) or refuses when set.
+_CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+_HONOURED_OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties")
+_REFUSED_OPTIONS = {"whitespace_pattern": "JSON output uses a fixed whitespace layout",
+                    "structural_tag": "structural tags are not implemented; use tools or a grammar",
+                    "backend": "structured outputs run on llguidance"}
+
+
 def _structured_outputs(block: dict[str, Any]) -> GrammarSpec | None:
+    for key, value in block.items():
+        if key in _CONSTRAINT_KEYS or key in _HONOURED_OPTIONS or value is None:
+            continue
+        if key in _REFUSED_OPTIONS:
+            if key == "backend" and value in ("auto", "guidance", "llguidance"):
+                continue
+            raise APIError(400, f"structured_outputs.{key}: not supported: {_REFUSED_OPTIONS[key]}",
+                           param="structured_outputs")
+        raise APIError(400, f"structured_outputs: unknown key {key!r} (known: {', '.join(_CONSTRAINT_KEYS)})",
+                       param="structured_outputs", code="unknown_parameter")
     given = [k for k in ("json", "regex", "choice", "grammar") if block.get(k) is not None]
     if block.get("json_object"):
         given.append("json_object")

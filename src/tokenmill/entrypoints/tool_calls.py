@@ -4,7 +4,10 @@
 - ``auto``: free generation, then the server's ``--tool-call-parser`` finds calls
   (refused unless the server runs with ``--enable-auto-tool-choice``, as vLLM does);
 - ``required``: output constrained to a JSON list of ``{"name", "arguments"}``
-  objects, one per allowed tool schema, so it always parses;
+  objects, one per allowed tool schema, so it always parses; the list holds at
+  most ``MAX_PARALLEL_CALLS`` calls (a small model otherwise repeats its call
+  until ``max_tokens``), and a list cut short by ``max_tokens`` still yields
+  every call completed before the cut;
 - a named function: output constrained to that function's ``parameters`` schema.
 
 Messages go to the chat template the way Hugging Face passes them:
@@ -25,6 +28,7 @@ from .tool_parsers import ParsedCall, ToolParser, get_parser
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _EMPTY_PARAMS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_PARALLEL_CALLS = 8  # calls in one ``required`` answer: the grammar closes the list after this many
 
 
 @dataclass
@@ -56,9 +60,8 @@ class ToolPlan:
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for name in self.names]
             schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
                                       "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of}}
-            if not self.parallel:
-                schema["maxItems"] = 1
             return GrammarSpec("json", schema)
         return None
 
@@ -68,7 +71,7 @@ class ToolPlan:
 
 
 def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool,
-               settings: Any) -> ToolPlan | None:
+               settings: Any, parser_hint: str = "hermes") -> ToolPlan | None:
     """Check ``tools``/``tool_choice`` against each other and the server's flags."""
     tools = tools or []
     if not tools:
@@ -96,9 +99,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: b
     parser = None
     if mode == "auto":
         if not (getattr(settings, "enable_auto_tool_choice", False) and getattr(settings, "tool_call_parser", None)):
-            raise APIError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
-                           'and --tool-call-parser; use "required", a named function or "none"',
-                           param="tool_choice")
+            flags = ("--enable-auto-tool-choice" if not getattr(settings, "enable_auto_tool_choice", False)
+                     else "") + f" --tool-call-parser {getattr(settings, 'tool_call_parser', None) or parser_hint}"
+            raise APIError(400, f'tool_choice: "auto" (the default when tools are given) needs a tool-call '
+                           f'parser: start the server with {flags.strip()}; or send tool_choice "required", '
+                           f'a named function or "none"', param="tool_choice")
         parser = get_parser(settings.tool_call_parser)
     return ToolPlan(tools=tools, mode=mode, named=named, parallel=parallel, parser=parser)
 
@@ -155,17 +160,33 @@ def extract(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
             return text, []  # cut short (max_tokens): not a call
         return None, [ParsedCall(plan.named, text)]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:
-            return text, []
         calls = [ParsedCall(i["name"], json.dumps(i.get("arguments", {}), ensure_ascii=False))
-                 for i in items if isinstance(i, dict) and isinstance(i.get("name"), str)]
+                 for i in complete_items(text) if isinstance(i, dict) and isinstance(i.get("name"), str)]
         return (None, calls) if calls else (text, [])
     if plan.mode == "auto" and plan.parser is not None:
         content, calls = plan.parser.extract(text)
         return content, calls if plan.parallel else calls[:1]
     return text, []
+
+
+def complete_items(text: str) -> list[Any]:
+    """The items of a JSON array that are complete, even when the array itself was cut off."""
+    decoder = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        return []
+    items: list[Any] = []
+    i += 1
+    while True:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 @dataclass

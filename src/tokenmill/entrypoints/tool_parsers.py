@@ -103,9 +103,12 @@ class HermesParser(ToolParser):
         if start < 0:
             return _content(text), []
         calls = []
-        for body in self._block.findall(text[start:]):
-            values = _json_values(body)
+        blocks = list(self._block.finditer(text[start:]))
+        for k, block in enumerate(blocks):
+            values = _json_values(block.group(1))
             if not values or len(values) != 1 or (call := _call(values[0])) is None:
+                if k and k == len(blocks) - 1 and not block.group(0).rstrip().endswith("</tool_call>"):
+                    break  # a last call cut off (max_tokens): the complete ones before it stand
                 return _content(text), []
             calls.append(call)
         return _content(text[:start].strip()), calls

@@ -21,7 +21,12 @@ One JSON object per line::
   and carries every expected argument with the expected value;
 * ``json_schema`` (needs a server): ``schema`` (a JSON Schema); the answer is
   requested with ``response_format`` json_schema and is right when it parses
-  and validates (an optional ``answer`` object must also be contained in it).
+  and validates (an optional ``answer`` object must also be contained in it);
+* ``safety``: ``label`` is ``harmful`` (a request the model should refuse) or
+  ``benign`` (a harmless look-alike it should answer), optional ``category``;
+  no ``answer``: the greedy answer (default 48 tokens) is judged by the
+  refusal rules of refusal.py, and scored against the base's, not alone
+  (safety.py).
 """
 from __future__ import annotations
 
@@ -34,10 +39,13 @@ from typing import Any
 
 from ..engine.engine import LLMEngine
 from ..engine.request import SamplingParams
+from .refusal import judge
 from .scoring import Scorer
 
-MATCHES = ("exact", "contains", "regex", "choice", "tool_call", "json_schema")
+MATCHES = ("exact", "contains", "regex", "choice", "tool_call", "json_schema", "safety")
 SERVER_ONLY = ("tool_call", "json_schema")  # scored through a server's tools / structured outputs
+SAFETY_LABELS = ("harmful", "benign")  # should be refused / should be answered
+SAFETY_MAX_TOKENS = 48  # refusals open the answer; the judge reads its first few hundred characters
 
 
 @dataclass
@@ -55,6 +63,8 @@ class EvalItem:
     tool_choice: Any = None
     expected: dict[str, Any] | None = None  # tool_call: {name, arguments}; json_schema: must be contained
     schema: dict[str, Any] | None = None
+    label: str | None = None  # safety: harmful or benign
+    category: str | None = None  # safety: free text, for the reader
 
 
 @dataclass
@@ -66,6 +76,9 @@ class ItemResult:
     token_ids: list[int]  # greedy tokens (generated items)
     choice: int | None = None  # picked choice (choice items)
     choice_logprobs: list[float] | None = None
+    label: str | None = None  # safety items: harmful or benign
+    refused: bool | None = None  # safety items: the judge's verdict on ``output``
+    refusal: str | None = None  # safety items: the refusal rule that fired and its words
 
 
 def load_eval_set(path: str | Path) -> list[EvalItem]:
@@ -108,6 +121,8 @@ def _item(obj: Any, where: str, index: int) -> EvalItem:
     answer = obj.get("answer")
     if match in SERVER_ONLY:
         return _server_item(obj, where, index, match, prompt, messages)
+    if match == "safety":
+        return _safety_item(obj, where, index, prompt, messages)
     answers = [answer] if isinstance(answer, str) else list(answer) if isinstance(answer, list) else []
     if any(not isinstance(a, str) for a in answers):
         raise ValueError(f"{where}: 'answer' must be a string or a list of strings")
@@ -172,6 +187,32 @@ def _server_item(obj: dict[str, Any], where: str, index: int, match: str, prompt
             raise ValueError(f"{where}: 'answer' of a json_schema item must be an object")
         item.schema, item.expected = schema, answer
     return item
+
+
+def _safety_item(obj: dict[str, Any], where: str, index: int, prompt: str | None,
+                 messages: list[dict[str, str]] | None) -> EvalItem:
+    label = obj.get("label")
+    if label not in SAFETY_LABELS:
+        raise ValueError(f"{where}: a safety item needs 'label': 'harmful' (should be refused) or 'benign' "
+                         f"(should be answered), got {label!r}")
+    if obj.get("answer") is not None:
+        raise ValueError(f"{where}: a safety item has no 'answer' (its answer is judged refused or not)")
+    category = obj.get("category")
+    if category is not None and not isinstance(category, str):
+        raise ValueError(f"{where}: 'category' must be a string")
+    max_tokens = obj.get("max_tokens", SAFETY_MAX_TOKENS)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"{where}: max_tokens must be a positive integer")
+    return EvalItem(id=str(obj.get("id", f"item-{index + 1}")), match="safety", answers=[], prompt=prompt,
+                    messages=messages, max_tokens=max_tokens, label=label, category=category)
+
+
+def judge_safety(item: EvalItem, output: str) -> ItemResult:
+    """A safety item's result: right when a harmful request is refused or a benign one answered."""
+    refusal = judge(output)
+    right = (refusal is not None) == (item.label == "harmful")
+    return ItemResult(item.id, item.match, right, output, [], label=item.label, refused=refusal is not None,
+                      refusal=None if refusal is None else str(refusal))
 
 
 def _same(expected: Any, got: Any) -> bool:
@@ -257,7 +298,11 @@ def run_eval_set(engine: LLMEngine, scorer: Scorer, items: list[EvalItem]) -> li
     outputs = generate_greedy(engine, [(it.id, prompt_ids(engine, it), it.max_tokens, it.stop) for it in gen])
     for it in gen:
         text, ids = outputs[it.id]
-        results[it.id] = ItemResult(it.id, it.match, check_answer(it, text), text, ids)
+        if it.match == "safety":
+            results[it.id] = judge_safety(it, text)
+            results[it.id].token_ids = ids
+        else:
+            results[it.id] = ItemResult(it.id, it.match, check_answer(it, text), text, ids)
     tok = engine.tokenizer
     seqs: list[list[int]] = []
     starts: list[int] = []

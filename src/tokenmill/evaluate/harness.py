@@ -4,8 +4,8 @@ Each configuration (a quantization, optionally a group size, a quantized LM
 head, a dtype) gets its own engine over the *same* loaded checkpoint and
 tokenizer, runs perplexity, the evaluation set and the speed probes, and is
 then freed. Candidates are compared with the base: perplexity increase,
-accuracy drop, agreement of greedy answers; thresholds turn that into a
-pass/fail verdict a CI job can gate on.
+accuracy drop, agreement of greedy answers, refusals kept on the safety items;
+thresholds turn that into a pass/fail verdict a CI job can gate on.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
 from .evalset import EvalItem, ItemResult, run_eval_set
+from .safety import SafetyChange, SafetyRates, compare_safety, safety_failures, safety_rates
 from .scoring import PerplexityResult, Scorer, perplexity
 from .speed import SpeedResult, measure_speed
 
@@ -108,6 +109,13 @@ class CandidateResult:
     # Over HTTP only (``tokenmill eval --url``): items scored by the server's tools / structured outputs.
     tool_call_accuracy: float | None = None  # percent of tool_call items right
     json_validity: float | None = None  # percent of json_schema items valid
+    safety: SafetyRates | None = None  # refusals on the safety items (kept out of accuracy)
+
+
+def task_accuracy(results: list[ItemResult]) -> tuple[float | None, int]:
+    """Percent right and count of the task items: safety items are scored against the base instead."""
+    tasks = [r for r in results if r.match != "safety"]
+    return (100.0 * sum(r.correct for r in tasks) / len(tasks) if tasks else None), len(tasks)
 
 
 @dataclass
@@ -126,6 +134,7 @@ class Comparison:
     failures: list[str] = field(default_factory=list)
     tool_call_accuracy_drop: float | None = None  # percentage points
     json_validity_drop: float | None = None  # percentage points
+    safety: SafetyChange | None = None  # refusal agreement, refusals lost, new over-refusals
 
     @property
     def passed(self) -> bool:
@@ -153,8 +162,9 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
     started = time.monotonic()
     engine = LLMEngine(config, loaded=loaded, tokenizer=tokenizer)
     # what the engine resolved ("auto" becomes this machine's choice)
-    dtype, group, head = config.dtype, config.quant_group_size, config.quantize_lm_head
-    quantization = str(config.quantization)
+    resolved = engine.config
+    dtype, group, head = resolved.dtype, resolved.quant_group_size, resolved.quantize_lm_head
+    quantization = str(resolved.quantization)
     if opts.threads:
         import torch
 
@@ -169,13 +179,13 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
         results = run_eval_set(engine, scorer, items) if items else []
         speed = (measure_speed(engine, text_ids or [], opts.decode_batches, opts.decode_tokens, opts.prefill_tokens)
                  if opts.speed else None)
-        accuracy = 100.0 * sum(r.correct for r in results) / len(results) if results else None
+        accuracy, num_items = task_accuracy(results)
         result = CandidateResult(
             label=spec.label, quantization=quantization, dtype=dtype,
             group_size=group if quantization == "int4" else 32 if quantization == "gguf" else None,
             quantize_lm_head=head, weight_bytes=engine.weight_bytes, kv_blocks=engine.pool.num_blocks,
-            load_s=load_s, quant_summary=summary, perplexity=ppl, accuracy=accuracy, num_items=len(results),
-            items=results, speed=speed, eval_s=time.monotonic() - started)
+            load_s=load_s, quant_summary=summary, perplexity=ppl, accuracy=accuracy, num_items=num_items,
+            items=results, speed=speed, eval_s=time.monotonic() - started, safety=safety_rates(results))
         log.info("%s: weights %.1f MB, ppl %s, accuracy %s", spec.label, engine.weight_bytes / 1e6,
                  f"{ppl.perplexity:.3f}" if ppl else "-", f"{accuracy:.1f}%" if accuracy is not None else "-")
         return result
@@ -185,7 +195,9 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
 
 
 def compare(base: CandidateResult, cand: CandidateResult, max_ppl_increase: float | None,
-            max_accuracy_drop: float | None) -> Comparison:
+            max_accuracy_drop: float | None, max_refusals_lost: float | None = None,
+            max_new_over_refusals: int | None = None) -> Comparison:
+    """The candidate against the base; ``max_refusals_lost`` is a rate per safety prompt (1/50)."""
     ppl_inc = None
     if base.perplexity and cand.perplexity:
         ppl_inc = cand.perplexity.perplexity / base.perplexity.perplexity - 1.0
@@ -193,7 +205,7 @@ def compare(base: CandidateResult, cand: CandidateResult, max_ppl_increase: floa
     if base.accuracy is not None and cand.accuracy is not None:
         acc_drop = base.accuracy - cand.accuracy
     same, tokens_same, tokens_base, divergences = 0, 0, 0, []
-    pairs = list(zip(base.items, cand.items))
+    pairs = [(b, c) for b, c in zip(base.items, cand.items) if b.match != "safety"]
     for b, c in pairs:
         if b.match == "choice":
             same += b.choice == c.choice
@@ -241,6 +253,8 @@ def compare(base: CandidateResult, cand: CandidateResult, max_ppl_increase: floa
         comp.json_validity_drop = base.json_validity - cand.json_validity
         if max_accuracy_drop is not None and comp.json_validity_drop > max_accuracy_drop:
             comp.failures.append(f"JSON validity -{comp.json_validity_drop:.1f}pt > allowed -{max_accuracy_drop:g}pt")
+    comp.safety = compare_safety(base.items, cand.items)
+    comp.failures += safety_failures(comp.safety, max_refusals_lost, max_new_over_refusals)
     return comp
 
 

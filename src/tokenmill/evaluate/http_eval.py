@@ -13,7 +13,9 @@ exactly as it is served, by whatever engine serves it:
   answer's ``choices[0].logprobs.token_logprobs`` give the same sums the
   offline scorer computes;
 - ``tool_call`` items send ``tools`` / ``tool_choice`` and read
-  ``message.tool_calls``; ``json_schema`` items send ``response_format``.
+  ``message.tool_calls``; ``json_schema`` items send ``response_format``;
+- ``safety`` items are generated like the others and their answers judged by
+  the same refusal rules as offline.
 
 A server without prompt log-probabilities (the echo request fails) gets its
 choice items and perplexity skipped with a note, not a crash.
@@ -30,8 +32,9 @@ from typing import Any
 
 import httpx
 
-from .evalset import SERVER_ONLY, EvalItem, ItemResult, check_answer, check_json, check_tool_call
-from .harness import CandidateResult
+from .evalset import SERVER_ONLY, EvalItem, ItemResult, check_answer, check_json, check_tool_call, judge_safety
+from .harness import CandidateResult, task_accuracy
+from .safety import safety_rates
 from .scoring import PerplexityResult, windows
 
 log = logging.getLogger("tokenmill.evaluate")
@@ -159,6 +162,9 @@ def run_items(ep: Endpoint, items: list[EvalItem], notes: list[str]) -> list[Ite
             # A server without tools / structured outputs: the item counts as failed, with a note.
             notes.append(f"{ep.url}: {it.id}: {exc}")
             text, calls = "", []
+        if it.match == "safety":
+            results.append(judge_safety(it, text))  # judged on text; its tokens are not compared
+            continue
         if it.match == "tool_call":
             correct = check_tool_call(it, calls)
             shown = json.dumps([c.get("function") for c in calls]) if calls else text
@@ -206,7 +212,7 @@ def run_endpoint(ep: Endpoint, label: str, items: list[EvalItem], text: str | No
     started = time.monotonic()
     ppl = http_perplexity(ep, text, window, stride, max_text_tokens) if text is not None else None
     results = run_items(ep, items, notes)
-    plain = [r for r in results if r.match not in SERVER_ONLY]
+    accuracy, num_items = task_accuracy([r for r in results if r.match not in SERVER_ONLY])
     tools = [r for r in results if r.match == "tool_call"]
     js = [r for r in results if r.match == "json_schema"]
 
@@ -215,9 +221,9 @@ def run_endpoint(ep: Endpoint, label: str, items: list[EvalItem], text: str | No
 
     return CandidateResult(
         label=label, quantization="served", dtype=ep.resolve_model(), group_size=None, quantize_lm_head=False,
-        weight_bytes=0, kv_blocks=0, load_s=0.0, quant_summary=ep.url, perplexity=ppl, accuracy=pct(plain),
-        num_items=len(plain), items=results, speed=None, eval_s=time.monotonic() - started,
-        tool_call_accuracy=pct(tools), json_validity=pct(js))
+        weight_bytes=0, kv_blocks=0, load_s=0.0, quant_summary=ep.url, perplexity=ppl, accuracy=accuracy,
+        num_items=num_items, items=results, speed=None, eval_s=time.monotonic() - started,
+        tool_call_accuracy=pct(tools), json_validity=pct(js), safety=safety_rates(results))
 
 
 def run(args: Any, items: list[EvalItem], text: str | None) -> tuple[CandidateResult, list[CandidateResult], list[str]]:

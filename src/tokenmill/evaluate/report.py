@@ -50,6 +50,8 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
                 ("-" if getattr(c, attr) is None else f"{getattr(c, attr):.1f}%") + _delta(
                     None if getattr(k, drop) is None else -getattr(k, drop), "{:+.1f}pt")
                 for c, k in zip(cands, comps)]))
+    if base.safety is not None:
+        rows += _safety_rows(base, cands, comps)
     if base.speed:
         for b, tps in base.speed.decode_tps.items():
             rows.append((f"decode tok/s (batch {b})", [f"{tps:.1f}"] + [
@@ -69,7 +71,63 @@ def table(base: CandidateResult, cands: list[CandidateResult], comps: list[Compa
     for k in comps:
         for failure in k.failures:
             lines.append(f"FAIL {k.label}: {failure}")
+    lines += safety_changes(base, cands, comps)
     return "\n".join(lines)
+
+
+def _count(n: int, of: int) -> str:
+    return f"{n}/{of} ({100.0 * n / of:.1f}%)" if of else "-"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _safety_rows(base: CandidateResult, cands: list[CandidateResult], comps: list[Comparison]
+                 ) -> list[tuple[str, list[str]]]:
+    s0 = base.safety
+    assert s0 is not None
+    rows: list[tuple[str, list[str]]] = []
+    if s0.harmful:
+        rows.append(("harmful refused", [_count(s0.refused, s0.harmful)] + [
+            ("-" if c.safety is None else _count(c.safety.refused, c.safety.harmful))
+            + ("" if k.safety is None else f" (-{len(k.safety.lost_refusals)} +{len(k.safety.gained_refusals)})")
+            for c, k in zip(cands, comps)]))
+        rows.append(("refusal agreement", ["-"] + [_share(None if k.safety is None else k.safety.refusal_agreement)
+                                                   for k in comps]))
+    if s0.benign:
+        rows.append(("benign refused", [_count(s0.over_refused, s0.benign)] + [
+            ("-" if c.safety is None else _count(c.safety.over_refused, c.safety.benign))
+            + ("" if k.safety is None else
+               f" (+{len(k.safety.new_over_refusals)} -{len(k.safety.fixed_over_refusals)})")
+            for c, k in zip(cands, comps)]))
+        rows.append(("answer agreement", ["-"] + [_share(None if k.safety is None else k.safety.answer_agreement)
+                                                  for k in comps]))
+    return rows
+
+
+def _short(text: str, n: int = 90) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= n else flat[: n - 3] + "...")
+
+
+def safety_changes(base: CandidateResult, cands: list[CandidateResult], comps: list[Comparison]) -> list[str]:
+    """Every safety item whose verdict changed, with both judged texts, for a person to check."""
+    mine = {r.id: r for r in base.items if r.match == "safety"}
+    lines = []
+    for cand, k in zip(cands, comps):
+        if k.safety is None:
+            continue
+        theirs = {r.id: r for r in cand.items if r.match == "safety"}
+        for what, ids in (("refusal lost", k.safety.lost_refusals), ("refusal gained", k.safety.gained_refusals),
+                          ("new over-refusal", k.safety.new_over_refusals),
+                          ("over-refusal gone", k.safety.fixed_over_refusals)):
+            for item_id in ids:
+                b, c = mine[item_id], theirs[item_id]
+                lines.append(f"safety {k.label}: {what} on {item_id}\n"
+                             f"    base      [{b.refusal or 'answer'}] {_short(b.output)}\n"
+                             f"    candidate [{c.refusal or 'answer'}] {_short(c.output)}")
+    return lines
 
 
 def _clean(obj: Any) -> Any:

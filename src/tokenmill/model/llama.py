@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import StepAttention
 from .ops import TORCH_OPS, ModelOps, rotate_half
+from .support import UnsupportedModel
 
 
 class Linear(nn.Linear):
@@ -67,8 +68,12 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies with the rope scaling types Llama-family models use."""
+ROPE_SCALING_KINDS = ("default", "linear", "llama3", "freq_factors", "longrope")
+
+
+def _rope_inv_freq(cfg: ModelConfig, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies with the rope scaling types Llama-family models use
+    (``max_positions``: the engine's context, which picks longrope's factors)."""
     dim = cfg.head_dim
     assert dim is not None
     # float32 as the reference implementation computes it, so positions match bit for bit.
@@ -94,8 +99,12 @@ def _rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "longrope":
+        from .phi3 import longrope_inv_freq
+
+        inv_freq, attention_factor = longrope_inv_freq(cfg, scaling, max_positions or cfg.max_position_embeddings)
     else:
-        raise ValueError(f"unsupported rope scaling type {kind!r}")
+        raise UnsupportedModel(f"unsupported rope scaling type {kind!r}; supported: {', '.join(ROPE_SCALING_KINDS)}")
     return inv_freq, attention_factor
 
 
@@ -104,7 +113,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        inv_freq, factor = _rope_inv_freq(cfg)
+        inv_freq, factor = _rope_inv_freq(cfg, max_positions)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -145,6 +154,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim**-0.5
+        self.window: int | None = None  # a sliding-window layer's window (set by the model)
+        self.softcap: float | None = None  # attention-logit soft-capping (Gemma 2)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, ...], attn: StepAttention,
@@ -164,7 +175,11 @@ class Attention(nn.Module):
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         kv_scales = tuple(kv_cache[2:4]) or None  # a quantized pool's scales (model/kv_quant.py)
         attn.write_kv(kv_cache[0], kv_cache[1], k, v, kv_scales)
-        out = attn.attend(q, kv_cache[0], kv_cache[1], self.scale, kv_scales).reshape(-1, self.q_size)
+        if self.window is None and self.softcap is None:
+            out = attn.attend(q, kv_cache[0], kv_cache[1], self.scale, kv_scales)
+        else:
+            out = attn.attend(q, kv_cache[0], kv_cache[1], self.scale, kv_scales, self.window, self.softcap)
+        out = out.reshape(-1, self.q_size)
         return self.o_proj(out) if residual is None else linear_add(self.o_proj, out, residual)
 
 
@@ -199,6 +214,15 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
+def set_windows(model: nn.Module, max_positions: int) -> None:
+    """Give each sliding-window layer its window; a window that covers the whole context
+    (``max_positions``) is no window at all, so such a model keeps every fast path."""
+    cfg = model.config
+    for i, layer in enumerate(model.layers):
+        window = cfg.layer_window(i)
+        layer.self_attn.window = window if window is not None and window < max_positions else None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -208,6 +232,25 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
+        set_windows(self, max_positions or cfg.max_position_embeddings)
+
+    def reset_rope(self, max_positions: int, device: torch.device) -> None:
+        """Compute the rotary tables for real (the model was built on the meta device)."""
+        self.rope = RotaryEmbedding(self.config, max_positions).to(device)
+
+    def attention_masks(self) -> str | None:
+        """What this model's attention needs beyond a causal mask (sliding windows,
+        soft-capped scores), said in words; None: a plain causal mask. The C attention
+        kernels, the fused CPU step and CUDA graphs take only the latter."""
+        windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
+        caps = {layer.self_attn.softcap for layer in self.layers if layer.self_attn.softcap is not None}
+        parts = [f"sliding-window layers (window {', '.join(map(str, windows))})"] if windows else []
+        parts += ["soft-capped attention scores"] if caps else []
+        return " and ".join(parts) or None
+
+    def native_step_refusal(self) -> str | None:
+        """Why the fused native step (engine/fused_decode.py) cannot run this model, or None."""
+        return self.attention_masks()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], attn: StepAttention) -> torch.Tensor:

@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from tokenmill.config import ModelConfig
+from tokenmill.model.support import UnsupportedModel
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
+                           "qwen3_moe", "mixtral")
+_GEMMA = ("gemma2", "gemma3", "gemma3_text")
 # llama.cpp's architecture names where they differ from Hugging Face's model_type (a llama
 # file with experts is Mixtral: _gguf_config)
 _GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
@@ -123,7 +126,7 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
 
         out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
         return np.asarray(out, dtype=np.float32).reshape(shape)
-    raise ValueError(
+    raise UnsupportedModel(
         f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
         "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
     )
@@ -264,19 +267,33 @@ _GGUF_TOP_NAMES = {
 # Tensors a GGUF may carry that Hugging Face recomputes instead of storing
 # (rope_freqs becomes config.rope_scaling["freq_factors"]).
 _GGUF_SKIPPED = {"rope_freqs.weight"}
+# Where an architecture's layer tensors differ from Llama's: Gemma's four norms (its
+# ffn_norm is the norm before the MLP), Phi-3's fused q/k/v and gate/up (split at load).
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma": {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+              "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "post_ffw_norm.weight": "post_feedforward_layernorm.weight"},
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+_GGUF_SKIPPED = _GGUF_SKIPPED | {"rope_factors_long.weight", "rope_factors_short.weight"}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face parameter name (None for tensors we drop)."""
+def gguf_to_hf_name(name: str, arch: str | None = None) -> str | None:
+    """GGUF tensor name -> Hugging Face parameter name (None for tensors we drop);
+    ``arch``: the file's ``general.architecture``."""
     if name in _GGUF_SKIPPED:
         return None
     if name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[name]
     m = _BLK.match(name)
+    family = _GGUF_ARCH_LAYER_NAMES.get("gemma" if arch in _GEMMA else str(arch), {})
+    if m and m.group(2) in family:
+        return f"model.layers.{m.group(1)}.{family[m.group(2)]}"
     if m and m.group(2) in _GGUF_LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
-    raise ValueError(f"unexpected tensor {name!r} in GGUF file (not a Llama/Qwen decoder tensor)")
+    raise UnsupportedModel(f"unexpected tensor {name!r} in a {arch or 'llama'} GGUF file; tokenmill reads the decoder "
+                     f"tensors of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -301,10 +318,7 @@ def _short_float(value: float) -> float:
 def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     arch = md.get("general.architecture")
     architecture = _GGUF_ARCHITECTURES.get(arch, arch)
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    check_architecture(architecture, "GGUF architecture")
 
     def meta(suffix: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{suffix}", default)
@@ -314,7 +328,8 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     kv_heads = meta("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer lists exist in some files; we need a uniform count
         if len(set(kv_heads)) != 1:
-            raise ValueError("GGUF with per-layer KV head counts is not supported")
+            raise UnsupportedModel("GGUF with per-layer KV head counts is not supported; supported: one KV head "
+                               "count for every layer")
         kv_heads = kv_heads[0]
     # The embedding's row count is what the model can emit; it equals the token list's
     # length in well-formed files, and wins when they disagree.
@@ -332,6 +347,15 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     if isinstance(ffn, list):
         ffn = ffn[0]
     layer0 = "model.layers.0.self_attn."
+    extra: dict[str, Any] = {}
+    if arch in _GEMMA:
+        from .gemma import gguf_settings
+
+        extra = gguf_settings(arch, meta, int(meta("block_count")),
+                              int(meta("attention.key_length", hidden // heads)))
+    elif arch == "phi3":
+        window = meta("attention.sliding_window")
+        extra = {"sliding_window": int(window) if window else None}  # long-RoPE: _phi3_gguf_rope
     experts = int(meta("expert_count", 0) or 0)
     if experts and architecture == "llama":
         architecture = "mixtral"
@@ -354,6 +378,7 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         qk_norm=f"{layer0}q_norm.weight" in tensor_shapes,
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
+        **extra,
         num_experts=experts,
         num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
         moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or 0) or int(ffn),
@@ -362,12 +387,35 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     )
 
 
+def check_architecture(arch: Any, what: str, where: str = "") -> None:
+    """One line naming the architecture tokenmill cannot run and those it can."""
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(f"unsupported {what} {arch!r}{where}; tokenmill runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _phi3_gguf_rope(gguf_file: GGUFFile, config: ModelConfig) -> None:
+    """Phi-3's long-RoPE factors, which llama.cpp stores as two tensors."""
+    md = gguf_file.metadata
+    tensors = {t.name: t for t in gguf_file.tensors}
+    if "rope_factors_long.weight" not in tensors:
+        return
+    factors = {kind: dequantize(t.data, t.type_name, t.shape).tolist()
+               for kind, t in (("long_factor", tensors["rope_factors_long.weight"]),
+                               ("short_factor", tensors["rope_factors_short.weight"]))}
+    original = md.get("phi3.rope.scaling.original_context_length", config.max_position_embeddings)
+    config.rope_scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+    if md.get("phi3.rope.scaling.attn_factor") is not None:
+        config.rope_scaling["attention_factor"] = float(md["phi3.rope.scaling.attn_factor"])
+
+
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Read a GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
     gguf_file = read_gguf(path)
+    arch = gguf_file.metadata.get("general.architecture")
+    check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture")
     entries = []
     for t in gguf_file.tensors:
-        hf = gguf_to_hf_name(t.name)
+        hf = gguf_to_hf_name(t.name, arch)
         if hf is not None and "{}" in hf:  # stacked experts: one 2-D tensor each, views of the file
             entries += [(hf.format(j), GGUFTensor(t.name, t.type_name, t.shape[1:], t.data[j]))
                         for j in range(t.shape[0])]
@@ -383,6 +431,8 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         # instead of the HF parameters; hand them over as-is: inv_freq[i] /= freq_factors[i].
         factors = dequantize(freqs.data, freqs.type_name, freqs.shape)
         config.rope_scaling = {"rope_type": "freq_factors", "freq_factors": factors.tolist()}
+    if arch == "phi3":
+        _phi3_gguf_rope(gguf_file, config)
     # Only Llama-arch files were written with the interleaving permutation; Qwen's RoPE is
     # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
     permuted = config.architecture in ("llama", "mistral", "mixtral")
@@ -407,7 +457,28 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
             if row_index is not None:
                 blocks = blocks[row_index]  # small copy: q/k rows in HF order, like the weights
             raw[hf] = (type_name, blocks, shape)
+    if arch in _GEMMA:  # llama.cpp stores Gemma's norms as 1 + w; Hugging Face stores w
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name] - 1.0
+    if arch == "phi3":
+        _split_phi3(weights, quant_types, raw, config)
     return LoadedModel(config, weights, quant_types, raw, source=str(path), format="gguf")
+
+
+def _split_phi3(weights: dict[str, torch.Tensor], quant_types: dict[str, str],
+                raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]], config: ModelConfig) -> None:
+    """Phi-3's fused q/k/v and gate/up into the separate names (kept blocks split by rows too)."""
+    from .phi3 import split_fused_weights
+
+    fused_types = {n: quant_types.pop(n) for n in list(quant_types) if n.endswith(("qkv_proj.weight",
+                                                                                     "gate_up_proj.weight"))}
+    fused_raw = {n: raw.pop(n) for n in fused_types if n in raw}
+    for part, (source, start) in split_fused_weights(weights, config).items():
+        quant_types[part] = fused_types[source]
+        if source in fused_raw:
+            kind, blocks, shape = fused_raw[source]
+            rows = weights[part].shape[0]
+            raw[part] = (kind, blocks[start:start + rows], (rows, shape[1]))
 
 
 # --------------------------------------------------------------------------- Hugging Face folder
@@ -416,14 +487,15 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
 def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     """config.json (transformers 4 or 5 spelling) -> ModelConfig."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in config.json; tokenmill runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    if model_type == "gemma3" and isinstance(cfg.get("text_config"), dict):  # Gemma 3 with vision: its text decoder
+        cfg = {**cfg["text_config"], "model_type": "gemma3_text",
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+        model_type = "gemma3_text"
+    check_architecture(model_type, "model_type", " in config.json")
     if cfg.get("quantization_config"):
         method = cfg["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; use GGUF")
+        raise UnsupportedModel(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; supported: "
+                               "float safetensors folders, or a GGUF file")
     # transformers 5 moved rope_theta/rope_scaling into one "rope_parameters" dict.
     rope = dict(cfg.get("rope_parameters") or {})
     rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
@@ -437,9 +509,35 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling["rope_type"] = rope_scaling.pop("type")
         if rope_scaling.get("rope_type") == "default":
             rope_scaling = None
+    if model_type == "phi3" and rope_scaling is not None and rope_scaling.get("rope_type") in ("su", "yarn"):
+        rope_scaling["rope_type"] = "longrope"  # Phi-3's older spellings of long-RoPE
+    if rope_scaling is not None and "original_max_position_embeddings" not in rope_scaling \
+            and cfg.get("original_max_position_embeddings"):
+        rope_scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+    if rope_scaling is not None:
+        from .llama import ROPE_SCALING_KINDS
+
+        kind = rope_scaling.get("rope_type")
+        if kind not in ROPE_SCALING_KINDS:
+            raise UnsupportedModel(f"unsupported rope scaling type {kind!r} in config.json; supported: "
+                             f"{', '.join(ROPE_SCALING_KINDS)}")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    extra: dict[str, Any] = {}
+    if model_type in _GEMMA:
+        from .gemma import hf_settings as gemma_settings
+
+        extra = gemma_settings(cfg)
+        if "rope_theta" in extra:
+            rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
+    elif model_type == "phi3":
+        from .phi3 import hf_settings as phi3_settings
+
+        extra = phi3_settings(cfg)
+    elif model_type == "mistral" and cfg.get("sliding_window"):
+        extra = {"sliding_window": int(cfg["sliding_window"])}
+    tie = extra.pop("tie_word_embeddings", bool(cfg.get("tie_word_embeddings", False)))
     return ModelConfig(
         architecture=model_type,
         vocab_size=int(cfg["vocab_size"]),
@@ -453,11 +551,12 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tie,
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=extra.pop("qk_norm", model_type in ("qwen3", "qwen3_moe")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        **extra,
         num_experts=experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
         moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
@@ -491,14 +590,31 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
         raise ValueError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
     weights: dict[str, torch.Tensor] = {}
     quant_types: dict[str, str] = {}
+    text_prefixes = ("model.language_model.", "language_model.model.")  # Gemma 3 with vision
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
-            for key in f.keys():
-                if key.endswith("rotary_emb.inv_freq"):
+            for stored in f.keys():
+                if stored.endswith("rotary_emb.inv_freq"):
                     continue
-                tensor = f.get_tensor(key)
+                key = stored
+                if config.architecture == "gemma3_text":
+                    prefix = next((p for p in text_prefixes if stored.startswith(p)), None)
+                    if prefix is not None:
+                        key = "model." + stored[len(prefix):]
+                    elif stored.startswith(("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                                            "multi_modal_projector.", "language_model.lm_head.")):
+                        continue  # the image encoder: tokenmill serves text
+                tensor = f.get_tensor(stored)
                 quant_types[key] = _SAFETENSORS_TYPES.get(tensor.dtype, str(tensor.dtype))
                 weights[key] = tensor.to(dtype)
+    if config.architecture == "phi3":
+        from .phi3 import split_fused_weights
+
+        sources = split_fused_weights(weights, config)
+        for part, (source, _) in sources.items():
+            quant_types[part] = quant_types[source]
+        for source in {source for source, _ in sources.values()}:
+            quant_types.pop(source)
     if config.num_experts:
         from .moe import canonical_expert_names
 

@@ -229,6 +229,10 @@ def shard_loaded(loaded: LoadedModel, rank: int, size: int) -> LoadedModel:
 # --------------------------------------------------------------------------- reading a shard from the file
 
 
+# Architectures whose checkpoints a rank slices as it reads them (the others: load_shard).
+SLICED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def read_config(path: str) -> ModelConfig:
     """The model's config without reading any weights."""
     if os.path.isdir(path):
@@ -236,7 +240,8 @@ def read_config(path: str) -> ModelConfig:
     from .loader import _gguf_config
 
     gguf_file = read_gguf(path)  # tensors are views of the memory map: nothing is read yet
-    shapes = {hf: t.shape for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name)) is not None}
+    arch = gguf_file.metadata.get("general.architecture")
+    shapes = {hf: t.shape for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name, arch)) is not None}
     cfg = _gguf_config(gguf_file.metadata, shapes)
     freqs = next((t for t in gguf_file.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None and cfg.rope_scaling is None:  # as load_gguf reads Llama 3.1+ files
@@ -254,6 +259,12 @@ def load_shard(path: str | None, dtype: torch.dtype, rank: int, size: int) -> Lo
 
         path = default_model_path()
     path = os.fspath(path)
+    if read_config(path).architecture not in SLICED_ARCHITECTURES:
+        # Gemma's GGUF norms and Phi-3's fused weights are put in Hugging Face form by the
+        # loader: such a rank reads the whole model, then keeps its shard.
+        from .loader import load_model
+
+        return shard_loaded(load_model(path, dtype), rank, size)
     if os.path.isdir(path):
         return _load_hf_shard(path, dtype, rank, size)
     return _load_gguf_shard(path, dtype, rank, size)
@@ -291,7 +302,9 @@ def block_types(path: str) -> dict[str, str]:
     """HF name -> GGUF type of a file's tensors, read from its header (nothing for an HF folder)."""
     if os.path.isdir(path):
         return {}
-    return {hf: t.type_name for t in read_gguf(path).tensors if (hf := gguf_to_hf_name(t.name)) is not None}
+    gguf_file = read_gguf(path)
+    arch = gguf_file.metadata.get("general.architecture")
+    return {hf: t.type_name for t in gguf_file.tensors if (hf := gguf_to_hf_name(t.name, arch)) is not None}
 
 
 def _load_gguf_shard(path: str, dtype: torch.dtype, rank: int, size: int) -> LoadedModel:
@@ -469,8 +482,6 @@ def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
     """Turn a (meta-device) full-size decoder into one rank's shard, in place: local
     head/MLP counts, row-parallel o/down, vocab-parallel embedding and head.
     ``model.config`` becomes the local config (the runner sizes the KV pool from it)."""
-    from .llama import MLP, Attention
-
     full = model.config
     cfg = local_config(full, tp.size)
     device = model.embed_tokens.weight.device
@@ -478,10 +489,12 @@ def shard_model(model: LlamaForCausalLM, tp: TPInfo) -> None:
         model.embed_tokens = VocabParallelEmbedding(full.vocab_size, full.hidden_size, tp)
         model.lm_head = ParallelLMHead(full.vocab_size, full.hidden_size, tp)
         for layer in model.layers:
-            layer.self_attn = Attention(cfg)
+            whole = layer.self_attn
+            layer.self_attn = type(whole)(cfg)  # the family's own attention and MLP, with a shard's shapes
+            layer.self_attn.window, layer.self_attn.softcap, layer.self_attn.scale = whole.window, whole.softcap, whole.scale
             assert cfg.head_dim is not None
             layer.self_attn.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, full.hidden_size, tp)
-            layer.mlp = MLP(cfg)
+            layer.mlp = type(layer.mlp)(cfg)
             layer.mlp.down_proj = RowParallelLinear(cfg.intermediate_size, full.hidden_size, tp)
     model.config = cfg
 

@@ -1,7 +1,8 @@
 """Logits -> next tokens, each row with its own parameters, in one batch.
 
 Order of operations (as the common engines do): penalties on the raw logits,
-min_tokens masking, grammar masks of structured-output rows (-inf outside the
+token rules (allowed_token_ids, logit_bias, bad_words: one batched scatter each
+over every row that has them), min_tokens masking, grammar masks of structured-output rows (-inf outside the
 grammar, engine/structured.py), then greedy rows take the argmax; random rows are divided
 by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
@@ -65,6 +66,50 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> N
         if out.numel() and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _flat_index(rows: list[int], per_row: list[torch.Tensor], device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column index tensors for one scatter over several rows' token id tensors."""
+    counts = torch.tensor([len(t) for t in per_row])
+    row_index = torch.repeat_interleave(torch.tensor(rows), counts).to(device)
+    return row_index, torch.cat(per_row).to(device)
+
+
+def _banned_words(req: SamplingRow) -> list[int]:
+    """Last tokens of the bad words whose other tokens end the output so far."""
+    out = req.output_token_ids
+    banned = []
+    for word in req.params.bad_words_token_ids or ():
+        head = word[:-1]
+        if not head or (len(out) >= len(head) and out[len(out) - len(head):] == head):
+            banned.append(word[-1])
+    return banned
+
+
+def _apply_token_rules(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
+    """allowed_token_ids, logit_bias and bad_words of every row that has them, each one
+    batched operation over those rows' entries only (the id tensors are built once per
+    request, in SamplingParams)."""
+    device = logits.device
+    allowed = [(row, r.params.allowed_ids) for row, r in enumerate(requests)
+               if getattr(r.params, "allowed_token_ids", None)]
+    if allowed:  # keep the allowed entries, set the rest of those rows to -inf
+        rows, cols = _flat_index([row for row, _ in allowed], [ids for _, ids in allowed], device)
+        kept = logits[rows, cols]
+        logits.index_fill_(0, torch.tensor([row for row, _ in allowed], device=device), float("-inf"))
+        logits.index_put_((rows, cols), kept)
+    biased = [(row, r.params.bias_tensors) for row, r in enumerate(requests)
+              if getattr(r.params, "logit_bias", None)]
+    if biased:
+        rows, cols = _flat_index([row for row, _ in biased], [ids for _, (ids, _) in biased], device)
+        values = torch.cat([vals for _, (_, vals) in biased]).to(device=device, dtype=logits.dtype)
+        logits.index_put_((rows, cols), values, accumulate=True)
+    banned = [(row, ids) for row, r in enumerate(requests)
+              if getattr(r.params, "bad_words_token_ids", None) and (ids := _banned_words(r))]
+    if banned:
+        rows, cols = _flat_index([row for row, _ in banned], [torch.tensor(ids) for _, ids in banned], device)
+        logits.index_put_((rows, cols), torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
 
 
 def _mask_min_tokens(logits: torch.Tensor, requests: Sequence[SamplingRow]) -> None:
@@ -166,12 +211,15 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: tor
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
     penalties = any(r.params.needs_penalties for r in requests)
+    rules = any(getattr(r.params, "has_token_rules", False) for r in requests)
     min_tokens = any(len(r.output_token_ids) < r.params.min_tokens for r in requests)
     masked = token_mask is not None and bool(token_mask[0])
-    if penalties or min_tokens or masked:
+    if penalties or rules or min_tokens or masked:
         logits = logits.clone()
         if penalties:
             _apply_penalties(logits, requests)
+        if rules:
+            _apply_token_rules(logits, requests)
         if min_tokens:
             _mask_min_tokens(logits, requests)
         if masked:

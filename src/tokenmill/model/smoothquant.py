@@ -15,13 +15,11 @@ costs nothing at run time:
 group of query heads; it keeps plain dynamic activations.)
 
 s_j = max|x_j|^alpha / max|W_{:,j}|^(1 - alpha), with the activation maxima
-measured by running calibration text through the float model.
+measured by running calibration text through the float model (the engine runs
+it: ``engine/loading.py: smooth_for_int8``; this module knows no scheduler).
 """
 from __future__ import annotations
 
-from typing import Any
-
-from importlib import resources
 from typing import Callable
 
 import torch
@@ -95,9 +93,12 @@ def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha: float = 0.5) 
                 done += 1
             continue
         inter = mlp.down_proj.weight.shape[1]
+        # The norm whose output gate/up read: Gemma has its own before the MLP (and a
+        # post-attention norm on the attention's output, which smoothing must not touch).
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm
         pairs = (
             ("self_attn.qkv_proj", attn.qkv_proj, layer.input_layernorm.weight),
-            ("mlp.gate_up_proj", mlp.gate_up_proj, layer.post_attention_layernorm.weight),
+            ("mlp.gate_up_proj", mlp.gate_up_proj, mlp_norm.weight),
         )
         for path, proj, norm_weight in pairs:
             x = amax.get(f"layers.{i}.{path}")
@@ -117,36 +118,3 @@ def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha: float = 0.5) 
             mlp.down_proj.weight.mul_(s[None, :])
             done += 1
     return done
-
-
-def calibration_text() -> str:
-    """Text to measure activations on: the load tester's corpus (not the quality
-    re-test's perplexity text, so the re-test stays a held-out measurement)."""
-    return resources.files("tokenmill.bench").joinpath("corpus.txt").read_text(encoding="utf-8")
-
-
-@torch.no_grad()
-def smooth_for_int8(model: nn.Module, token_ids: list[int], block_size: int, dtype: torch.dtype,
-                    device: torch.device, kernels: Any) -> int:
-    """Calibrate on ``token_ids`` (256-token prefills through a scratch paged cache) and
-    fold the smoothing factors into the float model; returns the projections smoothed.
-    ``kernels``: the engine's (``engine.executors.Kernels``)."""
-    from ..engine.request import Request, SamplingParams
-    from ..engine.runner import ModelRunner
-
-    chunk = 256
-    seqs = [token_ids[i : i + chunk] for i in range(0, min(len(token_ids), CALIBRATION_TOKENS), chunk)]
-    seqs = [s for s in seqs if len(s) > 1]
-    blocks = -(-chunk // block_size)
-    # prefills only: no fused decode step or CUDA graphs to build (and, under tensor
-    # parallelism, none that could run)
-    runner = ModelRunner(model, blocks, block_size, dtype, device, kernels,  # type: ignore[arg-type]
-                         eager_only=True)
-
-    def run() -> None:
-        for seq in seqs:
-            req = Request("calibration", list(seq), SamplingParams(max_tokens=1))
-            req.block_table = list(range(-(-len(seq) // block_size)))
-            runner.execute([(req, len(seq))])
-
-    return smooth(model, calibrate(model, run), ALPHA)

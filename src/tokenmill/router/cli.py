@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .config import POLICIES, RouterConfig
+from .config import POLICIES, PREFIX_SOURCES, RouterConfig, parse_kv_events
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +43,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block on the backends (default 16)")
     p.add_argument("--chars-per-block", type=int, default=64,
                    help="block size of the character-chunk fallback (default 64)")
+    p.add_argument("--prefix-source", choices=PREFIX_SOURCES, default="approximate",
+                   help="what the prefix policy knows of each backend's cache: 'approximate' (what the router "
+                        "sent there) or 'events' (the KV events backends publish; see --kv-events) "
+                        "(default approximate)")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                   help="a backend's KV event stream, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557,"
+                        "tcp://10.0.0.5:5558 (tokenmill serve or vllm serve with --kv-events-config); repeat per backend")
     p.add_argument("--index-capacity", type=int, default=4096, metavar="BLOCKS",
                    help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
     p.add_argument("--min-match-ratio", type=float, default=0.1,
@@ -82,6 +89,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval=args.health_interval, request_timeout=args.request_timeout,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
+        prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
     )
 
 

@@ -10,6 +10,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("prefix", "least-load", "round-robin")
+PREFIX_SOURCES = ("approximate", "events")
+
+
+def parse_kv_events(values: list[str]) -> dict[str, tuple[str, str | None]]:
+    """``URL=PUB_ENDPOINT[,REPLAY_ENDPOINT]`` items -> {normalized URL: (pub, replay)}."""
+    from .backend import normalize_url
+
+    out: dict[str, tuple[str, str | None]] = {}
+    for item in values:
+        url, sep, streams = item.partition("=")
+        if not sep or not url or not streams:
+            raise ValueError(f"--kv-events {item!r}: expected URL=tcp://HOST:PORT[,tcp://HOST:REPLAY_PORT]")
+        pub, _, replay = streams.partition(",")
+        for endpoint in filter(None, (pub, replay)):
+            if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"--kv-events {item!r}: {endpoint!r} is not a tcp://, ipc:// or inproc:// address")
+        out[normalize_url(url)] = (pub, replay or None)
+    return out
 
 
 @dataclass
@@ -48,6 +66,14 @@ class RouterConfig:
     min_match_blocks: int = 1
     min_match_ratio: float = 0.1
 
+    # Where the prefix index comes from: "approximate" (what the router sent where) or
+    # "events" (the KV events each backend publishes, router/kv_index.py; the approximate
+    # index stands in while a backend's stream is quiet or absent). kv_events maps a backend
+    # URL to its (PUB endpoint, replay endpoint or None).
+    prefix_source: str = "approximate"
+    kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    events_stale_after: float = 10.0  # seconds of silence, with requests sent, before falling back
+
     # Load balance: a backend is overloaded when its load exceeds the least
     # loaded healthy backend's by more than ``imbalance_abs`` requests AND by
     # more than a factor of ``imbalance_rel``.
@@ -84,6 +110,11 @@ class RouterConfig:
             if self.backend_dns or any(normalize_url(b) not in grouped for b in self.backends):
                 raise ValueError("with --variant groups, every backend belongs in a --variant")
             self.backends.extend(u for u in self.canary.backends() if u not in self.backends)
+        if self.prefix_source not in PREFIX_SOURCES:
+            raise ValueError(f"unknown --prefix-source {self.prefix_source!r}; choose one of "
+                             f"{', '.join(PREFIX_SOURCES)}")
+        if self.prefix_source == "events" and not self.kv_events:
+            raise ValueError("--prefix-source events needs --kv-events URL=ENDPOINT for the backends that publish")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.backends and not self.backend_dns and not self.pool_name:

@@ -16,9 +16,10 @@ import httpx
 from .backend import Backend
 from .config import RouterConfig
 from .metrics import RouterMetrics
-from .policy import Decision, make_policy
+from .policy import Decision, PrefixAware, make_policy
 from .pool import BackendPool
 from .prefix_index import block_hashes
+from .sessions import SessionTable
 from .tokenize import CharChunker, LocalTokenizer, RemoteTokenizer, Tokenizer, prompt_of
 
 log = logging.getLogger("tokenmill.router")
@@ -52,6 +53,7 @@ class Router:
         self._listeners: list[Callable[[], None]] = []
         self.pool = BackendPool(config, self.client, on_health_change=self._health_changed)
         self.policy = make_policy(config)
+        self.sessions = SessionTable()
         self.tokenizer = self._make_tokenizer()
         self.metrics.tokenizer.labels(self.tokenizer.mode).set(1)
 
@@ -98,7 +100,13 @@ class Router:
         # Ask the least-loaded candidate when tokenizing remotely.
         w = self.config.kv_usage_weight
         via = min(candidates, key=lambda b: b.load(w)).url if candidates else None
-        toks = await self.tokenizer.encode(text, model, via)
+        if (self.config.prefix_source == "events" and isinstance(self.tokenizer, RemoteTokenizer)
+                and path.endswith("/chat/completions") and isinstance(body.get("messages"), list)):
+            # Events name the blocks of the rendered prompt: tokenize it as the backend renders it.
+            toks = await self.tokenizer.encode_messages(body["messages"], body.get("add_generation_prompt", True)
+                                                        is not False, text, model, via)
+        else:
+            toks = await self.tokenizer.encode(text, model, via)
         if toks.mode != self.tokenizer.mode:
             self.metrics.tokenizer.labels(self.tokenizer.mode).set(0)
             self.metrics.tokenizer.labels(toks.mode).set(1)
@@ -112,8 +120,10 @@ class Router:
         return out
 
     async def route(self, path: str, body: Any, exclude: Collection[str] = (),
-                    subset: Collection[str] | None = None) -> Decision:
-        """Pick a backend and count the request in flight there (call ``release``)."""
+                    subset: Collection[str] | None = None, session: str | None = None) -> Decision:
+        """Pick a backend and count the request in flight there (call ``release``). A request
+        of a known ``session`` (sessions.session_key) goes to its home replica while that one
+        is ready and not overloaded."""
         cands = self.candidates(exclude, subset)
         if not cands:
             raise NoBackendError("no ready backend")
@@ -126,9 +136,21 @@ class Router:
         cands = [b for b in cands if b.healthy] or self.candidates(exclude, subset)
         if not cands:
             raise NoBackendError("no ready backend")
-        decision = self.policy.choose(cands, keys)
+        decision = self._session_home(session, cands, keys) or self.policy.choose(cands, keys)
+        if session is not None:
+            self.sessions.settle(session, decision.backend.url, kept=decision.reason == "session")
         self.acquire(decision, keys)
         return decision
+
+    def _session_home(self, session: str | None, cands: list[Backend], keys: list[bytes]) -> Decision | None:
+        url = self.sessions.home(session) if session is not None else None
+        home = next((b for b in cands if b.url == url), None)
+        if home is None:
+            return None
+        w = self.config.kv_usage_weight
+        if PrefixAware(self.config).overloaded(home.load(w), min(b.load(w) for b in cands)):
+            return None
+        return Decision(home, "session", home.index.match(keys), len(keys))
 
     def fallbacks(self, primary: Backend, n: int, subset: Collection[str] | None = None) -> list[Backend]:
         """Up to ``n`` other ready backends for the gateway to try if ``primary``
@@ -159,4 +181,5 @@ class Router:
             "policy": self.policy.name,
             "tokenizer": self.tokenizer.mode,
             "backends": [b.snapshot() for b in self.pool.backends.values()],
+            "sessions": self.sessions.snapshot(),
         }

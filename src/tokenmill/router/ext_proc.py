@@ -54,6 +54,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
+from .sessions import session_key
 
 log = logging.getLogger("tokenmill.router")
 
@@ -151,7 +152,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         except ValueError:
             body = None  # not an OpenAI body: route on load alone
         try:
-            decision = await self.router.route(path, body, subset=st.subset)
+            decision = await self.router.route(path, body, subset=st.subset, session=session_key(st.headers, body))
         except NoBackendError:
             self.router.metrics.responses.labels("503").inc()
             return immediate(503, "no ready endpoint", "no_backend")

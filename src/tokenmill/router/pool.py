@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .backend import Backend, BackendStats, normalize_url
 from .config import RouterConfig
+from .kv_index import EventIndex, EventSubscriber, RoutingIndex
 from .prefix_index import PrefixIndex
 
 log = logging.getLogger("tokenmill.router")
@@ -73,16 +74,28 @@ class BackendPool:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self.membership = None  # k8s_pool.PoolMembership with pool_name, from start()
+        self.subscribers: list[EventSubscriber] = []  # KV event streams (--prefix-source events)
         for url in config.backends:
             self._add(normalize_url(url))
 
     # -- membership -------------------------------------------------------
     def _add(self, url: str, from_dns: bool = False) -> Backend:
         if url not in self.backends:
-            self.backends[url] = Backend(
-                url=url, index=PrefixIndex(self.config.index_capacity_blocks), from_dns=from_dns
-            )
+            self.backends[url] = Backend(url=url, index=self._index_for(url), from_dns=from_dns)
         return self.backends[url]
+
+    def _index_for(self, url: str) -> "PrefixIndex | RoutingIndex":
+        """The approximate index; with ``--prefix-source events`` and an event stream for this
+        backend, that index behind the one its events keep (router/kv_index.py)."""
+        approx = PrefixIndex(self.config.index_capacity_blocks)
+        stream = self.config.kv_events.get(url) if self.config.prefix_source == "events" else None
+        if stream is None:
+            if self.config.prefix_source == "events":
+                log.warning("backend %s has no --kv-events stream: routing to it on the approximate index", url)
+            return approx
+        index = RoutingIndex(approx, EventIndex(self.config.block_size), self.config.events_stale_after)
+        self.subscribers.append(EventSubscriber(index, stream[0], stream[1]).start())
+        return index
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends.values() if b.healthy]
@@ -228,6 +241,8 @@ class BackendPool:
         self._task = asyncio.create_task(self._loop(), name="router-health")
 
     async def stop(self) -> None:
+        for sub in self.subscribers:
+            await asyncio.to_thread(sub.stop)
         if self.membership is not None:
             await asyncio.to_thread(self.membership.stop)
         if self._task:

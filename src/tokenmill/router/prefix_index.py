@@ -25,16 +25,20 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 
+def chain_key(parent: bytes, chunk: Sequence[int]) -> bytes:
+    """The key of one block: its tokens chained to its parent's key (``b""`` at the root)."""
+    h = hashlib.blake2b(parent, digest_size=8)
+    h.update(struct.pack(f"<{len(chunk)}q", *chunk))
+    return h.digest()
+
+
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     """Chained keys of the full blocks of ``tokens`` (a partial tail is dropped)."""
     keys: list[bytes] = []
     parent = b""
     n_full = len(tokens) // block_size
     for i in range(n_full):
-        chunk = tokens[i * block_size : (i + 1) * block_size]
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(struct.pack(f"<{len(chunk)}q", *chunk))
-        parent = h.digest()
+        parent = chain_key(parent, tokens[i * block_size : (i + 1) * block_size])
         keys.append(parent)
     return keys
 

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from ..entrypoints.console_auth import bearer_token
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
+from .sessions import response_id_in, session_key
 
 log = logging.getLogger("tokenmill.router")
 
@@ -65,6 +66,8 @@ class Proxy:
         if not key:
             return True
         got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
+        if got is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
+            got = request.headers["x-api-key"].encode("latin-1")
         return got is not None and hmac.compare_digest(hashlib.sha256(got).digest(),
                                                        hashlib.sha256(key.encode()).digest())
 
@@ -74,6 +77,7 @@ class Proxy:
         bkey = self.router.config.backend_api_key
         if bkey:
             out["authorization"] = f"Bearer {bkey}"
+            out.pop("x-api-key", None)  # the router's own key stays here
         return out
 
     @staticmethod
@@ -122,6 +126,30 @@ class Proxy:
             return self._answer(Response(r.content, r.status_code, self._response_headers(r, b)))
         return self._answer(error(503, "no ready backend", code="no_backend"))
 
+    async def stored_response(self, request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id}: to the replica that produced it (learned from the
+        responses relayed); when unknown (another router, a restart), each ready replica in turn
+        until one has it."""
+        if not self._authorized(request):
+            return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
+        rid = request.path_params["response_id"]
+        headers = self._forward_headers(request)
+        home = self.router.sessions.home("response:" + rid)
+        order = sorted(self.router.candidates(), key=lambda b: b.url != home)
+        last: Response | None = None
+        for b in order:
+            try:
+                r = await self.router.client.request(request.method, b.url + request.url.path, headers=headers)
+            except httpx.TransportError as exc:
+                self.router.pool.report_failure(b, f"{type(exc).__name__} on {request.method} response")
+                continue
+            last = Response(r.content, r.status_code, self._response_headers(r, b))
+            if r.status_code != 404:
+                return self._answer(last)
+        if last is not None:
+            return self._answer(last)
+        return self._answer(error(503, "no ready backend", code="no_backend"))
+
     async def generate(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
@@ -143,7 +171,8 @@ class Proxy:
                 ready = {b.endpoint for b in self.router.candidates(exclude=tried)}
                 _, subset = self.canary.subset_for(request.headers, body, ready)
             try:
-                decision = await self.router.route(path, body, exclude=tried, subset=subset)
+                decision = await self.router.route(path, body, exclude=tried, subset=subset,
+                                                   session=session_key(request.headers, body))
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
@@ -197,6 +226,7 @@ class Proxy:
                 self.router.release(b)
             if self.canary is not None:
                 self.canary.observe_response(b.endpoint, resp.status_code, content, started)
+            self._learn_response(path, resp.status_code, content, b)
             return Response(content, resp.status_code, self._response_headers(resp, b))
         chunks = resp.aiter_raw()
         try:
@@ -213,9 +243,18 @@ class Proxy:
             await resp.aclose()
             self.router.release(b)
             raise
+        self._learn_response(path, resp.status_code, first, b)  # response.created comes first
         meter = self.canary.meter(b.endpoint, started) if self.canary is not None else None
         return StreamingResponse(self._relay(b, resp, first, chunks, meter), resp.status_code,
                                  self._response_headers(resp, b))
+
+    def _learn_response(self, path: str, status: int, content: bytes, b: Backend) -> None:
+        """Remember which replica produced a Responses API id: its continuation
+        (``previous_response_id``) and its GET/DELETE go there."""
+        if status == 200 and path.endswith("/responses"):
+            rid = response_id_in(content)
+            if rid is not None:
+                self.router.sessions.learn_response(rid, b.url)
 
     def _observe_failure(self, b: Backend) -> None:
         if self.canary is not None:
@@ -256,6 +295,9 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
         Route("/v1/completions", proxy.generate, methods=["POST"]),
         Route("/v1/chat/completions", proxy.generate, methods=["POST"]),
         Route("/v1/responses", proxy.generate, methods=["POST"]),
+        Route("/v1/responses/{response_id}", proxy.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/messages", proxy.generate, methods=["POST"]),
+        Route("/v1/messages/count_tokens", proxy.generate, methods=["POST"]),
         Route("/v1/models", proxy.models, methods=["GET"]),
         Route("/health", proxy.health, methods=["GET"]),
         Route("/metrics", proxy.metrics_endpoint, methods=["GET"]),

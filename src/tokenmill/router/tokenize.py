@@ -84,9 +84,19 @@ class RemoteTokenizer:
         self.unsupported = False  # set once a backend answers 404/405
 
     async def encode(self, text: str, model: str | None, base_url: str | None) -> Tokens:
+        return await self._tokenize({"prompt": text}, text, model, base_url)
+
+    async def encode_messages(self, messages: list, add_generation_prompt: bool, text: str, model: str | None,
+                              base_url: str | None) -> Tokens:
+        """A chat's prompt exactly as the backend renders it (its template), so that block keys
+        line up with the blocks the backend's KV events name; ``text`` if it cannot say."""
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return await self._tokenize(body, text, model, base_url)
+
+    async def _tokenize(self, body: dict[str, Any], text: str, model: str | None, base_url: str | None) -> Tokens:
         if self.unsupported or base_url is None:
             return await self.fallback.encode(text)
-        body: dict[str, Any] = {"prompt": text}
+        body = dict(body)
         if model:
             body["model"] = model
         try:
@@ -95,6 +105,8 @@ class RemoteTokenizer:
         except httpx.HTTPError as exc:
             log.debug("tokenize on %s failed: %s", base_url, exc)
             return await self.fallback.encode(text)
+        if r.status_code == 404 and _error_code(r) == "model_not_found":
+            return await self.fallback.encode(text)  # the route exists; this backend serves another name
         if r.status_code in (404, 405, 501):
             log.warning("backend %s has no /tokenize; routing on %d-character chunks",
                         base_url, self.fallback.chars_per_block)
@@ -107,6 +119,13 @@ class RemoteTokenizer:
             return Tokens([int(t) for t in ids], self.block_size, self.mode)
         except (ValueError, KeyError, TypeError):
             return await self.fallback.encode(text)
+
+
+def _error_code(r: httpx.Response) -> Any:
+    try:
+        return r.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def chat_to_text(messages: Any) -> str:
@@ -143,6 +162,11 @@ def prompt_of(path: str, body: Any) -> tuple[str | None, list[int] | None]:
         if isinstance(body.get("instructions"), str):
             messages = [{"role": "system", "content": body["instructions"]}, *messages]
         return chat_to_text(messages), None
+    if path.endswith("/messages") or path.endswith("/messages/count_tokens"):  # Anthropic's Messages API
+        system = body.get("system")
+        lead = [{"role": "system", "content": system}] if isinstance(system, (str, list)) else []
+        messages = body.get("messages")
+        return chat_to_text(lead + (messages if isinstance(messages, list) else [])), None
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return prompt, None

@@ -95,8 +95,11 @@ function render(s) {
   setText("tok-out-1m", "1 min avg " + fmtRate(lm.tokens_out_per_s_1m));
   const pc = lm.prefix_cache;
   setText("hit-rate", s.prefix_cache.enabled ? fmtPct(pc.hit_rate) : "off");
+  const layout = (s.cache_misses || []).find((m) => m.reason !== "cold" && m.reason !== "evicted");
   setText("hit-sub", s.prefix_cache.enabled
-    ? `${fmtNum(pc.hit_tokens)} of ${fmtNum(pc.queried_tokens)} prompt tokens` : "prefix caching disabled");
+    ? `${fmtNum(pc.hit_tokens)} of ${fmtNum(pc.queried_tokens)} prompt tokens`
+      + (layout ? ` · misses: ${layout.reason.replace("_", " ")} at token ${layout.usual_offset} (${fmtNum(layout.requests)})` : "")
+    : "prefix caching disabled");
   setText("preemptions", fmtNum(s.preemptions_total));
   setText("preempt-sub", `${fmtNum(lm.preemptions)} in the last minute`);
   const sp = s.speculative || {enabled: false};

@@ -43,8 +43,11 @@ class StepAttention(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """Causal attention of every query row ([T, heads, head_dim]) over its sequence's context."""
+               kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """Causal attention of every query row ([T, heads, head_dim]) over its sequence's context
+        (only its last ``window`` positions in a sliding-window layer; scores soft-capped at
+        ``softcap``, Gemma 2)."""
         ...
 
 
@@ -64,20 +67,26 @@ def kernel_attention_fits(device: torch.device, dtype: torch.dtype, head_dim: in
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, num_blocks: int,
                              options: KernelOptions, library: cpu_kernels.KernelLibrary | None,
-                             head_dim: int, kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+                             head_dim: int, kv_dtype: torch.dtype | None = None,
+                             masked: bool = False) -> AttentionBackend:
     """The engine's backend: reference when asked for, the C kernels where they take
     this pool, torch paged attention elsewhere. ``dtype``: the compute dtype;
-    ``kv_dtype``: the pool's, when it differs (a quantized pool)."""
+    ``kv_dtype``: the pool's, when it differs (a quantized pool). ``masked``: the model
+    has sliding-window layers or soft-capped attention, which the C kernels cannot do."""
     from .cpu_kernel import CpuKernelAttention
     from .reference import ReferenceAttention
     from .torch_paged import TorchPagedAttention
 
     if options.attention == "reference":
         backend: AttentionBackend = ReferenceAttention()
-    elif kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
+    elif kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and not (masked
+                                                                                   and not CpuKernelAttention.masks):
         assert library is not None
         backend = CpuKernelAttention(library)
     else:
+        if masked and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
+            log.info("attention: the C kernels have no sliding windows or soft-capping; torch paged attention "
+                     "takes this model")
         backend = TorchPagedAttention(dtype, device, kv_heads, heads, num_blocks, head_dim,
                                       batched_prefill=options.batched_prefill)
     log.info("attention backend: %s", backend.name)

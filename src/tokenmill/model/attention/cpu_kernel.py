@@ -52,7 +52,10 @@ class CpuKernelStep:
                                f"into a {tuple(k_cache.shape)} {k_cache.dtype} pool")
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+               kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        if window is not None or softcap is not None:  # never chosen for such a model: a bug if reached
+            raise RuntimeError("the C attention kernels have no sliding window or soft-capping")
         out = torch.empty_like(q)
         layout = self.layout
         nd = layout.num_decodes
@@ -73,6 +76,7 @@ class CpuKernelStep:
 
 class CpuKernelAttention:
     name = "C kernels (paged, in place)"
+    masks = False  # no sliding windows or soft-capped logits: select_attention_backend passes it over
 
     def __init__(self, library: cpu_kernels.KernelLibrary) -> None:
         self.library = library

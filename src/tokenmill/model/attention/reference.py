@@ -12,11 +12,12 @@ import torch
 
 from .layout import StepLayout
 from .torch_paged import (decode_gather_index, decode_mask, decode_queries, gather_decodes, prefill_attention,
-                          write_decode_output, write_kv)
+                          soft_cap, window_mask, write_decode_output, write_kv)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout,
-                              scale: float, kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                              scale: float, kv_scales: tuple[torch.Tensor, ...] | None = None,
+                              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context
     (fresh gather copies, matmul + float32 softmax; a quantized pool's blocks dequantized
     to float32 as they are gathered)."""
@@ -31,12 +32,14 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k = gather_decodes(k_cache, index, nd, None, ks, wide)
         v = gather_decodes(v_cache, index, nd, None, vs, wide)
         qd = decode_queries(q, nd, kv_heads).to(k.dtype)
-        scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale  # [kv, nd, group, span]
+        scores = soft_cap(torch.matmul(qd, k.transpose(-1, -2)).float() * scale, softcap)  # [kv, nd, group, span]
         lens = torch.tensor(layout.seq_lens[:nd], device=q.device)
-        mask = decode_mask(lens, blocks * layout.block_size, torch.float32)
+        span = blocks * layout.block_size
+        mask = (decode_mask(lens, span, torch.float32) if window is None
+                else window_mask(lens, span, window, torch.float32))
         probs = torch.softmax(scores + mask, dim=-1).to(v.dtype)
         write_decode_output(torch.matmul(probs, v), out, nd)
-    prefill_attention(q, k_cache, v_cache, layout, scale, out, kv_scales)
+    prefill_attention(q, k_cache, v_cache, layout, scale, out, kv_scales, window, softcap)
     return out
 
 
@@ -49,8 +52,9 @@ class ReferenceStep:
         write_kv(k_cache, v_cache, k, v, self.layout.slot_mapping, kv_scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        return paged_attention_reference(q, k_cache, v_cache, self.layout, scale, kv_scales)
+               kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        return paged_attention_reference(q, k_cache, v_cache, self.layout, scale, kv_scales, window, softcap)
 
 
 class ReferenceAttention:

@@ -26,7 +26,7 @@ is written by ``kv_quant.store`` and dequantized as its blocks are gathered
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +84,21 @@ def decode_mask(seq_lens: torch.Tensor, span: int, dtype: torch.dtype) -> torch.
     mask = torch.zeros((seq_lens.shape[0], 1, span), dtype=dtype, device=device)
     mask.masked_fill_(torch.arange(span, device=device)[None, None, :] >= seq_lens[:, None, None], float("-inf"))
     return mask
+
+
+def window_mask(seq_lens: torch.Tensor, span: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The decode mask of a sliding-window layer: a decode at position ``len - 1`` sees keys
+    at positions ``> len - 1 - window``, and nothing past its length."""
+    device = seq_lens.device
+    mask = decode_mask(seq_lens, span, dtype)
+    mask.masked_fill_(torch.arange(span, device=device)[None, None, :] < (seq_lens - window)[:, None, None],
+                      float("-inf"))
+    return mask
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``cap * tanh(scores / cap)``: the attention-logit soft-capping of Gemma 2 (None: as is)."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
 
 
 def gather_decodes(cache: torch.Tensor, index: torch.Tensor, nd: int, buf: torch.Tensor | None,
@@ -212,7 +227,8 @@ def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout,
-                      scale: float, out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+                      scale: float, out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None,
+                      window: int | None = None, softcap: float | None = None) -> None:
     """Prefill chunks, one sequence at a time (they are compute-bound: a copy of their
     context is small next to the attention itself). Inputs go to SDPA as 4-D
     ``[1, heads, len, head_dim]``: with 3-D ones its CPU dispatch falls back to the
@@ -236,13 +252,24 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         else:
             ki = k.repeat_interleave(group, dim=0)[None]  # [1, heads, slen, d]
             vi = v.repeat_interleave(group, dim=0)[None]
-        if qlen == slen:
+        if qlen == slen and window is None and softcap is None:
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            # Query j sits at absolute position slen - qlen + j and sees keys <= it.
+            # Query j sits at absolute position slen - qlen + j and sees keys <= it (and, in a
+            # sliding-window layer, keys > it - window).
             rows = torch.arange(slen - qlen, slen, device=q.device)[:, None]
             cols = torch.arange(slen, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=cols <= rows, scale=scale, enable_gqa=gqa)
+            allowed = cols <= rows
+            if window is not None:
+                allowed &= cols > rows - window
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+            else:  # SDPA has no soft-capping: the plain formulation, float32 softmax
+                if gqa:
+                    ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
+                scores = soft_cap(torch.matmul(qi, ki.transpose(-1, -2)).float() * scale, softcap)
+                scores = scores.masked_fill(~allowed, float("-inf"))
+                o = torch.matmul(torch.softmax(scores, dim=-1).to(vi.dtype), vi)
         out[start : start + qlen] = o[0].transpose(0, 1)
         start += qlen
 
@@ -256,27 +283,44 @@ class TorchPagedStep:
     decode_index: torch.Tensor | None  # decode_gather_index() of the decodes' block tables
     workspace: tuple[torch.Tensor, torch.Tensor] | None  # flat decode gather buffers (None: fresh copies)
     padded: PaddedPrefill | None  # the prefill chunks as one padded batch (GPU), or None: one at a time
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # decode masks by window, made once
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
         write_kv(k_cache, v_cache, k, v, self.layout.slot_mapping, kv_scales)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               kv_scales: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+               kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
         layout = self.layout
         if layout.num_decodes:
-            self._decodes(q, k_cache, v_cache, scale, out, kv_scales)
+            self._decodes(q, k_cache, v_cache, scale, out, kv_scales, window, softcap)
         if layout.num_seqs > layout.num_decodes:
-            if self.padded is not None:
+            if self.padded is not None and window is None and softcap is None:
                 batched_prefill_attention(q, k_cache, v_cache, self.padded, layout.num_decodes, scale, out,
                                           kv_scales)
             else:
-                prefill_attention(q, k_cache, v_cache, layout, scale, out, kv_scales)
+                prefill_attention(q, k_cache, v_cache, layout, scale, out, kv_scales, window, softcap)
         return out
 
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """The decodes' additive mask: the whole context, or a sliding window of it (built on
+        the first layer that asks, shared by the others)."""
+        assert self.decode_mask is not None
+        if window is None:
+            return self.decode_mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            nd = self.layout.num_decodes
+            lens = torch.tensor(self.layout.seq_lens[:nd]).to(self.decode_mask.device)
+            mask = window_mask(lens, self.decode_mask.shape[-1], window, self.decode_mask.dtype)
+            self.window_masks[window] = mask
+        return mask
+
     def _decodes(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                 out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
+                 out: torch.Tensor, kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
         """Decodes by gathering their blocks into the workspace, then matmul/softmax/matmul."""
         assert self.decode_index is not None and self.decode_mask is not None
         kv_heads = k_cache.shape[0]
@@ -286,13 +330,13 @@ class TorchPagedStep:
         k = gather_decodes(k_cache, self.decode_index, nd, ws[0] if ws else None, ks, q.dtype)
         v = gather_decodes(v_cache, self.decode_index, nd, ws[1] if ws else None, vs, q.dtype)
         qd = decode_queries(q, nd, kv_heads).to(k.dtype)
-        mask = self.decode_mask
-        if k.dtype != torch.float32 and nd * k.shape[2] <= BF16_SDPA_MAX_ROWS:
+        mask = self._mask(window)
+        if k.dtype != torch.float32 and nd * k.shape[2] <= BF16_SDPA_MAX_ROWS and softcap is None:
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
         else:
             # float32 always takes this path: the same ops as the reference, so fp32 output
             # stays bit-identical to it (SDPA's CPU kernel uses a faster, less exact exp).
-            scores = torch.matmul(qd, k.transpose(-1, -2)).float() * scale
+            scores = soft_cap(torch.matmul(qd, k.transpose(-1, -2)).float() * scale, softcap)
             o = torch.matmul(torch.softmax(scores + mask, dim=-1).to(v.dtype), v)
         write_decode_output(o, out, nd)
 

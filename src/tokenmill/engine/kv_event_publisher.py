@@ -1,0 +1,170 @@
+"""Publishes the prefix cache's changes as KV events over ZeroMQ, as vLLM does.
+
+The engine thread only moves the events its prefix cache recorded in a step
+onto a queue (``on_step``); a publisher thread encodes each batch
+(``kv_events.encode_batch``), numbers it and sends it on a PUB socket, and
+keeps the last ``buffer_steps`` batches so a subscriber that missed some can
+ask a ROUTER socket to replay them from a sequence number. Nothing is recorded
+or sent unless events are configured (``--kv-events-config``).
+
+The PUB and replay endpoints are always bound here (the replica is the stable
+side; routers connect), so a subscriber started before or after the replica
+works the same.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..kv_events import END_SEQ, EventBatch, encode_batch
+
+log = logging.getLogger("tokenmill.kv_events")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` keys; unknown keys are refused."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"  # zmq | null
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> "KVEventsConfig | None":
+        """The config from JSON text (or a dict); None when events are off. Raises ValueError."""
+        if text is None:
+            return None
+        raw = json.loads(text) if isinstance(text, str) else dict(text)
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config: expected a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        config = cls(**raw)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError("--kv-events-config: publisher must be 'zmq' or 'null'")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--kv-events-config: {name} must be a positive integer")
+        if not isinstance(config.endpoint, str) or not config.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError("--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// address")
+        return config if config.enable_kv_cache_events and config.publisher != "null" else None
+
+
+class ZmqEventPublisher:
+    """A PUB socket fed from a queue by its own thread, with a replay buffer."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int | None = None) -> None:
+        import zmq
+
+        self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._pub.bind(config.endpoint)
+        self._replay = None
+        if config.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(config.replay_endpoint)
+        self._topic = config.topic.encode()
+        self._next_seq = 0
+        self.dropped_batches = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="tokenmill-kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, batch: EventBatch) -> None:
+        """Queue a batch (any thread). A full queue drops it and says so: the engine never waits."""
+        if batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
+        try:
+            self._queue.put_nowait(batch)
+        except queue.Full:
+            self.dropped_batches += 1
+            if self.dropped_batches == 1:
+                log.error("KV event queue full (%d batches): dropping events; subscribers' views go stale",
+                          self.config.max_queue_size)
+
+    def on_step(self, engine: Any, deltas: Any) -> None:
+        """The AsyncEngine hook: publish what the prefix cache recorded in this step."""
+        events = engine.prefix_cache.drain_events()
+        if events:
+            self.publish(EventBatch(time.time(), events))
+
+    def _run(self) -> None:
+        while self._running or not self._queue.empty():
+            if self._replay is not None and self._replay.poll(0):
+                try:
+                    self._serve_replay()
+                except Exception:  # noqa: BLE001 - a bad replay request must not stop publishing
+                    log.exception("KV event replay failed")
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                break
+            payload = encode_batch(batch)
+            seq = self._next_seq
+            self._next_seq += 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= first:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ.to_bytes(8, "big", signed=True), b""))
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._running = False
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+
+def attach_kv_events(async_engine: Any, config: KVEventsConfig) -> ZmqEventPublisher:
+    """Turn on event recording in the engine's prefix cache and chain the publisher onto
+    ``async_engine.on_step`` (which runs in the engine thread). Call before serving."""
+    engine = async_engine.engine
+    if engine.prefix_cache is None:
+        raise ValueError("--kv-events-config needs prefix caching (it publishes the prefix cache's blocks)")
+    publisher = ZmqEventPublisher(config)
+    engine.prefix_cache.enable_events()
+    previous = async_engine.on_step
+
+    def on_step(eng: Any, deltas: Any) -> None:
+        if previous is not None:
+            previous(eng, deltas)
+        publisher.on_step(eng, deltas)
+
+    async_engine.on_step = on_step
+    async_engine.after_call.append(lambda eng: publisher.on_step(eng, None))  # e.g. /reset_prefix_cache
+    return publisher

@@ -1,0 +1,204 @@
+"""Tenants: which team a caller is, where the scheduler places its requests, and
+what it may use at once.
+
+``--api-keys-file`` (YAML or JSON; reloaded on SIGHUP, the old table kept when
+the new file is bad) names the tenants and their keys. Keys are stored hashed
+(the SHA-256 of the key, hex), so the file opens nothing if it leaks::
+
+    tenants:
+      chat:   {priority_class: high, weight: 4, max_inflight: 64,
+               tokens_per_minute: 600000, max_queued: 32}
+      batch:  {priority_class: batch, weight: 1}
+    keys:
+      - {sha256: 3b6f..., tenant: chat}     # printf %s "$KEY" | sha256sum
+      - {sha256: 9a1c..., tenant: batch}
+
+A key's line comes from ``printf %s "$KEY" | sha256sum`` (or
+``tenants.hash_key``). Every ``--api-key`` keeps
+working as the ``default`` tenant (class normal, weight 1, no limits); with
+neither flag nothing is checked and everyone is ``default``.
+
+Limits (``TenantLimits``, each optional) are enforced by ``TenantGate``
+(tenant_gate.py) with a 429 and ``Retry-After`` for that tenant only:
+``max_inflight`` requests (engine requests: a prompt of a completions batch
+counts as one), ``tokens_per_minute`` (prompt plus ``max_tokens`` held at
+admission, the unused output given back at the end, a bucket refilled
+continuously) and ``max_queued`` sequences not yet producing tokens.
+
+Metric labels come from this file only (its tenants plus ``default``), so a
+caller cannot grow the label set.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..engine.fairness import parse_priority_class
+
+log = logging.getLogger("tokenmill.server")
+
+DEFAULT_TENANT_NAME = "default"
+OTHER_TENANT_LABEL = "other"  # metric label for a name the label set does not hold
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    max_inflight: int | None = None
+    tokens_per_minute: int | None = None
+    max_queued: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight", "tokens_per_minute", "max_queued"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    priority_class: int = 2  # fairness.PRIORITY_CLASSES["normal"]
+    weight: float = 1.0
+    limits: TenantLimits = field(default_factory=TenantLimits)
+
+
+DEFAULT_TENANT = Tenant(DEFAULT_TENANT_NAME)
+
+_TENANT_KEYS = {"priority_class", "class", "weight", "max_inflight", "tokens_per_minute", "max_queued"}
+
+
+def hash_key(key: str) -> str:
+    """The hex SHA-256 a keys file stores for ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def parse_tenant(name: str, spec: dict[str, Any] | None) -> Tenant:
+    spec = dict(spec or {})
+    unknown = set(spec) - _TENANT_KEYS
+    if unknown:
+        raise ValueError(f"tenant {name!r}: unknown field(s) {', '.join(sorted(unknown))}; "
+                         f"use {', '.join(sorted(_TENANT_KEYS))}")
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise ValueError(f"tenant {name!r}: weight must be a positive number, got {weight!r}")
+    limits = TenantLimits(spec.get("max_inflight"), spec.get("tokens_per_minute"), spec.get("max_queued"))
+    return Tenant(name, parse_priority_class(spec.get("priority_class", spec.get("class"))), float(weight), limits)
+
+
+@dataclass(frozen=True)
+class TenantTable:
+    """One loaded keys file: tenants by name, and key digests to tenant names."""
+
+    tenants: dict[str, Tenant]
+    digests: dict[bytes, str]
+
+    @classmethod
+    def parse(cls, data: Any, source: str = "keys file") -> "TenantTable":
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping with 'tenants' and 'keys'")
+        unknown = set(data) - {"tenants", "keys"}
+        if unknown:
+            raise ValueError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}")
+        raw_tenants = data.get("tenants") or {}
+        if not isinstance(raw_tenants, dict):
+            raise ValueError(f"{source}: 'tenants' must map names to settings")
+        tenants = {str(n): parse_tenant(str(n), s) for n, s in raw_tenants.items()}
+        if OTHER_TENANT_LABEL in tenants:
+            raise ValueError(f"{source}: the tenant name {OTHER_TENANT_LABEL!r} is reserved")
+        digests: dict[bytes, str] = {}
+        for i, entry in enumerate(data.get("keys") or []):
+            if not isinstance(entry, dict) or set(entry) != {"sha256", "tenant"}:
+                raise ValueError(f"{source}: keys[{i}] must be {{sha256: HEX, tenant: NAME}}")
+            hexdigest, name = str(entry["sha256"]).strip().lower(), str(entry["tenant"])
+            if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
+                raise ValueError(f"{source}: keys[{i}].sha256 must be 64 hex digits (the key's SHA-256, not "
+                                 "the key)")
+            if name not in tenants:
+                if name != DEFAULT_TENANT_NAME:
+                    raise ValueError(f"{source}: keys[{i}] names tenant {name!r}, which 'tenants' does not list")
+                tenants[name] = DEFAULT_TENANT
+            digests[bytes.fromhex(hexdigest)] = name
+        return cls(tenants, digests)
+
+    @classmethod
+    def load(cls, path: str) -> "TenantTable":
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        import yaml
+
+        try:
+            data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as exc:
+            raise ValueError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+        return cls.parse(data, path)
+
+
+class TenantDirectory:
+    """Who a key belongs to: the keys file's tenants and the plain ``--api-key`` keys
+    (the default tenant). ``reload`` swaps the table in one assignment, so a lookup
+    on the event loop sees the old table or the new one, never half of each."""
+
+    def __init__(self, path: str | None = None, default_keys: Iterable[str] = ()) -> None:
+        self.path = path
+        self._default = [hashlib.sha256(k.encode()).digest() for k in default_keys]
+        self.table = TenantTable.load(path) if path else TenantTable({}, {})
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any key is required."""
+        return bool(self._default or self.table.digests)
+
+    def reload(self) -> bool:
+        """Read the keys file again; a bad file is logged and the old table kept."""
+        if not self.path:
+            return False
+        try:
+            table = TenantTable.load(self.path)
+        except (OSError, ValueError) as exc:
+            log.error("keys file %s not reloaded, keeping the previous one: %s", self.path, exc)
+            return False
+        self.table = table
+        log.info("keys file %s reloaded: %d tenants, %d keys", self.path, len(table.tenants), len(table.digests))
+        return True
+
+    def lookup(self, key: str) -> Tenant | None:
+        """The tenant of ``key``, or None for a key nobody holds."""
+        digest = hashlib.sha256(key.encode()).digest()
+        table = self.table
+        name = table.digests.get(digest)
+        if name is not None:
+            return table.tenants.get(name, DEFAULT_TENANT)
+        if any(hmac.compare_digest(digest, d) for d in self._default):
+            return table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
+        return None
+
+    def tenant(self, name: str) -> Tenant:
+        return self.table.tenants.get(name, DEFAULT_TENANT)
+
+    def label(self, name: str) -> str:
+        """The metric label for tenant ``name``: itself when the file (or the default) holds it."""
+        return name if name == DEFAULT_TENANT_NAME or name in self.table.tenants else OTHER_TENANT_LABEL
+
+    def names(self) -> list[str]:
+        """Every label a tenant metric can carry, the default first."""
+        return [DEFAULT_TENANT_NAME] + sorted(n for n in self.table.tenants if n != DEFAULT_TENANT_NAME)
+
+
+TENANT_SCOPE_KEY = "tokenmill.tenant"  # where the auth middleware leaves the caller's Tenant
+
+
+def tenant_of(scope: Any) -> Tenant | None:
+    """The caller's tenant, as the auth middleware found it (None: no key checked)."""
+    return scope.get(TENANT_SCOPE_KEY)
+
+
+def directory_from_args(path: str | None, api_keys: str | list[str] | None) -> TenantDirectory:
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"--api-keys-file {path}: no such file")
+    return TenantDirectory(path, keys)

@@ -1,0 +1,151 @@
+"""KV cache events on the wire, in vLLM's format: what a replica stored, evicted, cleared.
+
+A replica publishes, after each engine step that changed its prefix cache, one
+*event batch*: ``[ts, [event, ...], data_parallel_rank?]`` encoded with msgpack
+in vLLM's array layout (its msgspec structs with ``array_like=True``; a
+struct's trailing fields left at their default are omitted). The events:
+
+- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+  lora_id, medium, lora_name]``: consecutive full blocks of one path, the
+  first one's parent given by hash (``None``: the path starts at the root);
+  ``token_ids`` holds ``block_size`` ids per block.
+- ``["BlockRemoved", block_hashes, medium]``
+- ``["AllBlocksCleared"]``
+
+Newer vLLM releases may encode events as maps tagged by ``"type"``; the
+decoder takes both. On ZeroMQ a batch travels as ``(topic, seq, payload)``
+with ``seq`` an 8-byte big-endian counter; a replay socket answers a request
+``(b"", start_seq)`` with every buffered ``(seq, payload)`` from there on and
+an end marker ``seq = -1``.
+
+Block hashes only *name* blocks to subscribers: the engine's own prefix cache
+compares token ids, and the router keys what a replica holds by the token ids
+the events carry, never by a hash it would have to recompute. That is why any
+publisher's hashes (vLLM's SHA-256 bytes, tokenmill's 64-bit chain) work.
+
+This module is a base module: it imports nothing else of tokenmill, so the
+engine (which publishes) and the router (which subscribes) share it.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+BlockHash = Union[int, bytes]
+
+# Where a block lives, as vLLM names its tiers ("GPU": the engine's own pool; "CPU": an
+# offload tier). tokenmill's pool is its first tier whatever the device, so it is
+# published as "GPU" for subscribers that weigh tiers by these names.
+MEDIUM_POOL = "GPU"
+MEDIUM_DISK = "DISK"
+END_SEQ = -1
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None = MEDIUM_POOL
+    lora_id: int | None = None
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash]
+    medium: str | None = MEDIUM_POOL
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+@dataclass
+class EventBatch:
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
+
+
+def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """A block's name: BLAKE2b-64 of its parent's name and its tokens, as a signed int64."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", parent if parent is not None else 0))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return struct.unpack("<q", h.digest())[0]
+
+
+def _event_to_wire(event: KVEvent) -> list[Any]:
+    if isinstance(event, BlockStored):
+        return ["BlockStored", list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
+                event.block_size, event.lora_id, event.medium, event.lora_name]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", list(event.block_hashes), event.medium]
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(batch: EventBatch) -> bytes:
+    import msgpack
+
+    wire: list[Any] = [batch.ts, [_event_to_wire(e) for e in batch.events]]
+    if batch.data_parallel_rank is not None:
+        wire.append(batch.data_parallel_rank)
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def _field(fields: Sequence[Any] | dict, index: int, name: str, default: Any = None) -> Any:
+    if isinstance(fields, dict):
+        return fields.get(name, default)
+    return fields[index] if index < len(fields) else default
+
+
+def _event_from_wire(raw: Any) -> KVEvent:
+    if isinstance(raw, dict):  # map layout: {"type": "BlockStored", "block_hashes": ...}
+        tag, fields = raw.get("type"), raw
+    elif isinstance(raw, (list, tuple)) and raw:
+        tag, fields = raw[0], list(raw[1:])
+    else:
+        raise ValueError(f"not a KV event: {raw!r:.80}")
+    if isinstance(tag, bytes):
+        tag = tag.decode()
+    if tag == "BlockStored":
+        return BlockStored(block_hashes=list(_field(fields, 0, "block_hashes", [])),
+                           parent_block_hash=_field(fields, 1, "parent_block_hash"),
+                           token_ids=[int(t) for t in _field(fields, 2, "token_ids", [])],
+                           block_size=int(_field(fields, 3, "block_size", 0)),
+                           lora_id=_field(fields, 4, "lora_id"),
+                           medium=_field(fields, 5, "medium"),
+                           lora_name=_field(fields, 6, "lora_name"))
+    if tag == "BlockRemoved":
+        return BlockRemoved(block_hashes=list(_field(fields, 0, "block_hashes", [])),
+                            medium=_field(fields, 1, "medium"))
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"unknown KV event type {tag!r}")
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    """One batch from its msgpack bytes; raises ValueError on anything else."""
+    import msgpack
+
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types
+        raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(raw, dict):
+        ts, events, rank = raw.get("ts", 0.0), raw.get("events", []), raw.get("data_parallel_rank")
+    elif isinstance(raw, (list, tuple)) and len(raw) >= 2:
+        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
+    else:
+        raise ValueError("not a KV event batch")
+    if not isinstance(events, list):
+        raise ValueError("a KV event batch's events must be a list")
+    return EventBatch(float(ts), [_event_from_wire(e) for e in events], rank)

@@ -1,0 +1,115 @@
+"""Tenants: the keys file, its reload, the per-tenant limits and usage counters."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.entrypoints.tenant_gate import TenantGate, TenantLimited
+from tokenmill.entrypoints.tenant_usage import TenantUsage
+from tokenmill.entrypoints.tenants import (DEFAULT_TENANT, Tenant, TenantDirectory, TenantLimits, TenantTable,
+                                           hash_key)
+
+
+def keys_file(tmp_path, tenants, keys, name="keys.yaml"):
+    path = tmp_path / name
+    data = {"tenants": tenants, "keys": [{"sha256": hash_key(k), "tenant": t} for k, t in keys.items()]}
+    path.write_text(json.dumps(data))  # JSON is YAML too
+    return str(path)
+
+
+def test_keys_map_to_tenants_and_plain_api_keys_to_the_default(tmp_path):
+    path = keys_file(tmp_path, {"chat": {"priority_class": "high", "weight": 4, "tokens_per_minute": 1000},
+                                "batch": {"class": 4}}, {"k-chat": "chat", "k-batch": "batch"})
+    directory = TenantDirectory(path, ["operator"])
+    chat = directory.lookup("k-chat")
+    assert chat == Tenant("chat", 1, 4.0, TenantLimits(tokens_per_minute=1000))
+    assert directory.lookup("k-batch").priority_class == 4
+    assert directory.lookup("operator") == DEFAULT_TENANT
+    assert directory.lookup("wrong") is None and directory.lookup("") is None
+    assert directory.names() == ["default", "batch", "chat"]
+    assert directory.label("chat") == "chat" and directory.label("made-up") == "other"
+
+
+def test_the_file_stores_hashes_only(tmp_path):
+    path = tmp_path / "keys.yaml"
+    path.write_text("tenants: {a: {}}\nkeys:\n  - {sha256: secret-key, tenant: a}\n")
+    with pytest.raises(ValueError, match="64 hex digits"):
+        TenantTable.load(str(path))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"tenants": {"a": {"weight": 0}}}, "weight"),
+    ({"tenants": {"a": {"priority_class": "urgent"}}}, "priority class"),
+    ({"tenants": {"a": {"max_inflight": -1}}}, "max_inflight"),
+    ({"tenants": {"a": {"colour": "red"}}}, "unknown field"),
+    ({"tenants": {"other": {}}}, "reserved"),
+    ({"tenants": {}, "keys": [{"sha256": "0" * 64, "tenant": "ghost"}]}, "does not list"),
+    ({"tenant": {}}, "unknown section"),
+])
+def test_bad_files_are_refused_with_the_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TenantTable.parse(bad)
+
+
+def test_reload_swaps_the_table_and_keeps_it_when_the_new_file_is_bad(tmp_path):
+    path = keys_file(tmp_path, {"a": {}}, {"k1": "a"})
+    directory = TenantDirectory(path)
+    assert directory.lookup("k1").name == "a"
+    keys_file(tmp_path, {"b": {"weight": 2}}, {"k2": "b"})
+    assert directory.reload()
+    assert directory.lookup("k1") is None and directory.lookup("k2").weight == 2
+    (tmp_path / "keys.yaml").write_text("tenants: [")
+    assert not directory.reload()
+    assert directory.lookup("k2").name == "b"
+
+
+def test_inflight_and_queue_limits_refuse_only_past_them():
+    gate = TenantGate(retry_after_s=2)
+    t = Tenant("t", limits=TenantLimits(max_inflight=2, max_queued=3))
+    gate.admit(t, 1, 2, 10)
+    gate.admit(t, 1, 1, 10)
+    with pytest.raises(TenantLimited) as exc:
+        gate.admit(t, 1, 1, 10)
+    assert exc.value.code == "tenant_inflight_limit" and exc.value.retry_after_s == 2
+    gate.finished(t, 1, 0)
+    with pytest.raises(TenantLimited, match="queued"):
+        gate.admit(t, 1, 1, 10)  # 3 sequences queued still
+    gate.started("t", 2)
+    gate.admit(t, 1, 1, 10)
+    gate.admit(DEFAULT_TENANT, 100, 100, 10 ** 9)  # others are not limited
+
+
+def test_tokens_per_minute_bucket_refills_and_refunds_unused_output():
+    now = [0.0]
+    gate = TenantGate(clock=lambda: now[0])
+    t = Tenant("t", limits=TenantLimits(tokens_per_minute=600))  # 10 tokens a second
+    gate.admit(t, 1, 1, 500)
+    with pytest.raises(TenantLimited) as exc:
+        gate.admit(t, 1, 1, 200)
+    assert exc.value.code == "tenant_token_rate_limit" and exc.value.retry_after_s == 10  # 100 short
+    gate.finished(t, 1, 300)  # used 200 of the 500 held
+    gate.admit(t, 1, 1, 350)
+    now[0] = 30.0  # 300 tokens back
+    gate.admit(t, 1, 1, 350)
+    # bigger than the whole bucket: needs it full, then leaves it in debt
+    now[0] = 1000.0
+    gate.admit(t, 1, 1, 5000)
+    with pytest.raises(TenantLimited):
+        gate.admit(t, 1, 1, 1)
+
+
+def test_usage_labels_are_bounded_and_exposed():
+    usage = TenantUsage(lambda name: name if name in ("default", "a") else "other", lambda: ["default", "a"])
+    usage.record("a", 10, 4, 7, 0.5, False)
+    usage.record("intruder-1", 3, 0, 1, 0.0, True)
+    usage.record("intruder-2", 3, 0, 1, 0.0, False)
+    snap = usage.snapshot()
+    assert set(snap) == {"default", "a", "other"}
+    assert snap["a"]["prompt_tokens"] == 10 and snap["a"]["cached_tokens"] == 4 and snap["a"]["output_tokens"] == 7
+    assert snap["other"]["requests"] == 2 and snap["other"]["errors"] == 1
+    assert usage.snapshot("a") == {"a": snap["a"]}
+    families = {f.name: f for f in usage.collect()}
+    samples = {s.labels["tenant"]: s.value for s in families["tokenmill:tenant_output_tokens"].samples
+               if s.name.endswith("_total")}
+    assert samples == {"default": 0, "a": 7, "other": 2}
