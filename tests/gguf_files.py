@@ -31,7 +31,8 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
                eos_token_id: int | None = None, extra_tensors: dict[str, np.ndarray] | None = None) -> None:
     """Write HF-named ``weights`` (numpy arrays or tensors) for ``cfg``.
 
-    ``qtypes`` maps a substring of a weight's name to a GGUF type ("Q8_0", "Q4_1", ...);
+    ``qtypes`` maps a substring of a weight's name to a GGUF type ("Q8_0", "Q4_1", ...; a K-quant
+    type writes random blocks of the tensor's shape instead of its values);
     the first key found in the name wins ("" matches every name); 1-D tensors and
     unmatched names stay F32. ``extra_tensors`` are written under their GGUF names.
     """
@@ -75,6 +76,10 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
         qtype = next((q for key, q in (qtypes or {}).items() if key in name), "F32") if value.ndim >= 2 else "F32"
         if qtype == "F32":
             w.add_tensor(gname, value)
+        elif qtype in KQUANT_SCALES:  # gguf.quants cannot make these: random blocks of the same shape
+            rng = np.random.default_rng(abs(hash(name)) % 2**32)
+            blocks = random_kquant_blocks(qtype, int(np.prod(value.shape[:-1])), value.shape[-1], rng)
+            w.add_tensor(gname, blocks.reshape(*value.shape[:-1], -1), raw_dtype=QT[qtype])
         else:
             w.add_tensor(gname, gguf_quantize(value, QT[qtype]), raw_dtype=QT[qtype])
     for gname, value in (extra_tensors or {}).items():
@@ -103,3 +108,24 @@ def _stack_experts(weights: dict[str, Any]) -> dict[str, Any]:
     for key, experts in stacks.items():
         out[key] = np.stack([experts[j] for j in range(len(experts))])
     return out
+
+
+# d (and dmin) of random K-quant blocks: weights of roughly +-0.1, like a small model's
+KQUANT_SCALES = {"Q4_K": (2e-4, 1e-3), "Q5_K": (1e-4, 1e-3), "Q6_K": (3e-5, 0.0)}
+_KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+
+
+def random_kquant_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random ``type_name`` rows [rows, k / 256 * block bytes]: random codes, scales and
+    mins, and finite fp16 super-block scales near ``KQUANT_SCALES``."""
+    nbytes = _KQUANT_BYTES[type_name]
+    blocks = rng.integers(0, 256, size=(rows, k // 256, nbytes), dtype=np.uint8)
+    d, dmin = KQUANT_SCALES[type_name]
+    scale = (d * rng.uniform(0.5, 1.5, size=(rows, k // 256))).astype(np.float16)
+    if type_name == "Q6_K":
+        blocks[..., 208:210] = scale[..., None].view(np.uint8).reshape(rows, k // 256, 2)
+    else:
+        low = (dmin * rng.uniform(0.5, 1.5, size=(rows, k // 256))).astype(np.float16)
+        blocks[..., 0:2] = scale[..., None].view(np.uint8).reshape(rows, k // 256, 2)
+        blocks[..., 2:4] = low[..., None].view(np.uint8).reshape(rows, k // 256, 2)
+    return blocks.reshape(rows, -1)

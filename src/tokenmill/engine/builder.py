@@ -95,6 +95,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     model = build_model(loaded, config, device, dtype, max_len, calibration, parallel, kernels)
     model.use_ops(kernels.ops)  # now, so that layouts the kernels read count as weights
     weights = weight_bytes(model)
+    log.info("model weights take %.1f MiB in memory", weights / 2**20)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     if kv_dtype != dtype and parallel is not None:
         raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} is not supported with tensor parallelism "

@@ -12,8 +12,8 @@ GGUF specifics handled here:
   models so that each head's rotary pairs sit next to each other (its
   "interleaved" RoPE). Our model uses Hugging Face's ``rotate_half`` RoPE, where
   the pairs are the two halves of a head, so the rows are put back;
-* the raw Q8_0/Q4_0/Q4_1 block bytes are kept (``raw_quantized``) so a
-  quantized linear layer can use them without re-quantizing.
+* the raw Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K block bytes are kept (``raw_quantized``)
+  so a quantized linear layer can use them without re-quantizing.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
     "Q4_0": (32, 2 + 16),
     "Q4_1": (32, 2 + 2 + 16),
 }
-RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES)
+# K-quants keep their blocks too (model/kquant.py); they are dequantized by gguf.quants
+RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 
 @dataclass

@@ -786,7 +786,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
     if mode == "gguf" and not raw:
-        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
+        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
     # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
     # weight-only (16-bit integer activations with the C kernels): the last layers' output
@@ -823,6 +823,19 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
             if missing:
                 kind = getattr(loaded, "quant_types", {}).get(missing[0], "not quantized")
                 report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
+                continue
+            from .kquant import KQUANT_TYPES, KQuantLinear
+
+            kinds = {raw[s][0] for s in sources}
+            if kinds <= set(KQUANT_TYPES) and dev.type == "cpu":  # the file's K-quant blocks as they are
+                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias)
+                fmt = f"{new.formats} blocks"
+                parent_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attr, new)
+                report.quantized[name] = fmt
+                continue
+            if kinds & set(KQUANT_TYPES):
+                report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
                 continue
             parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
             codes = Int4Codes.cat_rows(parts)
