@@ -68,6 +68,13 @@ class ModelConfig:
     qk_norm: bool = False  # qwen3: RMSNorm on per-head q and k
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Mixture of experts (qwen3_moe, mixtral; model/moe.py): 0 experts means dense MLPs.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
+    decoder_sparse_step: int = 1  # every this many layers is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these, which keep a dense MLP
     # Sliding-window attention (Gemma 2/3, Phi-3, Mistral): a query at position p sees keys
     # at positions > p - sliding_window; ``layer_types`` says which layers ("sliding_attention"
     # or "full_attention"); None with a window: every layer slides.

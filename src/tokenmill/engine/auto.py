@@ -97,6 +97,10 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     if device is not None and device.type == "cuda":
         return "none", "dense bf16 is what was measured fastest on CUDA; a file's blocks are dequantized"
     raw = getattr(loaded, "raw_quantized", None) or {}
+    kquants = sorted({entry[0] for key, entry in raw.items() if ".layers." in key and entry[0].endswith("_K")})
+    if kquants and (device is None or device.type == "cpu"):
+        return "gguf", (f"the file's decoder projections are {'/'.join(kquants)} blocks: kept as they are (its exact "
+                        "weights at its own size), multiplied by float32 activations")
     if device is not None and int8_compute(name, device, options):
         from ..model.cpu_kernels import load
 

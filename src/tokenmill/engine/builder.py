@@ -102,6 +102,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     weights = weight_bytes(model)
     if config.enable_lora:  # every targeted projection behind a LoRA wrapper (model/lora.py)
         adapters.attach(model, config, device, dtype, parallel is not None)
+    log.info("model weights take %.1f MiB in memory", weights / 2**20)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
     if kv_dtype != dtype and parallel is not None:
         raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} is not supported with tensor parallelism "

@@ -226,6 +226,8 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     for i, (layer, cache) in enumerate(zip(model.layers, kv_caches)):
         kc, vc = cache[0], cache[1]
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):
+            raise Unsupported(f"layers.{i} is a mixture of experts (the eager forward runs it, grouped by expert)")
         dst = layers[i]
         dst.input_norm = _f32(layer.input_layernorm.weight, keep)
         dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)

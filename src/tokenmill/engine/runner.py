@@ -90,7 +90,8 @@ class ModelRunner:
                                                masked=masks is not None).capabilities
         assert masks is None or capabilities.masks, "select_attention_backend passes over backends without masks"
         graphs_backend = None
-        if not eager_only and kv_dtype == dtype and capabilities.cuda_graphs:
+        # Mixture-of-experts routing sizes each expert's rows from the data: nothing to record.
+        if not eager_only and kv_dtype == dtype and capabilities.cuda_graphs and not cfg.num_experts:
             graphs_backend = cuda_graphs.select_backend(device, options, graph_backend)
             if graphs_backend is not None and masks:
                 log.info("CUDA graphs off: the captured decode step has no %s", masks)

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, one translation unit
 SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
-           CSRC / "amx_int8.c", SOURCE)  # what the cache key hashes
+           CSRC / "amx_int8.c", CSRC / "kquant.c", SOURCE)  # what the cache key hashes
 # -fno-trapping-math: no floating-point trap is ever enabled here, and under gcc's default
 # (traps possible) a loop whose body selects between float results (exp_nonpos's range
 # check, SiLU's sign cases, the softmax's causal mask) is vectorized only where the ISA has
@@ -597,7 +597,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 
 # --------------------------------------------------------------------------- one projection
 
-W_F32, W_BF16, W_INT8, W_INT4, W_INT8G = 0, 1, 2, 3, 4  # TmLinear.kind
+W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = 0, 1, 2, 3, 4, 5  # TmLinear.kind (W_KQ: csrc/kquant.c)
 
 
 class TmLinear(ctypes.Structure):

@@ -1,7 +1,8 @@
 """Llama-family decoder over a paged KV cache.
 
 Covers SmolLM2, Llama 2/3, TinyLlama, Mistral (no sliding window), Qwen2 (qkv
-bias) and Qwen3 (per-head q/k RMSNorm). Weights arrive with Hugging Face names
+bias) and Qwen3 (per-head q/k RMSNorm); Qwen3-MoE and Mixtral with the sparse MLP
+of model/moe.py. Weights arrive with Hugging Face names
 and are fused at load: q/k/v into one projection, gate/up into another, so a
 layer is four matmuls. The model knows nothing of requests: it takes the
 flattened batch (token ids, positions, attention metadata) and returns hidden
@@ -187,11 +188,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = intermediate_size or cfg.intermediate_size  # an expert's own width (model/moe.py)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's output, added to ``residual`` when one is given."""
@@ -201,12 +202,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        from .moe import SparseMoE, is_sparse_layer
+
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg) if is_sparse_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x, rope, kv_cache, attn):  # type: ignore[no-untyped-def]
         x = self.self_attn(self.input_layernorm(x), rope, kv_cache, attn, residual=x)
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
@@ -312,8 +315,13 @@ class LlamaForCausalLM(nn.Module):
                 put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
                 put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
             mlp = src + "mlp."
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(
-                [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
-            put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            if not isinstance(self.layers[i].mlp, MLP):  # experts (model/moe.py)
+                from .moe import load_sparse_weights
+
+                load_sparse_weights(self.layers[i].mlp, take, put, src, dst)  # type: ignore[arg-type]
+            else:
+                put(dst + "mlp.gate_up_proj.weight", torch.cat(
+                    [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
+                put(dst + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
             put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))

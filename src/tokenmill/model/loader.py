@@ -12,8 +12,8 @@ GGUF specifics handled here:
   models so that each head's rotary pairs sit next to each other (its
   "interleaved" RoPE). Our model uses Hugging Face's ``rotate_half`` RoPE, where
   the pairs are the two halves of a head, so the rows are put back;
-* the raw Q8_0/Q4_0/Q4_1 block bytes are kept (``raw_quantized``) so a
-  quantized linear layer can use them without re-quantizing.
+* the raw Q8_0/Q4_0/Q4_1 and Q4_K/Q5_K/Q6_K block bytes are kept (``raw_quantized``)
+  so a quantized linear layer can use them without re-quantizing.
 """
 from __future__ import annotations
 
@@ -31,8 +31,12 @@ from tokenmill.config import ModelConfig
 from tokenmill.gguf_file import GGUFFile, GGUFTensor, read_gguf  # noqa: F401 - the container, read here
 from tokenmill.model.support import UnsupportedModel
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
+                           "qwen3_moe", "mixtral")
 _GEMMA = ("gemma2", "gemma3", "gemma3_text")
+# llama.cpp's architecture names where they differ from Hugging Face's model_type (a llama
+# file with experts is Mixtral: _gguf_config)
+_GGUF_ARCHITECTURES = {"qwen3moe": "qwen3_moe"}
 
 # GGUF block geometry: (elements per block, bytes per block)
 BLOCK_SHAPES: dict[str, tuple[int, int]] = {
@@ -40,7 +44,8 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
     "Q4_0": (32, 2 + 16),
     "Q4_1": (32, 2 + 2 + 16),
 }
-RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES)
+# K-quants keep their blocks too (model/kquant.py); they are dequantized by gguf.quants
+RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 
 @dataclass
@@ -146,6 +151,11 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    # stacked [experts, rows, cols]: split per expert by load_gguf ("{}" is the expert)
+    "ffn_gate_exps.weight": "mlp.experts.{}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{}.down_proj.weight",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -205,7 +215,8 @@ def _short_float(value: float) -> float:
 
 def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     arch = md.get("general.architecture")
-    check_architecture(arch, "GGUF architecture")
+    architecture = _GGUF_ARCHITECTURES.get(arch, arch)
+    check_architecture(architecture, "GGUF architecture")
 
     def meta(suffix: str, default: Any = None) -> Any:
         return md.get(f"{arch}.{suffix}", default)
@@ -230,7 +241,7 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
             rope_scaling["original_max_position_embeddings"] = int(orig)
     elif meta("rope.scale_linear") is not None:
         rope_scaling = {"rope_type": "linear", "factor": float(meta("rope.scale_linear"))}
-    ffn = meta("feed_forward_length")
+    ffn = meta("feed_forward_length") or meta("expert_feed_forward_length")
     if isinstance(ffn, list):
         ffn = ffn[0]
     layer0 = "model.layers.0.self_attn."
@@ -243,8 +254,12 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     elif arch == "phi3":
         window = meta("attention.sliding_window")
         extra = {"sliding_window": int(window) if window else None}  # long-RoPE: _phi3_gguf_rope
+    experts = int(meta("expert_count", 0) or 0)
+    if experts and architecture == "llama":
+        architecture = "mixtral"
+    sparse = sorted({int(n.split(".")[2]) for n in tensor_shapes if n.endswith("mlp.gate.weight")})
     return ModelConfig(
-        architecture=arch,
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(ffn),
@@ -262,6 +277,11 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_id=md.get("tokenizer.ggml.eos_token_id"),
         **extra,
+        num_experts=experts,
+        num_experts_per_tok=int(meta("expert_used_count", 0) or 0),
+        moe_intermediate_size=int(meta("expert_feed_forward_length", 0) or 0) or int(ffn),
+        norm_topk_prob=bool(meta("expert_weights_norm", True)),  # llama.cpp renormalises both families
+        mlp_only_layers=tuple(i for i in range(int(meta("block_count"))) if experts and i not in sparse),
     )
 
 
@@ -290,11 +310,14 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Read a GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
     gguf_file = read_gguf(path)
     arch = gguf_file.metadata.get("general.architecture")
-    check_architecture(arch, "GGUF architecture")
+    check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture")
     entries = []
     for t in gguf_file.tensors:
         hf = gguf_to_hf_name(t.name, arch)
-        if hf is not None:
+        if hf is not None and "{}" in hf:  # stacked experts: one 2-D tensor each, views of the file
+            entries += [(hf.format(j), GGUFTensor(t.name, t.type_name, t.shape[1:], t.data[j]))
+                        for j in range(t.shape[0])]
+        elif hf is not None:
             entries.append((hf, t))
     shapes = {hf: t.shape for hf, t in entries}
     if "model.embed_tokens.weight" not in shapes:
@@ -310,7 +333,7 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
         _phi3_gguf_rope(gguf_file, config)
     # Only Llama-arch files were written with the interleaving permutation; Qwen's RoPE is
     # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
-    permuted = config.architecture in ("llama", "mistral")
+    permuted = config.architecture in ("llama", "mistral", "mixtral")
 
     weights: dict[str, torch.Tensor] = {}
     quant_types: dict[str, str] = {}
@@ -398,6 +421,7 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
                              f"{', '.join(ROPE_SCALING_KINDS)}")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     extra: dict[str, Any] = {}
     if model_type in _GEMMA:
         from .gemma import hf_settings as gemma_settings
@@ -427,10 +451,17 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie,
         attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=extra.pop("qk_norm", model_type == "qwen3"),
+        qk_norm=extra.pop("qk_norm", model_type in ("qwen3", "qwen3_moe")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         **extra,
+        num_experts=experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE as its config says
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
 
 
@@ -482,6 +513,10 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
             quant_types[part] = quant_types[source]
         for source in {source for source, _ in sources.values()}:
             quant_types.pop(source)
+    if config.num_experts:
+        from .moe import canonical_expert_names
+
+        canonical_expert_names(weights, quant_types)
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
         quant_types.pop("lm_head.weight", None)

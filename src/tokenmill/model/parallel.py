@@ -87,6 +87,9 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
 
     More ranks than KV heads is allowed when they divide evenly: each KV head is then
     replicated on ``size / kv_heads`` ranks (the ones whose query heads read it)."""
+    if cfg.num_experts and size > 1:
+        raise ValueError(f"tensor_parallel_size {size}: this model's mixture-of-experts layers are not "
+                         "sharded (tensor parallelism splits dense MLPs only); run it with 1")
     problems = _split_problems(cfg, size)
     if problems:
         sizes = [n for n in range(1, cfg.num_attention_heads + 1) if not _split_problems(cfg, n)]

@@ -53,7 +53,7 @@ W8A8_WEIGHT_ONLY_LAST_LAYERS = 2  # w8a8: these last decoder layers keep float a
 # of w8a8's next-token agreement on the bundled model (docs/quantization.md). Where the
 # kernels have VNNI (one process) they are Int8GroupLinear with 8-bit activations per 32
 # inputs, which kept the agreement and halves their integer work; elsewhere weight-only.
-W8A8_WEIGHT_ONLY_PROJECTIONS = ("mlp.down_proj",)
+W8A8_WEIGHT_ONLY_PROJECTIONS = ("down_proj",)  # the dense MLP's and each expert's
 INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
 
@@ -730,10 +730,19 @@ _SOURCES = {
 
 
 def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tuple[str, ...]]]:
-    """(module name, module, checkpoint weight names it was fused from)."""
+    """(module name, module, checkpoint weight names it was fused from); a mixture of
+    experts' projections are each expert's (its router stays in float: it picks experts)."""
     out: list[tuple[str, nn.Linear, tuple[str, ...]]] = []
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
-        for path, sources in _SOURCES.items():
+        experts = getattr(layer.mlp, "experts", None)
+        paths = dict(_SOURCES)
+        if experts is not None:
+            for path in ("mlp.gate_up_proj", "mlp.down_proj"):
+                sources = paths.pop(path)
+                for j in range(len(experts)):
+                    paths[path.replace("mlp.", f"mlp.experts.{j}.")] = tuple(
+                        s.replace("mlp.", f"mlp.experts.{j}.") for s in sources)
+        for path, sources in paths.items():
             mod = layer.get_submodule(path)
             out.append((f"layers.{i}.{path}", mod, tuple(f"model.layers.{i}.{s}.weight" for s in sources)))
     if with_head:
@@ -778,7 +787,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
     if mode == "gguf" and not raw:
-        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1 blocks; "
+        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
     # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
     # weight-only (16-bit integer activations with the C kernels): the last layers' output
@@ -815,6 +824,19 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
             if missing:
                 kind = getattr(loaded, "quant_types", {}).get(missing[0], "not quantized")
                 report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
+                continue
+            from .kquant import KQUANT_TYPES, KQuantLinear
+
+            kinds = {raw[s][0] for s in sources}
+            if kinds <= set(KQUANT_TYPES) and dev.type == "cpu":  # the file's K-quant blocks as they are
+                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias)
+                fmt = f"{new.formats} blocks"
+                parent_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attr, new)
+                report.quantized[name] = fmt
+                continue
+            if kinds & set(KQUANT_TYPES):
+                report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
                 continue
             parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
             codes = Int4Codes.cat_rows(parts)

@@ -46,7 +46,10 @@ def calibrate(model: nn.Module, run: Callable[[], None]) -> dict[str, torch.Tens
                 prev = amax.get(name)
                 amax[name] = x if prev is None else torch.maximum(prev, x)
 
-            mod = layer.get_submodule(path)
+            try:
+                mod = layer.get_submodule(path)
+            except AttributeError:  # a mixture of experts' layer has no dense MLP: its experts stay unsmoothed
+                continue
             hooks.append(mod.register_forward_pre_hook(hook))
             if hasattr(mod, "forward_add"):  # residual adds call it directly, past the hooks
                 plain = mod.forward_add
@@ -81,6 +84,14 @@ def smooth(model: nn.Module, amax: dict[str, torch.Tensor], alpha: float = 0.5) 
     done = 0
     for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
         attn, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # experts (model/moe.py): the attention's input only
+            x = amax.get(f"layers.{i}.self_attn.qkv_proj")
+            if x is not None:
+                s = _factors(x, attn.qkv_proj.weight, alpha).to(attn.qkv_proj.weight.dtype)
+                layer.input_layernorm.weight.div_(s.to(layer.input_layernorm.weight.dtype))
+                attn.qkv_proj.weight.mul_(s[None, :])
+                done += 1
+            continue
         inter = mlp.down_proj.weight.shape[1]
         # The norm whose output gate/up read: Gemma has its own before the MLP (and a
         # post-attention norm on the attention's output, which smoothing must not touch).

@@ -46,6 +46,7 @@
 #include "prefill_attention.c"
 #include "argmax.c"
 #include "elementwise.c"
+#include "kquant.c"
 
 #include <omp.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -56,11 +57,11 @@
 
 #define TM_MAX_ROWS 6 /* activation rows per pass over a weight tile */
 
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_INT8G = 4 };
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3, W_INT8G = 4, W_KQ = 5 /* GGUF K-quant blocks, kquant.c */ };
 
 typedef struct {
     int32_t kind;
-    int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32 */
+    int32_t group;         /* int4: columns per (scale, zero) pair, a multiple of 32; K-quant: ggml's type id */
     int32_t repeat;        /* int4: 2 when each row holds [hi | lo] codes of one input fed twice (GGUF Q8_0) */
     int32_t a8_rows;       /* int8 with packed: from this many activation rows, activations quantized
                               per row to 8 bits (w8a8 layers; 0: never); int8g: to 8 bits
@@ -1192,7 +1193,8 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
     const float *xsum = is->xsum;
     const uint16_t *xh = is->xh;
-    const int dequant = L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS;
+    /* K-quant tiles are always widened first (kquant.c): float32 activations, the file's exact weights */
+    const int dequant = (L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS) || L->kind == W_KQ;
     float out[TM_MAX_ROWS][VW];
 #ifdef TM_Q8_DOT
     if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
@@ -1213,7 +1215,10 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
         const int64_t nr = n1 - r0 < VW ? n1 - r0 : VW;
         TmLinear tile = {0}; /* the dequantized int4 tile as a float32 matrix of nr rows */
         if (dequant) {
-            int4_dequant_rows(L, r0, nr, is->wtile);
+            if (L->kind == W_KQ)
+                kq_dequant_rows(L->group, (const uint8_t *)L->w, L->k, r0, nr, is->wtile);
+            else
+                int4_dequant_rows(L, r0, nr, is->wtile);
             tile.kind = W_F32, tile.n = nr, tile.k = L->k * L->repeat, tile.w = is->wtile;
         }
         for (int64_t b0 = 0; b0 < B; b0 += TM_MAX_ROWS) {
@@ -1644,6 +1649,7 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     if (L->kind == W_INT4 && (L->group <= 0 || L->group % 32 || L->repeat < 1 || (L->k * L->repeat) % L->group))
         return 1;
     if (L->kind != W_INT4 && L->k % VW) return 1;
+    if (L->kind == W_KQ && (L->k % 256 || !kq_block_bytes(L->group) || L->repeat != 1)) return 1;
     if (L->kind == W_INT8G && L->k % 32) return 1;
     if (!L->w && !((L->kind == W_INT8 || L->kind == W_INT8G) && L->packed && tm_kernels_int8_dot() &&
                    L->a16_rows == 1))

@@ -1,0 +1,146 @@
+"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) served as the file stores them.
+
+A K-quant file's projections keep their own bytes (4.5, 5.5 and 6.6 bits a weight)
+rather than being dequantized at load and requantized: ``KQuantLinear`` holds the
+blocks, and the C kernels (``csrc/kquant.c`` inside ``tm_linear``) widen a tile of
+rows to float32 exactly as ggml does and multiply it by float32 activations, so the
+products see the file's exact weights with nothing rounded on the activations'
+side. A fused projection whose parts were stored in different types (q/k in Q4_K
+and v in Q6_K, as Q4_K_M files have them) keeps one block matrix per part.
+
+Without the C kernels (another device, kernels off) the layer widens its blocks
+with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .quant import _QuantLinear
+
+# ggml's type id and bytes per 256-weight super-block
+KQUANT_TYPES: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
+SUPER_BLOCK = 256
+
+
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(b[:, at : at + 2]).view(np.float16).astype(np.float32)  # [n, 1]
+
+
+def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins packed in 12 bytes ([n, 12] -> two [n, 8])."""
+    q = scales.astype(np.uint8)
+    sc = np.empty((q.shape[0], 8), np.uint8)
+    mn = np.empty((q.shape[0], 8), np.uint8)
+    sc[:, :4], mn[:, :4] = q[:, 0:4] & 63, q[:, 4:8] & 63
+    sc[:, 4:] = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
+    mn[:, 4:] = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw K-quant rows -> float32 ``shape``, as ggml computes each weight:
+    Q4_K / Q5_K ``(d * sc) * q - dmin * m`` per 32 weights, Q6_K ``(d * sc) * (q - 32)`` per 16."""
+    _, nbytes = KQUANT_TYPES[type_name]
+    b = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, nbytes)
+    n = b.shape[0]
+    if type_name in ("Q4_K", "Q5_K"):
+        d, dmin = _half(b, 0), _half(b, 2)
+        sc, mn = _scale_min(b[:, 4:16])
+        qs = b[:, 48:] if type_name == "Q5_K" else b[:, 16:]
+        q = np.stack([qs.reshape(n, 4, 32) & 0xF, qs.reshape(n, 4, 32) >> 4], axis=2).reshape(n, 8, 32)
+        if type_name == "Q5_K":
+            qh = b[:, 16:48]
+            bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8 sub-blocks, 32]
+            q = q + (bits << 4)
+        scale = (d * sc.astype(np.float32))[..., None]
+        offset = (dmin * mn.astype(np.float32))[..., None]
+        values = scale * q.astype(np.float32) - offset
+    elif type_name == "Q6_K":
+        ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+        sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 16)
+        d = _half(b, 208)
+        low = np.concatenate([ql[:, :, :32] & 0xF, ql[:, :, 32:] & 0xF, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4],
+                             axis=2)  # [n, half, 128]
+        high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+        q = (low | (high << 4)).astype(np.int8) - np.int8(32)
+        values = (d * sc).reshape(n, 16, 1) * q.reshape(n, 16, 16).astype(np.float32)
+    else:
+        raise ValueError(f"{type_name} is not a K-quant type this module serves ({', '.join(KQUANT_TYPES)})")
+    return values.reshape(shape).astype(np.float32, copy=False)
+
+
+@dataclass
+class KQuantPart:
+    """One stored block matrix of a (possibly fused) projection: ``rows`` output rows, its
+    bytes in the layer's buffer ``blocks{index}`` (uint8 [rows, k / 256 * bytes per block])."""
+
+    type_name: str
+    rows: int
+    index: int
+
+
+class KQuantLinear(_QuantLinear):
+    """A projection whose weights stay in GGUF K-quant blocks (see the module docstring)."""
+
+    def __init__(self, parts: list[tuple[str, Any, tuple[int, ...]]], bias: torch.Tensor | None = None) -> None:
+        k = parts[0][2][1]
+        if k % SUPER_BLOCK or any(shape[1] != k for _, _, shape in parts):
+            raise ValueError(f"K-quant rows must be whole {SUPER_BLOCK}-weight super-blocks of one width")
+        super().__init__(k, sum(shape[0] for _, _, shape in parts), bias)
+        self.parts: list[KQuantPart] = []
+        for i, (type_name, blocks, shape) in enumerate(parts):
+            data = torch.from_numpy(np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(shape[0], -1).copy())
+            self.register_buffer(f"blocks{i}", data)  # counted in the engine's weight bytes
+            self.parts.append(KQuantPart(type_name, shape[0], i))
+        self._descs: list[Any] | None = None
+
+    def blocks(self, part: KQuantPart) -> torch.Tensor:
+        return getattr(self, f"blocks{part.index}")
+
+    @property
+    def formats(self) -> str:
+        return "+".join(sorted({p.type_name for p in self.parts}))
+
+    def kernel_descriptions(self) -> list[Any]:
+        """One ``TmLinear`` per part (pointers into this layer's buffers)."""
+        from . import cpu_kernels
+
+        if self._descs is None:
+            descs = []
+            for part in self.parts:
+                d = cpu_kernels.TmLinear()
+                d.kind, d.group, d.repeat = cpu_kernels.W_KQ, KQUANT_TYPES[part.type_name][0], 1
+                d.n, d.k, d.w, d.bias = part.rows, self.in_features, self.blocks(part).data_ptr(), None
+                descs.append(d)
+            self._descs = descs
+        return self._descs
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([torch.from_numpy(dequantize(p.type_name, self.blocks(p).cpu().numpy(),
+                                                      (p.rows, self.in_features))) for p in self.parts])
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        library = self.ops.library
+        if library is not None and x.device.type == "cpu":
+            from .cpu_kernels import linear
+
+            xf = x.float().contiguous()
+            outs = [linear(d, xf, library) for d in self.kernel_descriptions()]
+            if all(o is not None for o in outs):
+                return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # type: ignore[arg-type]
+        return F.linear(x.float(), self.dequantized_weight().to(x.device))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, blocks={self.formats}"
+
+
+def weight_bits(layer: KQuantLinear) -> float:
+    """Stored bits per weight (the startup report's figure)."""
+    total = sum(layer.blocks(p).numel() for p in layer.parts)
+    return 8.0 * total / (layer.in_features * layer.out_features)
+

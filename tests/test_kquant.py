@@ -1,0 +1,109 @@
+"""GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) kept as stored: the dequantization matches
+the gguf package's bit for bit (numpy here and the C kernels), the layer matches a
+float32 matmul of those weights in every kernel build, and a tiny random GGUF written
+with K-quant tensors gives the same greedy tokens under ``gguf`` as dequantized float32."""
+from __future__ import annotations
+
+import platform
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TINY_VOCAB, tiny_config, tiny_tokenizer, tiny_weights
+from gguf_files import random_kquant_blocks, write_gguf
+from tokenmill import LLM, SamplingParams
+from tokenmill.model import cpu_kernels, kquant
+from tokenmill.model.kquant import KQuantLinear
+from tokenmill.model.loader import load_model
+
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+BUILDS = ["native"] + (["avx2", "portable"] if X86 else [])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_bit_exact_with_gguf(type_name):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    rng = np.random.default_rng(1)
+    blocks = random_kquant_blocks(type_name, 24, 512, rng)
+    want = gguf_dequantize(blocks, GGMLQuantizationType[type_name]).astype(np.float32)
+    got = kquant.dequantize(type_name, blocks, (24, 512))
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def lib(request) -> cpu_kernels.KernelLibrary:
+    if request.param == "avx2" and "avx2" not in cpu_kernels._cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    return cpu_kernels.build(cpu_kernels.ISA_FLAGS[request.param])
+
+
+def _layer(types: tuple[str, ...], rows: int, k: int, seed: int = 0) -> KQuantLinear:
+    rng = np.random.default_rng(seed)
+    return KQuantLinear([(t, random_kquant_blocks(t, rows, k, rng), (rows, k)) for t in types])
+
+
+def test_kernel_dequantizes_exactly_and_matches_float32(lib):
+    """Each type alone (the identity's product reads the C kernel's weights out, exactly),
+    then a fused Q4_K + Q6_K projection against the dequantized float32 matmul at several
+    row counts (float32 activations: only the summation order differs)."""
+    for t in TYPES:
+        layer = _layer((t,), 32, 512, seed=2)
+        (desc,) = layer.kernel_descriptions()
+        eye = torch.eye(512)
+        got = cpu_kernels.linear(desc, eye, lib)
+        assert got is not None and torch.equal(got.t(), layer.dequantized_weight()), t
+    layer = _layer(("Q4_K", "Q6_K", "Q5_K"), 48, 768, seed=3)
+    w = layer.dequantized_weight()
+    for rows in (1, 3, 7, 16, 33):
+        x = torch.randn(rows, 768)
+        outs = [cpu_kernels.linear(d, x, lib) for d in layer.kernel_descriptions()]
+        got = torch.cat(outs, dim=1)
+        want = x.double() @ w.double().t()
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
+
+
+def _kquant_file(tmp_path, qtypes: dict[str, str]) -> str:
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    path = str(tmp_path / "kq.gguf")
+    write_gguf(path, tiny_weights(cfg, seed=4), cfg, qtypes=qtypes, eos_token_id=None)
+    return path
+
+
+def test_gguf_kquant_model_same_tokens_as_dequantized_float32(tmp_path):
+    # Q4_K_M's mixture: q/k/gate/up Q4_K, v and down Q6_K, o Q5_K
+    path = _kquant_file(tmp_path, {"v_proj": "Q6_K", "down_proj": "Q6_K", "o_proj": "Q5_K", "layers.": "Q4_K"})
+    loaded = load_model(path)
+    kinds = {entry[0] for entry in loaded.raw_quantized.values()}
+    assert kinds == set(TYPES)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(TINY_VOCAB - 1) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    dense = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", num_blocks=64)
+    kept = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
+               kv_cache_dtype="float32", num_blocks=64)
+    report = kept.engine.runner.model.quant_report
+    assert report.quantized["layers.0.self_attn.qkv_proj"] == "Q4_K+Q6_K blocks"
+    assert report.quantized["layers.1.mlp.down_proj"] == "Q6_K blocks" and not report.kept
+    assert kept.engine.weight_bytes < dense.engine.weight_bytes
+    want = [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in kept.generate(prompts, params)] == want
+
+
+def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):
+    from tokenmill.engine.auto import resolve_quantization
+
+    loaded = load_model(_kquant_file(tmp_path, {"layers.": "Q4_K"}))
+    mode, why = resolve_quantization("auto", loaded, torch.device("cpu"))
+    assert mode == "gguf" and "Q4_K" in why
+    # a fused projection mixing a K-quant with another block type is dequantized, and says so
+    loaded = load_model(_kquant_file(tmp_path, {"v_proj": "Q8_0", "layers.": "Q4_K"}))
+    llm = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
+              num_blocks=16)
+    report = llm.engine.runner.model.quant_report
+    assert "dequantized" in report.kept["layers.0.self_attn.qkv_proj"]
+    assert "kept dense" in report.summary()
