@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quant import _QuantLinear
+from .quant_linear import QuantLinearBase as _QuantLinear
 
 # ggml's type id and bytes per 256-weight super-block
 KQUANT_TYPES: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .llama import MLP, Linear
+from .layers import MLP, Linear
 
 
 def is_sparse_layer(cfg: ModelConfig, index: int) -> bool:

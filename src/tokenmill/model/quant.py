@@ -43,6 +43,7 @@ from torch import nn
 
 from ..config import QUANTIZATION_MODES
 from .ops import TORCH_OPS, ModelOps
+from .quant_linear import QuantLinearBase as _QuantLinear
 
 log = logging.getLogger("tokenmill.quant")
 
@@ -267,35 +268,6 @@ def _scratch(name: str, device: torch.device, dtype: torch.dtype, numel: int) ->
             buf = torch.empty(numel, dtype=dtype, device=device)
         bufs[key] = buf
     return buf[:numel]
-
-
-class _QuantLinear(nn.Module):
-    """Common shape handling: activations go in as bf16, come back in the caller's dtype."""
-
-    ops: ModelOps = TORCH_OPS  # bound by LlamaForCausalLM.use_ops: the C kernels, when the engine has them
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        y = self._matmul(x2) if x2.shape[0] else x2.new_zeros((0, self.out_features))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).reshape(*lead, self.out_features)
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float32 [out, in] weight this layer multiplies by (the test reference)."""
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class _VnniCodes:
