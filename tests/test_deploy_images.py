@@ -105,7 +105,7 @@ def _third_party_imports(*folders: Path) -> set[str]:
 
 
 DIST = {"yaml": "pyyaml", "google": "protobuf", "envoy": "xds-protos", "grpc": "grpcio",
-        "grpc_health": "grpcio-health-checking", "prometheus_client": "prometheus-client"}
+        "grpc_health": "grpcio-health-checking", "prometheus_client": "prometheus-client", "zmq": "pyzmq"}
 
 
 def test_router_image_has_no_torch_but_all_the_router_imports():

@@ -284,7 +284,7 @@ def register(subparsers: Any) -> None:
     add_tool_arguments(p.add_argument_group("tool calling"))
     add_grammar_arguments(p.add_argument_group("structured outputs (limits)"))
     add_server_arguments(p.add_argument_group("HTTP server"))
-    from .adapter_routes import add_lora_arguments
+    from .lora_args import add_lora_arguments
 
     add_lora_arguments(p.add_argument_group("LoRA adapters"))
     add_capture_arguments(p.add_argument_group("traffic capture"))
@@ -335,7 +335,7 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
     gen = args.generation_config
     if gen not in ("auto", "vllm", "tokenmill") and not os.path.isdir(gen):
         return f"--generation-config {gen}: not 'auto', 'vllm' or a folder"
-    from .adapter_routes import check_lora_args
+    from .lora_args import check_lora_args
 
     problem = check_lora_args(args)
     if problem:

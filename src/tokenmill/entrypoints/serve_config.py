@@ -162,7 +162,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 
 
 def _lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
-    from .adapter_routes import parse_lora_modules
+    from .lora_args import parse_lora_modules
 
     return parse_lora_modules(getattr(args, "lora_modules", None))
 

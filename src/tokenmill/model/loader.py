@@ -458,8 +458,9 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         num_experts=experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
         moe_intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]) if experts else 0,
-        # Mixtral always renormalises the top-k weights; Qwen3-MoE as its config says
-        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        # Mixtral always renormalises the top-k weights; Qwen3-MoE as its config says (a dense
+        # model keeps the field's default, so its config reads back the same)
+        norm_topk_prob=(model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False))) if experts else True,
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
