@@ -36,7 +36,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("--n", type=int, default=2048)
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])

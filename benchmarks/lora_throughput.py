@@ -64,7 +64,7 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, lora: list[str | N
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: the bundled model)")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--dtype", default="auto")

@@ -40,7 +40,7 @@ def run(llm: LLM, prompts: list[list[int]], out_len: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--out-len", type=int, default=32)

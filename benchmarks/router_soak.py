@@ -165,7 +165,7 @@ async def _tick(on_progress, deadline: float) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--warmup-minutes", type=float, default=1.0, help="traffic before the first RSS reading")
     p.add_argument("--concurrency", type=int, default=6)

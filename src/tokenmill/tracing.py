@@ -31,6 +31,9 @@ import time
 from typing import Any, Mapping
 
 TRACED_PREFIX = "/v1/"  # the API; not /health, /metrics, the console's page
+# The model list is the router's health probe (every replica, every few seconds): tracing it
+# would bury the requests' traces under probes.
+UNTRACED_PATHS = frozenset({"/v1/models"})
 # The server's HTTP span of the request being handled (set by TracingMiddleware).
 CURRENT_SPAN: contextvars.ContextVar[Any] = contextvars.ContextVar("tokenmill_http_span", default=None)
 
@@ -127,7 +130,8 @@ class TracingMiddleware:
         self.tracing = tracing
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(TRACED_PREFIX):
+        path = str(scope.get("path", ""))
+        if scope["type"] != "http" or not path.startswith(TRACED_PREFIX) or path in UNTRACED_PATHS:
             await self.app(scope, receive, send)  # probes, scrapes and pages are not requests worth a trace
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
