@@ -188,9 +188,15 @@ class Scheduler:
         if len(blocks) > done:
             self._adopt(request, done, blocks[done:])
 
-    def _adopt(self, request: Request, start: int, blocks: list[int]) -> None:
+    def _adopt(self, request: Request, start: int, blocks: list[int], indexed: bool = True) -> None:
         """Make ``blocks`` the request's prompt blocks ``start, start + 1, ...`` (computed by
-        someone else), in place of its own copies; they count as prefix-cache hits."""
+        someone else), in place of its own copies; they count as prefix-cache hits.
+
+        ``indexed``: the blocks are on the prefix cache's path already (a match). Blocks an
+        older request completes in this step (``_share_in_step``) are not: the request
+        indexes them itself after the step, like blocks it computed, so that when the
+        tree holds another copy of one (identical content finished twice in one step) the
+        request swaps to that copy as its producer does, and its blocks stay a tree path."""
         assert self.prefix_cache is not None
         for offset, block in enumerate(blocks):
             index = start + offset
@@ -202,7 +208,8 @@ class Scheduler:
                 request.block_table.append(block)
         end = start + len(blocks)
         gained = end * self.block_size - request.num_computed_tokens
-        request.num_cached_blocks = end
+        if indexed:
+            request.num_cached_blocks = end
         request.num_computed_tokens = end * self.block_size
         if request.first_scheduled_time is None:
             request.num_cached_tokens = request.num_computed_tokens
@@ -293,7 +300,7 @@ class Scheduler:
                 break
             taken.append(producer.block_table[index])
         if taken:
-            self._adopt(request, start, taken)
+            self._adopt(request, start, taken, indexed=False)
 
     def _started(self, request: Request) -> None:
         """First tokens scheduled: the queue wait ends, the prefix hit is final."""
