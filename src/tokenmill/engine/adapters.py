@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -26,6 +27,7 @@ import torch
 
 from ..config import EngineConfig
 from ..model.lora import LoraError, LoraState, LoraWeights, ModelShape, attach as attach_wrappers, load_peft
+from ..model.lora_gguf import is_gguf_file, load_gguf_lora
 
 log = logging.getLogger("tokenmill.adapters")
 
@@ -48,7 +50,10 @@ def attach(model: Any, config: EngineConfig, device: torch.device, dtype: torch.
 
 
 def read_adapter(state: LoraState, name: str, path: str, adapter_id: int) -> LoraWeights:
-    """An adapter's tensors, checked against the model (``LoraError`` says what is wrong)."""
+    """An adapter's tensors, checked against the model (``LoraError`` says what is wrong): a PEFT
+    folder, or a GGUF LoRA file as llama.cpp writes it."""
+    if os.path.isfile(path) and is_gguf_file(path):
+        return load_gguf_lora(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
     return load_peft(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
 
 
