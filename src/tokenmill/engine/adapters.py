@@ -96,6 +96,7 @@ class AdapterManager:
     _by_id: dict[int, Adapter] = field(default_factory=dict)  # every adapter a request may still hold
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _changed: asyncio.Condition | None = None
+    loads: int = 0  # adapters read from disk for a request (the start's registrations not counted)
 
     # -- names ---------------------------------------------------------
     def names(self) -> list[str]:
@@ -164,6 +165,7 @@ class AdapterManager:
                         weights = await asyncio.to_thread(read_adapter, self.state, name, adapter.path,
                                                           adapter.adapter_id)
                         await self._install(adapter, weights)
+                        self.loads += 1
                     finally:
                         adapter.loading = False
                         self._notify()
@@ -271,7 +273,7 @@ class LoraRequestsInfo:
     def collect(self) -> Any:
         import time
 
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         running, waiting = self.manager.request_counts()
         family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -283,3 +285,7 @@ class LoraRequestsInfo:
         names = self.manager.resident_names()
         resident.add_metric([",".join(names)], len(names))
         yield resident
+        loads = CounterMetricFamily("tokenmill:lora_loads", "LoRA adapters made resident for a request "
+                                    "(each one a load from disk: few when requests find theirs resident).")
+        loads.add_metric([], self.manager.loads)
+        yield loads
