@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
-VARIANTS = ["device-plugin", "dra", "cpu", "multi-gpu"]
+VARIANTS = ["device-plugin", "dra", "cpu", "multi-gpu", "lora"]
 K8S_VERSION = "1.34.0"  # first release with resource.k8s.io/v1 (DRA GA)
 CRD_KINDS = {
     ("inference.networking.k8s.io/v1", "InferencePool"),
@@ -24,14 +24,47 @@ def _docs(path: Path) -> list[dict]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
+def _merge(base, patch):
+    """Strategic merge as kustomize applies it to these manifests: maps merge
+    key by key, lists of named items merge item by item on `name`, any other
+    value is replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for key, value in patch.items():
+            out[key] = _merge(base[key], value) if key in base else value
+        return out
+    named = lambda xs: isinstance(xs, list) and xs and all(isinstance(x, dict) and "name" in x for x in xs)
+    if named(base) and named(patch):
+        by_name = {x["name"]: x for x in base}
+        out = [_merge(by_name[x["name"]], x) if x["name"] in by_name else x for x in patch]
+        patched = {x["name"] for x in patch}
+        return [x for x in base if x["name"] not in patched] + out
+    return patch
+
+
 def _kustomize(folder: Path) -> list[dict]:
-    """Resolve a kustomization's resources (files and nested folders) like kustomize would."""
+    """Resolve a kustomization's resources (files and nested folders) and its
+    patches like kustomize would."""
     k = yaml.safe_load((folder / "kustomization.yaml").read_text())
     assert k["kind"] == "Kustomization"
     out: list[dict] = []
     for res in k["resources"]:
         p = (folder / res).resolve()
         out += _kustomize(p) if p.is_dir() else _docs(p)
+    for entry in k.get("patches", []):
+        for patch in _docs(folder / entry["path"]):
+            ident = (patch["kind"], patch["metadata"]["name"])
+            (i,) = [i for i, d in enumerate(out) if (d["kind"], d["metadata"]["name"]) == ident]
+            out[i] = _merge(out[i], patch)
+    return out
+
+
+def _patch_files() -> set[Path]:
+    """Files that kustomizations apply as patches: partial objects by design."""
+    out = set()
+    for k in ROOT.rglob("kustomization.yaml"):
+        for entry in yaml.safe_load(k.read_text()).get("patches", []):
+            out.add((k.parent / entry["path"]).resolve())
     return out
 
 
@@ -45,11 +78,19 @@ def _objects(variant: str) -> dict[tuple[str, str], dict]:
 
 
 def _all_manifests() -> list[tuple[str, dict]]:
+    """Every whole object in the tree, and each variant's objects with its
+    patches applied (so a patched Deployment is validated as deployed)."""
     out = []
+    patches = _patch_files()
     for path in sorted(ROOT.rglob("*.yaml")):
-        if path.name in ("kustomization.yaml", "prometheus-adapter-values.yaml"):
+        if path.name in ("kustomization.yaml", "prometheus-adapter-values.yaml") or path.resolve() in patches:
             continue
         out += [(str(path.relative_to(ROOT)), d) for d in _docs(path)]
+    for patch in sorted(patches):
+        folder = patch.parent
+        idents = {(d["kind"], d["metadata"]["name"]) for d in _docs(patch)}
+        out += [(f"{folder.name} ({d['kind']} {d['metadata']['name']}, patched)", d)
+                for d in _kustomize(folder) if (d["kind"], d["metadata"]["name"]) in idents]
     return out
 
 

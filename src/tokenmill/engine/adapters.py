@@ -157,7 +157,9 @@ class AdapterManager:
             while not adapter.resident:
                 if adapter.removed:
                     raise AdapterNotFound(name)
-                if not adapter.loading and await self._make_room():
+                # _make_room may await an eviction: another request may have started
+                # loading this adapter meanwhile, so look again before claiming the slot.
+                if not adapter.loading and await self._make_room() and not (adapter.loading or adapter.resident):
                     adapter.loading = True
                     try:
                         weights = await asyncio.to_thread(read_adapter, self.state, name, adapter.path,
@@ -209,22 +211,33 @@ class AdapterManager:
         self._notify()
 
     # -- the resident set ------------------------------------------------
+    def _slots_taken(self) -> int:
+        """Resident adapters plus those being read or installed (each holds a slot)."""
+        return len(self._lru) + sum(1 for a in self._by_id.values() if a.loading and not a.resident)
+
     async def _make_room(self) -> bool:
         """Whether a slot is free for one more adapter, evicting the least recently used
-        idle one if needed; counts adapters being loaded as taking a slot."""
-        loading = sum(1 for a in self.adapters.values() if a.loading)
-        if len(self._lru) + loading < self.state.max_loras:
+        idle one if needed. The count is taken again after the eviction: while it ran on
+        the engine thread, another request may have claimed the slot it freed."""
+        if self._slots_taken() < self.state.max_loras:
             return True
         victim = next((a for a in self._lru.values() if not a.in_use), None)
         if victim is None:
             return False
         await self._evict(victim)
-        return len(self._lru) + loading < self.state.max_loras
+        return self._slots_taken() < self.state.max_loras
 
     async def _install(self, adapter: Adapter, weights: LoraWeights) -> None:
-        await self.on_engine(lambda state: state.install(weights))
-        adapter.resident = True
-        self._lru[adapter.adapter_id] = adapter
+        """Put the adapter's tensors in the model; it holds its slot (``loading``) from
+        before the engine is asked until it is in the resident set."""
+        held = adapter.loading
+        adapter.loading = True
+        try:
+            await self.on_engine(lambda state: state.install(weights))
+            adapter.resident = True
+            self._lru[adapter.adapter_id] = adapter
+        finally:
+            adapter.loading = held
 
     async def _evict(self, adapter: Adapter) -> None:
         self._lru.pop(adapter.adapter_id, None)
