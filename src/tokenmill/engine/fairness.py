@@ -34,7 +34,8 @@ retries. The class keeps the engine's whole share it had (the refused requests
 would only have waited longer); the rest of the bound is headroom for the better
 classes that arrive after it and for the rate's swings. The bound speaks of the
 wait from the request's arrival at the server (the ``arrival_time`` it carries
-into the engine) to its first scheduled step, so its first token.
+into the engine) to its first scheduled step, whose end brings its first token
+(unless a better class displaces it in between).
 
 Victims go the other way: the lowest class first, then the highest
 ``priority`` value, then the tenant most over its share, then the newest; the

@@ -79,8 +79,8 @@ class Scheduler:
         self.policy = policy or make_policy(config.batching, config.max_num_seqs, config.dynamic_window_s)
         # None: FCFS; else the waiting queue's order and the preemption victim (fairness.py)
         self.order: QueueOrder | None = make_queue_order(config.scheduling_policy, config.starvation_bound_s)
-        # The oldest arrival waiting per queue (QueueOrder.queue_heads), replaced whole after
-        # each step so that admission on another thread reads it without a lock.
+        # Each queue's oldest waiting request and its drain (QueueOrder.queue_heads), replaced
+        # whole after each step so that admission on another thread reads it without a lock.
         self.queue_heads: dict[tuple[str | None, int], QueueHead] = {}
         self._starts: dict[tuple[str | None, int], int] = {}  # requests each queue started (queue_heads)
         self._freed = 0  # running requests finished or aborted (queue_heads)
@@ -111,9 +111,10 @@ class Scheduler:
             request.queue_mark = self._starts.get(self.order.queue_key(request.placement), 0), self._freed
 
     def backlog(self, placement: Placement, now: float | None = None) -> float | None:
-        """Seconds the head of ``placement``'s queue has waited, when a request joining it
-        would be refused to keep the starvation bound (fairness.py: ``backlog``); None to
-        admit, always under FCFS. Safe to call from another thread."""
+        """The seconds a request joining ``placement``'s queue now is expected to wait, when
+        that breaks the starvation bound and it is to be refused (fairness.py: ``backlog``);
+        None to admit, always under FCFS. Reads the last step's ``queue_heads`` only, so
+        another thread may call it."""
         if self.order is None:
             return None
         return self.order.backlog(self.queue_heads, placement, time.monotonic() if now is None else now)
