@@ -16,7 +16,9 @@ B's throughput under fair over FCFS).
 ``priority``: a high class and a low class; the low class alone overloads the
 engine. Scenarios: high alone; high and low under ``priority``. Prints the high
 class's TTFT p99 in both and their ratio, and the longest time a low-class
-request waited for its first token against the starvation bound.
+request waited for its first token against the starvation bound; arrivals the server
+would refuse (the low class's queue limit, or a queue too long to start within the
+bound) count as 429s.
 
     .venv/bin/python benchmarks/tenants.py [fair|priority] [--duration 30] [--rate-a 0.5] [--ratio 10]
 """
@@ -28,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.bench.stats import percentile
 from tokenmill.engine.fairness import make_queue_order
 from tokenmill.engine.request import Placement
 
@@ -63,7 +66,9 @@ def arrivals(rates: dict[str, tuple[float, Placement]], duration: float, prompt_
 def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len: int, bound: float,
         max_queued: dict[str, int] | None = None) -> Outcome:
     """``max_queued``: per tenant, the sequences it may have waiting (the keys file's limit,
-    which the server answers with 429): arrivals past it are refused and counted."""
+    which the server answers with 429): arrivals past it are refused and counted, as are
+    those whose queue would make them wait past the starvation bound (the server's
+    ``class_backlog`` 429, ``Scheduler.backlog``)."""
     engine = llm.engine
     assert not engine.has_unfinished()
     engine.scheduler.order = make_queue_order(policy, bound)  # idle: the queue order may change
@@ -71,15 +76,16 @@ def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len:
     outcome = Outcome()
     tenant_of: dict[str, Arrival] = {}
     first: dict[str, float] = {}
-    start = time.perf_counter()
+    start = time.monotonic()
     queue = list(plan)
     while True:
-        now = time.perf_counter() - start
+        now = time.monotonic() - start
         while queue and queue[0].at <= now:
             a = queue.pop(0)
             limit = (max_queued or {}).get(a.tenant)
-            if limit is not None and sum(r.placement.tenant == a.placement.tenant
-                                         for r in engine.scheduler.waiting) >= limit:
+            if (limit is not None and sum(r.placement.tenant == a.placement.tenant
+                                          for r in engine.scheduler.waiting) >= limit
+                    or engine.scheduler.backlog(a.placement) is not None):  # the server's two 429s
                 outcome.refused[a.tenant] = outcome.refused.get(a.tenant, 0) + 1
                 continue
             rid = f"{a.tenant}-{len(tenant_of)}"
@@ -93,7 +99,7 @@ def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len:
                 time.sleep(max(0.0, queue[0].at - now))
             continue
         for delta in engine.step():
-            t = time.perf_counter() - start
+            t = time.monotonic() - start
             a = tenant_of[delta.request_id]
             if delta.token_ids and delta.request_id not in first:
                 first[delta.request_id] = t
@@ -112,8 +118,8 @@ def run(llm: LLM, policy: str, plan: list[Arrival], duration: float, output_len:
 
 
 def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+    value = percentile(xs, q)
+    return float("nan") if value is None else value
 
 
 def main() -> None:

@@ -15,24 +15,32 @@ from hypothesis import strategies as st
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.block_pool import BlockPool
 from tokenmill.engine.prefix_cache import PrefixCache
-from tokenmill.engine.request import Request, SamplingParams
+from tokenmill.engine.request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 
 BLOCK = 4
 
 
 class Sim:
-    def __init__(self, num_blocks: int, caching: bool, budget: int, max_seqs: int) -> None:
+    """``policy`` and ``bound``: the scheduler's queue order (engine/fairness.py)."""
+
+    def __init__(self, num_blocks: int, caching: bool, budget: int, max_seqs: int, policy: str = "fcfs",
+                 bound: float = 30.0) -> None:
         self.cache = PrefixCache(BLOCK) if caching else None
         self.pool = BlockPool(num_blocks, self.cache)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget),
-                               BLOCK, self.pool, self.cache)
+        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
+                                 starvation_bound_s=bound)
+        self.sched = Scheduler(config, BLOCK, self.pool, self.cache)
         self.shadow: dict[int, dict[int, int]] = {}  # block -> {offset: token}
         self.active: list[Request] = []
         self.steps = 0
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> bool:
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+    def add(self, rid: str, prompt: list[int], max_tokens: int, placement: Placement | None = None,
+            arrival_time: float | None = None) -> bool:
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
+                      placement=placement or DEFAULT_PLACEMENT)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         try:
             self.sched.add(req)
         except ValueError:

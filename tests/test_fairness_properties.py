@@ -20,12 +20,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_cache_properties import BLOCK, Sim
+from test_cache_properties import Sim
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.fairness import QueueOrder, make_queue_order
 from tokenmill.engine.request import Placement, Request, RequestStatus, SamplingParams
-from tokenmill.engine.scheduler import Scheduler
 
 
 class FairSim(Sim):
@@ -33,10 +32,7 @@ class FairSim(Sim):
 
     def __init__(self, num_blocks: int, caching: bool, budget: int, max_seqs: int, policy: str = "fair",
                  bound: float = 20.0) -> None:
-        super().__init__(num_blocks, caching, budget, max_seqs)
-        config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
-                                 starvation_bound_s=bound)
-        self.sched = Scheduler(config, BLOCK, self.pool, self.cache)
+        super().__init__(num_blocks, caching, budget, max_seqs, policy, bound)
         self.clock = 0.0
         self.violations: list[str] = []
         schedule = self.sched.schedule
@@ -51,14 +47,7 @@ class FairSim(Sim):
         self.sched.schedule = timed  # type: ignore[method-assign]
 
     def add_placed(self, rid: str, prompt: list[int], max_tokens: int, placement: Placement) -> bool:
-        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
-                      arrival_time=self.clock, placement=placement)
-        try:
-            self.sched.add(req)
-        except ValueError:
-            return False
-        self.active.append(req)
-        return True
+        return self.add(rid, prompt, max_tokens, placement, arrival_time=self.clock)
 
     def _check_order(self, waiting_before: set[Request]) -> None:
         """Admissions of this step against those who waited through it."""
@@ -152,6 +141,53 @@ def test_a_low_class_request_is_admitted_within_the_starvation_bound():
     assert bound <= low.first_scheduled_time - low.arrival_time <= bound + 5
     sim.drain(3000)
     assert not sim.violations
+
+
+def _overload(refuse: bool, policy: str) -> tuple[FairSim, dict[str, Request], int]:
+    """A low class that alone sends more than the engine serves (one arrival a step, a
+    slot frees about every 2.5 steps), and a high class now and then. ``refuse``: the
+    admission check the server makes (the scheduler's ``backlog``), else every arrival joins."""
+    sim = FairSim(400, False, 16, 2, policy, 10.0)
+    requests: dict[str, Request] = {}
+    refused = 0
+    for step in range(80):
+        arrivals = [(f"low{step}", Placement("batch", priority_class=4))]
+        if step % 7 == 0:
+            arrivals.append((f"high{step}", Placement("ops", priority_class=0)))
+        for rid, place in arrivals:
+            if refuse and sim.sched.backlog(place, sim.clock) is not None:
+                refused += 1
+            elif sim.add_placed(rid, [1 + step % 5, 2, 3, step % 3], 4, place):
+                requests[rid] = sim.active[-1]
+        sim.step(0)
+    return sim, requests, refused
+
+
+def _longest_wait(sim: FairSim, requests: dict[str, Request], prefix: str) -> float:
+    """The longest arrival-to-first-scheduled wait of the class (one still waiting counts
+    what it has waited so far)."""
+    return max((r.first_scheduled_time if r.first_scheduled_time is not None else sim.clock) - r.arrival_time
+               for rid, r in requests.items() if rid.startswith(prefix))
+
+
+def test_an_overloaded_low_class_is_refused_at_admission_so_the_bound_holds_end_to_end():
+    """Without the admission check the low class's queue grows and its oldest request
+    waits far past the bound, whatever the order; with it, the class keeps being served
+    (most of its arrivals, and every one admitted, start within the bound) and the high
+    class is never refused and never waits behind it."""
+    bound = 10.0
+    for policy in ("priority", "fair"):
+        sim, requests, _ = _overload(False, policy)
+        assert _longest_wait(sim, requests, "low") > 2 * bound
+        sim, requests, refused = _overload(True, policy)
+        assert _longest_wait(sim, requests, "low") <= bound
+        assert _longest_wait(sim, requests, "high") <= 1.0
+        assert refused > 0
+        served = sum(r.first_scheduled_time is not None for rid, r in requests.items() if rid.startswith("low"))
+        assert served >= 25  # about one slot in 2.5 steps over 80 steps: the low class is not starved
+        assert sum(rid.startswith("high") for rid in requests) == 12  # no high arrival refused
+        sim.drain(3000)
+        assert not sim.violations
 
 
 def test_backlogged_tenants_are_served_in_proportion_to_their_weights():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -13,6 +14,8 @@ import pytest
 from test_server_support import make_tiny_app, metric
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
+from tokenmill.engine.fairness import QueueHead
+from tokenmill.engine.request import SamplingParams
 from tokenmill.entrypoints.console import mount_console
 from tokenmill.tenants import hash_key
 
@@ -166,3 +169,37 @@ def test_the_operator_may_speak_for_a_tenant_and_a_tenant_only_for_itself(app):
     assert after["chat"]["requests"] - before["chat"]["requests"] == 2  # both counted as chat
     assert after["batch"]["requests"] == before["batch"]["requests"]
     assert after["default"]["requests"] == before["default"]["requests"]
+
+
+def test_a_class_whose_queue_is_past_the_bound_gets_429_and_the_others_do_not(app):
+    """Admission keeps the starvation bound end to end: when the batch tenant's queue
+    (its class and tenant under fair share) would make a newcomer wait past the bound,
+    its request gets 429 ``class_backlog``; the chat tenant's is served."""
+    state = app.state.tokenmill
+    scheduler, bound = state.engine.scheduler, state.engine.scheduler.order.starvation_bound_s
+    scheduler.queue_heads = {("batch", 4): QueueHead(time.monotonic() - 0.9 * bound, waiting=3)}
+    try:
+        refused, = send(app, ("POST", "/v1/completions", completion(), "batch-key"))
+        assert refused.status_code == 429, refused.text
+        err = refused.json()["error"]
+        assert err["code"] == "class_backlog" and "starvation bound" in err["message"]
+        assert int(refused.headers["Retry-After"]) >= 1
+        served, = send(app, ("POST", "/v1/completions", completion(), "chat-key"))
+        assert served.status_code == 200
+    finally:
+        scheduler.queue_heads = {}
+
+
+def test_the_wait_before_the_engine_counts_toward_the_bound(app):
+    """The server hands the engine the time it got the request: a request that arrived
+    two seconds before it reached the engine reports at least that as its queue time."""
+    state = app.state.tokenmill
+
+    async def run() -> dict:
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        ids = state.tokenizer.encode("hello tenants")
+        deltas = [d async for d in state.aengine.generate("early-0", ids, params,
+                                                         arrival_time=time.monotonic() - 2.0)]
+        return next(d.metrics for d in deltas if d.metrics)
+
+    assert asyncio.run(run())["queue_time"] >= 2.0

@@ -139,7 +139,8 @@ class SchedulerConfig:
     # Waiting-queue order (engine/fairness.py): fcfs | priority (class, request priority,
     # arrival) | fair (class, tenants' weighted share of computed tokens, priority, arrival).
     scheduling_policy: str = "fcfs"
-    # Under priority and fair: a request waiting this long goes first, whatever its class.
+    # Under priority and fair: a request waiting this long goes first, whatever its class, and
+    # admission refuses one whose queue would keep it longer (engine/fairness.py: backlog).
     starvation_bound_s: float = 30.0
 
     def token_budget(self, device_type: str) -> int:

@@ -73,8 +73,10 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        placement: Placement | None = None, trace: bool = False,
-                       adapter: int = 0) -> AsyncIterator[SequenceDelta]:
-        """Yield deltas until every sequence of the request has finished.
+                       adapter: int = 0, arrival_time: float | None = None) -> AsyncIterator[SequenceDelta]:
+        """Yield deltas until every sequence of the request has finished; ``arrival_time``
+        (time.monotonic, default now): when the caller got it, which the scheduler's
+        starvation bound counts from.
 
         Raises ValueError (bad request) before the first delta. If the
         consumer stops early (client gone, task cancelled) the request is
@@ -84,7 +86,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._send("add", _Add(request_id, prompt, params, stream, placement=placement, trace=trace,
-                               adapter=adapter))
+                               adapter=adapter, arrival_time=time.monotonic() if arrival_time is None else arrival_time))
         finished = False
         try:
             while True:

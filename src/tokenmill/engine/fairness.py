@@ -23,6 +23,20 @@ computed (``charge``). The order decides, in this sequence:
 3. **The request's ``priority``** (vLLM's field, lower first), within its
    tenant and class, then **arrival** (and the queue's own order on ties).
 
+**The bound end to end.** The order alone cannot keep a class's wait under the
+bound when that class, on its own, sends more than the engine serves: its queue
+grows whatever the order, and the request at its back waits the queue's length.
+So admission asks the order too (``backlog``): a request whose queue (its class,
+and under fair share its tenant, since tenants of a class interleave) would make
+it wait past ``ADMIT_SHARE`` of the bound (the queue's length over the rate it
+has drained at since its oldest request arrived) is refused; the server answers 429 and the caller
+retries. The class keeps the engine's whole share it had (the refused requests
+would only have waited longer); the rest of the bound is headroom for the better
+classes that arrive after it and for the rate's swings. The bound speaks of the
+wait from the request's arrival at the server (the ``arrival_time`` it carries
+into the engine) to its first scheduled step, whose end brings its first token
+(unless a better class displaces it in between).
+
 Victims go the other way: the lowest class first, then the highest
 ``priority`` value, then the tenant most over its share, then the newest; the
 scheduler offers only requests whose preemption cannot undo a block another
@@ -39,9 +53,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:  # typing only: importing the request module would import torch
-    from .request import Request
+    from .request import Placement, Request
 
 POLICIES = ("fcfs", "priority", "fair")
+# Of the starvation bound, what a request's expected wait at admission may take; the rest
+# is headroom for the better classes that arrive after it and for the rate's swings.
+ADMIT_SHARE = 0.7
+
+
+@dataclass
+class QueueHead:
+    """One queue (``QueueOrder.queue_key``) as admission sees it after a step."""
+
+    oldest: float  # the arrival of its oldest waiting request
+    waiting: int = 0  # its requests waiting
+    started_since: int = 0  # requests it started since the oldest arrived
+    freed_since: int = 0  # running requests (any queue's) that finished since then
+    full: bool = False  # every sequence slot was taken after the step
+
 
 @dataclass
 class TenantShare:
@@ -181,6 +210,44 @@ class QueueOrder:
         if self._standing(w.tenant, slots) >= self._standing(r.tenant, slots):
             return False
         return slots.get(r.tenant, 0) / r.weight > (slots.get(w.tenant, 0) + 1) / w.weight
+
+    def queue_key(self, placement: Placement) -> tuple[str | None, int]:
+        """The queue a request waits in, as far as its wait goes: its class, and its tenant
+        under fair share (a tenant's requests interleave with the other tenants' of the class)."""
+        return (placement.tenant if self.fair_share else None), placement.priority_class
+
+    def queue_heads(self, waiting: Iterable[Request], starts: Mapping[tuple[str | None, int], int],
+                    freed: int, full: bool) -> dict[tuple[str | None, int], QueueHead]:
+        """Each queue's ``QueueHead``; ``starts``: the requests each queue has started, and
+        ``freed`` the running requests finished, all told (a request's ``queue_mark`` is
+        the two when it arrived); ``full``: every sequence slot is taken."""
+        heads: dict[tuple[str | None, int], QueueHead] = {}
+        for r in waiting:
+            key = self.queue_key(r.placement)
+            head = heads.get(key)
+            if head is None or r.arrival_time < head.oldest:
+                heads[key] = QueueHead(r.arrival_time, head.waiting if head else 0,
+                                       starts.get(key, 0) - r.queue_mark[0], freed - r.queue_mark[1], full)
+            heads[key].waiting += 1
+        return heads
+
+    def backlog(self, heads: Mapping[tuple[str | None, int], QueueHead], placement: Placement,
+                now: float) -> float | None:
+        """The wait a request joining ``placement``'s queue now is expected to have, when
+        that is past ``ADMIT_SHARE`` of the starvation bound (it is then refused), else
+        None. The queue has had a request waiting since its oldest arrived, so what it
+        started since, over that time, is the rate it drains at; when every slot is
+        taken it drains no faster than running requests finish (the starts of a batch
+        filling its free slots say nothing of that). At least one of each: a queue that
+        just formed has waited too little to be judged. The newcomer waits for all of
+        the queue at that rate, and at least as long as the oldest has waited."""
+        head = heads.get(self.queue_key(placement))
+        if head is None:
+            return None
+        age = max(0.0, now - head.oldest)
+        drained = min(head.started_since, head.freed_since) if head.full else head.started_since
+        expected = max(age, (head.waiting + 1) * age / max(1, drained))
+        return expected if expected > ADMIT_SHARE * self.starvation_bound_s else None
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per tenant: weight, virtual service, tokens computed, sequences in the scheduler."""

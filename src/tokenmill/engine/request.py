@@ -201,6 +201,9 @@ class Request:
     num_cached_blocks: int = 0
     # Scheduler step at which it last joined the running batch (prefill ordering).
     admitted_step: int = 0
+    # When it arrived: the requests its queue (fairness.py: queue_key) had started, and the
+    # running requests that had finished, all told (what followed is the drain, QueueHead).
+    queue_mark: tuple[int, int] = (0, 0)
     # Chained hashes of the prompt's full blocks (the scheduler's in-flight prefix
     # sharing spots other requests computing the same blocks); filled on first use.
     prompt_block_hashes: list[int] | None = None

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 from ..config import SchedulerConfig
 from .batching import BatchingPolicy, make_policy
 from .block_pool import BlockPool
-from .fairness import QueueOrder, make_queue_order
+from .fairness import QueueHead, QueueOrder, make_queue_order
 from .prefix_cache import PrefixCache
-from .request import Request, RequestStatus
+from .request import Placement, Request, RequestStatus
 
 
 @dataclass
@@ -79,6 +79,11 @@ class Scheduler:
         self.policy = policy or make_policy(config.batching, config.max_num_seqs, config.dynamic_window_s)
         # None: FCFS; else the waiting queue's order and the preemption victim (fairness.py)
         self.order: QueueOrder | None = make_queue_order(config.scheduling_policy, config.starvation_bound_s)
+        # Each queue's oldest waiting request and its drain (QueueOrder.queue_heads), replaced
+        # whole after each step so that admission on another thread reads it without a lock.
+        self.queue_heads: dict[tuple[str | None, int], QueueHead] = {}
+        self._starts: dict[tuple[str | None, int], int] = {}  # requests each queue started (queue_heads)
+        self._freed = 0  # running requests finished or aborted (queue_heads)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -103,6 +108,16 @@ class Scheduler:
         self.waiting.append(request)
         if self.order is not None:
             self.order.arrived(request)
+            request.queue_mark = self._starts.get(self.order.queue_key(request.placement), 0), self._freed
+
+    def backlog(self, placement: Placement, now: float | None = None) -> float | None:
+        """The seconds a request joining ``placement``'s queue now is expected to wait, when
+        that breaks the starvation bound and it is to be refused (fairness.py: ``backlog``);
+        None to admit, always under FCFS. Reads the last step's ``queue_heads`` only, so
+        another thread may call it."""
+        if self.order is None:
+            return None
+        return self.order.backlog(self.queue_heads, placement, time.monotonic() if now is None else now)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,6 +128,7 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
+            self._freed += 1
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
@@ -305,6 +321,9 @@ class Scheduler:
     def _started(self, request: Request) -> None:
         """First tokens scheduled: the queue wait ends, the prefix hit is final."""
         request.first_scheduled_time = self._now
+        if self.order is not None:
+            key = self.order.queue_key(request.placement)
+            self._starts[key] = self._starts.get(key, 0) + 1
         if self.prefix_cache is not None:
             self.prefix_cache.stats.queried_tokens += request.num_prompt_tokens
             self.prefix_cache.stats.hit_tokens += request.num_cached_tokens
@@ -427,6 +446,9 @@ class Scheduler:
                 scheduled.add(request)
                 progressing[request] = True
                 self._note_finishing(finishing, request, num_new)
+        if self.order is not None:
+            self.queue_heads = self.order.queue_heads(self.waiting, self._starts, self._freed,
+                                                      len(self.running) >= self.config.max_num_seqs)
         if self.prefix_cache is not None:
             self.prefix_cache.flush_tier()  # blocks moved to disk this step leave the pool before it runs
         return batch

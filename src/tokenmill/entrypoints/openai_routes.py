@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Awaitable
@@ -232,6 +233,7 @@ def _new_id(prefix: str) -> str:
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    arrived = time.monotonic()  # the starvation bound counts from here (tokenizing included)
     state = get_state(request)
     state.check_model(body.model)
     headers = ignored_headers(judge_extra(body.model_extra, "completions"))
@@ -261,6 +263,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             scored = 0
         params = sampling_params(state, body, max_tokens, body.logprobs, grammar, scored)
         jobs.append(Job(f"{request_id}-{i}", ids, params, "completions", prompt_text=text, priority=body.priority,
+                        arrival=arrived,
                         model=body.model))
         if body.echo:
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
@@ -310,11 +313,13 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    arrived = time.monotonic()  # the starvation bound counts from here (templating included)
     state = get_state(request)
     state.check_model(body.model)
     headers = ignored_headers(judge_extra(body.model_extra, "chat.completions") + template_ignored(state, body))
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)
+    job.arrival = arrived
     job.session = session_of(request.headers, body.user)
     state.reserve([job], tenant_of(request.scope))
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,

@@ -117,8 +117,9 @@ def add_engine_arguments(p: Any) -> None:
                         "then 'priority', then arrival); see docs/tenants.md (default fcfs; fair when "
                         "--api-keys-file is given)")
     p.add_argument("--starvation-bound", type=float, default=30.0, metavar="SECONDS",
-                   help="priority and fair: a request waiting this long goes first, whatever its class "
-                        "(default 30)")
+                   help="priority and fair: a request waiting this long (from its arrival at the server to "
+                        "its first token) goes first, whatever its class; one whose queue would keep it "
+                        "longer gets 429 class_backlog (default 30)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

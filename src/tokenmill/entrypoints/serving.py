@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -21,6 +22,7 @@ from typing import Any, AsyncIterator
 from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
+from ..engine.fairness import ADMIT_SHARE
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..engine.limits import LimitError, RequestLimits
 from ..tracing import CURRENT_SPAN
@@ -96,6 +98,9 @@ class Job:
     endpoint: str
     prompt_text: str | None = None
     arrival_unix: float = field(default_factory=time.time)
+    # when the server got it (time.monotonic), carried into the engine: the scheduler's
+    # starvation bound counts the wait before the engine sees it too
+    arrival: float = field(default_factory=time.monotonic)
     reserved: bool = False
     priority: int = 0  # the request's own (vLLM's field), within its tenant's class
     # the caller's tenant (tenants.py), set by reserve(); None: the default tenant
@@ -240,6 +245,7 @@ class ServerState:
         tenant = tenant or DEFAULT_TENANT
         fresh = [job for job in jobs if not job.held and not job.reserved]
         if fresh:
+            self._check_backlog(dataclasses.replace(fresh[0], tenant=tenant).placement)
             try:
                 self.tenant_gate.admit(tenant, len(fresh), sum(j.params.n for j in fresh),
                                        sum(_max_cost(j) for j in fresh))
@@ -254,6 +260,23 @@ class ServerState:
             if not job.reserved:
                 job.reserved = True
                 self.pending += job.params.n
+
+    def _check_backlog(self, placement: Placement) -> None:
+        """429 for a request whose queue (its class, and its tenant under fair share) is
+        already too long for it to start within the starvation bound (engine/fairness.py:
+        ``backlog``): its class is over what the engine serves, and queueing it would only
+        make it, and those behind it, wait past the bound."""
+        order = self.engine.scheduler.order
+        expected = self.engine.scheduler.backlog(placement)
+        if order is None or expected is None:
+            return
+        self.metrics.rejected.labels("class_backlog").inc()
+        self.usage.rejected(placement.tenant)
+        retry = max(1, math.ceil(expected - ADMIT_SHARE * order.starvation_bound_s))
+        raise APIError(429, f"requests of priority class {placement.priority_class} (tenant {placement.tenant!r}) "
+                       f"would wait about {expected:.1f}s to start, past the {order.starvation_bound_s:g}s "
+                       "starvation bound: their queue is longer than the server serves; retry later",
+                       code="class_backlog", headers={"Retry-After": str(retry)})
 
     def release(self, job: Job) -> None:
         """Undo ``reserve`` for one job; idempotent. A job that never reached its stream
@@ -360,7 +383,7 @@ class ServerState:
             adapter = await self._acquire_adapter(job)
         span = CURRENT_SPAN.get() if self.tracing is not None else None
         gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement,
-                                    trace=span is not None, adapter=adapter)
+                                    trace=span is not None, adapter=adapter, arrival_time=job.arrival)
         self._live[job.request_id] = job
         failed = False
         job.streamed = True
