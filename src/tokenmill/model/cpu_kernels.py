@@ -79,7 +79,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
              "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 10
+_ABI_VERSION = 11
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
@@ -233,7 +233,8 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows,
                cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_convert, cdll.tm_paged_prefill_convert):
         fn.restype = ctypes.c_int
-    cdll.tm_model_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    cdll.tm_model_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
+                                    ctypes.c_int]
     cdll.tm_model_step.restype = ctypes.c_int
     cdll.tm_linear.argtypes = [ptr, ptr, i64, i64, ptr, i64, cint]
     cdll.tm_linear.restype = ctypes.c_int

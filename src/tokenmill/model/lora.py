@@ -57,12 +57,15 @@ class ModelShape:
     q_size: int
     kv_size: int
     intermediate: int
+    num_heads: int = 0  # query and key/value heads: GGUF adapters store q/k rows per head
+    num_kv_heads: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ModelShape":
         assert cfg.head_dim is not None
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
-                   cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+                   cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size,
+                   cfg.num_attention_heads, cfg.num_key_value_heads)
 
     def parts(self, fused: str) -> tuple[int, list[int]]:
         """(input features, output sizes of the parts) of a fused projection."""
@@ -81,6 +84,9 @@ class FusedDelta:
 
     a: torch.Tensor  # [sum r, in]
     b: torch.Tensor  # [out, sum r], scaled, zero outside each part's rows and rank columns
+    # (first output, end output, first rank column, end rank column) of each part targeted:
+    # where b is not zero (the fused native step reads only those blocks)
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass
@@ -188,6 +194,15 @@ def load_peft(folder: str, name: str, adapter_id: int, shape: ModelShape, max_ra
         if layer >= shape.num_layers:
             raise LoraError(f"adapter {name!r}: {key!r} is for layer {layer}; the model has {shape.num_layers}")
         pairs.setdefault((layer, proj), {})[which] = tensor
+    return build_weights(name, adapter_id, shape, rank, scale, pairs, folder, dtype, device)
+
+
+def build_weights(name: str, adapter_id: int, shape: ModelShape, rank: int, scale: float,
+                  pairs: dict[tuple[int, str], dict[str, torch.Tensor]], path: str,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LoraWeights:
+    """An adapter ready to serve from its ``(layer, projection) -> {"A": [r, in], "B": [out, r]}``
+    matrices (Hugging Face's row order, unscaled), whatever file they came from; checked
+    against the model's shapes."""
     if not pairs:
         raise LoraError(f"adapter {name!r}: no LoRA weights found")
     per_layer: list[dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(shape.num_layers)]
@@ -211,13 +226,16 @@ def load_peft(folder: str, name: str, adapter_id: int, shape: ModelShape, max_ra
             a = torch.cat([parts[p][0].float() for p in order])
             b = torch.zeros(sum(outs), rank * len(order))
             offsets = [sum(outs[:p]) for p in range(len(outs))]
-            for col, p in enumerate(order):
-                b[offsets[p]:offsets[p] + outs[p], col * rank:(col + 1) * rank] = parts[p][1].float() * scale
+            blocks = tuple((offsets[p], offsets[p] + outs[p], col * rank, (col + 1) * rank)
+                           for col, p in enumerate(order))
+            for out0, out1, col0, col1 in blocks:
+                part = order[col0 // rank]
+                b[out0:out1, col0:col1] = parts[part][1].float() * scale
             deltas[fused] = FusedDelta(a.to(device=device, dtype=dtype).contiguous(),
-                                       b.to(device=device, dtype=dtype).contiguous())
+                                       b.to(device=device, dtype=dtype).contiguous(), blocks)
         layers.append(deltas)
     targets = tuple(sorted({proj for (_, proj) in pairs}, key=list(TARGETS).index))
-    return LoraWeights(name, adapter_id, rank, scale, targets, layers, folder)
+    return LoraWeights(name, adapter_id, rank, scale, targets, layers, path)
 
 
 @dataclass
