@@ -1,0 +1,259 @@
+"""Decode and prefill speed at real models' sizes, tokenmill against llama.cpp, in one run.
+
+The bundled model is small enough to sit in cache-friendly sizes; a real 1B-8B model is
+bound by memory bandwidth instead. This script writes a random-weight GGUF file in a real
+model's shape (``--shape``: TinyLlama-1.1B, a 3B or an 8B Llama shape; ``tiny`` for a quick
+check of the script itself) with the bundled SmolLM2's tokenizer (copied from its GGUF
+metadata, so both engines load the file), in ``--qtype`` blocks (Q4_0, Q8_0, or Q4_K_M:
+Q4_K with Q6_K for ``attn_v``/``ffn_down``/the output head, as llama.cpp's mix does), into
+a temporary folder that is deleted afterwards.
+
+Rows, on the same file and the same number of threads, measured in rounds (each engine
+once per round, best of ``--repeats``, as ``decode_speed.py`` does):
+
+* tokenmill with ``--quantization auto`` (what ``serve`` picks) and ``gguf`` (the file's
+  own blocks);
+* llama.cpp through llama-cpp-python (``--llamacpp-path`` to import it from a folder).
+
+Each row gives prefill tok/s for a ``--prefill-len``-token prompt and decode tok/s, both
+as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the
+machine's bandwidth (a multi-threaded torch ``copy_`` of a 1 GiB buffer, read plus write
+bytes over time) divided by the bytes of weights one decode token reads (every tensor of
+the file except the token embedding, of which one row is read).
+
+    .venv/bin/python benchmarks/real_sizes.py --shape 1.1b --qtype Q4_0 --llamacpp-path /work/llamacpp
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_speed  # noqa: E402  (its OpenMP note and measure())
+import torch  # noqa: E402
+
+from tokenmill.bundled import default_model_path  # noqa: E402
+from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.engine.engine import LLMEngine  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-family model's sizes (the vocabulary is the bundled tokenizer's)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+SHAPES = {
+    "tiny": Shape(256, 768, 2, 4, 2),
+    "1.1b": Shape(2048, 5632, 22, 32, 4),  # TinyLlama-1.1B
+    "3b": Shape(3072, 8192, 28, 24, 8),  # Llama-3.2-3B
+    "8b": Shape(4096, 14336, 32, 32, 8),  # Llama-3.1-8B
+}
+
+# bytes per block and elements per block of each type written here
+_BLOCKS = {"Q4_0": (18, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+
+
+def _qtype_of(gguf_name: str, mix: str) -> str:
+    if mix != "Q4_K_M":
+        return mix
+    return "Q6_K" if any(k in gguf_name for k in ("attn_v", "ffn_down", "output.weight")) else "Q4_K"
+
+
+def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random codes with finite fp16 scales that keep weights near +-0.05, so activations
+    stay finite through every layer (the values do not matter for speed, NaNs would)."""
+    nbytes, per = _BLOCKS[qtype]
+    if qtype in ("Q4_K", "Q6_K"):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from gguf_files import random_kquant_blocks
+        return random_kquant_blocks(qtype, rows, cols, rng)
+    blocks = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    scale = {"Q4_0": 6e-3, "Q8_0": 4e-4}[qtype]
+    d = (scale * rng.uniform(0.5, 1.5, size=(rows, cols // per))).astype(np.float16)
+    blocks[..., 0:2] = d[..., None].view(np.uint8).reshape(rows, cols // per, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_model(path: str, shape: Shape, mix: str, seed: int = 0) -> int:
+    """Write the file; returns the bytes one decode token reads (all weights but the embedding
+    table, plus one row of it)."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    source = gguf.GGUFReader(default_model_path())
+    vocab = 0
+    w = gguf.GGUFWriter(path, "llama")
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+            if name == "tokenizer.ggml.tokens":
+                vocab = len(field.data)
+    assert vocab, "the bundled GGUF has no tokenizer.ggml.tokens"
+    head_dim = shape.hidden // shape.heads
+    w.add_block_count(shape.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.intermediate)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(2)  # llama.cpp only reads it for display
+    rng = np.random.default_rng(seed)
+    read_per_token = 0
+    h, kv = shape.hidden, shape.kv_heads * head_dim
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        nonlocal read_per_token
+        qtype = _qtype_of(name, mix)
+        if name == "token_embd.weight" and qtype in ("Q4_K", "Q6_K"):
+            qtype = "Q4_K"
+        blocks = _random_blocks(qtype, rows, cols, rng)
+        w.add_tensor(name, blocks, raw_dtype=QT[qtype])
+        read_per_token += blocks[0].nbytes if name == "token_embd.weight" else blocks.nbytes
+
+    def norm(name: str) -> None:
+        nonlocal read_per_token
+        w.add_tensor(name, np.ones(h, dtype=np.float32))
+        read_per_token += h * 4
+
+    matrix("token_embd.weight", vocab, h)
+    for i in range(shape.layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        matrix(f"blk.{i}.attn_q.weight", h, h)
+        matrix(f"blk.{i}.attn_k.weight", kv, h)
+        matrix(f"blk.{i}.attn_v.weight", kv, h)
+        matrix(f"blk.{i}.attn_output.weight", h, h)
+        norm(f"blk.{i}.ffn_norm.weight")
+        matrix(f"blk.{i}.ffn_gate.weight", shape.intermediate, h)
+        matrix(f"blk.{i}.ffn_up.weight", shape.intermediate, h)
+        matrix(f"blk.{i}.ffn_down.weight", h, shape.intermediate)
+    norm("output_norm.weight")
+    matrix("output.weight", vocab, h)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return read_per_token
+
+
+def bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of a torch copy_ (read + write counted), best of ``repeats``."""
+    torch.set_num_threads(threads)
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> decode_speed.Runner:
+    engine = LLMEngine(EngineConfig.from_options(
+        model=path, dtype="auto", quantization=quantization, enable_prefix_caching=False,
+        kv_cache_memory="256MiB", max_num_batched_tokens=max(1024, args.prefill_len)))
+    print(f"# tokenmill --quantization {quantization}: runs dtype {engine.config.dtype}, "
+          f"quantization {engine.config.quantization}", flush=True)
+    torch.set_num_threads(args.threads)
+
+    def run(seed: int) -> tuple[float, float]:
+        return decode_speed.measure(engine, args.prefill_len, args.decode_len, seed)
+
+    decode_speed.measure(engine, 16, 4, seed=99)  # warm-up
+    return run
+
+
+def llamacpp_runner(path: str, args: argparse.Namespace) -> decode_speed.Runner | str:
+    """llama.cpp on ``path``; a line saying why not when llama-cpp-python is missing."""
+    if args.llamacpp_path:
+        sys.path.insert(0, args.llamacpp_path)
+    try:
+        from llama_cpp import Llama  # type: ignore[import-not-found]
+    except ImportError:
+        return "llama-cpp-python is not installed"
+    import random
+
+    llm = Llama(model_path=path, n_ctx=args.prefill_len + args.decode_len + 64, n_threads=args.threads,
+                n_threads_batch=args.threads, n_batch=args.prefill_len, verbose=False)
+
+    def run(seed: int) -> tuple[float, float]:
+        rng = random.Random(seed)
+        prompt = [rng.randrange(100, 40000) for _ in range(args.prefill_len)]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        prefill = args.prefill_len / (time.perf_counter() - t)
+        llm.reset()
+        llm.eval(prompt[:32])
+        t = time.perf_counter()
+        for _ in range(args.decode_len):
+            llm.eval([rng.randrange(100, 40000)])
+        return prefill, args.decode_len / (time.perf_counter() - t)
+
+    run(99)  # warm-up
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
+    ap.add_argument("--qtype", choices=("Q4_0", "Q4_K_M", "Q8_0"), default="Q4_0")
+    ap.add_argument("--quantizations", default="auto,gguf", help="tokenmill rows, comma-separated")
+    ap.add_argument("--prefill-len", type=int, default=128)
+    ap.add_argument("--decode-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="threads for both engines (0: all cores)")
+    ap.add_argument("--llamacpp-path", default="", help="folder holding a llama_cpp package to import first")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="tokenmill rows only (no ratios)")
+    args = ap.parse_args(argv)
+    args.threads = args.threads or torch.get_num_threads()
+    bw = bandwidth(args.threads)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-real-sizes-") as tmp:
+        path = os.path.join(tmp, f"{args.shape}-{args.qtype}.gguf")
+        t = time.perf_counter()
+        per_token = write_model(path, SHAPES[args.shape], args.qtype)
+        print(f"# real_sizes: shape {args.shape}, {args.qtype}, file {os.path.getsize(path) / 2**20:.0f} MiB "
+              f"(written in {time.perf_counter() - t:.0f} s), {per_token / 2**20:.0f} MiB read per decode token, "
+              f"bandwidth {bw / 1e9:.1f} GB/s (torch copy_, read+write) -> limit {bw / per_token:.1f} tok/s, "
+              f"threads {args.threads}, prefill {args.prefill_len}, decode {args.decode_len}, best of "
+              f"{args.repeats}, load {os.getloadavg()[0]:.2f}", flush=True)
+        runners: list[tuple[str, decode_speed.Runner]] = [
+            (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
+        lc = "skipped (--skip-llamacpp)" if args.skip_llamacpp else llamacpp_runner(path, args)
+        if not isinstance(lc, str):
+            runners.append(("llama.cpp (llama-cpp-python)", lc))
+        best = {name: (0.0, 0.0) for name, _ in runners}
+        for seed in range(args.repeats):  # rounds: every engine once per round
+            for name, run in runners:
+                p, d = run(seed)
+                best[name] = (max(best[name][0], p), max(best[name][1], d))
+        lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (float("nan"), float("nan"))
+        print("| engine | prefill tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | of bandwidth limit |")
+        print("|---|---|---|---|---|---|")
+        for name, _ in runners:
+            p, d = best[name]
+            print(f"| {name} | {p:.0f} | {p / lc_p:.2f}x | {d:.1f} | {d / lc_d:.2f}x | {d * per_token / bw:.0%} |")
+        if isinstance(lc, str):
+            print(f"llama.cpp rows skipped: {lc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
