@@ -137,16 +137,25 @@ def test_backends_agree(family, monkeypatch):
 
 
 def test_attention_masks_choose_the_backend(family):
+    """Sliding windows run on the C kernels (and, for a Llama-shaped layer, in the fused
+    step: Phi-3 here, so the greedy tests above cover windows there too); soft-capped
+    scores (Gemma 2) only on torch paged attention."""
+    from tokenmill.model import cpu_kernels
+
     name, _model, loaded, _expected = family
     llm = _llm(loaded)
     masks = llm.engine.model.attention_masks()
     runner = llm.engine.runner
     if name == "phi3_longrope":
         assert masks is None
-    else:
-        assert masks is not None and "window" in masks
+        return
+    assert masks is not None and "window" in masks
+    if name == "gemma2":
         assert runner.attention.name == "torch paged attention"
         assert runner.fused is None
+    elif cpu_kernels.load() is not None:
+        assert runner.attention.name == "C kernels (paged, in place)"
+        assert (runner.fused is not None) == (name == "phi3")
 
 
 def test_unsupported_rope_scaling_is_one_clear_line():
