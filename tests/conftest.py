@@ -111,6 +111,21 @@ def make_tiny_llm(**options):
     return LLM(loaded_model=tiny_loaded(seed, **overrides), tokenizer=tiny_tokenizer(), **options)
 
 
+def prompt_last_logits(engine, ids: list[int]) -> torch.Tensor:
+    """The engine's logits at a prompt's last position, from one prefill step on blocks taken
+    and given back here (the parity tests compare them with transformers')."""
+    from tokenmill import SamplingParams
+    from tokenmill.engine.request import Request
+
+    req = Request("logits", ids, SamplingParams(max_tokens=1), max_tokens=1)
+    req.block_table = engine.pool.allocate(-(-len(ids) // engine.block_size))
+    try:
+        logits, _ = engine.runner.execute([(req, len(ids))])
+    finally:
+        engine.pool.release(req.block_table)
+    return logits[0]
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_factory():
     return make_tiny_llm

@@ -26,6 +26,20 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return out
 
 
+def add_shape(w: Any, cfg: Any, head_dim: int, rope_theta: float) -> None:
+    """The network's shape in a GGUF writer's metadata, as llama.cpp's converter writes it."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope_theta)
+
+
 def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "llama",
                qtypes: dict[str, str] | None = None, bos_token_id: int | None = None,
                eos_token_id: int | None = None, extra_tensors: dict[str, np.ndarray] | None = None) -> None:
@@ -43,16 +57,7 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
     top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
     per_layer = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
+    add_shape(w, cfg, cfg.head_dim, cfg.rope_theta)
     if bos_token_id is not None:
         w.add_bos_token_id(bos_token_id)
     if eos_token_id is not None:

@@ -78,3 +78,49 @@ def test_judge_and_limiting_factor() -> None:
     assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
     point.server.kv_usage_max = 0.97
     assert _limiting(judge(point, 4.0, settings)) == "KV pressure"
+
+
+def _plan_tiny(tmp_path, engine_options: dict, args: list[str]) -> dict:
+    """`tokenmill plan` against a real server over the tiny model; the candidate's report."""
+    from test_server_support import ThreadServer, make_tiny_app
+
+    from tokenmill.entrypoints.cli import main
+
+    out = tmp_path / "plan.json"
+    app = make_tiny_app(engine_options)
+    try:
+        with ThreadServer(app) as srv:
+            rc = main(["plan", "--candidate", f"tiny={srv.url}", *args, "--output", str(out)])
+    finally:
+        app.state.tokenmill.aengine.shutdown()
+    assert rc == 0
+    return json.loads(out.read_text())["candidates"][0]
+
+
+@pytest.mark.slow
+def test_a_prefill_bound_case_is_named_prefill(tmp_path) -> None:
+    """600-token prompts in 32-token chunks, two tokens out, a TTFT SLO below one prefill: the SLO
+    fails at every rate, and the server's own split puts the time in prefill."""
+    cand = _plan_tiny(tmp_path, {"max_num_batched_tokens": 32},
+                      ["--slo", "ttft=0.002", "--input-len", "600", "--output-len", "2", "--rate-min", "2",
+                       "--rate-max", "8", "--probe-requests", "8", "--probe-seconds", "1"])
+    assert cand["sustainable_rate"] is None and cand["limiting_factor"] == "prefill"
+    last = min(cand["probes"], key=lambda p: p["rate"])
+    assert last["breakdown"]["prefill"] > max(last["breakdown"]["queueing"], last["breakdown"]["decode"])
+
+
+@pytest.mark.slow
+def test_a_kv_bound_case_is_named_kv_pressure_and_more_kv_moves_the_limit(tmp_path) -> None:
+    """Long answers (340 tokens, 22 blocks each) in a 30-block pool: past a few concurrent requests
+    the server preempts (its counter says so) and the plan names KV pressure. The same workload with
+    a 1024-block pool is limited by something else, at a higher rate."""
+    args = ["--slo", "e2e=2", "--input-len", "40", "--output-len", "300", "--rate-min", "4", "--rate-max", "64",
+            "--precision", "1.0", "--probe-requests", "16", "--probe-seconds", "1"]
+    small = _plan_tiny(tmp_path, {"num_blocks": 30}, args)
+    assert small["limiting_factor"] == "KV pressure", small["limiting_factor"]
+    failing = next(p for p in small["probes"] if p["rate"] == small["failing_rate"])
+    assert failing["preemptions"] > 0 or failing["kv_usage_max"] >= 0.95
+    large = _plan_tiny(tmp_path, {"num_blocks": 1024}, args)
+    assert large["limiting_factor"] != "KV pressure"
+    assert all(not p["preemptions"] for p in large["probes"])
+    assert (large["sustainable_rate"] or 0) >= (small["sustainable_rate"] or 0)

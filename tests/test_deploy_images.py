@@ -129,7 +129,7 @@ def _manifest_images() -> set[str]:
     for path in DEPLOY.rglob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
-            images |= {c["image"] for c in spec.get("containers", [])}
+            images |= {c["image"] for c in spec.get("containers", []) if "image" in c}  # patches name none
     return images
 
 
@@ -202,3 +202,27 @@ def test_grafana_dashboard_queries_what_the_server_exports():
     assert len(named) >= 8 and not missing, missing
     for p in dashboard["panels"]:
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"]
+
+
+def test_the_lora_overlay_serves_adapters_the_server_accepts():
+    """The adapters overlay: its server arguments parse with tokenmill's own command line (LoRA on,
+    each adapter's path under the adapters volume), and every mount names a volume it defines."""
+    from tokenmill.entrypoints.cli import build_parser
+
+    overlay = DEPLOY / "lora"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    for entry in [*kustomization["resources"], *(p["path"] for p in kustomization["patches"])]:
+        assert (overlay / entry).exists(), entry
+    (patch,) = [d for d in yaml.safe_load_all((overlay / "model-server-lora.yaml").read_text()) if d]
+    pod = patch["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.enable_lora and args.max_loras == 2
+    modules = dict(m.split("=", 1) for m in args.lora_modules)
+    assert set(modules) == {"support", "billing", "legal"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert all(path.startswith(mounts["adapters"] + "/") for path in modules.values())
+    assert set(mounts) == {v["name"] for v in pod["volumes"]}
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    defined = {d["metadata"]["name"] for d in yaml.safe_load_all((overlay / "adapter-storage.yaml").read_text()) if d}
+    assert "tokenmill-adapters" in claims and "tokenmill-adapters" in defined

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import TINY_VOCAB, tiny_tokenizer  # noqa: E402
+from conftest import TINY_VOCAB, prompt_last_logits, tiny_tokenizer  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.model.loader import load_model  # noqa: E402
@@ -174,19 +174,10 @@ def test_last_position_logits_match(family):
     values show it."""
     _name, model, loaded, _expected = family
     llm = _llm(loaded)
-    engine = llm.engine
-    from tokenmill.engine.request import Request
-
     for ids in _prompts()[:1]:
-        req = Request("logits", ids, SamplingParams(max_tokens=1), max_tokens=1)
-        req.block_table = engine.pool.allocate(-(-len(ids) // engine.block_size))
-        try:
-            logits, _ = engine.runner.execute([(req, len(ids))])
-        finally:
-            engine.pool.release(req.block_table)
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0, -1].float()
-        assert (logits[0] - ref).abs().max().item() < 1e-4
+        assert (prompt_last_logits(llm.engine, ids) - ref).abs().max().item() < 1e-4
 
 
 def test_longrope_short_factors_within_the_original_context():
@@ -248,6 +239,7 @@ def _gguf_of(model, path: str, arch: str) -> None:
     import gguf
     import numpy as np
 
+    from gguf_files import add_shape
     from tokenmill.model import loader
 
     cfg = model.config
@@ -256,18 +248,9 @@ def _gguf_of(model, path: str, arch: str) -> None:
     per_layer |= {v: k for k, v in loader._GGUF_ARCH_LAYER_NAMES.get(family, {}).items()}
     top = {v: k for k, v in loader._GGUF_TOP_NAMES.items()}
     w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters
-    w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
+    add_shape(w, cfg, head_dim, (rope.get("full_attention") or rope)["rope_theta"])
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":

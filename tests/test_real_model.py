@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from conftest import prompt_last_logits
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -90,20 +91,11 @@ def test_greedy_tokens_equal_transformers(ours, prompt_ids, reference):
 
 
 def test_last_position_logits_match(llm, prompt_ids, reference):
-    engine = llm.engine
-    from tokenmill.engine.request import Request
-
     for ids in prompt_ids:
-        req = Request("logits", ids, SamplingParams(max_tokens=1), max_tokens=1)
-        req.block_table = engine.pool.allocate(-(-len(ids) // engine.block_size))
-        try:
-            logits, _ = engine.runner.execute([(req, len(ids))])
-        finally:
-            engine.pool.release(req.block_table)
         with torch.no_grad():
             ref = reference(torch.tensor([ids])).logits[0, -1].float()
-        assert (logits[0] - ref).abs().max().item() < 1e-3
-    engine.check_idle_invariants()
+        assert (prompt_last_logits(llm.engine, ids) - ref).abs().max().item() < 1e-3
+    llm.engine.check_idle_invariants()
 
 
 def test_batch_of_32_and_preemption_give_identical_output(real_loaded, real_tokenizer, ours, prompt_ids):

@@ -101,6 +101,7 @@ class Probe:
     breakdown: dict[str, float]
     diagnosis: str
     why: str  # what failed, or "" when it passed
+    preemptions: float | None = None  # during the probe (server counter)
 
 
 @dataclass
@@ -135,7 +136,10 @@ def p99_interval(values: list[float], q: float = 0.99, z: float = 1.96) -> tuple
 
 
 def _limiting(p: Probe) -> str:
-    if p.kv_usage_max is not None and p.kv_usage_max >= KV_PRESSURE:
+    """What held the failing probe back: the KV pool when it filled (sampled usage near full, or
+    any preemption, which happens only when it ran out), else the largest part of the server's
+    own latency split."""
+    if (p.kv_usage_max is not None and p.kv_usage_max >= KV_PRESSURE) or (p.preemptions or 0) > 0:
         return "KV pressure"
     if p.errors > 0 and not p.breakdown:
         return "errors"
@@ -164,7 +168,8 @@ def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
                  p99_interval={k: p99_interval(values[k]) for k in settings.slo}, goodput=s.goodput,
                  throughput=s.request_throughput, waiting_mean=d.waiting_mean if d else None,
                  running_mean=d.running_mean if d else None, kv_usage_max=d.kv_usage_max if d else None,
-                 breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why))
+                 breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why),
+                 preemptions=d.preemptions if d else None)
 
 
 async def probe(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,

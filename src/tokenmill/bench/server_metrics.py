@@ -27,6 +27,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
                           "llamacpp:tokens_predicted_total"),
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_queries"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_hits"),
+    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
 }
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
@@ -117,6 +118,7 @@ class ServerDelta:
     waiting_mean: float | None = None
     waiting_max: float | None = None
     kv_usage_max: float | None = None
+    preemptions: float | None = None  # requests evicted for recompute: the KV pool ran out
 
     @property
     def prefix_hit_rate(self) -> float | None:
@@ -134,7 +136,7 @@ def delta(before: Snapshot | None, after: Snapshot | None) -> ServerDelta | None
     if before is None or after is None:
         return None
     d = ServerDelta()
-    for key in ("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits"):
+    for key in ("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits", "preemptions"):
         if key in after.values and key in before.values:
             setattr(d, key, after.values[key] - before.values[key])
     for alias, (s1, c1) in after.hist.items():

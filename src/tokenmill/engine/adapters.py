@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
@@ -26,6 +27,7 @@ import torch
 
 from ..config import EngineConfig
 from ..model.lora import LoraError, LoraState, LoraWeights, ModelShape, attach as attach_wrappers, load_peft
+from ..model.lora_gguf import is_gguf_file, load_gguf_lora
 
 log = logging.getLogger("tokenmill.adapters")
 
@@ -48,7 +50,10 @@ def attach(model: Any, config: EngineConfig, device: torch.device, dtype: torch.
 
 
 def read_adapter(state: LoraState, name: str, path: str, adapter_id: int) -> LoraWeights:
-    """An adapter's tensors, checked against the model (``LoraError`` says what is wrong)."""
+    """An adapter's tensors, checked against the model (``LoraError`` says what is wrong): a PEFT
+    folder, or a GGUF LoRA file as llama.cpp writes it."""
+    if os.path.isfile(path) and is_gguf_file(path):
+        return load_gguf_lora(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
     return load_peft(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
 
 
@@ -91,6 +96,7 @@ class AdapterManager:
     _by_id: dict[int, Adapter] = field(default_factory=dict)  # every adapter a request may still hold
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _changed: asyncio.Condition | None = None
+    loads: int = 0  # adapters read from disk for a request (the start's registrations not counted)
 
     # -- names ---------------------------------------------------------
     def names(self) -> list[str]:
@@ -159,6 +165,7 @@ class AdapterManager:
                         weights = await asyncio.to_thread(read_adapter, self.state, name, adapter.path,
                                                           adapter.adapter_id)
                         await self._install(adapter, weights)
+                        self.loads += 1
                     finally:
                         adapter.loading = False
                         self._notify()
@@ -266,7 +273,7 @@ class LoraRequestsInfo:
     def collect(self) -> Any:
         import time
 
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         running, waiting = self.manager.request_counts()
         family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
@@ -278,3 +285,7 @@ class LoraRequestsInfo:
         names = self.manager.resident_names()
         resident.add_metric([",".join(names)], len(names))
         yield resident
+        loads = CounterMetricFamily("tokenmill:lora_loads", "LoRA adapters made resident for a request "
+                                    "(each one a load from disk: few when requests find theirs resident).")
+        loads.add_metric([], self.manager.loads)
+        yield loads

@@ -69,7 +69,8 @@ class LLM:
         self.adapters: dict[str, int] = {}  # LoRA adapters by name (enable_lora=True)
 
     def load_lora(self, name: str, path: str) -> int:
-        """Load a PEFT adapter folder under ``name`` (resident until ``unload_lora``); its id."""
+        """Load an adapter (a PEFT folder or a GGUF LoRA file) under ``name`` (resident until
+        ``unload_lora``); its id."""
         from ..engine.adapters import read_adapter
 
         if self.engine.lora is None:

@@ -57,12 +57,15 @@ class ModelShape:
     q_size: int
     kv_size: int
     intermediate: int
+    num_heads: int = 0  # query and key/value heads: GGUF adapters store q/k rows per head
+    num_kv_heads: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> "ModelShape":
         assert cfg.head_dim is not None
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim,
-                   cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+                   cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size,
+                   cfg.num_attention_heads, cfg.num_key_value_heads)
 
     def parts(self, fused: str) -> tuple[int, list[int]]:
         """(input features, output sizes of the parts) of a fused projection."""
@@ -188,6 +191,15 @@ def load_peft(folder: str, name: str, adapter_id: int, shape: ModelShape, max_ra
         if layer >= shape.num_layers:
             raise LoraError(f"adapter {name!r}: {key!r} is for layer {layer}; the model has {shape.num_layers}")
         pairs.setdefault((layer, proj), {})[which] = tensor
+    return build_weights(name, adapter_id, shape, rank, scale, pairs, folder, dtype, device)
+
+
+def build_weights(name: str, adapter_id: int, shape: ModelShape, rank: int, scale: float,
+                  pairs: dict[tuple[int, str], dict[str, torch.Tensor]], path: str,
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LoraWeights:
+    """An adapter ready to serve from its ``(layer, projection) -> {"A": [r, in], "B": [out, r]}``
+    matrices (Hugging Face's row order, unscaled), whatever file they came from; checked
+    against the model's shapes."""
     if not pairs:
         raise LoraError(f"adapter {name!r}: no LoRA weights found")
     per_layer: list[dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = [{} for _ in range(shape.num_layers)]
@@ -217,7 +229,7 @@ def load_peft(folder: str, name: str, adapter_id: int, shape: ModelShape, max_ra
                                        b.to(device=device, dtype=dtype).contiguous())
         layers.append(deltas)
     targets = tuple(sorted({proj for (_, proj) in pairs}, key=list(TARGETS).index))
-    return LoraWeights(name, adapter_id, rank, scale, targets, layers, folder)
+    return LoraWeights(name, adapter_id, rank, scale, targets, layers, path)
 
 
 @dataclass

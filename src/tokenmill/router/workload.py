@@ -34,6 +34,7 @@ def _word(rng: random.Random) -> str:
 class WorkItem:
     prefix_id: int
     prompt: str
+    model: str | None = None  # the request's `model` (a LoRA adapter, say); None: the run's
 
 
 def shared_prefix_workload(n_prefixes: int = 8, per_prefix: int = 6, prefix_words: int = 300,
@@ -170,7 +171,8 @@ async def run_workload(router_url: str, items: list[WorkItem], concurrency: int,
                     it = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     return
-                results.append(await one_request(client, router_url, it.prompt, max_tokens, model, timeout))
+                results.append(await one_request(client, router_url, it.prompt, max_tokens, it.model or model,
+                                                 timeout))
 
         t0 = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
