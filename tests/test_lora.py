@@ -40,6 +40,18 @@ def _make_adapter(hf_model, folder, seed, rank, alpha, targets, rslora):
     return model
 
 
+def make_adapters(hf_model, root, specs: dict, first_seed: int) -> dict:
+    """name -> (folder, peft model) for ``specs`` (name -> (rank, alpha, targets)), made on one
+    thread (a tiny model: many times faster than two on a loaded machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {name: (str(root / name), _make_adapter(hf_model, root / name, first_seed + i, r, alpha, targets, False))
+                for i, (name, (r, alpha, targets)) in enumerate(specs.items())}
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
     """A tiny model: one thread is many times faster than two on a loaded machine."""
@@ -114,6 +126,13 @@ def test_mixed_batch_with_warm_prefix_cache_matches_peft(lora_llm, adapters, hf_
         steps.append(StepBatch.of(step))
         return plain(step)
 
+    ran: list[str] = []  # which executor ran each step with adapter rows
+    for executor in runner.executors:
+        def spied(batch, _run=executor.run, _name=executor.name):
+            if batch.has_adapters:
+                ran.append(_name)
+            return _run(batch)
+        executor.run = spied
     runner.execute = spy
     try:
         for _ in range(2):  # the second round finds every prefix cached (per adapter)
@@ -122,6 +141,10 @@ def test_mixed_batch_with_warm_prefix_cache_matches_peft(lora_llm, adapters, hf_
                 assert out.outputs[0].token_ids == _reference(models[name], prompt, 8), name
     finally:
         runner.execute = plain
+        for executor in runner.executors:
+            del executor.run
+    fused = {e.name for e in runner.executors if e.name.startswith("fused")}
+    assert fused <= set(ran), (fused, set(ran))  # adapters' rows run in the fused native step where it runs
     # one step held the base and several adapters; the second round hit the cache
     assert any(len({s.adapter for s in b.seqs}) >= 4 and 0 in {s.adapter for s in b.seqs} for b in steps)
     assert outs[0].num_cached_tokens > 0 and outs[1].num_cached_tokens > 0
@@ -193,3 +216,31 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
         assert message in str(err.value), (name, str(err.value))
     weights = load_peft(adapters["qv2"][0], "qv2", 1, shape, max_rank=16)
     assert weights.rank == 2 and weights.targets == ("q_proj", "v_proj")
+
+
+def test_adapters_in_the_fused_w8a8_step_match_the_eager_forward(adapters, monkeypatch):
+    """Under the quantized default (w8a8): a batch mixing adapters and the base gives the same
+    greedy tokens whether its steps run in the fused native step (adapters' updates in
+    csrc/decode_step.c) or through the eager forward (model/lora.py)."""
+    from tokenmill.model import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None or not lib.int8_dot:
+        pytest.skip("w8a8 needs the int8 kernels")
+    prompts = _prompts(10, seed=21, lo=5, hi=50)
+    names = [None, *adapters, None, *adapters, None][: len(prompts)]
+    params = SamplingParams(max_tokens=10, **GREEDY)
+
+    def run(fused: bool):
+        monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "1" if fused else "0")
+        llm = make_tiny_llm(quantization="w8a8", enable_lora=True, max_loras=len(ADAPTERS), max_lora_rank=16,
+                            num_threads=1, max_num_batched_tokens=64)
+        for name, (folder, _) in adapters.items():
+            llm.load_lora(name, folder)
+        used = {e.name for e in llm.engine.runner.executors}
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora=names)], used
+
+    fused, used = run(True)
+    eager, used_eager = run(False)
+    assert "fused CPU decode" in used and not any(n.startswith("fused") for n in used_eager)
+    assert fused == eager

@@ -9,9 +9,8 @@ import time
 
 import httpx
 import pytest
-import torch
 
-from test_lora import _make_adapter, _reference
+from test_lora import _reference, make_adapters
 from test_server_support import make_tiny_app
 
 KEY = "sekret"
@@ -23,14 +22,7 @@ SPECS = {"a": (8, 16, ["q_proj", "v_proj"]), "b": (4, 8, ["down_proj", "o_proj"]
 
 @pytest.fixture(scope="module")
 def made(hf_tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("served_adapters")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {name: (str(root / name), _make_adapter(hf_tiny, root / name, 20 + i, r, alpha, targets, False))
-                for i, (name, (r, alpha, targets)) in enumerate(SPECS.items())}
-    finally:
-        torch.set_num_threads(threads)
+    return make_adapters(hf_tiny, tmp_path_factory.mktemp("served_adapters"), SPECS, 20)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,8 @@ import contextlib
 import dataclasses
 
 import pytest
-import torch
 
-from test_lora import _make_adapter
+from test_lora import make_adapters
 from test_server_support import ThreadServer, make_tiny_app, metric
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
@@ -23,15 +22,9 @@ MAX_LORAS = 3  # nine slots over three replicas: room for every adapter somewher
 
 @pytest.fixture(scope="module")
 def replicas(hf_tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("routed_adapters")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        modules = [(name, str(root / name)) for name in ADAPTERS]
-        for i, (name, path) in enumerate(modules):
-            _make_adapter(hf_tiny, root / name, 40 + i, 4, 8, ["q_proj", "v_proj"], False)
-    finally:
-        torch.set_num_threads(threads)
+    made = make_adapters(hf_tiny, tmp_path_factory.mktemp("routed_adapters"),
+                         {name: (4, 8, ["q_proj", "v_proj"]) for name in ADAPTERS}, 40)
+    modules = [(name, folder) for name, (folder, _) in made.items()]
     apps = [make_tiny_app({"enable_lora": True, "max_loras": MAX_LORAS, "max_lora_rank": 8, "num_threads": 1,
                            "num_blocks": 256}, lora_modules=modules) for _ in range(3)]
     with contextlib.ExitStack() as stack:

@@ -43,18 +43,16 @@ def attach(model: Any, config: EngineConfig, device: torch.device, dtype: torch.
         raise ValueError("--max-loras and --max-lora-rank must be positive")
     state = LoraState(config.max_loras, config.max_lora_rank, ModelShape.of(model.config), dtype, device)
     attach_wrappers(model, state)
-    log.info("LoRA: up to %d adapters resident, rank <= %d; steps with adapter rows run on the eager "
-             "path (the fused CPU steps and CUDA graphs take base-only steps)", config.max_loras,
-             config.max_lora_rank)
+    log.info("LoRA: up to %d adapters resident, rank <= %d; their rows run in the fused CPU steps where those "
+             "run (CUDA graphs take base-only steps)", config.max_loras, config.max_lora_rank)
     return state
 
 
 def read_adapter(state: LoraState, name: str, path: str, adapter_id: int) -> LoraWeights:
     """An adapter's tensors, checked against the model (``LoraError`` says what is wrong): a PEFT
     folder, or a GGUF LoRA file as llama.cpp writes it."""
-    if os.path.isfile(path) and is_gguf_file(path):
-        return load_gguf_lora(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
-    return load_peft(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
+    read = load_gguf_lora if os.path.isfile(path) and is_gguf_file(path) else load_peft
+    return read(path, name, adapter_id, state.shape, state.max_rank, state.dtype, state.device)
 
 
 class AdapterNotFound(KeyError):

@@ -30,7 +30,7 @@ import torch
 from ..model import cpu_kernels
 from ..model.ops import ModelOps, select_ops
 from ..options import KernelOptions
-from . import fused_decode
+from . import fused_decode, fused_lora
 from .request import Request
 from .step_batch import RowKind, StepBatch
 
@@ -116,16 +116,23 @@ def fused_step_inputs(batch: StepBatch) -> tuple[list[int], torch.Tensor, torch.
 
 
 class _FusedExecutor:
-    """Runs a step through the fused native step (``fused_decode.FusedDecoder``)."""
+    """Runs a step through the fused native step (``fused_decode.FusedDecoder``); rows of
+    LoRA adapters too (``fused_lora.py``), when the model has adapters."""
 
     name = "fused"
 
     def __init__(self, runner: "ModelRunner", decoder: fused_decode.FusedDecoder) -> None:
         self.runner = runner
         self.decoder = decoder
+        self.adapter_tables = (fused_lora.AdapterTables(len(runner.model.layers), decoder.lib.vector_width)
+                               if runner.lora is not None else None)
 
     def run(self, batch: StepBatch) -> StepResult:
-        return _run_fused(self.runner, self.decoder, batch)
+        segments = None
+        if batch.has_adapters:
+            assert self.adapter_tables is not None and self.runner.lora is not None
+            segments = self.adapter_tables.segments(self.runner.lora, batch.adapter_segments)
+        return _run_fused(self.runner, self.decoder, batch, segments)
 
 
 class FusedDecodeExecutor(_FusedExecutor):
@@ -135,8 +142,7 @@ class FusedDecodeExecutor(_FusedExecutor):
     name = "fused CPU decode"
 
     def accepts(self, batch: StepBatch) -> bool:
-        return (batch.num_tokens <= self.decoder.max_batch and batch.samples_every_seq and batch.all_decodes
-                and not batch.has_adapters)  # LoRA rows: the eager forward (model/lora.py)
+        return batch.num_tokens <= self.decoder.max_batch and batch.samples_every_seq and batch.all_decodes
 
 
 class FusedPrefillExecutor(_FusedExecutor):
@@ -150,14 +156,15 @@ class FusedPrefillExecutor(_FusedExecutor):
     name = "fused CPU prefill"
 
     def accepts(self, batch: StepBatch) -> bool:
-        return not batch.all_decodes and not batch.scores_prompt and not batch.has_adapters
+        return not batch.all_decodes and not batch.scores_prompt
 
 
-def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, batch: StepBatch) -> StepResult:
+def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, batch: StepBatch,
+               lora_segments: object = None) -> StepResult:
     ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(batch)
     embeddings = runner.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
     logits = decoder.run(embeddings, tables, seq_lens, chunks if chunks.shape[0] else None,
-                         rows if len(rows) != len(ids) else None)
+                         rows if len(rows) != len(ids) else None, lora_segments)  # type: ignore[arg-type]
     return logits, sampled
 
 

@@ -105,14 +105,16 @@ class FusedDecoder:
     prefill_on_kernels: bool = False
 
     def run(self, embeddings: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-            chunks: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+            chunks: torch.Tensor | None = None, logit_rows: torch.Tensor | None = None,
+            lora_segments: ctypes.Array | None = None) -> torch.Tensor:  # type: ignore[type-arg]
         """Logits (float32) of a step's B rows. ``embeddings`` [B, hidden] float32
         (overwritten: it is the residual stream), ``block_tables`` [B, W] int32 (each row's
         sequence's table), ``seq_lens`` [B] int32: context length including the row's token.
         ``chunks`` [C, 2] int32: (first row, row count) of the prefill chunks among the rows,
         attended as the eager model attends a chunk; other rows are attended one by one.
         ``logit_rows`` [R] int32: the rows whose logits are returned, [R, vocab]; None:
-        every row's, [B, vocab]."""
+        every row's, [B, vocab]. ``lora_segments``: the rows that run under LoRA adapters
+        (``fused_lora.AdapterTables.segments``)."""
         b = embeddings.shape[0]
         if not (embeddings.dtype == torch.float32 and embeddings.is_contiguous()
                 and embeddings.shape == (b, self.hidden_size)):
@@ -135,10 +137,12 @@ class FusedDecoder:
             block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
             None if chunks is None else chunks.data_ptr(), 0 if chunks is None else chunks.shape[0],
             None if logit_rows is None else logit_rows.data_ptr(), out_rows, logits.data_ptr(),
-            torch.get_num_threads())
+            None if not lora_segments else ctypes.addressof(lora_segments),
+            0 if lora_segments is None else len(lora_segments), torch.get_num_threads())
         if rc == 1:
             raise ValueError("fused step: a sequence length or block id lies outside the tables, pool or rotary "
-                             "range, or a chunk's rows are not one sequence's consecutive positions")
+                             "range, a chunk's rows are not one sequence's consecutive positions, or an "
+                             "adapter segment is not rows of the step in order")
         if rc != 0:
             raise MemoryError("fused step: the kernel could not allocate its scratch memory")
         return logits

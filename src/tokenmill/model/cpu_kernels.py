@@ -233,7 +233,8 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows,
                cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_convert, cdll.tm_paged_prefill_convert):
         fn.restype = ctypes.c_int
-    cdll.tm_model_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_int]
+    cdll.tm_model_step.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64,
+                                    ctypes.c_int]
     cdll.tm_model_step.restype = ctypes.c_int
     cdll.tm_linear.argtypes = [ptr, ptr, i64, i64, ptr, i64, cint]
     cdll.tm_linear.restype = ctypes.c_int

@@ -84,6 +84,9 @@ class FusedDelta:
 
     a: torch.Tensor  # [sum r, in]
     b: torch.Tensor  # [out, sum r], scaled, zero outside each part's rows and rank columns
+    # (first output, end output, first rank column, end rank column) of each part targeted:
+    # where b is not zero (the fused native step reads only those blocks)
+    parts: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass
@@ -223,10 +226,13 @@ def build_weights(name: str, adapter_id: int, shape: ModelShape, rank: int, scal
             a = torch.cat([parts[p][0].float() for p in order])
             b = torch.zeros(sum(outs), rank * len(order))
             offsets = [sum(outs[:p]) for p in range(len(outs))]
-            for col, p in enumerate(order):
-                b[offsets[p]:offsets[p] + outs[p], col * rank:(col + 1) * rank] = parts[p][1].float() * scale
+            blocks = tuple((offsets[p], offsets[p] + outs[p], col * rank, (col + 1) * rank)
+                           for col, p in enumerate(order))
+            for out0, out1, col0, col1 in blocks:
+                part = order[col0 // rank]
+                b[out0:out1, col0:col1] = parts[part][1].float() * scale
             deltas[fused] = FusedDelta(a.to(device=device, dtype=dtype).contiguous(),
-                                       b.to(device=device, dtype=dtype).contiguous())
+                                       b.to(device=device, dtype=dtype).contiguous(), blocks)
         layers.append(deltas)
     targets = tuple(sorted({proj for (_, proj) in pairs}, key=list(TARGETS).index))
     return LoraWeights(name, adapter_id, rank, scale, targets, layers, path)

@@ -103,6 +103,27 @@ typedef struct {
     TmLinear head;
 } TmModel;
 
+/* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt [r, n]
+ * (B transposed and scaled). B is block-diagonal over the projection's parts (q, k, v; gate,
+ * up): output columns [part[0], part[1]) take only the ranks [part[2], part[3]). */
+typedef struct {
+    const float *at; /* A^T [k, rp], ranks past r zero */
+    const float *bt; /* [r, n] */
+    int64_t r;       /* 0: this projection is not adapted */
+    int64_t rp;      /* r rounded up to whole vectors */
+    int64_t n_parts; /* 1 to 3 */
+    int64_t part[3][4];
+} TmDelta;
+
+/* The step's rows [row0, row1) run under one adapter; its deltas are [num_layers][4]
+ * (qkv, o, gate_up, down). Rows in no segment are the base model's and pay nothing. */
+typedef struct {
+    const TmDelta *deltas;
+    int64_t row0, row1;
+} TmSegment;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_PROJECTIONS };
+
 /* ------------------------------------------------------------------ barrier */
 
 typedef struct {
@@ -1411,9 +1432,149 @@ static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *chu
  * [n_logits, vocab]; NULL: every row, logits [B, vocab].
  * Returns 0, 1 when an input lies outside the pool/tables/rotary range or the chunks are
  * not sound (nothing written), 2 when memory could not be allocated. */
+/* ------------------------------------------------------------------ LoRA */
+
+/* Activation rows per pass over an adapter's A^T (a segment of up to that many rows reads it
+ * once), and A^T's vectors per pass: the accumulators fill half the vector registers. */
+#if VW == 16
+#define LORA_ROWS 8
+#else
+#define LORA_ROWS 4
+#endif
+#define LORA_VECS 2
+
+/* t[b][v0 .. v0 + NV * VW) = x[b] A^T for LORA_ROWS rows from b0 (rows past r1 repeat the
+ * last one; their results are not kept), from at = A^T [K, rp]: per input feature, NV
+ * (<= LORA_VECS) vectors of at against a broadcast of each row's feature, no horizontal sums. */
+TM_INLINE void lora_shrink_tile(const float *at, int64_t rp, int64_t K, const float *const *xs, int64_t b0,
+                                int64_t r1, int64_t v0, const int NV, float *t, int64_t ldt) {
+    vf acc[LORA_ROWS][LORA_VECS];
+    for (int i = 0; i < LORA_ROWS; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vf w[LORA_VECS];
+        for (int v = 0; v < NV; v++) w[v] = vload(at + k * rp + v0 + v * VW);
+        for (int i = 0; i < LORA_ROWS; i++) {
+            const vf xv = (vf){0} + xs[i][k];
+            for (int v = 0; v < NV; v++) acc[i][v] = vfma(xv, w[v], acc[i][v]);
+        }
+    }
+    for (int i = 0; i < LORA_ROWS && b0 + i < r1; i++)
+        for (int v = 0; v < NV; v++) vstore(t + (b0 + i) * ldt + v0 + v * VW, acc[i][v]);
+}
+
+static void lora_shrink_rows(const TmDelta *d, int64_t K, const float *x, int64_t ldx, int64_t b0, int64_t r1,
+                             float *t, int64_t ldt) {
+    const float *xs[LORA_ROWS];
+    for (int i = 0; i < LORA_ROWS; i++) xs[i] = x + (b0 + i < r1 ? b0 + i : r1 - 1) * ldx;
+    for (int64_t v0 = 0; v0 < d->rp; v0 += LORA_VECS * VW) {
+        if (d->rp - v0 >= 2 * VW)
+            lora_shrink_tile(d->at, d->rp, K, xs, b0, r1, v0, 2, t, ldt);
+        else
+            lora_shrink_tile(d->at, d->rp, K, xs, b0, r1, v0, 1, t, ldt);
+    }
+}
+
+/* This thread's share of the shrink of every segment's rows for projection `proj`: groups of
+ * LORA_ROWS rows dealt round robin; t[b] is row b's (ldt = the step's largest rank). */
+static void lora_shrink(const TmSegment *segs, int64_t n_segs, int64_t li, int proj, int64_t K, const float *x,
+                        int64_t ldx, float *t, int64_t ldt, int th, int T) {
+    int64_t group = 0;
+    for (int64_t s = 0; s < n_segs; s++) {
+        const TmDelta *d = &segs[s].deltas[li * LORA_PROJECTIONS + proj];
+        if (!d->r) continue;
+        for (int64_t b = segs[s].row0; b < segs[s].row1; b += LORA_ROWS, group++)
+            if (group % T == th) lora_shrink_rows(d, K, x, ldx, b, segs[s].row1, t, ldt);
+    }
+}
+
+/* y[b][c - col0] += sum_j t[b][j] bt[j][c], j < r, for rows [r0, r1) and columns [c0, c1):
+ * four vectors of a row's outputs stay in registers over the ranks, and the block of bt
+ * (r rows of the tile) stays in L1 over the rows. */
+static void lora_expand_block(const float *t, int64_t ldt, const float *bt, int64_t n, int64_t r, int64_t r0,
+                              int64_t r1, int64_t c0, int64_t c1, float *y, int64_t ldy, int64_t col0) {
+    int64_t c = c0;
+    for (; c + 4 * VW <= c1; c += 4 * VW)
+        for (int64_t b = r0; b < r1; b++) {
+            float *yb = y + b * ldy - col0 + c;
+            const float *tb = t + b * ldt;
+            vf a0 = vload(yb), a1 = vload(yb + VW), a2 = vload(yb + 2 * VW), a3 = vload(yb + 3 * VW);
+            for (int64_t j = 0; j < r; j++) {
+                const vf s = (vf){0} + tb[j];
+                const float *bj = bt + j * n + c;
+                a0 = vfma(s, vload(bj), a0);
+                a1 = vfma(s, vload(bj + VW), a1);
+                a2 = vfma(s, vload(bj + 2 * VW), a2);
+                a3 = vfma(s, vload(bj + 3 * VW), a3);
+            }
+            vstore(yb, a0), vstore(yb + VW, a1), vstore(yb + 2 * VW, a2), vstore(yb + 3 * VW, a3);
+        }
+    for (; c + VW <= c1; c += VW)
+        for (int64_t b = r0; b < r1; b++) {
+            float *yb = y + b * ldy - col0 + c;
+            vf a0 = vload(yb);
+            for (int64_t j = 0; j < r; j++) a0 = vfma((vf){0} + t[b * ldt + j], vload(bt + j * n + c), a0);
+            vstore(yb, a0);
+        }
+    for (; c < c1; c++)
+        for (int64_t b = r0; b < r1; b++) {
+            float sum = y[b * ldy - col0 + c];
+            for (int64_t j = 0; j < r; j++) sum += t[b * ldt + j] * bt[j * n + c];
+            y[b * ldy - col0 + c] = sum;
+        }
+}
+
+/* The updates of columns [c0, c1) of every segment's rows (t from lora_shrink), each part of
+ * the projection with its own ranks only. */
+static void lora_expand(const TmSegment *segs, int64_t n_segs, int64_t li, int proj, int64_t n, const float *t,
+                        int64_t ldt, int64_t c0, int64_t c1, float *y, int64_t ldy, int64_t col0) {
+    for (int64_t s = 0; s < n_segs; s++) {
+        const TmDelta *d = &segs[s].deltas[li * LORA_PROJECTIONS + proj];
+        for (int64_t p = 0; d->r && p < d->n_parts; p++) {
+            const int64_t lo = c0 > d->part[p][0] ? c0 : d->part[p][0];
+            const int64_t hi = c1 < d->part[p][1] ? c1 : d->part[p][1];
+            const int64_t j0 = d->part[p][2], j1 = d->part[p][3];
+            if (lo < hi)
+                lora_expand_block(t + j0, ldt, d->bt + j0 * n, n, j1 - j0, segs[s].row0, segs[s].row1, lo, hi, y,
+                                  ldy, col0);
+        }
+    }
+}
+
+/* This thread's share of a whole projection's output columns (whole vectors where it can). */
+TM_INLINE void lora_columns(int64_t N, int t, int T, int64_t *c0, int64_t *c1) {
+    const int64_t units = (N + VW - 1) / VW;
+    *c0 = units * t / T * VW;
+    *c1 = units * (t + 1) / T * VW;
+    if (*c1 > N) *c1 = N;
+}
+
+/* The segments are rows of this step, in order, with a table each; the largest rank. */
+static int64_t check_segments(const TmModel *m, const TmSegment *segs, int64_t n_segs, int64_t B) {
+    int64_t rmax = 0, prev = 0;
+    if (n_segs && !segs) return -1;
+    for (int64_t s = 0; s < n_segs; s++) {
+        if (!segs[s].deltas || segs[s].row0 < prev || segs[s].row1 <= segs[s].row0 || segs[s].row1 > B) return -1;
+        prev = segs[s].row1;
+        for (int64_t i = 0; i < m->num_layers * LORA_PROJECTIONS; i++) {
+            const TmDelta *d = &segs[s].deltas[i];
+            if (d->r < 0 || (d->r && (!d->at || !d->bt || d->n_parts < 1 || d->n_parts > 3 || d->rp < d->r ||
+                                      d->rp % VW)))
+                return -1;
+            for (int64_t p = 0; d->r && p < d->n_parts; p++)
+                if (d->part[p][0] < 0 || d->part[p][1] < d->part[p][0] || d->part[p][2] < 0 ||
+                    d->part[p][3] < d->part[p][2] || d->part[p][3] > d->r)
+                    return -1;
+            if (d->rp > rmax) rmax = d->rp;
+        }
+    }
+    return rmax;
+}
+
 int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_tables, int64_t bt_stride,
                   int64_t bt_width, const int32_t *seq_lens, const int32_t *chunks, int64_t n_chunks,
-                  const int32_t *logit_rows, int64_t n_logits, float *logits, int num_threads) {
+                  const int32_t *logit_rows, int64_t n_logits, float *logits, const TmSegment *segs,
+                  int64_t n_segs, int num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, NQ = m->heads * D, NKV = m->kv_heads * D;
     const int64_t NQKV = NQ + 2 * NKV, I = m->inter, BS = m->block_size;
     const int64_t G = m->heads / m->kv_heads;
@@ -1436,10 +1597,13 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
     if (n_out < 0 || n_out > B) return 1;
     for (int64_t i = 0; logit_rows && i < n_out; i++)
         if (logit_rows[i] < 0 || logit_rows[i] >= B) return 1;
+    const int64_t rmax = check_segments(m, segs, n_segs, B);
+    if (rmax < 0) return 1;
 
     int64_t n_items = 0;
     AttnItem *items = attention_items(m, B, chunks, n_chunks, &n_items);
-    float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I) * 4 + 63) / 64 * 64);
+    /* [B, NQKV | NQ | I] shared, then [B, rmax]: each adapted row's x a^T (lora_shrink) */
+    float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I + rmax) * 4 + 63) / 64 * 64);
     /* Per layer, the claim counters of its five phases (see claim_chunk), then the head's. */
     enum { PH_QKV, PH_ATTEND, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
     int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
@@ -1449,7 +1613,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
         free(work);
         return 2;
     }
-    float *attn = qkv + B * NQKV, *act = attn + B * NQ;
+    float *attn = qkv + B * NQKV, *act = attn + B * NQ, *lora_t = act + B * I;
     if (num_threads < 1) num_threads = 1;
     SpinBarrier bar = {0, 0, num_threads};
     int failed = 0;
@@ -1495,8 +1659,15 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
                 thread_linear(&L->qkv, h, H, B, &is, &work[li * PHASES + PH_QKV], T, qkv, NQKV, 0);
+                if (n_segs) lora_shrink(segs, n_segs, li, LORA_QKV, H, h, H, lora_t, rmax, t, T);
             }
             barrier_wait(&bar, &sense);
+            if (n_segs) { /* the adapters' updates once the base output and every x a^T are whole */
+                int64_t c0, c1;
+                lora_columns(NQKV, t, T, &c0, &c1);
+                if (ok) lora_expand(segs, n_segs, li, LORA_QKV, NQKV, lora_t, rmax, c0, c1, qkv, NQKV, 0);
+                barrier_wait(&bar, &sense);
+            }
             /* 2. per (row, kv head): norms, rotary, K/V into the pool. */
             if (ok) {
                 a.k_cache = L->k_cache, a.v_cache = L->v_cache;
@@ -1562,11 +1733,24 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
             }
             barrier_wait(&bar, &sense);
             /* 4. o projection, added into the residual stream. */
-            if (ok) thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);
+            if (ok) {
+                thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);
+                if (n_segs) lora_shrink(segs, n_segs, li, LORA_O, NQ, attn, NQ, lora_t, rmax, t, T);
+            }
             barrier_wait(&bar, &sense);
+            if (n_segs) {
+                int64_t c0, c1;
+                lora_columns(H, t, T, &c0, &c1);
+                if (ok) lora_expand(segs, n_segs, li, LORA_O, H, lora_t, rmax, c0, c1, x, H, 0);
+                barrier_wait(&bar, &sense);
+            }
             /* 5. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->post_norm, H, m->eps, h + b * H);
+                if (n_segs) lora_shrink(segs, n_segs, li, LORA_GATE_UP, H, h, H, lora_t, rmax, t, T);
+            }
+            if (n_segs) barrier_wait(&bar, &sense); /* every adapted row's h a^T before a tile adds its share */
+            if (ok) {
                 int64_t ldx, n0, n1;
                 const float *xin = prepare_input(&L->gate_up, h, H, B, &is, &ldx);
                 while (claim_rows(&work[li * PHASES + PH_GATE_UP], I, T, &n0, &n1))
@@ -1575,14 +1759,29 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                         /* rows c0..c1 of gate, and of up (I rows further), as [B, GU_COLS] */
                         linear_rows(&L->gate_up, xin, ldx, &is, B, c0, c1, gate, GU_COLS, 0, c0);
                         linear_rows(&L->gate_up, xin, ldx, &is, B, I + c0, I + c1, up, GU_COLS, 0, I + c0);
+                        if (n_segs) {
+                            lora_expand(segs, n_segs, li, LORA_GATE_UP, 2 * I, lora_t, rmax, c0, c1, gate, GU_COLS,
+                                        c0);
+                            lora_expand(segs, n_segs, li, LORA_GATE_UP, 2 * I, lora_t, rmax, I + c0, I + c1, up,
+                                        GU_COLS, I + c0);
+                        }
                         for (int64_t b = 0; b < B; b++)
                             silu_mul(gate + b * GU_COLS, up + b * GU_COLS, act + b * I + c0, c1 - c0);
                     }
             }
             barrier_wait(&bar, &sense);
             /* 6. down projection, added into the residual stream. */
-            if (ok) thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, x, H, 1);
+            if (ok) {
+                thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, x, H, 1);
+                if (n_segs) lora_shrink(segs, n_segs, li, LORA_DOWN, I, act, I, lora_t, rmax, t, T);
+            }
             barrier_wait(&bar, &sense);
+            if (n_segs) {
+                int64_t c0, c1;
+                lora_columns(H, t, T, &c0, &c1);
+                if (ok) lora_expand(segs, n_segs, li, LORA_DOWN, H, lora_t, rmax, c0, c1, x, H, 0);
+                barrier_wait(&bar, &sense);
+            }
         }
         /* Final norm of the rows whose logits are wanted (every thread its own copy) and the head. */
         if (ok && n_out > 0) {
