@@ -1,4 +1,4 @@
-"""Single-stream decode and prefill speed on the bundled model, in one run.
+"""Single-stream decode and prefill speed on the bundled model (or ``--model``), in one run.
 
 Rows (all on the same GGUF file, the same number of threads):
 
@@ -15,6 +15,11 @@ Rows (all on the same GGUF file, the same number of threads):
   step, float32: the eager baseline the ratios are taken against;
 * llama.cpp through ``llama-cpp-python`` when it is installed (the optional
   extra ``bench-llamacpp``); otherwise the script says so and skips the row.
+
+``--model`` takes another GGUF file (the same file for every row and for
+llama.cpp), e.g. Gemma 3 270M Q4_K_M: ``--configs gguf+lm_head,float32`` then
+compares its own K-quant blocks and the widened float32 weights with llama.cpp
+(docs/models.md has the figures).
 
 ``--isa avx2`` measures what an AVX2-only CPU runs: the script re-runs itself
 with torch's dispatch narrowed (``ATEN_CPU_CAPABILITY=avx2``) and the C
@@ -57,6 +62,7 @@ from tokenmill.options import KernelOptions  # noqa: E402
 
 
 THREADS = 0
+MODEL: str | None = None  # --model: a GGUF file; None: the bundled model
 
 
 def make_engine(config: str, reference: bool = False, eager: bool = False) -> LLMEngine:
@@ -68,7 +74,7 @@ def make_engine(config: str, reference: bool = False, eager: bool = False) -> LL
     dtype, quant = ("bfloat16", name) if name in ("int8", "int4", "gguf", "w8a8") else (name, "none")
     if name == "default":  # what `tokenmill serve` runs with no flags on this machine
         dtype, quant = "auto", "auto"
-    opts = dict(dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
+    opts = dict(model=MODEL, dtype=dtype, enable_prefix_caching=False, kv_cache_memory="256MiB", max_num_batched_tokens=4096)
     if quant != "none":
         opts["quantization"] = quant
         opts["quantize_lm_head"] = extra == "lm_head"
@@ -132,7 +138,19 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds from source)"
     from tokenmill.bundled import default_model_path
 
-    llm = Llama(model_path=default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
+    if args.llamacpp_no_extra_bufts:  # ggml's extra weight buffers (AMX, repacked layouts) off
+        import llama_cpp
+        import llama_cpp.llama as llama_module
+
+        defaults = llama_cpp.llama_model_default_params
+
+        def model_params():  # type: ignore[no-untyped-def]
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
+    llm = Llama(model_path=MODEL or default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
                 n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)
 
     def run(seed: int) -> tuple[float, float]:
@@ -164,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="avx2: measure as an AVX2-only CPU runs (torch and the C kernels without AVX-512)")
     ap.add_argument("--llamacpp-path", default="", help="folder holding a llama_cpp package to import first")
+    ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffers (AMX, repacking): a build whose AMX "
+                         "path crashes on batched evals still runs, slower")
+    ap.add_argument("--model", default=None, help="a GGUF file to measure instead of the bundled model")
     args = ap.parse_args(argv)
     if args.isa == "avx2" and os.environ.get("TOKENMILL_KERNEL_ISA") != "avx2":
         env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TOKENMILL_KERNEL_ISA="avx2")
@@ -171,12 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         if OMP_WAIT_POLICY_GIVEN is not None:
             env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_GIVEN
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
-    global THREADS
-    THREADS = args.threads
+    global THREADS, MODEL
+    THREADS, MODEL = args.threads, args.model
     threads = args.threads or torch.get_num_threads()
     print(f"# decode_speed: isa {args.isa} (torch {torch.backends.cpu.get_cpu_capability()}), "
           f"threads {threads}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
+          f"model {args.model or 'bundled'}, prefill {args.prefill_len} tokens, decode {args.decode_len} tokens, best of {args.repeats}, "
           f"load {os.getloadavg()[0]:.2f}")
     runners: list[tuple[str, Runner]] = [
         ("tokenmill float32 eager, reference attention (baseline)", tokenmill_runner("float32", args, reference=True))]

@@ -137,16 +137,25 @@ def test_backends_agree(family, monkeypatch):
 
 
 def test_attention_masks_choose_the_backend(family):
+    """Sliding windows run on the C kernels (and, for a Llama-shaped layer, in the fused
+    step: Phi-3 here, so the greedy tests above cover windows there too); soft-capped
+    scores (Gemma 2) only on torch paged attention."""
+    from tokenmill.model import cpu_kernels
+
     name, _model, loaded, _expected = family
     llm = _llm(loaded)
     masks = llm.engine.model.attention_masks()
     runner = llm.engine.runner
     if name == "phi3_longrope":
         assert masks is None
-    else:
-        assert masks is not None and "window" in masks
+        return
+    assert masks is not None and "window" in masks
+    if name == "gemma2":
         assert runner.attention.name == "torch paged attention"
         assert runner.fused is None
+    elif cpu_kernels.load() is not None:
+        assert runner.attention.name == "C kernels (paged, in place)"
+        assert (runner.fused is not None) == (name == "phi3")
 
 
 def test_unsupported_rope_scaling_is_one_clear_line():
@@ -290,3 +299,31 @@ def test_gguf_files_equal_transformers(arch, make, tmp_path):
     prompts = _prompts(2)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert _tokens(_llm(loaded).generate(prompts, params)) == _reference(model, prompts, 8)
+
+
+def test_windowed_layers_in_the_fused_step_match_the_eager_forward():
+    """Phi-3 with a sliding window, int8 weights: the fused native step (its decode rows and,
+    at int8, its prefill chunks too, windows cut across chunk and block edges) gives the
+    eager forward's greedy tokens, on the same quantized weights."""
+    from tokenmill.model import cpu_kernels
+    from tokenmill.options import KernelOptions
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels are not built here")
+    torch.manual_seed(0)
+    model = _phi3().float().eval()
+    _randomize(model, 2)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        loaded = load_model(folder)
+        prompts = _prompts()
+        fused = _llm(loaded, quantization="int8", max_num_batched_tokens=11)
+        runner = fused.engine.runner
+        assert runner.fused is not None and runner.fused.prefill_on_kernels
+        assert {type(ex).__name__ for ex in runner.executors} >= {"FusedDecodeExecutor", "FusedPrefillExecutor"}
+        eager = _llm(load_model(folder), quantization="int8", max_num_batched_tokens=11,
+                     kernel_options=KernelOptions.from_env().replace(fused_decode=False))
+        assert eager.engine.runner.fused is None
+        assert _tokens(fused.generate(prompts, GREEDY)) == _tokens(eager.generate(prompts, GREEDY))

@@ -69,7 +69,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
                 ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -233,6 +233,7 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         if not hasattr(mlp, "gate_up_proj"):
             raise Unsupported(f"layers.{i} is a mixture of experts (the eager forward runs it, grouped by expert)")
         dst = layers[i]
+        dst.window = attn.window or 0  # a sliding-window layer's (model/llama.py set_windows); 0: none
         dst.input_norm = _f32(layer.input_layernorm.weight, keep)
         dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
         dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None

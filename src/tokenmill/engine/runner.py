@@ -84,11 +84,13 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         options = kernels.options
         model.use_ops(kernels.ops)
-        masks = model.attention_masks()  # sliding windows, soft-capping: not in the kernels or the graphs
+        masks = model.attention_masks()  # sliding windows, soft-capping: not in the graphs
+        softcapped = model.softcapped_attention()  # not in the C kernels either
+        windowed = any(layer.self_attn.window is not None for layer in model.layers)
         # The backend's capabilities, asked once: graphs only where it can be captured.
         capabilities = attention_backend_class(device, dtype, options, kernels.library, cfg.head_dim, kv_dtype,
-                                               masked=masks is not None).capabilities
-        assert masks is None or capabilities.masks, "select_attention_backend passes over backends without masks"
+                                               windowed, softcapped).capabilities
+        assert capabilities.takes(windowed, softcapped), "select_attention_backend passes over such backends"
         graphs_backend = None
         # Mixture-of-experts routing sizes each expert's rows from the data: nothing to record.
         if not eager_only and kv_dtype == dtype and capabilities.cuda_graphs and not cfg.num_experts:
@@ -106,7 +108,7 @@ class ModelRunner:
             else kv_pool_tensors(cfg.num_hidden_layers, shape, kv_dtype, device, options.huge_pages))  # type: ignore
         self.attention = select_attention_backend(device, dtype, cfg.num_attention_heads, cfg.num_key_value_heads,
                                                   self.pool_blocks, options, kernels.library, cfg.head_dim,
-                                                  kv_dtype=kv_dtype, masked=masks is not None)
+                                                  kv_dtype=kv_dtype, windowed=windowed, softcapped=softcapped)
         self.graphs = (cuda_graphs.DecodeGraphRunner(model, self.kv_caches, block_size, num_blocks, dtype, device,
                                                      graphs_backend, self.attention, options.cuda_graph_max_batch)
                        if graphs_backend is not None else None)

@@ -206,13 +206,13 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     args = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
-            ctypes.c_int]
+            ctypes.c_int, i64]
     for name in _ENTRY.values():
         fn = getattr(cdll, name)
         fn.argtypes = args
         fn.restype = ctypes.c_int
     prefill_args = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
-                    ctypes.c_int]
+                    ctypes.c_int, i64]
     for name in _PREFILL_ENTRY.values():
         fn = getattr(cdll, name)
         fn.argtypes = prefill_args
@@ -227,9 +227,9 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_store_kv_quant_rows.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64,
                                             cint, cint, cint]
     cdll.tm_paged_decode_convert.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, ptr, i64, i64,
-                                             i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+                                             i64, i64, i64, i64, ctypes.c_float, ptr, i64, cint, i64]
     cdll.tm_paged_prefill_convert.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, cint, cint, ptr, i64, i64, i64, i64, i64,
-                                              i64, i64, i64, ctypes.c_float, ptr, i64, cint]
+                                              i64, i64, i64, ctypes.c_float, ptr, i64, cint, i64]
     for fn in (cdll.tm_rms_norm_rows, cdll.tm_silu_mul_rows, cdll.tm_rope_rows, cdll.tm_store_kv_rows,
                cdll.tm_store_kv_quant_rows, cdll.tm_paged_decode_convert, cdll.tm_paged_prefill_convert):
         fn.restype = ctypes.c_int
@@ -355,7 +355,7 @@ def _raise_for(rc: int, name: str, bad_arguments: str) -> None:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            out: torch.Tensor, library: KernelLibrary | None = None,
-                           kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
+                           kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None) -> bool:
     """Decode attention straight from the pool; returns False (nothing written)
     when the kernel cannot take these tensors, so the caller falls back.
 
@@ -368,6 +368,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (tests); by default the cached one. A quantized pool (int8 / fp8 codes) needs
     ``kv_scales``: its (K, V) float32 scales [kv_heads, num_blocks]; q and out are
     then float32 or bf16. A bf16 pool also takes float32 q and out (``widens``).
+    ``window``: a sliding-window layer's window (only each context's last ``window``
+    positions are read); None: the whole context.
     """
     lib = _usable_library(q, k_cache, v_cache, out, (block_tables, seq_lens), library, kv_scales)
     nd, heads, head_dim = q.shape
@@ -386,13 +388,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             v_scale, KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
             nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-            out.data_ptr(), out.stride(0), torch.get_num_threads())
+            out.data_ptr(), out.stride(0), torch.get_num_threads(), window or 0)
     else:
         rc = getattr(lib.cdll, _ENTRY[k_cache.dtype])(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
             nd, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-            out.data_ptr(), out.stride(0), torch.get_num_threads())
+            out.data_ptr(), out.stride(0), torch.get_num_threads(), window or 0)
     _raise_for(rc, "paged_decode_attention", "a sequence length or block id lies outside the table or pool")
     return True
 
@@ -400,14 +402,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                             seq_len: int, scale: float, out: torch.Tensor,
                             library: KernelLibrary | None = None,
-                            kv_scales: tuple[torch.Tensor, ...] | None = None) -> bool:
+                            kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None) -> bool:
     """Causal attention of one prefill chunk straight from the pool (its own K/V
     already written there); returns False (nothing written) when the kernel cannot
     take these tensors, so the caller falls back.
 
     q, out: [q_len, heads, head_dim] in the pool's dtype, each head's row
     contiguous (token rows may be strided); query j sits at absolute position
-    seq_len - q_len + j and sees keys 0 .. that position. table: 1-D int32 block
+    seq_len - q_len + j and sees keys 0 .. that position (the last ``window`` of them in a
+    sliding-window layer). table: 1-D int32 block
     ids of the sequence, contiguous. k_cache, v_cache (and kv_scales) as for
     :func:`paged_decode_attention`.
     """
@@ -425,12 +428,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_scale,
             v_scale, KV_FORMAT[k_cache.dtype], int(q.dtype == torch.bfloat16), table.data_ptr(),
             table.numel(), int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-            out.data_ptr(), out.stride(0), torch.get_num_threads())
+            out.data_ptr(), out.stride(0), torch.get_num_threads(), window or 0)
     else:
         rc = getattr(lib.cdll, _PREFILL_ENTRY[k_cache.dtype])(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.numel(),
             int(seq_len), q_len, heads, kv_heads, head_dim, num_blocks, block_size, float(scale),
-            out.data_ptr(), out.stride(0), torch.get_num_threads())
+            out.data_ptr(), out.stride(0), torch.get_num_threads(), window or 0)
     _raise_for(rc, "paged_prefill_attention", "the chunk, its length or a block id lies outside the table or pool")
     return True
 

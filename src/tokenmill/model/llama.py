@@ -191,16 +191,22 @@ class LlamaForCausalLM(nn.Module):
     def attention_masks(self) -> str | None:
         """What this model's attention needs beyond a causal mask (sliding windows,
         soft-capped scores), said in words; None: a plain causal mask. The C attention
-        kernels, the fused CPU step and CUDA graphs take only the latter."""
+        kernels and the fused CPU step take windows, not soft-capping; CUDA graphs take
+        neither."""
         windows = sorted({layer.self_attn.window for layer in self.layers if layer.self_attn.window is not None})
         caps = {layer.self_attn.softcap for layer in self.layers if layer.self_attn.softcap is not None}
         parts = [f"sliding-window layers (window {', '.join(map(str, windows))})"] if windows else []
         parts += ["soft-capped attention scores"] if caps else []
         return " and ".join(parts) or None
 
+    def softcapped_attention(self) -> bool:
+        """Whether some layer soft-caps its attention scores (Gemma 2): only the torch
+        backends compute that; sliding windows the C kernels and the fused step take."""
+        return any(layer.self_attn.softcap is not None for layer in self.layers)
+
     def native_step_refusal(self) -> str | None:
         """Why the fused native step (engine/fused_decode.py) cannot run this model, or None."""
-        return self.attention_masks()
+        return "soft-capped attention scores" if self.softcapped_attention() else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], attn: StepAttention) -> torch.Tensor:

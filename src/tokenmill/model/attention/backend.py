@@ -71,20 +71,21 @@ def kernel_attention_fits(device: torch.device, dtype: torch.dtype, head_dim: in
 
 def attention_backend_class(device: torch.device, dtype: torch.dtype, options: KernelOptions,
                             library: cpu_kernels.KernelLibrary | None, head_dim: int,
-                            kv_dtype: torch.dtype | None = None, masked: bool = False) -> type:
+                            kv_dtype: torch.dtype | None = None, windowed: bool = False,
+                            softcapped: bool = False) -> type:
     """The class of the engine's backend (its ``capabilities`` can be asked before one is
     built): reference when asked for, the C kernels where they take this pool (and the
     model's masks), torch paged attention elsewhere. ``dtype``: the compute dtype;
-    ``kv_dtype``: the pool's, when it differs; ``masked``: the model has sliding-window
-    layers or soft-capped attention (a backend must declare ``capabilities.masks``)."""
+    ``kv_dtype``: the pool's, when it differs; ``windowed``: the model has sliding-window
+    layers; ``softcapped``: soft-capped attention scores (``BackendCapabilities.takes``)."""
     from .cpu_kernel import CpuKernelAttention
     from .reference import ReferenceAttention
     from .torch_paged import TorchPagedAttention
 
     if options.attention == "reference":
         return ReferenceAttention
-    if kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and not (
-            masked and not CpuKernelAttention.capabilities.masks):
+    if kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and \
+            CpuKernelAttention.capabilities.takes(windowed, softcapped):
         return CpuKernelAttention
     return TorchPagedAttention
 
@@ -92,19 +93,18 @@ def attention_backend_class(device: torch.device, dtype: torch.dtype, options: K
 def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, num_blocks: int,
                              options: KernelOptions, library: cpu_kernels.KernelLibrary | None,
                              head_dim: int, kv_dtype: torch.dtype | None = None,
-                             masked: bool = False) -> AttentionBackend:
+                             windowed: bool = False, softcapped: bool = False) -> AttentionBackend:
     """The engine's backend (``attention_backend_class``), built for this pool."""
     from .cpu_kernel import CpuKernelAttention
     from .torch_paged import TorchPagedAttention
 
-    cls = attention_backend_class(device, dtype, options, library, head_dim, kv_dtype, masked)
+    cls = attention_backend_class(device, dtype, options, library, head_dim, kv_dtype, windowed, softcapped)
     if cls is CpuKernelAttention:
         assert library is not None
         backend: AttentionBackend = CpuKernelAttention(library)
     elif cls is TorchPagedAttention:
-        if masked and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
-            log.info("attention: the C kernels have no sliding windows or soft-capping; torch paged attention "
-                     "takes this model")
+        if softcapped and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
+            log.info("attention: the C kernels have no soft-capping; torch paged attention takes this model")
         backend = TorchPagedAttention(dtype, device, kv_heads, heads, num_blocks, head_dim,
                                       batched_prefill=options.batched_prefill)
     else:

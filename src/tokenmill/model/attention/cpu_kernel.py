@@ -54,21 +54,21 @@ class CpuKernelStep:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
                softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:  # never chosen for such a model: a bug if reached
-            raise RuntimeError("the C attention kernels have no sliding window or soft-capping")
+        if softcap is not None:  # never chosen for such a model: a bug if reached
+            raise RuntimeError("the C attention kernels have no soft-capping")
         out = torch.empty_like(q)
         layout = self.layout
         nd = layout.num_decodes
         if nd and not cpu_kernels.paged_decode_attention(q[:nd], k_cache, v_cache, self.decode_block_tables,
                                                          self.decode_seq_lens, scale, out[:nd], self.library,
-                                                         kv_scales):
+                                                         kv_scales, window):
             raise RuntimeError(f"paged_decode_attention: the C kernel refused q {tuple(q.shape)} {q.dtype}")
         start = nd
         for i in range(nd, layout.num_seqs):
             qlen = layout.query_lens[i]
             if not cpu_kernels.paged_prefill_attention(q[start:start + qlen], k_cache, v_cache, self.block_tables[i],
                                                        layout.seq_lens[i], scale, out[start:start + qlen],
-                                                       self.library, kv_scales):
+                                                       self.library, kv_scales, window):
                 raise RuntimeError(f"paged_prefill_attention: the C kernel refused q {tuple(q.shape)} {q.dtype}")
             start += qlen
         return out
@@ -76,7 +76,7 @@ class CpuKernelStep:
 
 class CpuKernelAttention:
     name = "C kernels (paged, in place)"
-    capabilities = BackendCapabilities(quantized_pool=True)  # no sliding windows or soft-capped scores
+    capabilities = BackendCapabilities(quantized_pool=True, windows=True)  # no soft-capped scores
 
     def __init__(self, library: cpu_kernels.KernelLibrary) -> None:
         self.library = library

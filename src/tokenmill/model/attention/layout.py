@@ -53,9 +53,16 @@ class BackendCapabilities:
     cuda_graphs: bool = False
     # It reads and writes a quantized pool (model/kv_quant.py: codes plus scales).
     quantized_pool: bool = False
-    # It attends over a sliding window of recent positions and soft-caps scores (Gemma's
-    # layers); a model with either needs a backend that declares it.
+    # It attends over a sliding window of recent positions and soft-caps scores (Gemma 2's
+    # layers); a model with soft-capped scores needs a backend that declares it.
     masks: bool = False
+    # It attends over a sliding window of recent positions (no soft-capping): enough for
+    # a model whose layers only slide (Gemma 3, Mistral-style windows).
+    windows: bool = False
+
+    def takes(self, windowed: bool, softcapped: bool) -> bool:
+        """Whether this backend computes a model's attention with these masks."""
+        return (self.masks or not softcapped) and (self.masks or self.windows or not windowed)
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:

@@ -89,6 +89,7 @@ typedef struct {
     TmLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;             /* [kv_heads, num_blocks, block_size, head_dim] */
     float *k_scale, *v_scale;            /* quantized pools: [kv_heads, num_blocks], else NULL */
+    int64_t window;                      /* a sliding-window layer's window (paged_attention.c); 0: none */
 } TmLayer;
 
 typedef struct {
@@ -1671,6 +1672,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
             if (ok) {
                 a.k_cache = L->k_cache, a.v_cache = L->v_cache;
                 a.k_scale = L->k_scale, a.v_scale = L->v_scale;
+                a.window = L->window;
                 /* A quantized store may rewrite its block's earlier rows and scale: rows
                  * that share a block (a speculative verify's) go to one thread, in order,
                  * picked by block and head; otherwise items go round robin. */
@@ -1724,7 +1726,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                         const PrefillArgs pa = {qkv + first * NQKV, L->k_cache, L->v_cache,
                                                 block_tables + last * bt_stride, attn + first * NQ, NQKV, NQ,
                                                 m->heads, m->kv_heads, D, m->num_blocks, BS, seq_lens[last], count,
-                                                m->scale, L->k_scale, L->v_scale};
+                                                m->scale, L->k_scale, L->v_scale, L->window};
                         prefill_dispatch(&pa, ai->kvh, p0, count - p0 < per_block ? count - p0 : per_block,
                                          m->cache_fmt, 0, &ps);
                     }

@@ -6,7 +6,10 @@
  *
  * For every decode sequence n and query head h (kv head h / group):
  *     out[n, h, :] = softmax(scale * q[n, h] . K[n, :len]) @ V[n, :len]
- * where row p of K[n] is k_cache[kv, table[n][p / bs], p % bs, :].
+ * where row p of K[n] is k_cache[kv, table[n][p / bs], p % bs, :]. In a
+ * sliding-window layer (window > 0) only the last `window` positions are read:
+ * K[n, len - window:len] (the positions before are skipped, not masked, so a long
+ * context costs a windowed layer nothing).
  *
  * Pool layout per layer: [kv_heads, num_blocks, block_size, head_dim],
  * contiguous, float32 or bfloat16 (bf16 passed as raw uint16 bits), or
@@ -297,6 +300,8 @@ typedef struct {
     int64_t heads, kv_heads, head_dim, num_blocks, block_size;
     float scale;
     const float *k_scale, *v_scale; /* quantized pools: [kv_heads, num_blocks] */
+    int64_t window;                 /* a sliding-window layer's window (keys before len - window
+                                       are skipped); 0: the whole context */
 } Args;
 
 /* Per-thread scratch, in floats. */
@@ -368,13 +373,15 @@ TM_INLINE void prefetch_range(const char *base, const int32_t *table, int64_t r0
 typedef struct {
     const char *k, *v;
     const int32_t *table;
-    int64_t len;
+    int64_t lo, len; /* the positions attended: lo .. len - 1 */
 } ItemRows;
 
 TM_INLINE ItemRows item_rows(const Args *a, int64_t n, int64_t kvh, size_t esize) {
     const size_t head_bytes = (size_t)a->num_blocks * a->block_size * a->head_dim * esize;
+    const int64_t len = a->seq_lens[n];
     return (ItemRows){(const char *)a->k_cache + kvh * head_bytes, (const char *)a->v_cache + kvh * head_bytes,
-                      a->block_tables + n * a->bt_stride, a->seq_lens[n]};
+                      a->block_tables + n * a->bt_stride, a->window > 0 && len > a->window ? len - a->window : 0,
+                      len};
 }
 
 /* Query heads of one kv head handled per load of a K or V row: each row vector
@@ -632,7 +639,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     const int64_t G = a->heads / a->kv_heads;
     const size_t esize = kv_esize(fmt);
     const ItemRows me = item_rows(a, n, kvh, esize);
-    const int64_t L = me.len;
+    const int64_t L = me.len, lo = me.lo; /* scores kept at s[g * L + pos], pos in lo .. L - 1 */
     const int32_t *table = me.table;
     const char *kbase = me.k, *vbase = me.v;
     const float *kscales = fmt >= KV_I8 ? a->k_scale + kvh * a->num_blocks : NULL;
@@ -670,11 +677,11 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     /* The item's first rows of K and V, all requested now (see the top of the file), unless
      * the previous item requested them while it computed. */
     const int64_t cap = (int64_t)(PF_ITEM_BYTES / (D * esize));
-    const int64_t ahead = L < cap ? L : cap;
+    const int64_t ahead = L - lo < cap ? L : lo + cap; /* rows lo .. ahead - 1 requested at the start */
     const int64_t item = n * a->kv_heads + kvh;
     if (sc->warm_item != item) {
-        prefetch_range(kbase, table, 0, ahead, BS, D * esize);
-        prefetch_range(vbase, table, 0, ahead, BS, D * esize);
+        prefetch_range(kbase, table, lo, ahead, BS, D * esize);
+        prefetch_range(vbase, table, lo, ahead, BS, D * esize);
     }
     /* The next item's first rows, spread over this item's chunks: its K during pass 1, its
      * V during pass 2, a share per chunk. */
@@ -685,18 +692,19 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 #endif
     if (sc->next_item >= 0) {
         nx = item_rows(a, sc->next_item / a->kv_heads, sc->next_item % a->kv_heads, esize);
-        const int64_t chunks = (L + VW - 1) / VW, rows = nx.len < cap ? nx.len : cap;
+        const int64_t chunks = (L - lo + VW - 1) / VW, rows = nx.len - nx.lo < cap ? nx.len - nx.lo : cap;
         nx_step = (rows + chunks - 1) / chunks;
-        nx.len = rows;
+        nx.len = nx.lo + rows;
     }
     sc->warm_item = sc->next_item;
 
     /* Pass 1: scores, VW positions at a time, up to HEADS_PER_PASS query heads per row load. */
-    for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
+    for (int64_t pos0 = lo; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
         chunk_rows(kbase, kscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
         if (nx_step) {
-            const int64_t r0 = pos0 / VW * nx_step, r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
+            const int64_t r0 = nx.lo + (pos0 - lo) / VW * nx_step;
+            const int64_t r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
             prefetch_range(nx.k, nx.table, r0, r1, BS, D * esize);
         }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
@@ -726,10 +734,10 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         float *restrict sg = s + g * L;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < L; i++) m = sg[i] > m ? sg[i] : m;
+        for (int64_t i = lo; i < L; i++) m = sg[i] > m ? sg[i] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < L; i++) {
+        for (int64_t i = lo; i < L; i++) {
             float e = exp_nonpos(sg[i] - m);
             if (kind == ROWS_BF16_DOT) e = round_bf16(e);
             sg[i] = e;
@@ -740,11 +748,12 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 
     /* Pass 2: weighted sum of V rows, up to HEADS_PER_PASS query heads per row load. */
     memset(sc->acc, 0, G * D * sizeof(float));
-    for (int64_t pos0 = 0; pos0 < L; pos0 += VW) {
+    for (int64_t pos0 = lo; pos0 < L; pos0 += VW) {
         const int64_t cnt = L - pos0 < VW ? L - pos0 : VW;
         chunk_rows(vbase, vscales, table, pos0, cnt, L, ahead, BS, D, fmt, kind, sc->rows, sc->zero, rows, rscale);
         if (nx_step) {
-            const int64_t r0 = pos0 / VW * nx_step, r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
+            const int64_t r0 = nx.lo + (pos0 - lo) / VW * nx_step;
+            const int64_t r1 = r0 + nx_step < nx.len ? r0 + nx_step : nx.len;
             prefetch_range(nx.v, nx.table, r0, r1, BS, D * esize);
         }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
@@ -886,9 +895,9 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
     int name(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *block_tables, \
              int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,  \
              int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, T *out, \
-             int64_t out_stride, int num_threads) {                                                      \
+             int64_t out_stride, int num_threads, int64_t window) {                                      \
         Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,      \
-                  heads, kv_heads, head_dim, num_blocks, block_size, scale};                             \
+                  heads, kv_heads, head_dim, num_blocks, block_size, scale, NULL, NULL, window};         \
         return run(&a, num_seqs, bt_width, num_threads, is_bf16, is_bf16);                               \
     }
 
@@ -906,11 +915,12 @@ int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache
                             const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
                             const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
                             int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
-                            int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads) {
+                            int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads,
+                            int64_t window) {
     const int quant = kv_fmt == KV_I8 || kv_fmt == KV_FP8;
     if (!(quant && k_scale && v_scale) && !(kv_fmt == KV_BF16 && !io_bf16)) return 1;
     Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,
-              heads, kv_heads, head_dim, num_blocks, block_size, scale, k_scale, v_scale};
+              heads, kv_heads, head_dim, num_blocks, block_size, scale, k_scale, v_scale, window};
     return run(&a, num_seqs, bt_width, num_threads, kv_fmt, io_bf16 ? 1 : 0);
 }
 

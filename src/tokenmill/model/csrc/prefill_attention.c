@@ -6,7 +6,10 @@
  * The chunk's queries sit at absolute positions seq_len - q_len ... seq_len - 1
  * and query p sees keys 0 ... p. For every query head h (kv head h / group):
  *     out[p, h, :] = softmax(scale * q[p, h] . K[:p + 1]) @ V[:p + 1]
- * where row j of K is k_cache[kv, table[j / bs], j % bs, :].
+ * where row j of K is k_cache[kv, table[j / bs], j % bs, :]. In a sliding-window
+ * layer (window > 0) query p sees keys p - window + 1 ... p only: key blocks wholly
+ * before a tile's window are skipped, and only blocks that cross a row's window
+ * edge are masked there.
  * The pool may be quantized (int8 / fp8 codes with per-block scales, see
  * paged_attention.c): key blocks are widened to float32 as they are loaded.
  *
@@ -54,6 +57,7 @@ typedef struct {
     int64_t heads, kv_heads, head_dim, num_blocks, block_size, seq_len, q_len;
     float scale;
     const float *k_scale, *v_scale; /* quantized pools: [kv_heads, num_blocks] */
+    int64_t window;                 /* sliding window (keys before p - window + 1 unseen); 0: none */
 } PrefillArgs;
 
 typedef struct {
@@ -159,20 +163,23 @@ TM_INLINE void prefill_output_bf16(float *restrict o, const float *restrict p, c
 
 /* Scores -> probabilities for NR rows, in place in s, updating
  * the running max and sum. Row r's query is at absolute position pos[r]; key j
- * of the block at kb0 + j is visible when kb0 + j <= pos[r] and j < nk. */
+ * of the block at kb0 + j is visible when kb0 + j <= pos[r], j < nk and (window > 0)
+ * kb0 + j > pos[r] - window. */
 TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *restrict l, float *restrict alpha,
-                               const int64_t *pos, int64_t kb0, int64_t nk, float scale, int NR, const int dot) {
+                               const int64_t *pos, int64_t kb0, int64_t nk, float scale, int NR, const int dot,
+                               int64_t window) {
     for (int r = 0; r < NR; r++) {
         float *restrict sr = s + r * PF_KB;
         int64_t visible = pos[r] - kb0 + 1;
         if (visible > nk) visible = nk;
-        if (visible <= 0) { /* the whole block is in this row's future */
+        const int64_t first = window > 0 && pos[r] - window + 1 > kb0 ? pos[r] - window + 1 - kb0 : 0;
+        if (visible <= first) { /* the whole block is in this row's future, or before its window */
             alpha[r] = 1.0f;
             memset(sr, 0, PF_KB * sizeof(float));
             continue;
         }
 #pragma omp simd
-        for (int64_t j = 0; j < PF_KB; j++) sr[j] = j < visible ? sr[j] * scale : -INFINITY;
+        for (int64_t j = 0; j < PF_KB; j++) sr[j] = j < visible && j >= first ? sr[j] * scale : -INFINITY;
         float mx = m[r];
 #pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < PF_KB; j++) mx = sr[j] > mx ? sr[j] : mx;
@@ -180,7 +187,7 @@ TM_INLINE void prefill_softmax(float *restrict s, float *restrict m, float *rest
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < PF_KB; j++) {
-            float e = j < visible ? exp_nonpos(sr[j] - mx) : 0.0f;
+            float e = j < visible && j >= first ? exp_nonpos(sr[j] - mx) : 0.0f;
             if (dot) e = round_bf16(e); /* bf16 products: the weights summed are those multiplied */
             sr[j] = e;
             sum += e;
@@ -298,7 +305,9 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     }
     memset(sc->o, 0, R * D * sizeof(float));
     const int64_t keys = pos[R - 1] + 1; /* the last row sees the most */
-    for (int64_t kb0 = 0; kb0 < keys; kb0 += PF_KB) {
+    const int64_t W = a->window;
+    const int64_t key0 = W > 0 && pos[0] - W + 1 > 0 ? pos[0] - W + 1 : 0; /* the first row's window */
+    for (int64_t kb0 = key0; kb0 < keys; kb0 += PF_KB) {
         const int64_t nk = keys - kb0 < PF_KB ? keys - kb0 : PF_KB;
 #ifdef TM_ATTN_BF16_DOT
         if (dot)
@@ -309,6 +318,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
         for (int64_t r0 = 0; r0 < R; r0 += PF_TR) {
             const int nr = R - r0 < PF_TR ? (int)(R - r0) : PF_TR;
             if (pos[r0 + nr - 1] < kb0) continue; /* every row of the tile is before this block */
+            if (W > 0 && pos[r0] - W + 1 >= kb0 + nk) continue; /* the block is before every row's window */
             float *s = sc->p;
 #ifdef TM_ATTN_BF16_DOT
             if (dot) {
@@ -317,7 +327,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
                     prefill_scores_bf16(q2, (const uint32_t *)sc->kt, D, PF_TR, s);
                 else
                     prefill_scores_bf16(q2, (const uint32_t *)sc->kt, D, nr, s);
-                prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 1);
+                prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 1, W);
                 if (nr == PF_TR)
                     prefill_output_bf16(sc->o + r0 * D, s, sc->alpha, (const uint32_t *)sc->vs, D, nk, PF_TR);
                 else
@@ -329,7 +339,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
                 prefill_scores(sc->q + r0 * D, sc->kt, D, PF_TR, s);
             else
                 prefill_scores(sc->q + r0 * D, sc->kt, D, nr, s);
-            prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 0);
+            prefill_softmax(s, sc->m + r0, sc->l + r0, sc->alpha, pos + r0, kb0, nk, a->scale, nr, 0, W);
             if (nr == PF_TR)
                 prefill_output(sc->o + r0 * D, s, sc->alpha, sc->vs, D, nk, PF_TR);
             else
@@ -438,9 +448,9 @@ static int prefill_run(const PrefillArgs *a, int64_t table_len, int num_threads,
     int name(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *table,        \
              int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads, int64_t kv_heads,            \
              int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, T *out,                  \
-             int64_t out_stride, int num_threads) {                                                         \
+             int64_t out_stride, int num_threads, int64_t window) {                                         \
         PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,  \
-                         num_blocks, block_size, seq_len, q_len, scale};                                   \
+                         num_blocks, block_size, seq_len, q_len, scale, NULL, NULL, window};               \
         return prefill_run(&a, table_len, num_threads, is_bf16, is_bf16);                                   \
     }
 
@@ -457,9 +467,9 @@ int tm_paged_prefill_convert(const void *q, int64_t q_stride, const void *k_cach
                              const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
                              const int32_t *table, int64_t table_len, int64_t seq_len, int64_t q_len, int64_t heads,
                              int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                             void *out, int64_t out_stride, int num_threads) {
+                             void *out, int64_t out_stride, int num_threads, int64_t window) {
     if (kv_fmt != KV_I8 && kv_fmt != KV_FP8 && !(kv_fmt == KV_BF16 && !io_bf16)) return 1;
     PrefillArgs a = {q, k_cache, v_cache, table, out, q_stride, out_stride, heads, kv_heads, head_dim,
-                     num_blocks, block_size, seq_len, q_len, scale, k_scale, v_scale};
+                     num_blocks, block_size, seq_len, q_len, scale, k_scale, v_scale, window};
     return prefill_run(&a, table_len, num_threads, kv_fmt, io_bf16 ? 1 : 0);
 }
