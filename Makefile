@@ -52,7 +52,7 @@ serve: $(BASE_STAMP)
 KERNEL_TESTS := tests/test_cpu_kernels.py tests/test_prefill_kernel.py tests/test_elementwise_kernels.py \
 	tests/test_linear_kernel.py tests/test_argmax_kernel.py tests/test_fused_decode.py tests/test_quant.py \
 	tests/test_quant_model.py tests/test_attention.py tests/test_linear.py tests/test_kv_quant.py \
-	tests/test_engine_tiny.py
+	tests/test_engine_tiny.py tests/test_window_attention.py
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q --durations=15
