@@ -1,12 +1,11 @@
-"""int4 layers at many activation rows on AVX2 builds: the nibble packing against what ran before.
+"""int4 layers on the builds with an int4 x int8 kernel (AVX2, AVX-512 VNNI): the nibble packing against what ran before.
 
 One SmolLM2-135M layer's four projections (q/k/v 960x576, o 576x576, gate/up 3072x576,
 down 576x1536) as ``Int4Linear`` layers (groups of 32, as the bundled GGUF's Q4_1 blocks),
-bound to a kernel build without VNNI (``--builds``, default ``avx2``), at several row
-counts. Three ways, in the same run:
+bound to a kernel build (``--builds``, default ``avx2``; ``native`` is this CPU's), at several
+row counts. Three ways, in the same run:
 
-- ``nibble``: the layer as it runs now: above the dequantize threshold the C kernel
-  multiplies the codes in the nibble packing by int8 activations (``int4_q8_rows``);
+- ``nibble``: the layer as it runs now: the C kernel multiplies the codes in the nibble packing by int8 activations (``int4_q8_rows``);
 - ``before``: the same layer without that packing: the C kernel's dequantized float32
   tiles up to ``POLICY.int4_kernel_max_rows`` rows, unpacking into one torch float32
   matmul above;
@@ -48,7 +47,7 @@ def main() -> None:
     weights = [torch.randn(n, k, generator=g) * 0.05 for n, k in SHAPES]
     for build in args.builds.split(","):
         lib = cpu_kernels.build(cpu_kernels.ISA_FLAGS[build])
-        if not lib.q8_activations:
+        if not lib.q4_int8_dot:
             print(f"| {build} | - | no nibble kernel in this build | - | - | - | - | - |")
             continue
         nibble = [Int4Linear.from_float(w, 32) for w in weights]
@@ -58,7 +57,7 @@ def main() -> None:
             layer.kernel_description()  # packs the codes once, as the engine does on first use
         for layer in before:
             # a library object without the nibble kernel's flag: the layer packs nothing
-            layer.ops = ModelOps(library=dataclasses.replace(lib, q8_activations=False))
+            layer.ops = ModelOps(library=dataclasses.replace(lib, q4_int8_dot=False))
         dense = [layer.dequantized_weight() for layer in nibble]
         for rows in (int(r) for r in args.rows.split(",")):
             xs = [torch.randn(rows, k, generator=g) for _, k in SHAPES]

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         tolerance = args.quant_rel_tolerance
         if tolerance is None:
             lib = cpu_kernels.load() if args.device == "cpu" else None
-            tolerance = 5e-2 if lib is not None and lib.q8_activations else 2e-2
+            tolerance = 5e-2 if lib is not None and (lib.q8_activations or lib.q4_int8_dot) else 2e-2
         result["rel_tolerance"] = tolerance
         result["passed"] = diff is not None and diff <= tolerance * scale
         summary["gates"]["quantized_parity"] = result["passed"]

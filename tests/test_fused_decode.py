@@ -195,9 +195,9 @@ def test_quantized_fused_step_matches_the_dequantized_float_model(options: dict,
 
 
 def _activations_quantized() -> bool:
-    """The library's int4 / int8 matmuls multiply int8-quantized activations (AVX2 builds)."""
+    """The library's int4 (AVX2, AVX-512 VNNI) or int8 (AVX2) matmuls multiply int8-quantized activations."""
     lib = cpu_kernels.load()
-    return lib is not None and lib.q8_activations
+    return lib is not None and (lib.q8_activations or lib.q4_int8_dot)
 
 
 def test_repeat_two_int4_rows_feed_the_input_twice(monkeypatch) -> None:

@@ -169,8 +169,9 @@ def test_avx2_build_uses_integer_dot_products_for_int4() -> None:
     if not X86 or "avx2" not in cpu_kernels._cpu_flags():
         pytest.skip("needs an x86-64 CPU with AVX2")
     narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])
-    assert narrow.q8_activations
-    assert not cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"]).q8_activations
+    assert narrow.q8_activations and narrow.q4_int8_dot
+    portable = cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"])
+    assert not portable.q8_activations and not portable.q4_int8_dot
     keep: list[torch.Tensor] = []
     d, w = _desc(cpu_kernels.W_INT4, 64, 256, keep, seed=3)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(4))
@@ -191,18 +192,23 @@ def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(xb * inv).double() * d.double()).view(rows, k)
 
 
+@pytest.mark.parametrize("isa", ["avx2", "native"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 13, 70])  # every remainder of the kernel's 4-row passes
 @pytest.mark.parametrize("group,repeat", [(32, 1), (64, 2), (128, 1)])
-def test_int4_nibble_packing_multiplies_int8_activations_exactly(rows: int, group: int, repeat: int) -> None:
-    """AVX2 builds multiply an int4 layer given in the nibble packing (pack_int4_q8) by int8
-    activations at every row count, adding each block's products in 16 bits. Against the float64 product of the same quantized activations the
-    error is float rounding only (codes at 15 and activations at +-127 are the sums' worst
-    case); the float32 input itself is ~1% away."""
+def test_int4_nibble_packing_multiplies_int8_activations_exactly(isa: str, rows: int, group: int,
+                                                                 repeat: int) -> None:
+    """AVX2 builds (vpmaddubsw, each block's products added in 16 bits) and AVX-512 VNNI ones
+    (vpdpbusd, 32 bits) multiply an int4 layer given in the nibble packing (pack_int4_q8) by
+    int8 activations at every row count. Against the float64 product of the same quantized
+    activations the error is float rounding only (codes at 15 and activations at +-127 are the
+    sums' worst case); the float32 input itself is ~1% away."""
     if not X86 or "avx2" not in cpu_kernels._cpu_flags():
         pytest.skip("needs an x86-64 CPU with AVX2")
-    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"])
+    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS[isa])
+    if not narrow.q4_int8_dot:
+        pytest.skip(f"the {isa} build here keeps float32 activations for int4 (no VNNI)")
     keep: list[torch.Tensor] = []
-    n, k = 40, 256  # 5 tiles: the kernel's pairs of tiles and a lone one
+    n, k = 5 * narrow.vector_width, 256  # 5 tiles: the kernel's pairs of tiles and a lone one
     d, (_, b) = _desc(cpu_kernels.W_INT4, n, k, keep, seed=rows, repeat=repeat, group=group, bias=True)
     codes = cpu_kernels.unpack_int4(keep[0])
     codes[: n // 2, : 2 * group] = 15  # the 16-bit sums' largest magnitude, on both signs of x

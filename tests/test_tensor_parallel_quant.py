@@ -51,7 +51,7 @@ def _int8_inputs(mode: str) -> bool:
     if mode in ("int8", "w8a8"):
         return True
     library = cpu_kernels.load()
-    return library is not None and library.q8_activations
+    return library is not None and (library.q8_activations or library.q4_int8_dot)
 
 
 def write_tiny_gguf(path: str, qtype: str = "Q4_1", tied: bool = True, **overrides) -> str:

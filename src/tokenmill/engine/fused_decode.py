@@ -276,5 +276,5 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)
     return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit,
-                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q8_activations
+                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q4_int8_dot
                                                             else {W_INT8, W_INT8G}))

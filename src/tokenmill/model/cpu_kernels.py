@@ -98,6 +98,7 @@ class KernelLibrary:
     amx: bool = False  # those products run on AMX tiles from 16 activation rows (csrc/amx_int8.c)
     int8_dot_unit: str = ""  # what computes those sums: "VNNI", or "AVX2 16-bit" products (the same sums)
     bf16_attention: bool = False  # decode attention over a bf16 pool multiplies bf16-rounded q and weights (vdpbf16ps)
+    q4_int8_dot: bool = False  # int4 layers in the nibble packing multiply codes by int8 activations (AVX2, AVX-512 VNNI)
 
 
 _lock = threading.Lock()
@@ -242,6 +243,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_abi_version.restype = ctypes.c_int
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
+    cdll.tm_kernels_q4_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_bf16_attention.restype = ctypes.c_int
     cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
@@ -254,7 +256,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     amx = int8_dot and bool(cdll.tm_kernels_amx_init(1))
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
                          int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""),
-                         bool(cdll.tm_kernels_bf16_attention()))
+                         bool(cdll.tm_kernels_bf16_attention()), bool(cdll.tm_kernels_q4_int8_dot()))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:
@@ -273,7 +275,8 @@ def load(options: KernelOptions | None = None) -> KernelLibrary | None:
             try:
                 lib = build(options=options)
                 log.info("CPU kernels: %s build, %d-float vectors%s%s%s (%s)", options.kernel_isa, lib.vector_width,
-                         ", int4/int8 x int8 integer dot products" if lib.q8_activations else "",
+                         ", int4/int8 x int8 integer dot products" if lib.q8_activations else
+                         ", int4 x int8 integer dot products" if lib.q4_int8_dot else "",
                          f", int8 x int8 {lib.int8_dot_unit} products" if lib.int8_dot else "",
                          ", AMX int8 tiles from 16 rows" if lib.amx else "", lib.path)
             except Exception as exc:  # any failure: the engine keeps the torch path
@@ -638,8 +641,8 @@ def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
 
 
 def pack_int4_q8(codes: torch.Tensor, vector_width: int) -> torch.Tensor | None:
-    """uint8 int4 codes [N, K'] -> the nibble packing AVX2 builds multiply against int8
-    activations at many rows (decode_step.c's int4_q8_rows), [N / VW, K' / 32, 4, 32]
+    """uint8 int4 codes [N, K'] -> the nibble packing AVX2 and AVX-512 VNNI builds multiply
+    against int8 activations (decode_step.c's int4_q8_rows), [N / VW, K' / 32, 4, 4 VW]
     bytes: per output tile and 32-input block, four steps of VW rows x 4 inputs, byte
     4r + i of step s holding input 4s + i of row r (low nibble) and input 16 + 4s + i
     (high nibble). None when N or K' does not divide."""

@@ -568,7 +568,7 @@ class Int4Linear(_QuantLinear):
         from . import cpu_kernels
 
         library = self.ops.library
-        many_rows = library is not None and library.q8_activations
+        many_rows = library is not None and library.q4_int8_dot
         # Made again only when the bound library first wants the nibble copy; a layer whose shape
         # does not pack is not retried on every call.
         if self._desc is None or (many_rows and not self._desc[2]):
@@ -579,7 +579,7 @@ class Int4Linear(_QuantLinear):
             d.w, d.scale, d.zero = self.packed.data_ptr(), self.scales.data_ptr(), zero.data_ptr()
             d.bias = None
             keep: tuple[torch.Tensor, ...] = (zero,)  # the derived buffers live as long as the description
-            if many_rows:  # AVX2: int8 activations at every row count, in the nibble packing
+            if many_rows:  # AVX2, AVX-512 VNNI: int8 activations at every row count, in the nibble packing
                 vw = library.vector_width
                 packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
                 if packed is not None:
@@ -592,11 +592,11 @@ class Int4Linear(_QuantLinear):
     def _kernel_rows(self, rows: int) -> bool:
         """Whether the C kernel multiplies ``rows`` activation rows (else: unpack + dense matmul):
         up to the policy's limit, and at any count where the build multiplies int4 codes by
-        int8 activations in the nibble packing (AVX2)."""
+        int8 activations in the nibble packing (AVX2, AVX-512 VNNI)."""
         lib = self.ops.library
         if lib is None:
             return False
-        return rows <= POLICY.int4_kernel_max_rows or bool(lib.q8_activations and self.kernel_description().packed)
+        return rows <= POLICY.int4_kernel_max_rows or bool(lib.q4_int8_dot and self.kernel_description().packed)
 
     def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""

@@ -26,6 +26,8 @@ is written by ``kv_quant.store`` and dequantized as its blocks are gathered
 """
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +35,34 @@ import torch.nn.functional as F
 
 from .. import kv_quant
 from .layout import BackendCapabilities, StepLayout
+
+log = logging.getLogger("tokenmill.attention")
+
+
+@functools.cache
+def _cpu_flash_unusable(dtype: torch.dtype) -> bool:
+    """Whether SDPA's CPU flash kernel fails for ``dtype`` in this process. It chooses its
+    bf16 packing by the CPU's own flags but packs under torch's dispatch capability, so a
+    process narrowed with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU raises on every bf16
+    call past a few rows. Asked once per dtype, with the shape that reaches the packing."""
+    q = torch.zeros(1, 1, 64, 64, dtype=dtype)
+    try:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except RuntimeError as exc:
+        log.info("SDPA's CPU flash kernel fails for %s here (%s); attention uses its math backend", dtype, exc)
+        return True
+    return False
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, on the math backend where the CPU flash kernel
+    cannot run for this dtype (:func:`_cpu_flash_unusable`)."""
+    if q.device.type == "cpu" and q.dtype != torch.float32 and _cpu_flash_unusable(q.dtype):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 # bf16 SDPA reads the gathered cache slowly at large batches; above this many
 # gathered key rows the matmul formulation is used for non-fp32 caches.
@@ -220,7 +250,7 @@ def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     ks, vs = kv_scales if kv_scales else (None, None)
     qp = q.index_select(0, pp.query_rows).view(pp.n, pp.max_q, heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qp, context(k_cache, ks), context(v_cache, vs), attn_mask=pp.mask,
+    o = sdpa(qp, context(k_cache, ks), context(v_cache, vs), attn_mask=pp.mask,
                                        scale=scale)
     o = o.transpose(1, 2).reshape(pp.n * pp.max_q, heads, head_dim)
     out[num_decodes:] = o.index_select(0, pp.real_rows)
@@ -253,7 +283,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             ki = k.repeat_interleave(group, dim=0)[None]  # [1, heads, slen, d]
             vi = v.repeat_interleave(group, dim=0)[None]
         if qlen == slen and window is None and softcap is None:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = sdpa(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             # Query j sits at absolute position slen - qlen + j and sees keys <= it (and, in a
             # sliding-window layer, keys > it - window).
@@ -263,7 +293,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             if window is not None:
                 allowed &= cols > rows - window
             if softcap is None:
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+                o = sdpa(qi, ki, vi, attn_mask=allowed, scale=scale, enable_gqa=gqa)
             else:  # SDPA has no soft-capping: the plain formulation, float32 softmax
                 if gqa:
                     ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)
@@ -332,7 +362,7 @@ class TorchPagedStep:
         qd = decode_queries(q, nd, kv_heads).to(k.dtype)
         mask = self._mask(window)
         if k.dtype != torch.float32 and nd * k.shape[2] <= BF16_SDPA_MAX_ROWS and softcap is None:
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
+            o = sdpa(qd, k, v, attn_mask=mask.to(k.dtype), scale=scale)
         else:
             # float32 always takes this path: the same ops as the reference, so fp32 output
             # stays bit-identical to it (SDPA's CPU kernel uses a faster, less exact exp).

@@ -79,7 +79,7 @@ typedef struct {
     int32_t a16_rows;        /* int8, int8g with packed: from this many rows (below a8_rows), 16-bit activations
                                 as two u8 planes (0: never); w may be NULL when this is 1 */
     int32_t pad2;
-    const float *packed_scale; /* int4 with packed (AVX2 builds): [n / VW][groups][VW] scales */
+    const float *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales */
     const float *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows) */
 } TmLinear;
 
@@ -444,6 +444,18 @@ TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
     }
     for (int b = 0; b < NB; b++) vstore(out[b], transpose_sum(acc[b]));
 }
+
+#endif
+
+#if VW == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* AVX-512 with VNNI: int4 layers in the nibble packing multiply their codes by int8
+ * activations with vpdpbusd (int4_q8_block below), as AVX2 builds do with vpmaddubsw.
+ * One stream of a model too large for the caches is bound by the bytes of weights a
+ * step reads: four bits a weight there, against eight for the int8 layers. */
+#define TM_Q4_VNNI 1
+#endif
+#if defined(TM_Q8_DOT) || defined(TM_Q4_VNNI)
+#define TM_Q4_PACKED 1 /* int4_q8_rows exists: int4 layers given the nibble packing use it */
 
 /* Rows of x as int8 with one scale per 32 columns (round to nearest), and each
  * group's sum of the quantized values (into xsum, [B, kp / group]): the zero
@@ -832,8 +844,8 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
     }
 }
 
-#ifdef TM_Q8_DOT
-/* int4 against int8 activations, on AVX2 (TmLinear.packed set for an int4 layer): the codes in a nibble form of the VNNI packing, [n / VW][kp / 32][4][32] bytes,
+#ifdef TM_Q4_PACKED
+/* int4 against int8 activations (TmLinear.packed set for an int4 layer): the codes in a nibble form of the VNNI packing, [n / VW][kp / 32][4][4 VW] bytes,
  * where byte 4r + i of step s holds input 4s + i of row r (low nibble) and input
  * 16 + 4s + i (high nibble). vpmaddubsw multiplies a step's unsigned codes (0..15) by
  * four broadcast activation bytes (|x| <= 127): each 16-bit lane is one row's sum of two
@@ -845,8 +857,61 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * the quantized inputs' group sums, as int4_q8_tile does. The sums land in output order,
  * with no horizontal reduction: at every row count it beats int4_q8_tile (row-major codes,
  * one row at a time) and dequantizing tiles to float32 (measured in docs/performance.md).
- * out[t][b] lane i: row i of tile t . x_b. */
+ * out[t][b] lane i: row i of tile t . x_b. AVX-512 VNNI builds run the same packing with
+ * 16-row tiles through vpdpbusd (unsigned codes times signed activations, added in 32 bits). */
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
+#ifdef TM_Q4_VNNI
+TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NT,
+                             const int NB, int64_t tile, vf out[2][Q4_ROWS]) {
+    const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
+    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 256, *w1 = w0 + C * 256;
+    const float *ps = L->packed_scale + tile * G * VW, *pz = L->packed_zero + tile * G * VW;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 f[2][Q4_ROWS];
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) f[t][b] = _mm512_setzero_ps();
+    int64_t group = 0, blocks_left = per;
+    for (int64_t c = 0; c < C; c++) {
+        __m512i a[2][Q4_ROWS];
+        for (int t = 0; t < NT; t++)
+            for (int b = 0; b < NB; b++) a[t][b] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            __m512i lo[2], hi[2];
+            for (int t = 0; t < NT; t++) {
+                const __m512i p = _mm512_loadu_si512((const void *)((t ? w1 : w0) + c * 256 + s * 64));
+                lo[t] = _mm512_and_si512(p, low4);
+                hi[t] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+            }
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xb = xq + b * kp + c * 32 + 4 * s;
+                int32_t x0, x1;
+                memcpy(&x0, xb, sizeof x0);
+                memcpy(&x1, xb + 16, sizeof x1);
+                const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
+                for (int t = 0; t < NT; t++) {
+                    a[t][b] = _mm512_dpbusd_epi32(a[t][b], lo[t], v0);
+                    a[t][b] = _mm512_dpbusd_epi32(a[t][b], hi[t], v1);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const __m512 sv = _mm512_loadu_ps(ps + t * G * VW + group * VW);
+            for (int b = 0; b < NB; b++)
+                f[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][b]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[b * C + c])),
+                                          f[t][b]);
+        }
+        if (--blocks_left == 0) group++, blocks_left = per;
+    }
+    for (int64_t j = 0; j < G; j++)
+        for (int t = 0; t < NT; t++) {
+            const __m512 zv = _mm512_loadu_ps(pz + t * G * VW + j * VW);
+            for (int b = 0; b < NB; b++) f[t][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xsum[b * G + j]), f[t][b]);
+        }
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
+}
+#else
 /* Tiles [tile, tile + NT) (NT 1 or 2) against NB rows: both tiles share each broadcast
  * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. Each
  * 16-bit sum is pinned to its register after every add (an empty asm): left free, gcc
@@ -904,6 +969,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
+#endif
 
 /* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an int4
  * layer in the nibble packing, from the input as quantize_q8_rows left it. */
@@ -1060,6 +1126,16 @@ int tm_kernels_q8_activations(void) {
 #endif
 }
 
+/* Whether int4 layers given the nibble packing (pack_int4_q8) multiply their codes by
+ * int8 activations at every row count (AVX2, and AVX-512 with VNNI). */
+int tm_kernels_q4_int8_dot(void) {
+#ifdef TM_Q4_PACKED
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Per-thread activation scratch for one matmul input. */
 typedef struct {
     float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4; or as bf16 (xh) */
@@ -1098,10 +1174,10 @@ static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *
     }
 }
 
-/* Whether an int4 layer's products run int4_q8_rows (AVX2 builds, the nibble packing
- * given) rather than int4_q8_tile or dequantized float32 tiles. */
+/* Whether an int4 layer's products run int4_q8_rows (AVX2 and AVX-512 VNNI builds, the
+ * nibble packing given) rather than int4_q8_tile, int4_tile or dequantized float32 tiles. */
 TM_INLINE int int4_q8_packed(const TmLinear *L) {
-#ifdef TM_Q8_DOT
+#ifdef TM_Q4_PACKED
     return L->kind == W_INT4 && L->packed && L->packed_scale && L->packed_zero && L->n % VW == 0;
 #else
     (void)L;
@@ -1158,6 +1234,12 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
     }
     if (B >= TM_INT4_DEQUANT_ROWS && !int4_q8_packed(L)) return x; /* dequantized tiles: no group sums */
 #ifndef TM_Q8_DOT
+#ifdef TM_Q4_VNNI
+    if (int4_q8_packed(L)) {
+        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum);
+        return x;
+    }
+#endif
     for (int64_t b = 0; b < B; b++)
         for (int64_t j = 0; j < G; j++) {
             const float *xb = x + b * *ldx_out + j * g;
@@ -1218,7 +1300,7 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     /* K-quant tiles are always widened first (kquant.c): float32 activations, the file's exact weights */
     const int dequant = (L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS) || L->kind == W_KQ;
     float out[TM_MAX_ROWS][VW];
-#ifdef TM_Q8_DOT
+#ifdef TM_Q4_PACKED
     if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
         int4_q8_rows(L, is->xq, is->xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
