@@ -129,6 +129,22 @@ def tokenmill_runner(config: str, args: argparse.Namespace, reference: bool = Fa
     return run
 
 
+def without_extra_bufts() -> None:
+    """Load models in llama-cpp-python without ggml's extra weight buffers (AMX, repacked
+    layouts): some builds crash on this CPU with them."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_cpp.llama_model_default_params
+
+    def model_params():  # type: ignore[no-untyped-def]
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
+
+
 def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
     if args.llamacpp_path:
         sys.path.insert(0, args.llamacpp_path)
@@ -138,18 +154,8 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds from source)"
     from tokenmill.bundled import default_model_path
 
-    if args.llamacpp_no_extra_bufts:  # ggml's extra weight buffers (AMX, repacked layouts) off
-        import llama_cpp
-        import llama_cpp.llama as llama_module
-
-        defaults = llama_cpp.llama_model_default_params
-
-        def model_params():  # type: ignore[no-untyped-def]
-            params = defaults()
-            params.use_extra_bufts = False
-            return params
-
-        llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
+    if args.llamacpp_no_extra_bufts:
+        without_extra_bufts()
     llm = Llama(model_path=MODEL or default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
                 n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)
 

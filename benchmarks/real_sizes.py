@@ -190,6 +190,9 @@ def llamacpp_runner(path: str, args: argparse.Namespace) -> decode_speed.Runner 
         return "llama-cpp-python is not installed"
     import random
 
+    if args.llamacpp_no_extra_bufts:
+        decode_speed.without_extra_bufts()
+
     llm = Llama(model_path=path, n_ctx=args.prefill_len + args.decode_len + 64, n_threads=args.threads,
                 n_threads_batch=args.threads, n_batch=args.prefill_len, verbose=False)
 
@@ -222,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="threads for both engines (0: all cores)")
     ap.add_argument("--llamacpp-path", default="", help="folder holding a llama_cpp package to import first")
     ap.add_argument("--skip-llamacpp", action="store_true", help="tokenmill rows only (no ratios)")
+    ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                    help="llama.cpp without its extra weight buffers (AMX, repacked layouts)")
     args = ap.parse_args(argv)
     args.threads = args.threads or torch.get_num_threads()
     bw = bandwidth(args.threads)

@@ -69,6 +69,28 @@ def test_quantization_auto_takes_w8a8_where_the_cpu_kernels_have_integer_product
     assert auto.resolve_quantization("auto", SimpleNamespace(raw_quantized={}), cpu)[0] == "none"
 
 
+def test_quantization_auto_keeps_large_q4_files_at_four_bits_on_vnni_without_amx(monkeypatch) -> None:
+    """One stream of a model far past the caches is bound by the bytes a token reads: with the
+    VNNI nibble kernel, a Q4 file's blocks stay 4 bits instead of becoming int8 (twice the bytes);
+    with AMX tiles, int8 weights' prefill is about twice as fast, and w8a8 stays."""
+    cpu = torch.device("cpu")
+    lib = SimpleNamespace(int8_dot=True, int8_dot_unit="VNNI", q8_activations=False, q4_int8_dot=True, amx=False)
+    monkeypatch.setattr(cpu_kernels, "load", lambda options=None: lib)
+    big = SimpleNamespace(nbytes=200 * 2**20)
+
+    def q4_file(entry):
+        return SimpleNamespace(raw_quantized={"model.layers.0.mlp.down_proj.weight": ("Q4_0", entry, (4, 32)),
+                                              "model.layers.1.mlp.down_proj.weight": ("Q4_0", entry, (4, 32))})
+
+    name, why = auto.resolve_quantization("auto", q4_file(big), cpu)
+    assert name == "gguf" and "400 MiB" in why and "bound by the bytes" in why
+    assert auto.resolve_quantization("auto", q4_file(SimpleNamespace(nbytes=2**20)), cpu)[0] == "w8a8"  # cached
+    lib.amx = True
+    assert auto.resolve_quantization("auto", q4_file(big), cpu)[0] == "w8a8"
+    lib.amx, lib.q4_int8_dot = False, False  # a build without the kernel
+    assert auto.resolve_quantization("auto", q4_file(big), cpu)[0] == "w8a8"
+
+
 def test_kv_pool_auto_is_bf16_around_quantized_cpu_layers_in_float32() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
     for mode in ("w8a8", "gguf"):

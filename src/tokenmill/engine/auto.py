@@ -110,6 +110,13 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
             return "gguf", ("no VNNI here: the file's Q4 blocks, multiplied by int8 activations in 8-bit products "
                             "(9 multiplies per 256 products, where int8 weights need 16), are this CPU's fastest "
                             "kernel; its Q8_0 LM head kept as int8 with a scale per 32 inputs")
+        layer_bytes = _layer_bytes(raw)
+        if (unit == "VNNI" and getattr(lib, "q4_int8_dot", False) and not getattr(lib, "amx", False)
+                and _layers_in_int4_blocks(raw) and layer_bytes >= MEMORY_BOUND_LAYER_BYTES):
+            return "gguf", (f"the decoder's {layer_bytes / 2**20:.0f} MiB of Q4 blocks are far past the caches, so "
+                            "one stream's decode is bound by the bytes a token reads: kept at 4 bits (int8 would "
+                            "read twice as many), multiplied by int8 activations with VNNI; without AMX tiles "
+                            "int8 weights gain little in prefill")
         return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
                         "per 32 inputs")
@@ -117,6 +124,16 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
         kinds = sorted({entry[0] for entry in raw.values()})
         return "gguf", f"the file stores {len(raw)} tensors as {'/'.join(kinds)} blocks, kept as they are"
     return "none", "the file holds no quantized blocks with a kernel here"
+
+
+# Decoder weights past this many bytes make one stream's decode memory-bound on any CPU
+# (a quarter GiB is several times the largest last-level caches a 2-8 core machine has).
+MEMORY_BOUND_LAYER_BYTES = 256 * 2**20
+
+
+def _layer_bytes(raw: dict[str, Any]) -> int:
+    """Bytes of the decoder's quantized projections as the file stores them."""
+    return sum(int(getattr(entry[1], "nbytes", 0)) for key, entry in raw.items() if ".layers." in key)
 
 
 def _layers_in_int4_blocks(raw: dict[str, Any]) -> bool:
