@@ -145,7 +145,9 @@ def without_extra_bufts() -> None:
     llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
 
 
-def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
+def llamacpp_runner(args: argparse.Namespace, threads: int, model_path: str | None = None) -> Runner | str:
+    """llama.cpp on ``model_path`` (default: ``--model`` or the bundled model); a line saying
+    why not when llama-cpp-python is missing."""
     if args.llamacpp_path:
         sys.path.insert(0, args.llamacpp_path)
     try:
@@ -156,7 +158,7 @@ def llamacpp_runner(args: argparse.Namespace, threads: int) -> Runner | str:
 
     if args.llamacpp_no_extra_bufts:
         without_extra_bufts()
-    llm = Llama(model_path=MODEL or default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
+    llm = Llama(model_path=model_path or MODEL or default_model_path(), n_ctx=args.prefill_len + args.decode_len + 64, n_threads=threads,
                 n_threads_batch=threads, n_batch=args.prefill_len, verbose=False)
 
     def run(seed: int) -> tuple[float, float]:

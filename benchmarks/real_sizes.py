@@ -180,40 +180,6 @@ def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> 
     return run
 
 
-def llamacpp_runner(path: str, args: argparse.Namespace) -> decode_speed.Runner | str:
-    """llama.cpp on ``path``; a line saying why not when llama-cpp-python is missing."""
-    if args.llamacpp_path:
-        sys.path.insert(0, args.llamacpp_path)
-    try:
-        from llama_cpp import Llama  # type: ignore[import-not-found]
-    except ImportError:
-        return "llama-cpp-python is not installed"
-    import random
-
-    if args.llamacpp_no_extra_bufts:
-        decode_speed.without_extra_bufts()
-
-    llm = Llama(model_path=path, n_ctx=args.prefill_len + args.decode_len + 64, n_threads=args.threads,
-                n_threads_batch=args.threads, n_batch=args.prefill_len, verbose=False)
-
-    def run(seed: int) -> tuple[float, float]:
-        rng = random.Random(seed)
-        prompt = [rng.randrange(100, 40000) for _ in range(args.prefill_len)]
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prompt)
-        prefill = args.prefill_len / (time.perf_counter() - t)
-        llm.reset()
-        llm.eval(prompt[:32])
-        t = time.perf_counter()
-        for _ in range(args.decode_len):
-            llm.eval([rng.randrange(100, 40000)])
-        return prefill, args.decode_len / (time.perf_counter() - t)
-
-    run(99)  # warm-up
-    return run
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
@@ -241,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.repeats}, load {os.getloadavg()[0]:.2f}", flush=True)
         runners: list[tuple[str, decode_speed.Runner]] = [
             (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
-        lc = "skipped (--skip-llamacpp)" if args.skip_llamacpp else llamacpp_runner(path, args)
+        lc = ("skipped (--skip-llamacpp)" if args.skip_llamacpp
+              else decode_speed.llamacpp_runner(args, args.threads, model_path=path))
         if not isinstance(lc, str):
             runners.append(("llama.cpp (llama-cpp-python)", lc))
         best = {name: (0.0, 0.0) for name, _ in runners}

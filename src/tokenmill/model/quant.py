@@ -506,8 +506,8 @@ class Int4Linear(_QuantLinear):
     project's own packing (:func:`cpu_kernels.pack_int4`), identical on every CPU,
     multiplied by the C kernel (``tm_linear``, float32 activations) up to
     ``POLICY.int4_kernel_max_rows`` rows and unpacked into one dense matmul above
-    that (or everywhere when the C kernels are off); on AVX2 builds the kernel
-    multiplies int8 activations at every row count, from a second, tile-major copy
+    that (or everywhere when the C kernels are off); on AVX2 and AVX-512 VNNI builds the
+    kernel multiplies int8 activations at every row count, from a second, tile-major copy
     of the codes (``kernel_description``); "tinygemm" on CUDA, torch's
     packed int4 kernel where it agrees with the dequantized weight.
     """

@@ -378,8 +378,8 @@ TM_INLINE void int4_tile(const TmLinear *L, const float *x, int64_t ldx, const f
  * the input is quantized per 32 columns (x ~ xq * d, as llama.cpp's q8_0) and
  * vpmaddubsw multiplies 32 unsigned codes by 32 signed activations at once.
  * Per group: s * sum(d_c * (codes . xq)) over its 32-column chunks, plus the
- * zero term on the exact float sums. Activations lose ~1/254 of their range;
- * the AVX-512 build keeps float32 activations. */
+ * zero term on the exact float sums. Activations lose ~1/254 of their range.
+ * (AVX-512 builds with VNNI do the same from the nibble packing: int4_q8_block.) */
 TM_INLINE void int4_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t ldxs,
                             const int NB, int64_t r0, int64_t nr, float out[TM_MAX_ROWS][VW]) {
     const int64_t kp = L->k * L->repeat, g = L->group, G = kp / g, C = kp / 32;
