@@ -52,6 +52,8 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     # --verify reran the chosen rate (near capacity it may hold or not; the table says which)
     assert cand["verify"]["rate"] == rate and cand["verify"]["requests"] >= 16
     assert ("SLO held" if cand["verify"]["passed"] else "SLO missed") in text
+    # ... and 1.2x that rate as long, which a one-slot server far past its limit cannot hold
+    assert cand["verify_over"]["rate"] == pytest.approx(1.2 * rate) and "verified at 1.2x" in text
 
 
 def test_judge_and_limiting_factor() -> None:

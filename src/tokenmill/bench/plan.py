@@ -17,7 +17,8 @@ queueing, prefill and decode, or KV pressure when the KV pool filled), the
 waiting-queue depth to put in the HPA, and how sure the p99 is: the
 distribution-free 95% interval of the 99th percentile from the probe's
 sample count. ``verify`` reruns the chosen rate for longer and says whether
-the SLO held.
+the SLO held, then runs as long at ``VERIFY_OVER`` times that rate, which should
+miss it: the two runs bracket the true limit as the search claimed.
 
 Like the rest of bench/, this speaks HTTP only (no engine, no torch); a
 candidate is started as a subprocess.
@@ -45,6 +46,7 @@ from tokenmill.bench.tokens import TokenCounter, make_counter
 
 KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
 DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
+VERIFY_OVER = 1.2  # --verify also runs this multiple of the sustainable rate, which should miss the SLO
 
 
 @dataclass
@@ -118,6 +120,7 @@ class CandidatePlan:
     confidence: str = ""
     probes: list[Probe] = field(default_factory=list)
     verify: Probe | None = None
+    verify_over: Probe | None = None  # the same length at VERIFY_OVER x the sustainable rate
     eval_verdict: str | None = None
     error: str | None = None
 
@@ -224,9 +227,12 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
     _conclude(plan, good, bad, settings)
     if good is not None and settings.verify_seconds:
         plan.verify = await probe(target, counter, workload, settings, good.rate, settings.verify_seconds)
+        over = good.rate * VERIFY_OVER
+        plan.verify_over = await probe(target, counter, workload, settings, over, settings.verify_seconds)
         if log:
-            log(f"  {plan.name}: verify {good.rate:.3g} req/s for {settings.verify_seconds:g} s: "
-                + ("SLO held" if plan.verify.passed else f"SLO missed ({plan.verify.why})"))
+            for rate, v in ((good.rate, plan.verify), (over, plan.verify_over)):
+                log(f"  {plan.name}: verify {rate:.3g} req/s for {settings.verify_seconds:g} s: "
+                    + ("SLO held" if v.passed else f"SLO missed ({v.why})"))
 
 
 def _conclude(plan: CandidatePlan, good: Probe | None, bad: Probe | None, settings: PlanSettings) -> None:
@@ -364,7 +370,10 @@ def table(plans: list[CandidatePlan], settings: PlanSettings) -> str:
             ("HPA: waiting requests", [f(p.hpa_waiting, "{}") for p in plans]),
             ("eval gate", [p.eval_verdict or "-" for p in plans]),
             ("verified", ["-" if p.verify is None else ("SLO held" if p.verify.passed else "SLO missed")
-                          for p in plans])]
+                          for p in plans]),
+            (f"verified at {VERIFY_OVER:g}x", ["-" if p.verify_over is None else
+                                              ("SLO held" if p.verify_over.passed else "SLO missed")
+                                              for p in plans])]
     width0 = max(len(r[0]) for r in rows)
     widths = [max(len(r[1][i]) for r in rows) for i in range(len(plans))]
     lines = ["  ".join([name.ljust(width0)] + [c.rjust(w) for c, w in zip(cells, widths)]) for name, cells in rows]
@@ -376,6 +385,9 @@ def table(plans: list[CandidatePlan], settings: PlanSettings) -> str:
             lines.append(f"{p.name}: {p.confidence}")
         if p.verify is not None and not p.verify.passed:
             lines.append(f"{p.name}: verification missed the SLO: {p.verify.why}")
+        if p.verify_over is not None and p.verify_over.passed:
+            lines.append(f"{p.name}: {VERIFY_OVER:g}x the sustainable rate also held the SLO for "
+                         f"{p.verify_over.requests} requests: the limit lies higher than the search found")
     return "\n".join(lines)
 
 
@@ -420,7 +432,8 @@ def add_plan_parser(sub: Any) -> None:
     s.add_argument("--probe-requests", type=int, default=60, help="at least this many requests per probe")
     s.add_argument("--probe-seconds", type=float, default=30.0, help="and at least this long (default 30)")
     s.add_argument("--verify", type=float, default=None, metavar="SECONDS",
-                   help="rerun the sustainable rate this long and say whether the SLO held")
+                   help="rerun the sustainable rate this long and say whether the SLO held, then "
+                        "1.2x that rate as long (it should miss)")
     t = p.add_argument_group("requests")
     t.add_argument("--model", default=None, help="model name (default: the server's first)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
