@@ -63,18 +63,21 @@ def test_judge_and_limiting_factor() -> None:
     from tokenmill.bench.loadgen import PointRun
     from tokenmill.bench.plan import PlanSettings, _limiting, judge
     from tokenmill.bench.runner import PointResult
-    from tokenmill.bench.stats import summarize
+    from tokenmill.bench.stats import percentile, summarize
     from tokenmill.bench.types import RequestRecord
 
-    recs = [RequestRecord(index=i, start=0.1 * i, ok=i != 0, ttft=0.1 + 0.01 * i, e2e=0.5, output_tokens=10)
-            for i in range(40)]
+    # TTFTs in no order over the probe (no trend); the first quarter sent is the warm-up
+    recs = [RequestRecord(index=i, start=0.1 * i, ok=i != 0, ttft=0.1 + 0.01 * (i * 7 % 40), e2e=0.5,
+                          output_tokens=10) for i in range(40)]
+    steady_ttfts = [r.ttft for r in recs if r.ok and r.start >= 0.25 * 3.9]
     run = PointRun(records=recs)
     point = PointResult("rate=4/s", {}, summarize(recs, {"ttft": 0.5}), run,
                         server=sm.ServerDelta(kv_usage_max=0.5, waiting_mean=2.2),
                         breakdown={"queueing": 0.05, "prefill": 0.3, "decode": 0.1})
     settings = PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.05)
     p = judge(point, 4.0, settings)
-    assert p.passed and p.errors == pytest.approx(1 / 40) and p.p99["ttft"] == pytest.approx(0.4862, abs=1e-3)
+    assert p.passed and p.errors == pytest.approx(1 / 40) and p.requests == 40
+    assert len(steady_ttfts) == 30 and p.p99["ttft"] == pytest.approx(percentile(steady_ttfts, 99))
     assert _limiting(p) == "prefill"
     assert not judge(point, 4.0, PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.0)).passed  # 1 error of 40
     assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
@@ -126,3 +129,24 @@ def test_a_kv_bound_case_is_named_kv_pressure_and_more_kv_moves_the_limit(tmp_pa
     assert large["limiting_factor"] != "KV pressure"
     assert all(not p["preemptions"] for p in large["probes"])
     assert (large["sustainable_rate"] or 0) >= (small["sustainable_rate"] or 0)
+
+
+def test_a_probe_whose_latency_still_grows_is_not_sustainable() -> None:
+    """Past capacity the queue grows all through a probe: the p99 may still be within the SLO
+    when the probe ends, but the latencies of its last third are well above its first third's.
+    The warm-up (the first quarter, when the batch is still filling) is left out."""
+    from tokenmill.bench.plan import rising, steady_records
+    from tokenmill.bench.types import RequestRecord
+
+    def recs(ttfts):
+        return [RequestRecord(index=i, start=float(i), ok=True, ttft=t, e2e=t + 1.0) for i, t in enumerate(ttfts)]
+
+    slo = {"ttft": 2.0}
+    flat = recs([0.9 if i < 10 else 0.3 for i in range(40)])  # a slow start, then steady
+    steady = steady_records(flat)
+    assert steady[0].start >= 0.25 * 39 and rising(steady, slo) == ""
+    growing = recs([0.2 + 0.03 * i for i in range(40)])  # 0.2 s -> 1.37 s: within the SLO, rising
+    why = rising(steady_records(growing), slo)
+    assert why.startswith("ttft still rising")
+    assert rising(steady_records(recs([0.01 + 0.001 * i for i in range(40)])), slo) == ""  # tiny next to the SLO
+    assert rising(steady_records(recs([0.2 + 0.03 * i for i in range(12)])), slo) == ""  # too few to tell

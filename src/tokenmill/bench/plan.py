@@ -43,6 +43,7 @@ from tokenmill.bench.loadgen import LoadShape
 from tokenmill.bench.runner import BenchConfig, BenchResult, PointResult, resolve_model, run_bench
 from tokenmill.bench.stats import percentile
 from tokenmill.bench.tokens import TokenCounter, make_counter
+from tokenmill.bench.types import RequestRecord
 
 KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
 DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
@@ -149,15 +150,56 @@ def _limiting(p: Probe) -> str:
     return max(p.breakdown, key=lambda k: p.breakdown[k]) if p.breakdown else "unknown"
 
 
+# A probe starts from an idle server: the requests sent in its first quarter meet a batch still
+# filling up, so they are left out of the p99s (they still count for errors and goodput).
+WARMUP_FRACTION = 0.25
+# Past capacity the queue (and with it TTFT, or the batch and with it TPOT) grows all through a
+# probe: a latency whose median over the probe's last third is this many times its median over
+# the first third after warm-up, and higher by a tenth of its SLO, marks the rate as unsustainable
+# even while its p99 is still within the SLO.
+TREND_RATIO = 1.5
+
+
+def _latency(r: RequestRecord, key: str) -> float | None:
+    if key == "itl":
+        return max(r.itls) if r.itls else None
+    return getattr(r, key)
+
+
+def steady_records(records: list[RequestRecord]) -> list[RequestRecord]:
+    """The successful requests sent after the probe's warm-up, in the order they were sent."""
+    ok = sorted((r for r in records if r.ok), key=lambda r: r.start)
+    if not ok:
+        return []
+    end = max(r.start for r in records)
+    return [r for r in ok if r.start >= WARMUP_FRACTION * end]
+
+
+def rising(records: list[RequestRecord], slo: dict[str, float]) -> str:
+    """Why the latencies of these steady-state requests (in send order) still grow, or ""."""
+    third = len(records) // 3
+    if third < 5:
+        return ""
+    for key, limit in slo.items():
+        first = [v for v in (_latency(r, key) for r in records[:third]) if v is not None]
+        last = [v for v in (_latency(r, key) for r in records[-third:]) if v is not None]
+        if len(first) < 5 or len(last) < 5:
+            continue
+        a, b = percentile(first, 50), percentile(last, 50)
+        if a is not None and b is not None and b > TREND_RATIO * a and b - a > 0.1 * limit:
+            return f"{key} still rising (median {a:.3f} s -> {b:.3f} s over the probe)"
+    return ""
+
+
 def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
     recs = [r for r in point.run.records]
-    ok = [r for r in recs if r.ok]
+    ok = steady_records(recs)  # the p99s are of the steady state; errors count every request
     values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
               "tpot": [r.tpot for r in ok if r.tpot is not None],
               "e2e": [r.e2e for r in ok if r.e2e is not None],
               "itl": [max(r.itls) for r in ok if r.itls]}
     s = point.summary
-    errors = (len(recs) - len(ok)) / len(recs) if recs else 1.0
+    errors = sum(1 for r in recs if not r.ok) / len(recs) if recs else 1.0
     p99 = {k: percentile(values[k], 99) for k in settings.slo}  # itl: of each request's longest gap
     why = []
     if errors > settings.max_error_rate:
@@ -166,6 +208,9 @@ def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
         v = p99[k]
         if v is None or v > limit:
             why.append(f"{k} p99 {'-' if v is None else f'{v:.3f}'} s > {limit:g} s")
+    trend = rising(ok, settings.slo)
+    if trend and not why:
+        why.append(trend)
     d = point.server
     return Probe(rate=rate, passed=not why, requests=len(recs), errors=errors, p99=p99,
                  p99_interval={k: p99_interval(values[k]) for k in settings.slo}, goodput=s.goodput,
