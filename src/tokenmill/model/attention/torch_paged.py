@@ -250,8 +250,7 @@ def batched_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     ks, vs = kv_scales if kv_scales else (None, None)
     qp = q.index_select(0, pp.query_rows).view(pp.n, pp.max_q, heads, head_dim).transpose(1, 2)
-    o = sdpa(qp, context(k_cache, ks), context(v_cache, vs), attn_mask=pp.mask,
-                                       scale=scale)
+    o = sdpa(qp, context(k_cache, ks), context(v_cache, vs), attn_mask=pp.mask, scale=scale)
     o = o.transpose(1, 2).reshape(pp.n * pp.max_q, heads, head_dim)
     out[num_decodes:] = o.index_select(0, pp.real_rows)
 
