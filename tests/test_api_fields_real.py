@@ -84,6 +84,48 @@ def test_langchain_bind_tools_and_tool_message_round_trip(server, model):
     assert isinstance(final.content, str) and final.content and not final.tool_calls
 
 
+def test_langchain_agent_loop_call_result_answer(server, model):
+    """LangChain's own agent loop (create_agent): the model calls the tool, the agent runs it
+    and sends the result back, the model answers, and the loop ends on that answer. The
+    bundled 135M model answers in prose when left to choose on its first turn, so a
+    middleware asks for a call (tool_choice "required") until a tool has answered; the
+    answering turn is the agent's default, "auto", read by the hermes parser."""
+    langchain_agents = pytest.importorskip("langchain.agents")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain.agents.middleware import ModelRequest, wrap_model_call
+    from langchain_core.messages import AIMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    runs: list[str] = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        runs.append(city)
+        return RESULT
+
+    seen_choices: list[object] = []
+
+    @wrap_model_call
+    def call_until_answered(request: ModelRequest, handler):  # type: ignore[no-untyped-def]
+        answered = any(isinstance(m, ToolMessage) for m in request.messages)
+        request = request if answered else request.override(tool_choice="required")
+        seen_choices.append(request.tool_choice)
+        return handler(request)
+
+    llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="none", model=model, temperature=0,
+                                      max_tokens=48, max_retries=0)
+    agent = langchain_agents.create_agent(llm, tools=[get_weather], middleware=[call_until_answered])
+    out = agent.invoke({"messages": [{"role": "user", "content": "What's the weather in Paris?"}]},
+                       {"recursion_limit": 6})
+    kinds = [type(m).__name__ for m in out["messages"]]
+    assert kinds == ["HumanMessage", "AIMessage", "ToolMessage", "AIMessage"]
+    assert runs == ["Paris"] and seen_choices == ["required", None]
+    final = out["messages"][-1]
+    assert isinstance(final, AIMessage) and not final.tool_calls
+    assert isinstance(final.content, str) and final.content.strip()
+
+
 def test_required_answer_cut_at_64_tokens_keeps_its_complete_calls(client, model, tokenizer):
     # banning every token that could close the list makes the model go on calling until the cut
     closers = {str(i): -100 for i in range(tokenizer.vocab_size) if "]" in tokenizer.token_to_text(i)}
