@@ -13,7 +13,10 @@ aborts. Besides the block invariants checked there after every step:
 - classes: a request is never admitted while one of a better class waits
   (unless it is past the bound);
 - within a tenant and class, the request ``priority`` then arrival decide;
-- fair share: two backlogged tenants are served in proportion to their weights.
+- fair share: two backlogged tenants are served in proportion to their weights;
+- short steps: no step carries a worse class's prompt chunk beside a better class's
+  prompt, and while a better class is active the worse classes' chunks keep to their
+  share of the step's budget.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class FairSim(Sim):
             waiting_before = set(self.sched.waiting)
             batch = schedule(self.clock)
             self._check_order(waiting_before)
+            self._check_prefills(batch)
             self.clock += 1.0
             return batch
 
@@ -48,6 +52,28 @@ class FairSim(Sim):
 
     def add_placed(self, rid: str, prompt: list[int], max_tokens: int, placement: Placement) -> bool:
         return self.add(rid, prompt, max_tokens, placement, arrival_time=self.clock)
+
+    def _check_prefills(self, batch) -> None:  # type: ignore[no-untyped-def]
+        """A step carrying a better class's prompt carries no worse class's chunk, and
+        while a better class is active the worse classes' chunks keep to their share
+        (requests past the bound are held to neither)."""
+        order = self.sched.order
+        assert order is not None
+        now = self.clock
+        chunks = [(r, n) for r, n in batch.items
+                  if r.num_tokens - r.num_computed_tokens > 1 and not order.overdue(r, now)]
+        if not chunks:
+            return
+        best = min(r.placement.priority_class for r, _ in chunks)
+        worse = [r.request_id for r, _ in chunks if r.placement.priority_class > best]
+        if worse:
+            self.violations.append(f"chunks of {worse} share a step with class {best}'s prompt")
+        lesser = order.lesser_prefill_tokens(now, self.sched.token_budget)
+        if lesser is not None:
+            active, tokens = lesser
+            taken = sum(n for r, n in chunks if r.placement.priority_class > active)
+            if taken > tokens:
+                self.violations.append(f"worse classes took {taken} prompt tokens of a step, past {tokens}")
 
     def _check_order(self, waiting_before: set[Request]) -> None:
         """Admissions of this step against those who waited through it."""
@@ -184,7 +210,9 @@ def test_an_overloaded_low_class_is_refused_at_admission_so_the_bound_holds_end_
         assert _longest_wait(sim, requests, "high") <= 1.0
         assert refused > 0
         served = sum(r.first_scheduled_time is not None for rid, r in requests.items() if rid.startswith("low"))
-        assert served >= 25  # about one slot in 2.5 steps over 80 steps: the low class is not starved
+        # about one slot in 2.5 steps over 80 steps, less what its prefills lose to the share
+        # a worse class keeps while a better one is active: the low class is not starved
+        assert served >= 20
         assert sum(rid.startswith("high") for rid in requests) == 12  # no high arrival refused
         sim.drain(3000)
         assert not sim.violations

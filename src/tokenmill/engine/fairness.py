@@ -37,6 +37,12 @@ wait from the request's arrival at the server (the ``arrival_time`` it carries
 into the engine) to its first scheduled step, whose end brings its first token
 (unless a better class displaces it in between).
 
+**Short steps for a better class.** The order also shapes each step's prompt
+chunks (``prefills_now``, ``lesser_prefill_tokens``): a better class's request
+that arrives waits for the step running then, so while a better class is
+active the worse classes' chunks share a small part of each step's budget, and
+a step that carries a better class's prompt carries none of theirs.
+
 Victims go the other way: the lowest class first, then the highest
 ``priority`` value, then the tenant most over its share, then the newest; the
 scheduler offers only requests whose preemption cannot undo a block another
@@ -59,6 +65,10 @@ POLICIES = ("fcfs", "priority", "fair")
 # Of the starvation bound, what a request's expected wait at admission may take; the rest
 # is headroom for the better classes that arrive after it and for the rate's swings.
 ADMIT_SHARE = 0.7
+# Of a step's token budget, what worse classes' prefill chunks may take while a better class
+# is active (``QueueOrder.lesser_prefill_tokens``): the step a better class's request arrives
+# during is what it waits for, so that step stays short.
+LESSER_PREFILL_SHARE = 0.125
 
 
 @dataclass
@@ -92,12 +102,16 @@ class QueueOrder:
     fair_share: bool = True
     starvation_bound_s: float = 30.0
     tenants: dict[str, TenantShare] = field(default_factory=lambda: defaultdict(TenantShare))
+    last_arrival: dict[int, float] = field(default_factory=dict)  # per class, its latest request's arrival
 
     # -- bookkeeping (the scheduler calls these) ------------------------
     def arrived(self, request: Request) -> None:
         """A sequence entered the scheduler: a tenant that had none lifts its virtual
         service to the least of the active tenants'."""
         place = request.placement
+        latest = self.last_arrival.get(place.priority_class)
+        if latest is None or request.arrival_time > latest:
+            self.last_arrival[place.priority_class] = request.arrival_time
         share = self.tenants[place.tenant]
         share.weight = place.weight
         if share.active == 0:
@@ -176,6 +190,37 @@ class QueueOrder:
             return True, r.placement.priority, r.arrival_time, i
 
         return min(candidates, key=rank)[1]
+
+    def prefills_now(self, prefilling: Sequence[Request], now: float) -> list[Request]:
+        """Of the requests with prompt left to compute, those whose chunks this step
+        carries: the best class among them (a request past the starvation bound counts
+        as one of it). A worse class's chunk would lengthen the step that brings a better
+        class its first token, by as much as the rest of the token budget; it waits one
+        or two steps instead (a better class's prompt is rarely longer), and decodes
+        run in every step."""
+        if not prefilling:
+            return []
+
+        def rank(r: Request) -> int:
+            return -1 if self.overdue(r, now) else r.placement.priority_class
+
+        best = min(rank(r) for r in prefilling)
+        if best < 0:  # overdue requests share the step with the best class proper
+            classes = [r.placement.priority_class for r in prefilling if not self.overdue(r, now)]
+            best = min(classes, default=-1)
+        return [r for r in prefilling if rank(r) <= best]
+
+    def lesser_prefill_tokens(self, now: float, budget: int) -> tuple[int, int] | None:
+        """While a class has had a request arrive within the starvation bound, the prefill
+        chunks of worse classes share ``LESSER_PREFILL_SHARE`` of each step's ``budget``:
+        a better class's request that arrives waits for the step running then, and
+        a step carrying the budget's worth of a worse class's prompt would be most of
+        its time to first token. Returns (that class, the tokens), or None when only
+        the worst class present is active. Overdue requests are not held to it."""
+        active = [c for c, t in self.last_arrival.items() if now - t < self.starvation_bound_s]
+        if len(active) < 2:
+            return None
+        return min(active), max(1, int(budget * LESSER_PREFILL_SHARE))
 
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """The running request to preempt among ``candidates`` (in admission order, the

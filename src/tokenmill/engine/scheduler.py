@@ -89,6 +89,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prompt tokens actually run through the model
         self._budget = 0  # tokens left in the step being scheduled
+        self._lesser: tuple[int, int] | None = None  # worse classes' prefill tokens left (_chunk)
         self._now = 0.0
         self._step = 0  # steps scheduled so far
 
@@ -394,6 +395,10 @@ class Scheduler:
         #    (see the module docstring) when that producer runs in this step.
         bound = self.config.prefill_starvation_steps
         pending = self._prefilling(admitted)
+        self._lesser = None
+        if self.order is not None:
+            pending = self.order.prefills_now(pending, now)
+            self._lesser = self.order.lesser_prefill_tokens(now, self.token_budget)
         for request in pending:
             self._extend_prefix(request)
         waits = self._producers(pending)
@@ -408,8 +413,9 @@ class Scheduler:
                 continue
             if self._budget <= 0:
                 break
-            remaining = request.num_tokens - request.num_computed_tokens
-            self._schedule(batch, request, min(remaining, self._budget))
+            num_new = self._chunk(request)
+            if num_new > 0:
+                self._schedule(batch, request, num_new)
         scheduled = {r for r, _ in batch.items}
         progressing: dict[Request, bool] = {}
 
@@ -439,8 +445,9 @@ class Scheduler:
                 progressing[request] = False
                 if self._budget <= 0:
                     continue
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, self._budget)
+            num_new = self._chunk(request)
+            if num_new <= 0:
+                continue
             self._schedule(batch, request, num_new)
             if request.status is RequestStatus.RUNNING:
                 scheduled.add(request)
@@ -452,6 +459,18 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.flush_tier()  # blocks moved to disk this step leave the pool before it runs
         return batch
+
+    def _chunk(self, request: Request) -> int:
+        """The prompt tokens ``request`` computes this step: what is left of it, within
+        the step's budget and, for a class worse than an active one, within what is
+        left of those classes' share (``QueueOrder.lesser_prefill_tokens``)."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, self._budget)
+        if self._lesser is not None and self.order is not None:
+            best, tokens = self._lesser
+            if request.placement.priority_class > best and not self.order.overdue(request, self._now):
+                num_new = min(num_new, tokens)
+                self._lesser = best, tokens - max(0, num_new)
+        return num_new
 
     def _age(self, request: Request) -> tuple[int, int]:
         """Older first: admission step, then place in the running list (FCFS)."""
