@@ -244,3 +244,38 @@ def test_adapters_in_the_fused_w8a8_step_match_the_eager_forward(adapters, monke
     eager, used_eager = run(False)
     assert "fused CPU decode" in used and not any(n.startswith("fused") for n in used_eager)
     assert fused == eager
+
+
+def test_fused_adapters_on_shapes_off_the_vector_grid(tmp_path, monkeypatch):
+    """Projection parts that start and end off the kernel's panels of B^T (two vectors wide
+    on either build): a 48-wide model of three 16-wide heads and one KV head (k and v 16
+    columns each), 80 MLP columns. The fused step's adapter updates give the eager forward's
+    greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from conftest import tiny_config
+
+    shape = dict(hidden_size=48, intermediate_size=80, num_attention_heads=3, num_key_value_heads=1)
+    cfg = tiny_config(**shape)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, num_hidden_layers=cfg.num_hidden_layers,
+        max_position_embeddings=cfg.max_position_embeddings, **shape)).eval()
+    specs = {"all3": (3, 6, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+             "kv5": (5, 10, ["k_proj", "v_proj", "up_proj"])}
+    made = make_adapters(hf, tmp_path, specs, first_seed=40)
+    prompts = _prompts(6, seed=5, lo=3, hi=30)
+    names = ["all3", "kv5", None, "all3", "kv5", "all3"]
+
+    def run(fused: bool):
+        monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "1" if fused else "0")
+        llm = make_tiny_llm(enable_lora=True, max_loras=2, max_lora_rank=8, num_threads=1,
+                            model_overrides=shape)
+        for name, (folder, _) in made.items():
+            llm.load_lora(name, folder)
+        used = {e.name for e in llm.engine.runner.executors}
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, **GREEDY),
+                                                             lora=names)], used
+
+    fused, used = run(True)
+    eager, _ = run(False)
+    assert "fused CPU decode" in used
+    assert fused == eager

@@ -131,6 +131,9 @@ class _FusedExecutor:
         segments = None
         if batch.has_adapters:
             assert self.adapter_tables is not None and self.runner.lora is not None
+            # each adapter's rows together: the kernel reads an adapter's weights once per
+            # segment, so rows dealt round robin would read them once per row
+            batch = batch.decodes_first()
             segments = self.adapter_tables.segments(self.runner.lora, batch.adapter_segments)
         return _run_fused(self.runner, self.decoder, batch, segments)
 

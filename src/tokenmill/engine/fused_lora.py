@@ -5,7 +5,7 @@ forward, whose per-op dispatch costs more than the adapters' arithmetic (at 64
 rows the low-rank products were about a tenth of the eager step). Here each
 resident adapter gets, once, a native table of its deltas per layer and fused
 projection: ``at`` = A transposed (its ranks padded to whole vectors) and ``bt``
-= B transposed (scaled as loaded), both float32, and where B is not zero (each part of a fused projection,
+= B transposed (scaled as loaded) in panels of two vectors' columns, both float32, and where B is not zero (each part of a fused projection,
 q/k/v or gate/up, has its own ranks), so that the kernel adds ``(x a^T) bt`` to
 each adapted row's projection output, for whole row segments
 (``StepBatch.adapter_segments``).
@@ -39,6 +39,16 @@ class _Table:
     keep: list[torch.Tensor]
 
 
+def _panels(bt: torch.Tensor, width: int) -> torch.Tensor:
+    """B^T [r, n] as the kernel reads it (``lora_panel``): columns in panels of ``width``
+    (the last padded with zeros), each panel's [r, width] block contiguous, so the ranks of
+    the columns a tile updates are read as one stream."""
+    r, n = bt.shape
+    padded = torch.zeros(r, -(-n // width) * width)
+    padded[:, :n] = bt
+    return padded.reshape(r, -1, width).transpose(0, 1).contiguous()
+
+
 def _table(weights: LoraWeights, num_layers: int, vector_width: int) -> _Table:
     keep: list[torch.Tensor] = []
     deltas = (TmDelta * (num_layers * len(FUSED)))()
@@ -51,7 +61,7 @@ def _table(weights: LoraWeights, num_layers: int, vector_width: int) -> _Table:
             rp = -(-r // vector_width) * vector_width
             at = torch.zeros(delta.a.shape[1], rp)  # A^T, ranks padded with zeros to whole vectors
             at[:, :r] = delta.a.detach().float().t()
-            bt = delta.b.detach().float().t().contiguous()
+            bt = _panels(delta.b.detach().float().t(), 2 * vector_width)
             keep += [at, bt]
             entry = deltas[li * len(FUSED) + p]
             entry.at, entry.bt, entry.r, entry.rp, entry.n_parts = at.data_ptr(), bt.data_ptr(), r, rp, len(delta.parts)

@@ -103,12 +103,13 @@ typedef struct {
     TmLinear head;
 } TmModel;
 
-/* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt [r, n]
- * (B transposed and scaled). B is block-diagonal over the projection's parts (q, k, v; gate,
- * up): output columns [part[0], part[1]) take only the ranks [part[2], part[3]). */
+/* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt B transposed
+ * and scaled, [r, n], stored in panels of LORA_PANEL columns (see lora_panel). B is
+ * block-diagonal over the projection's parts (q, k, v; gate, up): output columns
+ * [part[0], part[1]) take only the ranks [part[2], part[3]). */
 typedef struct {
     const float *at; /* A^T [k, rp], ranks past r zero */
-    const float *bt; /* [r, n] */
+    const float *bt; /* [ceil(n / LORA_PANEL), r, LORA_PANEL]: column c of rank j at lora_panel */
     int64_t r;       /* 0: this projection is not adapted */
     int64_t rp;      /* r rounded up to whole vectors */
     int64_t n_parts; /* 1 to 3 */
@@ -1524,6 +1525,7 @@ static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *chu
 #define LORA_ROWS 4
 #endif
 #define LORA_VECS 2
+#define LORA_PREFETCH_ROWS 16 /* rows of A^T ahead of the one multiplied */
 
 /* t[b][v0 .. v0 + NV * VW) = x[b] A^T for LORA_ROWS rows from b0 (rows past r1 repeat the
  * last one; their results are not kept), from at = A^T [K, rp]: per input feature, NV
@@ -1535,9 +1537,13 @@ TM_INLINE void lora_shrink_tile(const float *at, int64_t rp, int64_t K, const fl
         for (int v = 0; v < NV; v++) acc[i][v] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
         vf w[LORA_VECS];
+        /* A^T is streamed once per step from memory, in many short runs (one per adapter,
+         * projection and layer): ask for it ahead rather than wait for the prefetcher to
+         * find each run */
+        __builtin_prefetch(at + (k + LORA_PREFETCH_ROWS) * rp + v0);
         for (int v = 0; v < NV; v++) w[v] = vload(at + k * rp + v0 + v * VW);
         for (int i = 0; i < LORA_ROWS; i++) {
-            const vf xv = (vf){0} + xs[i][k];
+            const vf xv = vsplat(xs[i][k]);
             for (int v = 0; v < NV; v++) acc[i][v] = vfma(xv, w[v], acc[i][v]);
         }
     }
@@ -1570,46 +1576,84 @@ static void lora_shrink(const TmSegment *segs, int64_t n_segs, int64_t li, int p
     }
 }
 
-/* y[b][c - col0] += sum_j t[b][j] bt[j][c], j < r, for rows [r0, r1) and columns [c0, c1):
- * four vectors of a row's outputs stay in registers over the ranks, and the block of bt
- * (r rows of the tile) stays in L1 over the rows. */
-static void lora_expand_block(const float *t, int64_t ldt, const float *bt, int64_t n, int64_t r, int64_t r0,
-                              int64_t r1, int64_t c0, int64_t c1, float *y, int64_t ldy, int64_t col0) {
-    int64_t c = c0;
-    for (; c + 4 * VW <= c1; c += 4 * VW)
-        for (int64_t b = r0; b < r1; b++) {
-            float *yb = y + b * ldy - col0 + c;
-            const float *tb = t + b * ldt;
-            vf a0 = vload(yb), a1 = vload(yb + VW), a2 = vload(yb + 2 * VW), a3 = vload(yb + 3 * VW);
-            for (int64_t j = 0; j < r; j++) {
-                const vf s = (vf){0} + tb[j];
-                const float *bj = bt + j * n + c;
-                a0 = vfma(s, vload(bj), a0);
-                a1 = vfma(s, vload(bj + VW), a1);
-                a2 = vfma(s, vload(bj + 2 * VW), a2);
-                a3 = vfma(s, vload(bj + 3 * VW), a3);
+/* bt's columns in panels of two vectors (the MLP's gate/up tiles, GU_COLS, are one panel):
+ * the ranks of a tile's columns are one contiguous block, where B^T's rows would be r streams
+ * a row of B apart, more than the hardware prefetcher follows while a tile's rows run. */
+#define LORA_PANEL (2 * VW)
+TM_INLINE const float *lora_panel(const float *bt, int64_t r, int64_t j, int64_t c) {
+    return bt + (c / LORA_PANEL) * r * LORA_PANEL + j * LORA_PANEL + c % LORA_PANEL;
+}
+
+/* y[b][c - col0 .. + NV * VW) += sum_j t[b][j] B^T[j0 + j][c ..], j < r, for rows [r0, r1), c a
+ * whole vector of a panel (NV = 4: two panels). Two rows at a time share each load of bt, so
+ * 2 * NV accumulators run independent FMA chains. Each output's sum runs over j in order
+ * whatever the tile, so the tiling never changes a value. */
+TM_INLINE void lora_expand_cols(const float *t, int64_t ldt, const float *bt, int64_t R, int64_t j0, int64_t r,
+                                int64_t r0, int64_t r1, int64_t c, float *y, int64_t ldy, int64_t col0, const int NV) {
+    const float *w0 = lora_panel(bt, R, j0, c), *w1 = NV == 4 ? lora_panel(bt, R, j0, c + 2 * VW) : w0;
+    int64_t b = r0;
+    for (; b + 2 <= r1; b += 2) {
+        float *y0 = y + b * ldy - col0 + c, *y1 = y0 + ldy;
+        const float *t0 = t + b * ldt, *t1 = t0 + ldt;
+        vf a0[4], a1[4];
+        for (int v = 0; v < NV; v++) a0[v] = vload(y0 + v * VW), a1[v] = vload(y1 + v * VW);
+        for (int64_t j = 0; j < r; j++) {
+            const vf s0 = vsplat(t0[j]), s1 = vsplat(t1[j]);
+            for (int v = 0; v < NV; v++) {
+                const vf w = vload((v < 2 ? w0 : w1) + j * LORA_PANEL + (v % 2) * VW);
+                a0[v] = vfma(s0, w, a0[v]);
+                a1[v] = vfma(s1, w, a1[v]);
             }
-            vstore(yb, a0), vstore(yb + VW, a1), vstore(yb + 2 * VW, a2), vstore(yb + 3 * VW, a3);
         }
-    for (; c + VW <= c1; c += VW)
-        for (int64_t b = r0; b < r1; b++) {
-            float *yb = y + b * ldy - col0 + c;
-            vf a0 = vload(yb);
-            for (int64_t j = 0; j < r; j++) a0 = vfma((vf){0} + t[b * ldt + j], vload(bt + j * n + c), a0);
-            vstore(yb, a0);
+        for (int v = 0; v < NV; v++) vstore(y0 + v * VW, a0[v]), vstore(y1 + v * VW, a1[v]);
+    }
+    if (b < r1) {
+        float *y0 = y + b * ldy - col0 + c;
+        const float *t0 = t + b * ldt;
+        vf a0[4];
+        for (int v = 0; v < NV; v++) a0[v] = vload(y0 + v * VW);
+        for (int64_t j = 0; j < r; j++) {
+            const vf s0 = vsplat(t0[j]);
+            for (int v = 0; v < NV; v++)
+                a0[v] = vfma(s0, vload((v < 2 ? w0 : w1) + j * LORA_PANEL + (v % 2) * VW), a0[v]);
         }
-    for (; c < c1; c++)
-        for (int64_t b = r0; b < r1; b++) {
-            float sum = y[b * ldy - col0 + c];
-            for (int64_t j = 0; j < r; j++) sum += t[b * ldt + j] * bt[j * n + c];
-            y[b * ldy - col0 + c] = sum;
+        for (int v = 0; v < NV; v++) vstore(y0 + v * VW, a0[v]);
+    }
+}
+
+/* y[b][c - col0] += sum_j t[b][j] B^T[j0 + j][c], j < r, for rows [r0, r1) and columns
+ * [c0, c1): pairs of panels, one panel, whole vectors, single columns, whichever fits where
+ * c stands; a tile's block of bt stays in L1 over the rows. */
+static void lora_expand_block(const float *t, int64_t ldt, const float *bt, int64_t R, int64_t j0, int64_t r,
+                              int64_t r0, int64_t r1, int64_t c0, int64_t c1, float *y, int64_t ldy,
+                              int64_t col0) {
+    int64_t c = c0;
+    while (c < c1) {
+        if (c % LORA_PANEL == 0 && c + 2 * LORA_PANEL <= c1) {
+            lora_expand_cols(t, ldt, bt, R, j0, r, r0, r1, c, y, ldy, col0, 4);
+            c += 2 * LORA_PANEL;
+        } else if (c % LORA_PANEL == 0 && c + LORA_PANEL <= c1) {
+            lora_expand_cols(t, ldt, bt, R, j0, r, r0, r1, c, y, ldy, col0, 2);
+            c += LORA_PANEL;
+        } else if (c % VW == 0 && c + VW <= c1) {
+            lora_expand_cols(t, ldt, bt, R, j0, r, r0, r1, c, y, ldy, col0, 1);
+            c += VW;
+        } else {
+            for (int64_t b = r0; b < r1; b++) {
+                float sum = y[b * ldy - col0 + c];
+                for (int64_t j = 0; j < r; j++) sum += t[b * ldt + j] * *lora_panel(bt, R, j0 + j, c);
+                y[b * ldy - col0 + c] = sum;
+            }
+            c++;
         }
+    }
 }
 
 /* The updates of columns [c0, c1) of every segment's rows (t from lora_shrink), each part of
  * the projection with its own ranks only. */
 static void lora_expand(const TmSegment *segs, int64_t n_segs, int64_t li, int proj, int64_t n, const float *t,
                         int64_t ldt, int64_t c0, int64_t c1, float *y, int64_t ldy, int64_t col0) {
+    (void)n;
     for (int64_t s = 0; s < n_segs; s++) {
         const TmDelta *d = &segs[s].deltas[li * LORA_PROJECTIONS + proj];
         for (int64_t p = 0; d->r && p < d->n_parts; p++) {
@@ -1617,7 +1661,7 @@ static void lora_expand(const TmSegment *segs, int64_t n_segs, int64_t li, int p
             const int64_t hi = c1 < d->part[p][1] ? c1 : d->part[p][1];
             const int64_t j0 = d->part[p][2], j1 = d->part[p][3];
             if (lo < hi)
-                lora_expand_block(t + j0, ldt, d->bt + j0 * n, n, j1 - j0, segs[s].row0, segs[s].row1, lo, hi, y,
+                lora_expand_block(t + j0, ldt, d->bt, d->r, j0, j1 - j0, segs[s].row0, segs[s].row1, lo, hi, y,
                                   ldy, col0);
         }
     }
