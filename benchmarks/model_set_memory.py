@@ -63,8 +63,8 @@ def wait_until(predicate, timeout: float) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--idle", type=float, default=5.0, help="--idle-unload-seconds of the server")
-    p.add_argument("--settle", type=float, default=2.0, help="seconds to wait before each reading")
+    p.add_argument("--idle", type=float, default=30.0, help="--idle-unload-seconds of the server")
+    p.add_argument("--settle", type=float, default=1.0, help="seconds to wait before each reading")
     args, serve_flags = p.parse_known_args()
     sys.path.insert(0, str(ROOT / "src"))
     from tokenmill.bundled import default_model_path

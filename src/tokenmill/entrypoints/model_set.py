@@ -234,6 +234,7 @@ class ModelSet:
                 entry.status, entry.job, entry.error = UNLOADED, None, f"{type(exc).__name__}: {exc}"
             log.exception("model %s: load failed", entry.spec.name)
             raise
+        release_memory()  # what loading freed (file buffers, dequantization scratch), as a one-model server does
         with self._lock:
             entry.resident, entry.status, entry.job = resident, LOADED, None
             entry.loads += 1
