@@ -455,8 +455,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 
 @router.post(_PATH, responses=_ERRORS)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    state = get_state(request)
-    state.check_model(body.model)
+    state = await get_state(request).serving_for(body.model, request.scope)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     job, plan = await prepare_chat(state, to_chat(body), message_id)
     job.endpoint = "messages"
@@ -474,8 +473,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 @router.post(_PATH + "/count_tokens", responses=_ERRORS)
 async def count_tokens(body: CountTokensRequest, request: Request) -> JSONResponse:
     """The prompt tokens a Messages request with this conversation and these tools would have."""
-    state = get_state(request)
-    state.check_model(body.model)
+    state = await get_state(request).serving_for(body.model, request.scope)
     chat = to_chat(body)
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
     if tools:  # the same checks a real request gets (names, tool_choice against the server's flags)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,7 +35,8 @@ from .protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, Mod
 from .request_fields import ignored_headers, judge_extra
 from ..request_guard import BodyGuard, default_body_limit
 from .heap import trim_heap
-from .serving import ServerSettings, ServerState, model_not_found
+from .model_set import LEASES_KEY, ModelSet, ModelSetState, model_cards
+from .serving import ServerSettings, ServerShared, ServerState, model_not_found
 from ..tenants import DEFAULT_TENANT_NAME, tenant_of
 
 _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
@@ -68,10 +69,14 @@ class GateMiddleware:
         if self.state.loop is None:
             self.state.loop = asyncio.get_running_loop()  # for the shutdown thread's calls
         self.state.inflight_http += 1
+        leases: list[Callable[[], None]] = []  # models this request holds in memory (model_set.py)
+        scope[LEASES_KEY] = leases
         try:
             await self.app(scope, receive, send)
         finally:
             self.state.inflight_http -= 1
+            for release in leases:  # the response is sent: its model may be unloaded again
+                release()
 
 
 def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -80,7 +85,20 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings | None = None)
     The caller owns the engine (and ``app.state.tokenmill.close()``): test
     clients run the lifespan once per client, which must not stop the engine."""
     settings = settings or ServerSettings()
-    state = ServerState(async_engine, settings)
+    return _assemble(ServerState(async_engine, settings), settings)
+
+
+def build_model_set_app(models: ModelSet, settings: ServerSettings, shared: ServerShared | None = None) -> FastAPI:
+    """The same app over several models, each loaded when a request first names it (model_set.py);
+    ``shared``: the tenants and tracer the set's loader gives each model (None: made here).
+
+    The caller owns the set (``app.state.tokenmill.close()`` unloads every model)."""
+    return _assemble(ModelSetState(models, settings, shared), settings)
+
+
+def _assemble(state: Any, settings: ServerSettings) -> FastAPI:
+    """Routes and middleware around the server's state: a ``ServerState`` (one model) or a
+    ``ModelSetState`` (several); routes that name a model ask it ``serving_for(model)``."""
     app = FastAPI(title="tokenmill", version="0.1.0",
                   description="OpenAI-compatible LLM server (completions, chat, streaming, metrics).")
     app.state.tokenmill = state
@@ -126,6 +144,8 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/v1/models", response_model=ModelList)
     async def list_models(request: Request) -> ModelList:
         state = get_state(request)
+        if isinstance(state, ModelSetState):
+            return ModelList(data=[ModelCard(**card) for card in model_cards(state.models)])
         root = state.settings.model_path
         from .adapter_routes import adapter_cards
 
@@ -136,6 +156,11 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
     async def get_model(model_id: str, request: Request) -> ModelCard:
         state = get_state(request)
+        if isinstance(state, ModelSetState):
+            for card in model_cards(state.models):
+                if card["id"] == model_id:
+                    return ModelCard(**card)
+            raise model_not_found(model_id, state.models.names())
         from .adapter_routes import adapter_cards
 
         for card in adapter_cards(state):
@@ -148,16 +173,17 @@ def _misc_routes(app: FastAPI) -> None:
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
         state = get_state(request)
-        engine = state.aengine
-        silent = time.monotonic() - engine.last_heartbeat
         if state.draining:
             return JSONResponse(error_body(503, "shutting down", code="shutting_down"), status_code=503)
-        if not engine.is_alive:
-            return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"),
-                                status_code=503)
-        if silent > state.settings.heartbeat_timeout_s:
-            return JSONResponse(error_body(503, f"the engine loop has been silent for {silent:.0f}s",
-                                           code="engine_stalled"), status_code=503)
+        for model in state.loaded_states():  # a server of several: each model in memory
+            engine = model.aengine
+            silent = time.monotonic() - engine.last_heartbeat
+            if not engine.is_alive:
+                return JSONResponse(error_body(503, "the engine loop is not running", code="engine_dead"),
+                                    status_code=503)
+            if silent > state.settings.heartbeat_timeout_s:
+                return JSONResponse(error_body(503, f"the engine loop has been silent for {silent:.0f}s",
+                                               code="engine_stalled"), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -175,8 +201,7 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-        state = get_state(request)
-        state.check_model(body.model)
+        state = await get_state(request).serving_for(body.model, request.scope)
         headers = ignored_headers(judge_extra(body.model_extra, "tokenize"))
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -194,8 +219,7 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-        state = get_state(request)
-        state.check_model(body.model)
+        state = await get_state(request).serving_for(body.model, request.scope)
         headers = ignored_headers(judge_extra(body.model_extra, "detokenize"))
         bad = next((t for t in body.tokens if not 0 <= t < state.vocab_size), None)
         if bad is not None:
@@ -204,10 +228,11 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        state = get_state(request)
-        freed = await state.aengine.call(lambda engine: engine.reset_prefix_cache())
-        return JSONResponse({"freed_blocks": int(freed),
-                             "enabled": state.engine.stats.prefix_cache_enabled})
+        freed, enabled = 0, False
+        for state in get_state(request).loaded_states():  # a server of several: each model in memory
+            freed += int(await state.aengine.call(lambda engine: engine.reset_prefix_cache()))
+            enabled = enabled or state.engine.stats.prefix_cache_enabled
+        return JSONResponse({"freed_blocks": freed, "enabled": enabled})
 
 
 def add_cors(app: FastAPI, origins: list[str] | None, allow_credentials: bool = False) -> None:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import logging
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.kv_event_publisher import KVEventsConfig, attach_kv_events
-from .app import add_cors, build_app
+from .app import add_cors, build_app, build_model_set_app
 from .heap import HeapTrimmer, bound_onednn_caches, trim_heap
 from .serve_config import engine_config_from_args, settings_from_args, tokenizer_from_args
-from .serving import ServerSettings, ServerState
+from .model_set import ModelSet, ModelSetOptions, ModelSpec, ResidentModel, model_settings
+from .serving import ServerSettings, ServerShared, ServerState
 
 if TYPE_CHECKING:
     import uvicorn
@@ -126,13 +128,73 @@ def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
                           ssl_certfile=getattr(args, "ssl_certfile", None))
 
 
+def model_loader(args: argparse.Namespace, settings: ServerSettings, shared: ServerShared,
+                 resident_at_once: int) -> Callable[[ModelSpec], ResidentModel]:
+    """How a server of several models loads one of them (on a model set's worker thread): the
+    engine flags with this model's path, its own engine, KV pool and ``ServerState``. The KV pool
+    flags (--kv-cache-memory, --num-blocks) size each model's pool; a memory budget
+    (--memory-budget, --gpu-memory-utilization) is split evenly among the ``resident_at_once``
+    models that may be in memory together."""
+    from .serve_config import generation_defaults
+
+    def load(spec: ModelSpec) -> ResidentModel:
+        one = copy.copy(args)
+        one.model = spec.path
+        config = engine_config_from_args(one)
+        if config.memory_budget is not None:
+            config.memory_budget //= resident_at_once
+        engine = _start_engine(one, config)
+        aengine = AsyncEngine(engine)
+        sampling = generation_defaults(getattr(args, "generation_config", "vllm"), spec.path)
+        state = ServerState(aengine, model_settings(settings, spec, sampling), shared)
+        log.info("model %s: dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens max_model_len=%d",
+                 spec.name, engine.config.dtype, engine.config.quantization, human_bytes(engine.weight_bytes),
+                 engine.pool.num_blocks, engine.block_size, state.pool_tokens, engine.max_model_len)
+
+        def close() -> None:
+            state.close()
+            aengine.shutdown()
+            engine.close()
+
+        return ResidentModel(state, close)
+
+    return load
+
+
+def _model_set_app(args: argparse.Namespace, settings: ServerSettings) -> Any:
+    """The app of a server of several models (none loaded yet: each loads on first use)."""
+    specs = args.model_set
+    options = ModelSetOptions(max_loaded=getattr(args, "max_loaded_models", None),
+                              idle_unload_s=getattr(args, "idle_unload_seconds", None),
+                              load_timeout_s=getattr(args, "model_load_timeout", 300.0),
+                              max_waiters=getattr(args, "max_load_waiters", 64))
+    shared = ServerShared.from_settings(settings)  # tenants, usage, tracer: one for every model
+    resident_at_once = min(len(specs), options.max_loaded or len(specs))
+    models = ModelSet(specs, model_loader(args, settings, shared, resident_at_once), options)
+    app = build_model_set_app(models, settings, shared)
+    log.info("tokenmill serving %d models, loaded on first use (at most %s in memory, idle unload %s): %s; "
+             "url=http://%s:%s", len(specs), options.max_loaded or "all",
+             f"{options.idle_unload_s:g}s" if options.idle_unload_s else "off",
+             ", ".join(f"{s.name} ({s.path})" for s in specs), args.host, args.port)
+    return app
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until SIGTERM/SIGINT."""
-    from .console import mount_console
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bound_onednn_caches()  # before the model makes its first primitive (entrypoints/heap.py)
     settings = settings_from_args(args)
+    if getattr(args, "model_set", None):
+        app = _model_set_app(args, settings)
+        add_cors(app, getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
+        return _serve(args, settings, app, app.state.tokenmill, lambda: None)
+    return _serve_one(args, settings)
+
+
+def _serve_one(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """One model, loaded now: its engine, the app over it, the console."""
+    from .console import mount_console
+
     config = engine_config_from_args(args)
     kv_events = KVEventsConfig.parse(getattr(args, "kv_events_config", None))  # before the model loads
     engine = _start_engine(args, config)
@@ -144,10 +206,32 @@ def run_server(args: argparse.Namespace) -> int:
     add_cors(app, getattr(args, "allowed_origins", None), getattr(args, "allow_credentials", False))
     state: ServerState = app.state.tokenmill
     _log_startup(args, settings, config, engine, state)
+
+    def stop_engine() -> None:
+        aengine.shutdown()
+        if publisher is not None:
+            publisher.close()
+        engine.close()
+
+    def supervise(uv_server: uvicorn.Server) -> None:
+        if engine.parallel is not None:  # a dead tensor-parallel rank stops the server, non-zero
+            from ..engine.distributed import supervise_server
+            supervise_server(engine.parallel, aengine, uv_server)
+
+    code = _serve(args, settings, app, state, stop_engine, supervise)
+    if engine.parallel is not None and engine.parallel.failure is not None:
+        log.error("exiting with status 1: %s", engine.parallel.failure)
+        return 1
+    return code
+
+
+def _serve(args: argparse.Namespace, settings: ServerSettings, app: Any, state: Any, stop: Callable[[], None],
+           supervise: Callable[[Any], None] | None = None) -> int:
+    """Serve ``app`` until SIGTERM/SIGINT has drained it, then close ``state`` (a server of several
+    models unloads them there) and ``stop`` what else runs."""
     uv_server = DrainingServer(_uvicorn_config(args, app), state).server
-    if engine.parallel is not None:  # a dead tensor-parallel rank stops the server, non-zero
-        from ..engine.distributed import supervise_server
-        supervise_server(engine.parallel, aengine, uv_server)
+    if supervise is not None:
+        supervise(uv_server)
     # what loading freed (file buffers, dequantization scratch) goes back now, the rest of
     # what requests free every half minute (entrypoints/heap.py)
     trim_heap()
@@ -159,12 +243,6 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         trimmer.stop()
         state.close()
-        aengine.shutdown()
-        if publisher is not None:
-            publisher.close()
-        engine.close()
+        stop()
     log.info("tokenmill stopped")
-    if engine.parallel is not None and engine.parallel.failure is not None:
-        log.error("exiting with status 1: %s", engine.parallel.failure)
-        return 1
     return 0

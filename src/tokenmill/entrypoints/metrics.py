@@ -242,3 +242,79 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
+
+
+class _ModelSetCollector(Collector):
+    """A model set's gauges and counters, read from its entries when Prometheus scrapes."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models  # model_set.ModelSet
+
+    def collect(self) -> Iterable[Metric]:
+        entries = self.models.entries()
+        loaded = GaugeMetricFamily("tokenmill:models_loaded", "Models in memory now (of those configured).")
+        loaded.add_metric([], sum(1 for e in entries if e.status == "loaded"))
+        yield loaded
+        configured = GaugeMetricFamily("tokenmill:models_configured", "Models this server can load.")
+        configured.add_metric([], len(entries))
+        yield configured
+        state = GaugeMetricFamily("tokenmill:model_state", "1 for each model's current state.",
+                                  labels=["model_name", "state"])
+        loads = CounterMetricFamily("tokenmill:model_loads", "Times each model was loaded.", labels=["model_name"])
+        unloads = CounterMetricFamily("tokenmill:model_unloads", "Times each model was unloaded, by reason "
+                                      "(lru: room for another, idle: --idle-unload-seconds).",
+                                      labels=["model_name", "reason"])
+        for e in entries:
+            state.add_metric([e.spec.name, e.status], 1)
+            loads.add_metric([e.spec.name], e.loads)
+            for reason in ("lru", "idle"):
+                unloads.add_metric([e.spec.name, reason], e.unloads.get(reason, 0))
+        yield state
+        yield loads
+        yield unloads
+
+
+class ModelSetMetrics:
+    """The metrics of a server of several models: its own (requests refused before a model
+    was chosen, tenants' usage, the model set's gauges) and those of every loaded model
+    (``ServerMetrics``, one per model, each series labelled with its ``model_name``), merged
+    into one family per name at scrape time. A model's request counters start from zero
+    each time it is loaded."""
+
+    def __init__(self, models: Any, usage: Collector) -> None:
+        self.models = models  # model_set.ModelSet
+        self.rejected = Counter("tokenmill:requests_rejected", "Requests refused before reaching the engine.",
+                                ["reason"], registry=None)
+        self.exposed = CollectorRegistry(auto_describe=False)
+        self.exposed.register(self.rejected)
+        self.exposed.register(usage)
+        self.exposed.register(_ModelSetCollector(models))
+
+    def render(self) -> bytes:
+        merged = CollectorRegistry(auto_describe=False)
+        merged.register(_Merged([self.exposed] + [state.metrics.exposed for state in self.models.loaded()]))
+        return generate_latest(merged)
+
+
+class _Merged(Collector):
+    """Several registries as one: families of one name become one family; samples of the same
+    name and labels (a counter without a model label, such as the refusals by reason) are summed."""
+
+    def __init__(self, sources: list[CollectorRegistry]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        samples: dict[str, dict[tuple[Any, ...], Any]] = {}
+        for source in self.sources:
+            for family in source.collect():
+                if family.name not in families:
+                    families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                    samples[family.name] = {}
+                into = samples[family.name]
+                for s in family.samples:
+                    key = (s.name, tuple(sorted(s.labels.items())))
+                    into[key] = s._replace(value=into[key].value + s.value) if key in into else s
+        for name, family in families.items():
+            family.samples = list(samples[name].values())
+            yield family

@@ -234,8 +234,7 @@ def _new_id(prefix: str) -> str:
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     arrived = time.monotonic()  # the starvation bound counts from here (tokenizing included)
-    state = get_state(request)
-    state.check_model(body.model)
+    state = await get_state(request).serving_for(body.model, request.scope)
     headers = ignored_headers(judge_extra(body.model_extra, "completions"))
     request_id = _new_id("cmpl")
     grammar, grammar_param = grammar_spec(body)
@@ -314,8 +313,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     arrived = time.monotonic()  # the starvation bound counts from here (templating included)
-    state = get_state(request)
-    state.check_model(body.model)
+    state = await get_state(request).serving_for(body.model, request.scope)
     headers = ignored_headers(judge_extra(body.model_extra, "chat.completions") + template_ignored(state, body))
     request_id = _new_id("chatcmpl")
     job, plan = await prepare_chat(state, body, request_id)

@@ -446,6 +446,10 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    # extra fields pass through: a server of several models adds llama.cpp's ``status``
+    # ({"value": "loaded" | "loading" | "unloading" | "unloaded"}, model_set.py)
+    model_config = ConfigDict(extra="allow")
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))

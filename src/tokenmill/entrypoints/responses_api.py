@@ -446,8 +446,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 
 @router.post("/v1/responses", responses=_ERRORS)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state = get_state(request)
-    state.check_model(body.model)
+    state = await get_state(request).serving_for(body.model, request.scope)
     headers = ignored_headers(judge_extra(body.model_extra, "responses"))
     store = response_store(request)
     history: list[dict[str, Any]] = []

@@ -68,10 +68,20 @@ def _fraction(value: str) -> float:
     return x
 
 
+class _ModelAction(argparse.Action):
+    """--model: the last one given is ``model`` (the one model, as always); `serve` keeps every
+    one given in ``models`` (several: served side by side, model_set.py)."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        namespace.model = values
+        namespace.models = [*(getattr(namespace, "models", None) or []), values]
+
+
 def add_engine_arguments(p: Any) -> None:
     """Model and engine flags, shared with `tokenmill generate`."""
-    p.add_argument("--model", default=None,
-                   help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, action=_ModelAction,
+                   help="local GGUF file or Hugging Face folder (default: bundled SmolLM2-135M-Instruct); "
+                        "`serve` takes it more than once to serve several models, each loaded on first use")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, metavar="{auto,float32,bfloat16,float16}",
                    help="compute dtype; auto (the default): float32 around w8a8 layers, else bfloat16 where the "
                         "CPU multiplies it natively (and on CUDA), else float32. float32 with --quantization none "
@@ -183,6 +193,80 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
 
 
+def add_model_set_arguments(p: Any) -> None:
+    """Several models behind one server (--model more than once, or --models-dir): model_set.py."""
+    p.add_argument("--models-dir", default=None, metavar="FOLDER",
+                   help="serve every GGUF file and Hugging Face model folder in FOLDER, each under its file "
+                        "name, loaded when a request first names it")
+    p.add_argument("--max-loaded-models", type=_positive, default=None, metavar="N",
+                   help="with several models: at most N in memory; loading one more unloads the least recently "
+                        "used one with no request in flight (default: no limit)")
+    p.add_argument("--idle-unload-seconds", type=_positive_seconds, default=None, metavar="S",
+                   help="with several models: unload a model that has had no request for S seconds (default off)")
+    p.add_argument("--model-load-timeout", type=_positive_seconds, default=300.0, metavar="S",
+                   help="with several models: how long a request waits for its model to load (or for room to "
+                        "load it) before a 503 with Retry-After (default 300)")
+    p.add_argument("--max-load-waiters", type=_positive, default=64, metavar="N",
+                   help="with several models: requests that may wait for models to load at once; more get 429 "
+                        "(default 64)")
+
+
+def _positive_seconds(value: str) -> float:
+    x = float(value)
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value}")
+    return x
+
+
+# flags that name one model's files or state: refused with several models
+_ONE_MODEL_FLAGS = (("served_model_name", "--served-model-name"), ("enable_lora", "--enable-lora"),
+                    ("lora_modules", "--lora-modules"), ("kv_events_config", "--kv-events-config"),
+                    ("capture_traffic", "--capture-traffic"), ("speculative_config", "--speculative-config"),
+                    ("tokenizer", "--tokenizer"), ("chat_template", "--chat-template"))
+
+
+def finalize_model_set(args: argparse.Namespace) -> str | None:
+    """Several models (--model more than once, or --models-dir): their paths and names into
+    ``args.model_set`` (a list of ModelSpec), or a one-line error. One model: ``args.model_set``
+    is None and nothing else changes."""
+    paths = list(dict.fromkeys(getattr(args, "models", None) or []))
+    folder = getattr(args, "models_dir", None)
+    if args.model_tag is not None and (len(paths) > 1 or folder):
+        paths = list(dict.fromkeys([args.model_tag, *paths]))
+    args.model_set = None
+    if len(paths) <= 1 and not folder:
+        for dest, flag in (("max_loaded_models", "--max-loaded-models"), ("idle_unload_seconds",
+                                                                          "--idle-unload-seconds")):
+            if getattr(args, dest, None) is not None:
+                return f"{flag} applies to several models (--model given more than once, or --models-dir)"
+        return None
+    from .model_set import model_specs, models_in_folder
+    from .serve_config import default_model_name
+
+    if folder is not None:
+        if not os.path.isdir(folder):
+            return f"--models-dir {folder}: not a folder"
+        found = models_in_folder(folder)
+        if not found and not paths:
+            return f"--models-dir {folder}: no GGUF file or Hugging Face model folder (one with config.json) in it"
+        paths += [p for p in found if p not in paths]
+    for path in paths:
+        if not os.path.exists(path):
+            return (f"model {path!r} is not a local file or folder (tokenmill does not download models: pass "
+                    "a GGUF file or a Hugging Face folder)")
+    for dest, flag in _ONE_MODEL_FLAGS:
+        if getattr(args, dest, None):
+            return f"{flag} is for one model; it cannot be used with several (--model more than once, --models-dir)"
+    if (args.tensor_parallel_size or 1) > 1:
+        return "--tensor-parallel-size is for one model; it cannot be used with several"
+    try:
+        args.model_set = model_specs(paths, default_model_name)
+    except ValueError as exc:
+        return str(exc)
+    args.model = paths[0]  # what the checks below that read one model's config look at
+    return None
+
+
 def add_capture_arguments(p: Any) -> None:
     """Traffic capture for later replay (`tokenmill bench --trace`)."""
     p.add_argument("--capture-traffic", metavar="FILE", default=None,
@@ -289,6 +373,7 @@ def register(subparsers: Any) -> None:
 
     add_lora_arguments(p.add_argument_group("LoRA adapters"))
     add_capture_arguments(p.add_argument_group("traffic capture"))
+    add_model_set_arguments(p.add_argument_group("several models"))
     p.set_defaults(func=_run)
 
 
@@ -297,7 +382,10 @@ def register(subparsers: Any) -> None:
 def finalize_serve_args(args: argparse.Namespace) -> str | None:
     """Fold vLLM spellings into one meaning and check what can be checked before the
     model loads. Returns a one-line error, or None."""
-    if args.model_tag is not None:
+    problem = finalize_model_set(args)
+    if problem:
+        return problem
+    if args.model_set is None and args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             return f"the model is given twice ({args.model_tag!r} and --model {args.model!r})"
         args.model = args.model_tag

@@ -119,6 +119,30 @@ class Job:
         return Placement(self.tenant.name, self.tenant.priority_class, self.tenant.weight, self.priority)
 
 
+@dataclass
+class ServerShared:
+    """What every model of one server shares: who the tenants are, their limits and usage, and
+    the tracer. A one-model server makes its own; a server of several models
+    (model_set.py) makes one and hands it to each model's ``ServerState``."""
+
+    tenants: Any
+    tenant_gate: TenantGate
+    usage: TenantUsage
+    tracing: Any
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings) -> "ServerShared":
+        from ..tracing import make_tracing
+
+        tenants = directory_from_args(settings.api_keys_file, settings.api_key)
+        return cls(tenants, TenantGate(settings.retry_after_s), TenantUsage(tenants.label, tenants.names),
+                   make_tracing(settings.otlp_traces_endpoint, "tokenmill-server"))
+
+    def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.close()
+
+
 WAITING_BATCHES = 4  # the default waiting queue: this many full batches of sequences ...
 
 
@@ -132,7 +156,7 @@ def default_max_waiting(num_blocks: int, max_num_seqs: int) -> int:
 
 
 class ServerState:
-    def __init__(self, aengine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, aengine: AsyncEngine, settings: ServerSettings, shared: ServerShared | None = None) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
         self.tokenizer = self.engine.tokenizer
@@ -160,14 +184,16 @@ class ServerState:
             from ..engine.adapters import LoraRequestsInfo
 
             self.metrics.vllm.register(LoraRequestsInfo(self.adapters))
-        # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py)
-        self.tenants = directory_from_args(settings.api_keys_file, settings.api_key)
-        self.tenant_gate = TenantGate(settings.retry_after_s)
-        self.usage = TenantUsage(self.tenants.label, self.tenants.names)
-        self.metrics.exposed.register(self.usage)
-        from ..tracing import make_tracing
-
-        self.tracing = make_tracing(settings.otlp_traces_endpoint, "tokenmill-server")
+        # tenants: who a key belongs to, their limits, their usage (tenants.py, tenant_gate.py, tenant_usage.py),
+        # and the tracer: this server's own, or those of the server of several models it is one of
+        self._owns_shared = shared is None
+        self.shared = shared if shared is not None else ServerShared.from_settings(settings)
+        self.tenants = self.shared.tenants
+        self.tenant_gate = self.shared.tenant_gate
+        self.usage = self.shared.usage
+        if self._owns_shared:  # otherwise the server's own /metrics shows it once
+            self.metrics.exposed.register(self.usage)
+        self.tracing = self.shared.tracing
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the first request
         self.capture: Any = None
         if settings.capture_path:
@@ -303,6 +329,17 @@ class ServerState:
 
     def token_text(self, token_id: int) -> str:
         return self._token_text(token_id)
+
+    async def serving_for(self, name: str | None, scope: Any = None) -> "ServerState":
+        """The state that serves a request for model ``name``: this one (the one model of this
+        server, or one of its LoRA adapters), else the 404 every endpoint gives. A server of
+        several models answers the same question by loading the model (model_set.py)."""
+        self.check_model(name)
+        return self
+
+    def loaded_states(self) -> list["ServerState"]:
+        """The models this server holds in memory now: its one."""
+        return [self]
 
     def check_model(self, name: str | None) -> None:
         """404 for a model this server does not serve (the one wording every endpoint uses);
@@ -521,8 +558,8 @@ class ServerState:
     def close(self) -> None:
         if self.capture is not None:
             self.capture.close()
-        if self.tracing is not None:
-            self.tracing.close()
+        if self._owns_shared:
+            self.shared.close()
 
 
 def _max_cost(job: Job) -> int:

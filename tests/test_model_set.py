@@ -1,0 +1,272 @@
+"""Several base models behind one server (entrypoints/model_set.py): loaded on first use,
+swapped under --max-loaded-models, unloaded when idle, requests waiting for a load, the
+/v1/models states and the model-set metrics. Two tiny random Llamas (different weights)
+written as Hugging Face folders; the server is built from a real `tokenmill serve` command
+line and served by uvicorn in a thread."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import save_tiny_hf_folder
+from test_server_support import ThreadServer, metric
+
+ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--num-blocks", "64",
+                "--max-num-batched-tokens", "256", "--no-ui"]
+GREEDY = {"prompt": "hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    save_tiny_hf_folder(root / "alpha", seed=0)
+    save_tiny_hf_folder(root / "beta", seed=1)
+    (root / "notes.txt").write_text("not a model")
+    return root
+
+
+def parse_serve(*argv: str) -> Any:
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_cli import finalize_serve_args
+
+    args = build_parser().parse_args(["serve", *argv])
+    problem = finalize_serve_args(args)
+    if problem:
+        raise ValueError(problem)
+    return args
+
+
+def set_app(*argv: str, slow_load_s: float = 0.0) -> Any:
+    """The app `tokenmill serve *argv` builds for several models (lifecycle.py), its loads
+    slowed by ``slow_load_s`` when asked."""
+    from tokenmill.entrypoints import lifecycle
+    from tokenmill.entrypoints.app import build_model_set_app
+    from tokenmill.entrypoints.model_set import ModelSet, ModelSetOptions
+    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.entrypoints.serving import ServerShared
+
+    args = parse_serve(*argv, *ENGINE_FLAGS)
+    if not slow_load_s:
+        return lifecycle._model_set_app(args, settings_from_args(args))
+    settings = settings_from_args(args)
+    shared = ServerShared.from_settings(settings)
+    load = lifecycle.model_loader(args, settings, shared, 2)
+
+    def slow(spec: Any) -> Any:
+        time.sleep(slow_load_s)
+        return load(spec)
+
+    options = ModelSetOptions(max_loaded=args.max_loaded_models, idle_unload_s=args.idle_unload_seconds,
+                              load_timeout_s=args.model_load_timeout, max_waiters=args.max_load_waiters)
+    return build_model_set_app(ModelSet(args.model_set, slow, options), settings, shared)
+
+
+def alone_app(path: str) -> Any:
+    """The same model served alone: the one-model path of `tokenmill serve`."""
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.entrypoints import lifecycle
+    from tokenmill.entrypoints.app import build_app
+    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
+
+    args = parse_serve("--model", path, *ENGINE_FLAGS)
+    engine = lifecycle._start_engine(args, engine_config_from_args(args))
+    return build_app(AsyncEngine(engine), settings_from_args(args))
+
+
+def states(url: str) -> dict[str, str]:
+    cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+    return {card["id"]: card["status"]["value"] for card in cards}
+
+
+def complete(url: str, model: str, timeout: float = 120) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={**GREEDY, "model": model}, timeout=timeout)
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_unloaded_model_loads_on_first_request_like_served_alone(model_dir):
+    app = set_app("--models-dir", str(model_dir))
+    try:
+        with ThreadServer(app) as srv:
+            assert states(srv.url) == {"alpha": "unloaded", "beta": "unloaded"}
+            resp = complete(srv.url, "beta")
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["model"] == "beta"
+            beta_text = resp.json()["choices"][0]["text"]
+            assert states(srv.url) == {"alpha": "unloaded", "beta": "loaded"}
+            card = httpx.get(srv.url + "/v1/models/beta", timeout=10).json()
+            assert card["status"]["value"] == "loaded" and card["max_model_len"] > 0
+            alpha_text = complete(srv.url, "alpha").json()["choices"][0]["text"]
+            assert states(srv.url) == {"alpha": "loaded", "beta": "loaded"}
+            assert alpha_text != beta_text  # two models, two sets of weights
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            assert metric(text, "tokenmill:models_loaded") == 2
+            assert metric(text, "tokenmill:model_loads_total", model_name="beta") == 1
+            # each model's own series are labelled with its name
+            assert metric(text, "vllm:generation_tokens_total", model_name="alpha") == 8
+            assert metric(text, "vllm:generation_tokens_total", model_name="beta") == 8
+            bad = httpx.post(srv.url + "/v1/completions", json={**GREEDY, "model": "gamma"}, timeout=10)
+            assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"
+            missing = httpx.post(srv.url + "/v1/completions", json=GREEDY, timeout=10)
+            assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+            tok = httpx.post(srv.url + "/tokenize", json={"model": "alpha", "prompt": "hi"}, timeout=10)
+            assert tok.status_code == 200 and tok.json()["count"] == 2
+    finally:
+        app.state.tokenmill.close()
+    for name, text in (("beta", beta_text), ("alpha", alpha_text)):
+        alone = alone_app(str(model_dir / name))
+        try:
+            with ThreadServer(alone) as srv:
+                resp = complete(srv.url, name)
+                assert resp.status_code == 200, resp.text
+                assert resp.json()["choices"][0]["text"] == text
+        finally:
+            alone.state.tokenmill.close()
+            alone.state.tokenmill.aengine.shutdown()
+
+
+def test_max_loaded_models_one_swaps_them(model_dir):
+    app = set_app("--model", str(model_dir / "alpha"), "--model", str(model_dir / "beta"),
+                  "--max-loaded-models", "1")
+    try:
+        with ThreadServer(app) as srv:
+            assert complete(srv.url, "alpha").status_code == 200
+            assert states(srv.url) == {"alpha": "loaded", "beta": "unloaded"}
+            assert complete(srv.url, "beta").status_code == 200
+            assert states(srv.url) == {"alpha": "unloaded", "beta": "loaded"}
+            assert complete(srv.url, "alpha").status_code == 200
+            assert states(srv.url) == {"alpha": "loaded", "beta": "unloaded"}
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            assert metric(text, "tokenmill:models_loaded") == 1
+            assert metric(text, "tokenmill:model_loads_total", model_name="alpha") == 2
+            assert metric(text, "tokenmill:model_unloads_total", model_name="alpha", reason="lru") == 1
+            assert metric(text, "tokenmill:model_unloads_total", model_name="beta", reason="lru") == 1
+    finally:
+        app.state.tokenmill.close()
+
+
+def test_a_model_with_a_request_in_flight_is_not_unloaded(model_dir):
+    app = set_app("--models-dir", str(model_dir), "--max-loaded-models", "1", "--model-load-timeout", "0.5")
+    models = app.state.tokenmill.models
+    try:
+        with ThreadServer(app) as srv:
+            assert complete(srv.url, "alpha").status_code == 200
+            assert [e.leases for e in models.entries()] == [0, 0]  # the response was sent: lease given back
+            asyncio.run(models.acquire("alpha"))  # a request on alpha, still running
+            refused = complete(srv.url, "beta", timeout=30)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "model_not_ready"
+            assert int(refused.headers["retry-after"]) >= 1
+            assert states(srv.url) == {"alpha": "loaded", "beta": "unloaded"}
+            models.release("alpha")
+            assert complete(srv.url, "beta").status_code == 200  # alpha is idle now: it makes room
+            assert states(srv.url) == {"alpha": "unloaded", "beta": "loaded"}
+    finally:
+        app.state.tokenmill.close()
+
+
+def test_idle_model_unloads_after_its_timeout(model_dir):
+    app = set_app("--models-dir", str(model_dir), "--idle-unload-seconds", "0.5")
+    try:
+        with ThreadServer(app) as srv:
+            assert complete(srv.url, "alpha").status_code == 200
+            engine = weakref.ref(app.state.tokenmill.models.loaded()[0].engine)
+            assert wait_for(lambda: states(srv.url)["alpha"] == "unloaded")
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            assert metric(text, "tokenmill:model_unloads_total", model_name="alpha", reason="idle") == 1
+            assert metric(text, "tokenmill:models_loaded") == 0
+            gc.collect()
+            assert engine() is None  # the engine (and its KV pool) is gone, not just forgotten
+            assert complete(srv.url, "alpha").status_code == 200  # and loads again on use
+    finally:
+        app.state.tokenmill.close()
+
+
+def test_requests_waiting_for_a_loading_model_succeed(model_dir):
+    app = set_app("--models-dir", str(model_dir), slow_load_s=1.0)
+    try:
+        with ThreadServer(app) as srv:
+            results: list[int] = []
+
+            def one() -> None:
+                results.append(complete(srv.url, "alpha").status_code)
+
+            threads = [threading.Thread(target=one) for _ in range(4)]
+            for t in threads:
+                t.start()
+            assert wait_for(lambda: states(srv.url)["alpha"] == "loading", 5)
+            # the other model, and the server, answer while it loads
+            assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
+            for t in threads:
+                t.join(60)
+            assert results == [200] * 4
+            text = httpx.get(srv.url + "/metrics", timeout=10).text
+            assert metric(text, "tokenmill:model_loads_total", model_name="alpha") == 1
+    finally:
+        app.state.tokenmill.close()
+
+
+def test_waiting_is_bounded(model_dir):
+    app = set_app("--models-dir", str(model_dir), "--model-load-timeout", "0.3", "--max-load-waiters", "1",
+                  slow_load_s=2.0)
+    try:
+        with ThreadServer(app) as srv:
+            first: list[httpx.Response] = []
+            t = threading.Thread(target=lambda: first.append(complete(srv.url, "alpha")))
+            t.start()
+            assert wait_for(lambda: states(srv.url)["alpha"] == "loading", 5)
+            crowded = complete(srv.url, "alpha")  # the one waiter's place is taken
+            t.join(30)
+            assert crowded.status_code == 429 and crowded.json()["error"]["code"] == "model_load_queue_full"
+            assert first[0].status_code == 503 and first[0].json()["error"]["code"] == "model_not_ready"
+            assert "retry-after" in first[0].headers
+            assert wait_for(lambda: states(srv.url)["alpha"] == "loaded", 10)  # the load itself went on
+            assert complete(srv.url, "alpha").status_code == 200
+    finally:
+        app.state.tokenmill.close()
+
+
+def test_command_line_checks(model_dir):
+    alpha, beta = str(model_dir / "alpha"), str(model_dir / "beta")
+    args = parse_serve("--model", alpha, "--model", beta)
+    assert [(s.name, s.path) for s in args.model_set] == [("alpha", alpha), ("beta", beta)]
+    assert parse_serve("--model", alpha).model_set is None  # one model: the one-model server
+    assert [s.name for s in parse_serve("--models-dir", str(model_dir)).model_set] == ["alpha", "beta"]
+    for argv, words in ((["--model", alpha, "--max-loaded-models", "1"], "several models"),
+                        (["--model", alpha, "--model", beta, "--served-model-name", "x"], "--served-model-name"),
+                        (["--model", alpha, "--model", str(model_dir / "nope")], "not a local file"),
+                        (["--models-dir", str(model_dir / "notes.txt")], "not a folder"),
+                        (["--model", alpha, "--model", beta, "--enable-lora"], "--enable-lora")):
+        with pytest.raises(ValueError, match=words):
+            parse_serve(*argv)
+
+
+def test_same_name_twice_is_refused(tmp_path):
+    save_tiny_hf_folder(tmp_path / "a" / "same", seed=0)
+    save_tiny_hf_folder(tmp_path / "b" / "same", seed=1)
+    with pytest.raises(ValueError, match="two models would be served as 'same'"):
+        parse_serve("--model", str(tmp_path / "a" / "same"), "--model", str(tmp_path / "b" / "same"))
+
+
+def test_router_routes_to_a_replica_listing_an_unloaded_model():
+    from tokenmill.router.models import parse_models
+
+    body = {"data": [{"id": "alpha", "status": {"value": "loaded"}},
+                     {"id": "beta", "status": {"value": "unloaded"}}]}
+    ids, adapters = parse_models(body)
+    assert ids == {"alpha", "beta"} and not adapters  # an unloaded model is still served there
