@@ -1,6 +1,8 @@
 """Shared fixtures: a tiny random Llama (fast unit tests) and the bundled model."""
 from __future__ import annotations
 
+import time
+
 import os
 import tempfile
 
@@ -40,6 +42,16 @@ def tiny_tokenizer():
     backend.add_special_tokens(["<eos>"])
     assert backend.token_to_id("<eos>") == TINY_EOS
     return Tokenizer(backend, bos_token_id=None, eos_token_id=TINY_EOS, vocab_size=TINY_VOCAB)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -6,11 +6,11 @@ Slow: real servers with the bundled model."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
+from conftest import wait_until
 from fake_backend import free_port
 from test_server_support import real_servers
 from tokenmill.router.config import RouterConfig
@@ -19,14 +19,6 @@ from tokenmill.router.server import RouterServer
 
 pytestmark = pytest.mark.slow
 
-
-def _wait(cond, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
 
 
 def test_router_index_follows_replicas_events():
@@ -58,7 +50,7 @@ def test_router_index_follows_replicas_events():
             assert len(chat_keys) >= 10  # ~200 tokens of system prompt
             # The replica says (in events) it holds every full block of the prompt: the router's keys
             # (the chat tokenized as the replica renders it) and the replica's blocks line up.
-            holder = [u for u, ix in indexes.items() if _wait(lambda ix=ix: ix.events.match(chat_keys, now=0.0)
+            holder = [u for u, ix in indexes.items() if wait_until(lambda ix=ix: ix.events.match(chat_keys, now=0.0)
                                                               == len(chat_keys), 5)]
             assert len(holder) == 1, {u: ix.events.match(chat_keys, now=0.0) for u, ix in indexes.items()}
             assert served and holder[0].endswith(served)
@@ -68,7 +60,7 @@ def test_router_index_follows_replicas_events():
             assert r2.status_code == 200 and r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16 * 10
             # A reset empties the replica's cache: its events say so and the router forgets it.
             assert httpx.post(holder[0] + "/reset_prefix_cache", timeout=30).status_code == 200
-            assert _wait(lambda: indexes[holder[0]].events.match(chat_keys, now=0.0) == 0, 10)
+            assert wait_until(lambda: indexes[holder[0]].events.match(chat_keys, now=0.0) == 0, 10)
             # A conversation whose second turn changes a nonce inside its system prompt: the replica
             # names the miss (volatile span) in its metrics.
             for turn, nonce in enumerate(("a81f3c9e", "5d20b7e4")):

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import save_tiny_hf_folder
+from conftest import save_tiny_hf_folder, wait_until
 from test_server_support import ThreadServer, metric
 
 ENGINE_FLAGS = ["--dtype", "float32", "--quantization", "none", "--num-blocks", "64",
@@ -88,14 +88,6 @@ def states(url: str) -> dict[str, str]:
 def complete(url: str, model: str, timeout: float = 120) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json={**GREEDY, "model": model}, timeout=timeout)
 
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_unloaded_model_loads_on_first_request_like_served_alone(model_dir):
@@ -186,7 +178,7 @@ def test_idle_model_unloads_after_its_timeout(model_dir):
         with ThreadServer(app) as srv:
             assert complete(srv.url, "alpha").status_code == 200
             engine = weakref.ref(app.state.tokenmill.models.loaded()[0].engine)
-            assert wait_for(lambda: states(srv.url)["alpha"] == "unloaded")
+            assert wait_until(lambda: states(srv.url)["alpha"] == "unloaded")
             text = httpx.get(srv.url + "/metrics", timeout=10).text
             assert metric(text, "tokenmill:model_unloads_total", model_name="alpha", reason="idle") == 1
             assert metric(text, "tokenmill:models_loaded") == 0
@@ -209,7 +201,7 @@ def test_requests_waiting_for_a_loading_model_succeed(model_dir):
             threads = [threading.Thread(target=one) for _ in range(4)]
             for t in threads:
                 t.start()
-            assert wait_for(lambda: states(srv.url)["alpha"] == "loading", 5)
+            assert wait_until(lambda: states(srv.url)["alpha"] == "loading", 5)
             # the other model, and the server, answer while it loads
             assert httpx.get(srv.url + "/health", timeout=5).status_code == 200
             for t in threads:
@@ -229,13 +221,13 @@ def test_waiting_is_bounded(model_dir):
             first: list[httpx.Response] = []
             t = threading.Thread(target=lambda: first.append(complete(srv.url, "alpha")))
             t.start()
-            assert wait_for(lambda: states(srv.url)["alpha"] == "loading", 5)
+            assert wait_until(lambda: states(srv.url)["alpha"] == "loading", 5)
             crowded = complete(srv.url, "alpha")  # the one waiter's place is taken
             t.join(30)
             assert crowded.status_code == 429 and crowded.json()["error"]["code"] == "model_load_queue_full"
             assert first[0].status_code == 503 and first[0].json()["error"]["code"] == "model_not_ready"
             assert "retry-after" in first[0].headers
-            assert wait_for(lambda: states(srv.url)["alpha"] == "loaded", 10)  # the load itself went on
+            assert wait_until(lambda: states(srv.url)["alpha"] == "loaded", 10)  # the load itself went on
             assert complete(srv.url, "alpha").status_code == 200
     finally:
         app.state.tokenmill.close()

@@ -3,13 +3,13 @@ the InferencePool's selector and port, ready pods only, changes followed by the 
 endpoint picker routing to exactly those pods."""
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
 
 pytest.importorskip("kubernetes")
 
+from conftest import wait_until  # noqa: E402
 from fake_backend import start_fakes  # noqa: E402
 from fake_kube_api import FakeKubeAPI, pod  # noqa: E402
 from test_router_ext_proc import Stream, _body_msgs, _completion, _headers_msg, _mutation_value  # noqa: E402
@@ -24,14 +24,6 @@ def inference_pool(port: int, name: str = "pool") -> dict:
             "spec": {"selector": {"matchLabels": {"app": "srv"}}, "targetPorts": [{"number": port}],
                      "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}}
 
-
-def until(predicate, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture
@@ -62,11 +54,11 @@ def test_membership_follows_ready_pods_through_the_watch(kube):
         assert (members.labels, members.port) == ({"app": "srv"}, 8000)
         assert members.endpoints() == {"http://10.0.0.1:8000"}
         kube.put_pod(pod("b", "10.0.0.2"))  # became ready
-        assert until(lambda: members.endpoints() == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"})
+        assert wait_until(lambda: members.endpoints() == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"})
         kube.put_pod(pod("a", "10.0.0.1", deleting=True))  # terminating: out at once
-        assert until(lambda: members.endpoints() == {"http://10.0.0.2:8000"})
+        assert wait_until(lambda: members.endpoints() == {"http://10.0.0.2:8000"})
         kube.delete_pod("b")
-        assert until(lambda: members.endpoints() == set())
+        assert wait_until(lambda: members.endpoints() == set())
         assert changes  # the router's health loop is woken on each change
         assert any("watch=" in r for r in kube.requests)  # watched, not only listed
     finally:
@@ -88,7 +80,7 @@ def test_endpoint_picker_routes_to_the_pools_pods(kube):
                            health_interval=0.3)
         picker = RouterServer(cfg).start_in_thread()
         try:
-            assert until(lambda: picker.router.ready())
+            assert wait_until(lambda: picker.router.ready())
             with grpc.insecure_channel(f"127.0.0.1:{picker.grpc_port}") as ch:
                 s = Stream(ch)
                 s.send(_headers_msg())
@@ -98,7 +90,7 @@ def test_endpoint_picker_routes_to_the_pools_pods(kube):
                 assert _mutation_value(s.recv().request_body.response) == f"127.0.0.1:{port}"
                 s.close()
                 kube.delete_pod("srv-0")  # scaled down: gone from the pool, so no endpoint
-                assert until(lambda: not picker.router.pool.backends)
+                assert wait_until(lambda: not picker.router.pool.backends)
                 s = Stream(ch)
                 s.send(_headers_msg())
                 s.recv()
