@@ -11,6 +11,8 @@ import time
 from typing import Any, AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from test_server_support import make_tiny_app
 from test_structured_server import TERSE_TEMPLATE, call, sse
@@ -232,6 +234,72 @@ def test_response_store_is_lru():
     assert empty.get("x") is None
 
 
+def test_a_response_larger_than_the_store_is_not_kept():
+    small = make_tiny_app(chat_template=TERSE_TEMPLATE, api_key=KEY, responses_store_bytes=1600)
+    try:
+        kept = respond(small, input="short")
+        assert 0 < small.state.response_store.bytes < 1000
+        big = respond(small, input="ab" * 450)  # its conversation alone is past 1,600 bytes
+        assert call(small, "GET", f"/v1/responses/{kept['id']}", None, H).status_code == 200
+        assert call(small, "GET", f"/v1/responses/{big['id']}", None, H).status_code == 404
+        r = call(small, "POST", "/v1/responses", {"input": "x", "previous_response_id": big["id"]}, H)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+        assert small.state.response_store.refused == 1
+    finally:
+        small.state.tokenmill.aengine.shutdown()
+
+
+def _sized(name: str, text_bytes: int):
+    from tokenmill.entrypoints.response_store import StoredResponse
+
+    return StoredResponse({"id": name}, [{"role": "user", "content": "x" * text_bytes}])
+
+
+def test_response_store_is_bounded_in_bytes():
+    """Huge conversations are evicted by size, not only by count; one larger than the whole
+    bound is not stored (a later previous_response_id to it is a 404)."""
+    from tokenmill.entrypoints.response_store import ResponseStore, entry_bytes
+
+    one = entry_bytes(_sized("a", 1000))
+    store = ResponseStore(100, max_bytes=3 * one)
+    for name in "abc":
+        assert store.put(name, _sized(name, 1000))
+    assert store.bytes == 3 * one and len(store) == 3
+    assert store.put("d", _sized("d", 1000))  # a fourth pushes out the least recently used
+    assert store.get("a") is None and len(store) == 3 and store.evicted == 1
+    assert not store.put("huge", _sized("huge", 10 * one)) and store.get("huge") is None and store.refused == 1
+    assert len(store) == 3  # refusing it evicted nothing
+    assert store.put("b", _sized("b", 2000))  # replacing an entry counts its new size only; c goes
+    assert store.get("c") is None and store.bytes == entry_bytes(_sized("d", 1000)) + entry_bytes(_sized("b", 2000))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "delete"]), st.integers(0, 7),
+                          st.integers(0, 3000)), max_size=60),
+       st.integers(0, 5), st.integers(0, 8000))
+def test_response_store_bounds_hold_after_any_operations(ops, capacity, max_bytes):
+    from tokenmill.entrypoints.response_store import ResponseStore, entry_bytes
+
+    store = ResponseStore(capacity, max_bytes=max_bytes)
+    model: dict[str, int] = {}  # what it should hold: id -> size
+    for op, key, size in ops:
+        name = f"r{key}"
+        if op == "put":
+            stored = store.put(name, _sized(name, size))
+            model.pop(name, None)
+            if stored:
+                model[name] = entry_bytes(_sized(name, size))
+            assert stored == (capacity > 0 and entry_bytes(_sized(name, size)) <= max_bytes)
+        elif op == "get":
+            assert (store.get(name) is not None) == (name in model and name in store._entries)
+        else:
+            store.delete(name)
+            model.pop(name, None)
+        model = {k: v for k, v in model.items() if k in store._entries}  # what eviction took
+        assert store.bytes == sum(v for _, v in store._entries.values()) == sum(model.values())
+        assert len(store) <= capacity and store.bytes <= max_bytes
+
+
 # ---- reasoning --------------------------------------------------------------------------
 
 SPLITS = [  # parser, prompt, output, (reasoning, answer)
@@ -371,11 +439,14 @@ def test_serve_flags_reach_the_settings():
     from tokenmill.entrypoints.cli import build_parser
     from tokenmill.entrypoints.serve_config import settings_from_args
 
-    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3", "--responses-store-size", "7"])
+    args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3", "--responses-store-size", "7",
+                                      "--responses-store-bytes", "2MiB"])
     settings = settings_from_args(args)
     assert (settings.reasoning_parser, settings.responses_store_size) == ("qwen3", 7)
+    assert settings.responses_store_bytes == 2 * 1024 * 1024
     defaults = settings_from_args(build_parser().parse_args(["serve"]))
     assert (defaults.reasoning_parser, defaults.responses_store_size) == (None, 1024)
+    assert defaults.responses_store_bytes == 64 * 1024 * 1024
     for bad in (["--responses-store-size", "-1"], ["--reasoning-parser", "granite"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])

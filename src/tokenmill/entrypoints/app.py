@@ -110,7 +110,7 @@ def _assemble(state: Any, settings: ServerSettings) -> FastAPI:
     from .anthropic_api import AnthropicErrors, router as messages_router
     from .response_store import ResponseStore
 
-    app.state.response_store = ResponseStore(settings.responses_store_size)
+    app.state.response_store = ResponseStore(settings.responses_store_size, settings.responses_store_bytes)
     app.include_router(messages_router)
     from .adapter_routes import router as adapter_router
 

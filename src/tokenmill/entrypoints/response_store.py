@@ -5,7 +5,12 @@ its new input; the store is a cache of conversations, not a database. It holds
 at most ``--responses-store-size`` responses and evicts the least recently
 used (reading a response or continuing from it counts as use), so memory stays
 bounded whatever clients do; an evicted or deleted id answers 404 as an unknown
-one does.
+one does. A count alone would not bound memory (one client can store a few
+huge conversations), so the store is bounded in bytes as well
+(``--responses-store-bytes``): each entry is sized as its response and
+conversation encoded as JSON, which counts text its chain shares with earlier
+entries again (an over-estimate, never an under-estimate), and an entry larger
+than the whole bound is not stored at all.
 
 Each entry keeps the response object as returned and the conversation in chat
 form (earlier turns, this turn's input, this turn's answer), without the
@@ -17,9 +22,12 @@ lists of pointers, not N copies of the text.
 """
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+DEFAULT_STORE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -28,31 +36,56 @@ class StoredResponse:
     messages: list[dict[str, Any]]  # the conversation through this response's answer, in chat form
 
 
-class ResponseStore:
-    """An LRU map of response id -> StoredResponse, at most ``capacity`` entries."""
+def entry_bytes(entry: StoredResponse) -> int:
+    """What an entry is counted as against the byte bound: its response and conversation as
+    UTF-8 JSON (text the entry shares with others counted again)."""
+    encoded = json.dumps([entry.body, entry.messages], ensure_ascii=False, default=str, separators=(",", ":"))
+    return len(encoded.encode())
 
-    def __init__(self, capacity: int) -> None:
+
+class ResponseStore:
+    """An LRU map of response id -> StoredResponse, at most ``capacity`` entries and
+    ``max_bytes`` bytes (``entry_bytes``) together."""
+
+    def __init__(self, capacity: int, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
         self.capacity = max(0, int(capacity))
-        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.max_bytes = max(0, int(max_bytes))
+        self._entries: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()
+        self.bytes = 0  # the sum of the held entries' sizes
         self.evicted = 0
+        self.refused = 0  # entries larger than the whole byte bound, not stored
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response_id: str, entry: StoredResponse) -> None:
+    def put(self, response_id: str, entry: StoredResponse) -> bool:
+        """Store ``entry`` as the most recent, evicting the least recently used until both
+        bounds hold; False (and nothing stored under the id) when it alone exceeds them."""
+        self.delete(response_id)
         if self.capacity == 0:
-            return
-        self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            return False
+        size = entry_bytes(entry)
+        if size > self.max_bytes:
+            self.refused += 1
+            return False
+        self._entries[response_id] = (entry, size)
+        self.bytes += size
+        while len(self._entries) > self.capacity or self.bytes > self.max_bytes:
+            _, (_, gone) = self._entries.popitem(last=False)
+            self.bytes -= gone
             self.evicted += 1
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._entries.get(response_id)
-        if entry is not None:
-            self._entries.move_to_end(response_id)
-        return entry
+        held = self._entries.get(response_id)
+        if held is None:
+            return None
+        self._entries.move_to_end(response_id)
+        return held[0]
 
     def delete(self, response_id: str) -> bool:
-        return self._entries.pop(response_id, None) is not None
+        held = self._entries.pop(response_id, None)
+        if held is None:
+            return False
+        self.bytes -= held[1]
+        return True

@@ -19,6 +19,7 @@ With ``--reasoning-parser`` the thinking comes first as a ``reasoning`` item.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from .serving import Job, ServerState
 from ..tenants import tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
+
+log = logging.getLogger("tokenmill.server")
 
 router = APIRouter()
 
@@ -212,7 +215,10 @@ class _Spec:
             answer["tool_calls"] = calls
         elif answer["content"] is None:
             answer["content"] = ""
-        self.store.put(self.response_id, StoredResponse(response, self.history + input_messages(self.body) + [answer]))
+        stored = StoredResponse(response, self.history + input_messages(self.body) + [answer])
+        if not self.store.put(self.response_id, stored) and self.store.capacity:
+            log.warning("response %s not stored: its conversation is larger than --responses-store-bytes (%d); "
+                        "previous_response_id to it will get 404", self.response_id, self.store.max_bytes)
 
 
 def _usage(tally: _Tally, spec: _Spec | None = None, reasoning: str | None = None) -> dict[str, Any]:

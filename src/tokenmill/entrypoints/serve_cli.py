@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..cli_args import human_int
+from .response_store import DEFAULT_STORE_BYTES
 from .serve_config import template_path
 
 # The bundled model's name on the Hugging Face hub: a vLLM launch line names it
@@ -59,6 +60,19 @@ def _size(value: str) -> str:
         if not from_units or not (from_units[0].isdigit() or from_units[0] == "."):
             raise argparse.ArgumentTypeError(f"not a size: {value!r}") from None
         return from_units
+
+
+def _bytes(value: str) -> int:
+    """A size in bytes, as --kv-cache-memory takes it (64M = 64 MiB, 64m = 64e6, 64MiB)."""
+    from ..config import parse_size
+
+    try:
+        n = parse_size(_size(value))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n is None or n < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {value!r}")
+    return n
 
 
 def _fraction(value: str) -> float:
@@ -333,6 +347,10 @@ def add_tool_arguments(p: Any) -> None:
     p.add_argument("--responses-store-size", type=_non_negative, default=1024, metavar="N",
                    help="Responses kept for previous_response_id and GET /v1/responses/{id}, least "
                         "recently used evicted first; 0 stores none (default 1024)")
+    p.add_argument("--responses-store-bytes", type=_bytes, default=DEFAULT_STORE_BYTES, metavar="BYTES",
+                   help="bound on the stored Responses' size (their responses and conversations as JSON), "
+                        "least recently used evicted first; a response larger than it is not stored "
+                        "(default 64MiB)")
 
 
 def add_grammar_arguments(p: Any) -> None:

@@ -15,6 +15,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from .response_store import DEFAULT_STORE_BYTES
+
 if TYPE_CHECKING:
     from ..config import EngineConfig
     from ..tokenizer import Tokenizer
@@ -158,6 +160,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         responses_store_size=getattr(args, "responses_store_size", 1024),
+        responses_store_bytes=getattr(args, "responses_store_bytes", DEFAULT_STORE_BYTES),
         lora_modules=_lora_modules(args))
 
 

@@ -29,6 +29,7 @@ from ..tracing import CURRENT_SPAN
 from .metrics import ServerMetrics
 from .chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
+from .response_store import DEFAULT_STORE_BYTES
 from ..tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
 from ..tenants import DEFAULT_TENANT, Tenant, directory_from_args
@@ -63,6 +64,7 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja source replacing the model's chat template
     reasoning_parser: str | None = None  # entrypoints/reasoning.py: deepseek_r1, qwen3
     responses_store_size: int = 1024  # stored Responses kept for previous_response_id (LRU); 0: none
+    responses_store_bytes: int = DEFAULT_STORE_BYTES  # and their size bound (response_store.entry_bytes)
     lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, folder) loaded at start
 
 
