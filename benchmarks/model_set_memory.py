@@ -62,7 +62,7 @@ def wait_until(predicate, timeout: float) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--idle", type=float, default=30.0, help="--idle-unload-seconds of the server")
     p.add_argument("--settle", type=float, default=1.0, help="seconds to wait before each reading")
     args, serve_flags = p.parse_known_args()

@@ -157,7 +157,8 @@ def test_a_model_with_a_request_in_flight_is_not_unloaded(model_dir):
     models = app.state.tokenmill.models
     try:
         with ThreadServer(app) as srv:
-            assert complete(srv.url, "alpha").status_code == 200
+            # a load outlasts the half-second wait on a busy machine: a 503 does not stop it
+            assert wait_until(lambda: complete(srv.url, "alpha").status_code == 200, 60, 0.2)
             assert [e.leases for e in models.entries()] == [0, 0]  # the response was sent: lease given back
             asyncio.run(models.acquire("alpha"))  # a request on alpha, still running
             refused = complete(srv.url, "beta", timeout=30)
@@ -166,7 +167,8 @@ def test_a_model_with_a_request_in_flight_is_not_unloaded(model_dir):
             assert int(refused.headers["retry-after"]) >= 1
             assert states(srv.url) == {"alpha": "loaded", "beta": "unloaded"}
             models.release("alpha")
-            assert complete(srv.url, "beta").status_code == 200  # alpha is idle now: it makes room
+            # alpha is idle now: it makes room (beta's load may outlast one half-second wait)
+            assert wait_until(lambda: complete(srv.url, "beta").status_code == 200, 60, 0.2)
             assert states(srv.url) == {"alpha": "unloaded", "beta": "loaded"}
     finally:
         app.state.tokenmill.close()
@@ -214,8 +216,10 @@ def test_requests_waiting_for_a_loading_model_succeed(model_dir):
 
 
 def test_waiting_is_bounded(model_dir):
-    app = set_app("--models-dir", str(model_dir), "--model-load-timeout", "0.3", "--max-load-waiters", "1",
-                  slow_load_s=2.0)
+    # the second request must arrive while the first still waits: a wait of 1.5 s leaves a busy
+    # machine room for that, and the 4-second load outlasts it
+    app = set_app("--models-dir", str(model_dir), "--model-load-timeout", "1.5", "--max-load-waiters", "1",
+                  slow_load_s=4.0)
     try:
         with ThreadServer(app) as srv:
             first: list[httpx.Response] = []
@@ -227,7 +231,7 @@ def test_waiting_is_bounded(model_dir):
             assert crowded.status_code == 429 and crowded.json()["error"]["code"] == "model_load_queue_full"
             assert first[0].status_code == 503 and first[0].json()["error"]["code"] == "model_not_ready"
             assert "retry-after" in first[0].headers
-            assert wait_until(lambda: states(srv.url)["alpha"] == "loaded", 10)  # the load itself went on
+            assert wait_until(lambda: states(srv.url)["alpha"] == "loaded", 20)  # the load itself went on
             assert complete(srv.url, "alpha").status_code == 200
     finally:
         app.state.tokenmill.close()
