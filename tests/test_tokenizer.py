@@ -263,3 +263,47 @@ def test_sentencepiece_gguf_vocab(tmp_path) -> None:
     assert tok.encode("abc\nb", add_special_tokens=False) == [8, 10, 11, 5]
     assert tok.decode(tok.encode("ab abc\nb")) == "ab abc\nb"
     assert tok.encode("ba", add_special_tokens=False) == [9, 4]
+
+
+def test_the_bpe_word_cache_is_bounded_when_whole_prompts_are_words():
+    """The tiny tokenizer splits nothing (byte-level BPE without its regex), so every distinct
+    prompt is one cached word; the cap keeps what those pin to a few MiB (tokenizer.bound_word_cache)."""
+    import ctypes
+    import gc
+    import random
+
+    from conftest import tiny_tokenizer
+    from tokenmill.tokenizer import BPE_CACHE_WORDS
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                          "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        pytest.skip("needs glibc's mallinfo2")
+    mallinfo2.restype = MallInfo2
+
+    def heap_in_use() -> int:
+        gc.collect()
+        info = mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def prompts(n: int) -> list[str]:
+        rng = random.Random(n)
+        return [" ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(20)) for _ in range(n)]
+
+    def growth(tok, texts: list[str]) -> int:
+        before = heap_in_use()
+        for text in texts:
+            tok.encode(text)
+        return heap_in_use() - before
+
+    texts = prompts(6 * BPE_CACHE_WORDS)
+    capped = growth(tiny_tokenizer(), texts)
+    uncapped_tok = tiny_tokenizer()
+    uncapped_tok.backend.model._resize_cache(10_000)  # the library's default
+    uncapped = growth(uncapped_tok, texts)
+    assert uncapped > 4 * capped  # the default kept every prompt; the cap stops at BPE_CACHE_WORDS of them
+    assert capped < 16 << 20

@@ -223,6 +223,30 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+# Words a BPE model's cache may hold (the ``tokenizers`` default is 10,000); see bound_word_cache.
+BPE_CACHE_WORDS = 1024
+
+
+def bound_word_cache(backend: FastTokenizer, words: int = BPE_CACHE_WORDS) -> None:
+    """Cap the BPE model's word cache, which would otherwise pin memory a server never gets back.
+
+    ``tokenizers`` caches each pre-tokenized "word" it encodes (under 256
+    characters) with its symbols, about 35 bytes a character, and never evicts:
+    it fills up to its capacity with the first words it sees and stays full. With
+    a regex pre-tokenizer the words are short and repeat, and the cache stays
+    small. Where nothing splits the text (SentencePiece-style files with no
+    pre-tokenizer, byte-level BPE without its regex) a word is a whole prompt,
+    so a server filled the cache with prompts it would never see again: up to
+    10,000 of them, tens of megabytes, growing for as long as traffic brought
+    new prompts. A thousand words keep what the cache is for (the bundled
+    model's tokenizer encodes as fast) and bound the worst case to a few MiB.
+    Unigram models keep the same kind of cache and get the same cap; WordPiece
+    and WordLevel have none."""
+    resize = getattr(backend.model, "_resize_cache", None)
+    if resize is not None:
+        resize(words)
+
+
 class Tokenizer:
     """A fast tokenizer plus BOS/EOS facts and the chat template of one model."""
 
@@ -238,6 +262,7 @@ class Tokenizer:
         vocab_size: int | None = None,
     ) -> None:
         self.backend = backend
+        bound_word_cache(backend)
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.add_bos = add_bos
