@@ -26,22 +26,30 @@ def test_candidate_parsing_and_p99_interval() -> None:
 
 
 def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
-    """One request at a time, 20 tokens in 0.115 s: about 8.7 req/s at most; a TTFT SLO of 0.3 s
-    holds somewhat below that (queueing grows near saturation) and fails well above."""
+    """One request at a time, 20 tokens in 0.115 s: about 8.7 req/s at most, which the closed-loop
+    run measures and the search starts from half of; a TTFT SLO of 0.3 s holds somewhat below that
+    (queueing grows near saturation) and fails well above; the chosen rate is then held longer."""
     from tokenmill.entrypoints.cli import main
 
     out, plot = tmp_path / "plan.json", tmp_path / "plan.png"
     with FakeServer(FakeConfig(ttft=0.02, itl=0.005, slots=1)) as srv:
         rc = main(["plan", "--candidate", f"fake={srv.url}", "--slo", "ttft=0.3", "--rate-min", "4",
                    "--rate-max", "32", "--precision", "0.3", "--probe-requests", "16", "--probe-seconds", "1",
+                   "--saturation-concurrency", "4", "--steady-seconds", "3",
                    "--input-len", "16", "--output-len", "20", "--cost-per-hour", "3.6", "--peak-rate", "50",
                    "--verify", "1", "--output", str(out), "--plot", str(plot)])
     text = capsys.readouterr().out
     assert rc == 0, text
     cand = json.loads(out.read_text())["candidates"][0]
     rate, failing = cand["sustainable_rate"], cand["failing_rate"]
-    assert 4 <= rate < failing <= 32 and failing / rate - 1 <= 0.3
-    assert rate <= 8.7 * 1.15 and failing >= 4, (rate, failing)
+    assert 7.5 <= cand["saturation_throughput"] <= 8.7 * 1.05  # one slot: 1 / 0.115 s at most
+    assert cand["probes"][0]["rate"] == pytest.approx(cand["saturation_throughput"] / 2)
+    assert 1 <= rate < failing <= 32 and failing / rate - 1 <= 0.3 + 1e-9
+    assert rate <= 8.7 * 1.15, (rate, failing)
+    # the chosen rate was held for --steady-seconds, and that run is the one reported
+    steady = cand["steady"]
+    assert steady["rate"] == rate and steady["seconds"] == 3 and steady["passed"]
+    assert steady in cand["probes"] and "held for 3 s" in text
     good = [p for p in cand["probes"] if p["passed"]]
     assert all(p["p99"]["ttft"] <= 0.3 for p in good)
     assert all(p["p99"]["ttft"] > 0.3 or p["errors"] > 0.01 for p in cand["probes"] if not p["passed"])
@@ -108,7 +116,7 @@ def test_a_prefill_bound_case_is_named_prefill(tmp_path) -> None:
     fails at every rate, and the server's own split puts the time in prefill."""
     cand = _plan_tiny(tmp_path, {"max_num_batched_tokens": 32},
                       ["--slo", "ttft=0.002", "--input-len", "600", "--output-len", "2", "--rate-min", "2",
-                       "--rate-max", "8", "--probe-requests", "8", "--probe-seconds", "1"])
+                       "--start-rate", "2", "--rate-max", "8", "--probe-requests", "8", "--probe-seconds", "1"])
     assert cand["sustainable_rate"] is None and cand["limiting_factor"] == "prefill"
     last = min(cand["probes"], key=lambda p: p["rate"])
     assert last["breakdown"]["prefill"] > max(last["breakdown"]["queueing"], last["breakdown"]["decode"])
@@ -119,8 +127,9 @@ def test_a_kv_bound_case_is_named_kv_pressure_and_more_kv_moves_the_limit(tmp_pa
     """Long answers (340 tokens, 22 blocks each) in a 30-block pool: past a few concurrent requests
     the server preempts (its counter says so) and the plan names KV pressure. The same workload with
     a 1024-block pool is limited by something else, at a higher rate."""
-    args = ["--slo", "e2e=2", "--input-len", "40", "--output-len", "300", "--rate-min", "4", "--rate-max", "64",
-            "--precision", "1.0", "--probe-requests", "16", "--probe-seconds", "1"]
+    args = ["--slo", "e2e=2", "--input-len", "40", "--output-len", "300", "--rate-min", "4", "--start-rate", "4",
+            "--rate-max", "64", "--precision", "1.0", "--probe-requests", "16", "--probe-seconds", "1",
+            "--steady-seconds", "0"]
     small = _plan_tiny(tmp_path, {"num_blocks": 30}, args)
     assert small["limiting_factor"] == "KV pressure", small["limiting_factor"]
     failing = next(p for p in small["probes"] if p["rate"] == small["failing_rate"])
@@ -150,3 +159,46 @@ def test_a_probe_whose_latency_still_grows_is_not_sustainable() -> None:
     assert why.startswith("ttft still rising")
     assert rising(steady_records(recs([0.01 + 0.001 * i for i in range(40)])), slo) == ""  # tiny next to the SLO
     assert rising(steady_records(recs([0.2 + 0.03 * i for i in range(12)])), slo) == ""  # too few to tell
+
+
+def test_the_search_starts_at_half_saturation_and_steps_down_while_the_held_rate_misses(monkeypatch) -> None:
+    """A server whose short probes hold up to 10 req/s but whose settled state holds only 8 (the
+    batch keeps growing for minutes near capacity): the bisection lands near 10, the held run there
+    misses, and the search steps down by the precision until a held run meets the SLO."""
+    import asyncio
+
+    from tokenmill.bench import plan as planmod
+
+    calls: list[tuple[float, float | None]] = []
+
+    async def saturation(target, counter, workload, settings):
+        return 12.0
+
+    async def probe(target, counter, workload, settings, rate, seconds=None, warmup=planmod.WARMUP_FRACTION):
+        calls.append((rate, seconds))
+        limit = 8.0 if seconds else 10.0
+        assert (warmup == planmod.STEADY_WARMUP_FRACTION) == bool(seconds)
+        return planmod.Probe(rate=rate, passed=rate <= limit, requests=100, errors=0.0, p99={}, p99_interval={},
+                             goodput=rate, throughput=rate, waiting_mean=1.0, running_mean=4.0, kv_usage_max=0.1,
+                             breakdown={"decode": 1.0}, diagnosis="", why="" if rate <= limit else "tpot",
+                             seconds=seconds)
+
+    monkeypatch.setattr(planmod, "saturation", saturation)
+    monkeypatch.setattr(planmod, "probe", probe)
+    settings = planmod.PlanSettings(slo={"tpot": 0.2}, precision=0.1, steady_seconds=150.0)
+    plan = planmod.CandidatePlan("x", "")
+    asyncio.run(planmod.search(None, None, None, settings, plan))
+    assert calls[0] == (6.0, None) and calls[1] == (12.0, None)  # half the saturation, then doubled
+    held = [(r, s) for r, s in calls if s]
+    assert held and all(s == 150.0 for _, s in held)
+    assert all(a / b == pytest.approx(1.1) for (a, _), (b, _) in zip(held, held[1:]))  # steps of the precision
+    assert held[0][0] > 9.0 and 8.0 / 1.1 < plan.sustainable_rate <= 8.0
+    assert plan.steady is not None and plan.steady.rate == plan.sustainable_rate
+    assert plan.failing_rate == pytest.approx(plan.sustainable_rate * 1.1)
+    # a settled state that holds nothing within the steps: no sustainable rate, said as such
+    calls.clear()
+    monkeypatch.setattr(planmod, "STEADY_STEPS", 2)
+    plan = planmod.CandidatePlan("x", "")
+    asyncio.run(planmod.search(None, None, None, settings, plan))
+    assert plan.sustainable_rate is None and plan.steady is None
+    assert "none held" in planmod.table([plan], settings)

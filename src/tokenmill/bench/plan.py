@@ -2,12 +2,22 @@
 
 Sizing from one user on one machine says nothing about fifty. For each
 candidate (a `tokenmill serve` command line started here, or a running
-server's URL), the planner offers open-loop Poisson load at rising rates
-(doubling from ``rate_min``; halving to ``rate_min`` / 4 if that already
-fails), then bisects between the last rate that met the
-SLO and the first that did not, until they are within ``precision``. A probe
-*meets* the SLO when its error rate is at most ``max_error_rate`` and the p99
-of every latency the SLO names is within it.
+server's URL), the planner first measures what the server can do at all (a
+short closed-loop run at ``saturation_concurrency``), then offers open-loop
+Poisson load from half that throughput (doubling while probes pass, halving
+down to ``rate_min`` / 4 while they fail), bisects between the last rate that
+met the SLO and the first that did not until they are within ``precision``,
+and finally holds the chosen rate for ``steady_seconds``, stepping down by
+``precision`` while that longer run misses. A probe *meets* the SLO when its
+error rate is at most ``max_error_rate`` and the p99 of every latency the SLO
+names is within it.
+
+Why the long last run: near capacity a continuous-batching server takes
+minutes to settle. Each new request lengthens the batch and with it every
+request's decode, which keeps more requests in flight; a 30-second probe from
+an idle server sees a batch half the size it settles at, and its TPOT p99
+passes where five minutes miss. The short probes find the neighbourhood
+cheaply; only the chosen rate pays for a run long enough to settle.
 
 Per candidate it reports the sustainable rate, goodput there, cost per 1,000
 successful requests at that rate (``cost_per_hour`` / 3600 / goodput x
@@ -48,6 +58,7 @@ from tokenmill.bench.types import RequestRecord
 KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
 DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
 VERIFY_OVER = 1.2  # --verify also runs this multiple of the sustainable rate, which should miss the SLO
+STEADY_STEPS = 4  # at most this many steps down (each by ``precision``) while the steady run misses
 
 
 @dataclass
@@ -75,8 +86,11 @@ class Candidate:
 class PlanSettings:
     slo: dict[str, float]
     max_error_rate: float = 0.01
-    rate_min: float = 0.25
+    rate_min: float = 0.25  # the search goes no lower than rate_min / DOWN_STEPS_FACTOR
     rate_max: float = 64.0
+    start_rate: float | None = None  # None: half the throughput of the saturation run
+    saturation_concurrency: int = 32  # the closed-loop run that measures the server's throughput
+    steady_seconds: float = 150.0  # the chosen rate is held this long (0: not held)
     precision: float = 0.1  # stop bisecting when the failing rate is within this of the passing one
     probe_requests: int = 60  # at least this many requests per probe
     probe_seconds: float = 30.0  # ... and at least this long at the probed rate
@@ -105,6 +119,7 @@ class Probe:
     diagnosis: str
     why: str  # what failed, or "" when it passed
     preemptions: float | None = None  # during the probe (server counter)
+    seconds: float | None = None  # how long requests were sent (the steady run and --verify set it)
 
 
 @dataclass
@@ -113,6 +128,7 @@ class CandidatePlan:
     how: str  # the serve flags or the URL
     sustainable_rate: float | None = None  # req/s; None: not even rate_min held
     failing_rate: float | None = None  # the lowest rate seen to fail
+    saturation_throughput: float | None = None  # req/s of the closed-loop run that set the start
     goodput: float | None = None
     cost_per_1k_successful: float | None = None
     replicas: int | None = None
@@ -120,6 +136,7 @@ class CandidatePlan:
     hpa_waiting: int | None = None  # vllm:num_requests_waiting average to scale out at
     confidence: str = ""
     probes: list[Probe] = field(default_factory=list)
+    steady: Probe | None = None  # the chosen rate held for steady_seconds
     verify: Probe | None = None
     verify_over: Probe | None = None  # the same length at VERIFY_OVER x the sustainable rate
     eval_verdict: str | None = None
@@ -153,6 +170,8 @@ def _limiting(p: Probe) -> str:
 # A probe starts from an idle server: the requests sent in its first quarter meet a batch still
 # filling up, so they are left out of the p99s (they still count for errors and goodput).
 WARMUP_FRACTION = 0.25
+# The steady run is there to see the batch the rate settles at: only its second half is judged.
+STEADY_WARMUP_FRACTION = 0.5
 # Past capacity the queue (and with it TTFT, or the batch and with it TPOT) grows all through a
 # probe: a latency whose median over the probe's last third is this many times its median over
 # the first third after warm-up, and higher by a tenth of its SLO, marks the rate as unsustainable
@@ -166,13 +185,14 @@ def _latency(r: RequestRecord, key: str) -> float | None:
     return getattr(r, key)
 
 
-def steady_records(records: list[RequestRecord]) -> list[RequestRecord]:
-    """The successful requests sent after the probe's warm-up, in the order they were sent."""
+def steady_records(records: list[RequestRecord], warmup: float = WARMUP_FRACTION) -> list[RequestRecord]:
+    """The successful requests sent after the probe's warm-up (this fraction of its sending
+    time), in the order they were sent."""
     ok = sorted((r for r in records if r.ok), key=lambda r: r.start)
     if not ok:
         return []
     end = max(r.start for r in records)
-    return [r for r in ok if r.start >= WARMUP_FRACTION * end]
+    return [r for r in ok if r.start >= warmup * end]
 
 
 def rising(records: list[RequestRecord], slo: dict[str, float]) -> str:
@@ -191,9 +211,10 @@ def rising(records: list[RequestRecord], slo: dict[str, float]) -> str:
     return ""
 
 
-def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
+def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float = WARMUP_FRACTION,
+          seconds: float | None = None) -> Probe:
     recs = [r for r in point.run.records]
-    ok = steady_records(recs)  # the p99s are of the steady state; errors count every request
+    ok = steady_records(recs, warmup)  # the p99s are of the steady state; errors count every request
     values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
               "tpot": [r.tpot for r in ok if r.tpot is not None],
               "e2e": [r.e2e for r in ok if r.e2e is not None],
@@ -217,34 +238,60 @@ def judge(point: PointResult, rate: float, settings: PlanSettings) -> Probe:
                  throughput=s.request_throughput, waiting_mean=d.waiting_mean if d else None,
                  running_mean=d.running_mean if d else None, kv_usage_max=d.kv_usage_max if d else None,
                  breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why),
-                 preemptions=d.preemptions if d else None)
+                 preemptions=d.preemptions if d else None, seconds=seconds)
+
+
+def _bench_config(workload: BenchConfig, settings: PlanSettings, shape: LoadShape, n: int) -> BenchConfig:
+    return BenchConfig(shapes=[shape], num_requests=n, synthetic=workload.synthetic, dataset=workload.dataset,
+                       trace=workload.trace, output_len=workload.output_len, slo=settings.slo,
+                       cost_per_hour=settings.cost_per_hour, seed=workload.seed, timeout=workload.timeout,
+                       progress=False, metrics_interval=workload.metrics_interval)
 
 
 async def probe(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
-                rate: float, seconds: float | None = None) -> Probe:
+                rate: float, seconds: float | None = None, warmup: float = WARMUP_FRACTION) -> Probe:
     """One open-loop point at ``rate`` req/s (fresh salt, so no cache carries over)."""
     n = max(settings.probe_requests, math.ceil(rate * seconds)) if seconds else settings.probe_count(rate)
-    cfg = BenchConfig(shapes=[LoadShape(rate=rate)], num_requests=n, synthetic=workload.synthetic,
-                      dataset=workload.dataset, trace=workload.trace, output_len=workload.output_len,
-                      slo=settings.slo, cost_per_hour=settings.cost_per_hour, seed=workload.seed,
-                      timeout=workload.timeout, progress=False, metrics_interval=workload.metrics_interval)
     result = BenchResult(target={}, config={})
-    await run_bench(cfg, target, counter, result)
-    return judge(result.points[0], rate, settings)
+    await run_bench(_bench_config(workload, settings, LoadShape(rate=rate), n), target, counter, result)
+    return judge(result.points[0], rate, settings, warmup, seconds)
+
+
+async def saturation(target: Target, counter: TokenCounter, workload: BenchConfig,
+                     settings: PlanSettings) -> float | None:
+    """Requests per second the server completes with ``saturation_concurrency`` clients that
+    send again as soon as they are answered: no open-loop rate above it can hold, so it bounds
+    the search from above. Three rounds of the clients, so the first round's shared start
+    weighs little. None when nothing succeeded."""
+    c = max(1, settings.saturation_concurrency)
+    result = BenchResult(target={}, config={})
+    await run_bench(_bench_config(workload, settings, LoadShape(concurrency=c), 3 * c), target, counter, result)
+    s = result.points[0].summary
+    return s.request_throughput if s.completed else None
 
 
 async def search(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
                  plan: CandidatePlan, log: Any = None) -> None:
-    """Doubling, then bisection, to the highest rate that meets the SLO."""
+    """From half the saturation throughput: doubling or halving to a bracket, bisection to
+    ``precision``, then the chosen rate held for ``steady_seconds`` (stepping down while it misses)."""
     def note(p: Probe) -> None:
         plan.probes.append(p)
         if log:
-            log(f"  {plan.name}: {p.rate:.3g} req/s {'meets' if p.passed else 'misses'} the SLO"
+            held = f" for {p.seconds:g} s" if p.seconds else ""
+            log(f"  {plan.name}: {p.rate:.3g} req/s{held} {'meets' if p.passed else 'misses'} the SLO"
                 + (f" ({p.why})" if p.why else ""))
 
+    start = settings.start_rate
+    if start is None:
+        plan.saturation_throughput = await saturation(target, counter, workload, settings)
+        if log and plan.saturation_throughput is not None:
+            log(f"  {plan.name}: {plan.saturation_throughput:.3g} req/s with "
+                f"{settings.saturation_concurrency} clients in a closed loop")
+        start = (plan.saturation_throughput or 2 * settings.rate_min) / 2
+    floor = settings.rate_min / DOWN_STEPS_FACTOR
+    rate = min(max(start, floor), settings.rate_max)
     good: Probe | None = None
     bad: Probe | None = None
-    rate = settings.rate_min
     while rate <= settings.rate_max:
         p = await probe(target, counter, workload, settings, rate)
         note(p)
@@ -253,8 +300,8 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
             break
         good = p
         rate *= 2
-    # Missed at the first rate: halve a few times (slow rates make long probes) to find one that holds.
-    while good is None and bad is not None and bad.rate / 2 >= settings.rate_min / DOWN_STEPS_FACTOR:
+    # Missed at the first rate: halve (slow rates make long probes) to find one that holds.
+    while good is None and bad is not None and bad.rate / 2 >= floor:
         p = await probe(target, counter, workload, settings, bad.rate / 2)
         note(p)
         if p.passed:
@@ -269,6 +316,9 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
             good = p
         else:
             bad = p
+    if good is not None and settings.steady_seconds > 0:
+        good, bad = await _hold(target, counter, workload, settings, good, bad, note)
+        plan.steady = good
     _conclude(plan, good, bad, settings)
     if good is not None and settings.verify_seconds:
         plan.verify = await probe(target, counter, workload, settings, good.rate, settings.verify_seconds)
@@ -278,6 +328,24 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
             for rate, v in ((good.rate, plan.verify), (over, plan.verify_over)):
                 log(f"  {plan.name}: verify {rate:.3g} req/s for {settings.verify_seconds:g} s: "
                     + ("SLO held" if v.passed else f"SLO missed ({v.why})"))
+
+
+async def _hold(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
+                good: Probe, bad: Probe | None, note: Any) -> tuple[Probe | None, Probe | None]:
+    """Hold the chosen rate for ``steady_seconds``, judged on its second half; while that misses,
+    step down by ``precision`` and hold again (at most STEADY_STEPS times). Returns the steady
+    run that held (None if none did) and the lowest rate seen to miss."""
+    rate = good.rate
+    for _ in range(STEADY_STEPS):
+        p = await probe(target, counter, workload, settings, rate, settings.steady_seconds, STEADY_WARMUP_FRACTION)
+        note(p)
+        if p.passed:
+            return p, bad
+        bad = p if bad is None or p.rate < bad.rate else bad
+        rate /= 1 + settings.precision
+        if rate < settings.rate_min / DOWN_STEPS_FACTOR:
+            break
+    return None, bad
 
 
 def _conclude(plan: CandidatePlan, good: Probe | None, bad: Probe | None, settings: PlanSettings) -> None:
@@ -399,14 +467,26 @@ def to_dict(plans: list[CandidatePlan], settings: PlanSettings) -> dict[str, Any
     return {"tokenmill_plan": 1, "settings": asdict(settings), "candidates": [asdict(p) for p in plans]}
 
 
+def _held(p: CandidatePlan, settings: PlanSettings) -> str:
+    """The steady run's outcome, as the table says it."""
+    if p.steady is not None:
+        return "SLO held"
+    if settings.steady_seconds and any(pr.seconds == settings.steady_seconds for pr in p.probes):
+        return "no rate held"
+    return "-"
+
+
 def table(plans: list[CandidatePlan], settings: PlanSettings) -> str:
     def f(x: Any, fmt: str = "{:.3g}") -> str:
         return "-" if x is None else fmt.format(x)
 
     rows = [("candidate", [p.name for p in plans]),
             ("sustainable rate (req/s)", [f(p.sustainable_rate) if p.sustainable_rate is not None else
+                                          "none held" if _held(p, settings) == "no rate held" else
                                           f"< {settings.rate_min / DOWN_STEPS_FACTOR:g}" for p in plans]),
             ("first failing rate (req/s)", [f(p.failing_rate) for p in plans]),
+            ("closed-loop throughput (req/s)", [f(p.saturation_throughput) for p in plans]),
+            (f"held for {settings.steady_seconds:g} s", [_held(p, settings) for p in plans]),
             ("goodput there (req/s)", [f(p.goodput) for p in plans]),
             ("$/1k successful", [f(p.cost_per_1k_successful, "{:.4f}") for p in plans]),
             (f"replicas for {settings.peak_rate:g} req/s" if settings.peak_rate else "replicas",
@@ -470,7 +550,15 @@ def add_plan_parser(sub: Any) -> None:
     c.add_argument("--eval-result", default=None, metavar="EVAL.json",
                    help="a tokenmill eval result: its verdict per candidate (its base goes with the first)")
     s = p.add_argument_group("search")
-    s.add_argument("--rate-min", type=float, default=0.25, help="first rate probed, req/s (default 0.25)")
+    s.add_argument("--rate-min", type=float, default=0.25,
+                   help="the search goes no lower than a quarter of this, req/s (default 0.25)")
+    s.add_argument("--start-rate", type=float, default=None,
+                   help="first rate probed (default: half the throughput of the closed-loop run)")
+    s.add_argument("--saturation-concurrency", type=int, default=32,
+                   help="clients of the closed-loop run that bounds the search (default 32)")
+    s.add_argument("--steady-seconds", type=float, default=150.0,
+                   help="hold the chosen rate this long, judged on its second half, stepping down "
+                        "while it misses (default 150; 0: do not)")
     s.add_argument("--rate-max", type=float, default=64.0, help="highest rate probed (default 64)")
     s.add_argument("--precision", type=float, default=0.1,
                    help="stop when the failing rate is within this fraction of the passing one (default 0.1)")
@@ -506,10 +594,16 @@ def plan_main(args: Any) -> int:
         settings = PlanSettings(slo=slo, max_error_rate=args.max_error_rate, rate_min=args.rate_min,
                                 rate_max=args.rate_max, precision=args.precision,
                                 probe_requests=args.probe_requests, probe_seconds=args.probe_seconds,
+                                start_rate=args.start_rate, saturation_concurrency=args.saturation_concurrency,
+                                steady_seconds=args.steady_seconds,
                                 cost_per_hour=args.cost_per_hour, peak_rate=args.peak_rate,
                                 verify_seconds=args.verify)
         if not 0 < settings.rate_min <= settings.rate_max or settings.precision <= 0:
             raise ValueError("need 0 < --rate-min <= --rate-max and --precision > 0")
+        if settings.start_rate is not None and settings.start_rate <= 0:
+            raise ValueError("--start-rate must be positive")
+        if settings.saturation_concurrency < 1 or settings.steady_seconds < 0:
+            raise ValueError("need --saturation-concurrency >= 1 and --steady-seconds >= 0")
         workload = BenchConfig(
             shapes=[], synthetic=SyntheticConfig(parse_length(args.input_len or "256"),
                                                  parse_length(args.output_len or "64"), args.prefix_len,
