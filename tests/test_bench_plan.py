@@ -50,6 +50,7 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     steady = cand["steady"]
     assert steady["rate"] == rate and steady["seconds"] == 3 and steady["passed"]
     assert steady in cand["probes"] and "held for 3 s" in text
+    assert sum(p["seconds"] or 1 for p in cand["probes"]) < cand["search_seconds"] < 120
     good = [p for p in cand["probes"] if p["passed"]]
     assert all(p["p99"]["ttft"] <= 0.3 for p in good)
     assert all(p["p99"]["ttft"] > 0.3 or p["errors"] > 0.01 for p in cand["probes"] if not p["passed"])

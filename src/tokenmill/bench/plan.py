@@ -141,6 +141,7 @@ class CandidatePlan:
     verify_over: Probe | None = None  # the same length at VERIFY_OVER x the sustainable rate
     eval_verdict: str | None = None
     error: str | None = None
+    search_seconds: float | None = None  # from the server's start to the end of the search, --verify not counted
 
 
 def p99_interval(values: list[float], q: float = 0.99, z: float = 1.96) -> tuple[float, float] | None:
@@ -271,7 +272,7 @@ async def saturation(target: Target, counter: TokenCounter, workload: BenchConfi
 
 
 async def search(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
-                 plan: CandidatePlan, log: Any = None) -> None:
+                 plan: CandidatePlan, log: Any = None, started: float | None = None) -> None:
     """From half the saturation throughput: doubling or halving to a bracket, bisection to
     ``precision``, then the chosen rate held for ``steady_seconds`` (stepping down while it misses)."""
     def note(p: Probe) -> None:
@@ -320,6 +321,10 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
         good, bad = await _hold(target, counter, workload, settings, good, bad, note)
         plan.steady = good
     _conclude(plan, good, bad, settings)
+    if started is not None:
+        plan.search_seconds = time.monotonic() - started
+        if log:
+            log(f"  {plan.name}: search took {plan.search_seconds / 60:.1f} min")
     if good is not None and settings.verify_seconds:
         plan.verify = await probe(target, counter, workload, settings, good.rate, settings.verify_seconds)
         over = good.rate * VERIFY_OVER
@@ -424,6 +429,7 @@ async def plan_candidate(cand: Candidate, target_template: Target, tokenizer: st
                          settings: PlanSettings, log: Any = None) -> CandidatePlan:
     plan = CandidatePlan(cand.name, cand.url or " ".join(cand.serve_args or []) or "(defaults)")
     served = None
+    started = time.monotonic()
     try:
         if cand.url is None:
             if log:
@@ -439,7 +445,7 @@ async def plan_candidate(cand: Candidate, target_template: Target, tokenizer: st
                 target.model = await resolve_model(client, url, target.api_key)
         counter = await asyncio.to_thread(make_counter, tokenizer, url, target.model, target.api_key, True)
         try:
-            await search(target, counter, workload, settings, plan, log)
+            await search(target, counter, workload, settings, plan, log, started)
         finally:
             counter.close()
     except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
