@@ -329,3 +329,57 @@ def test_runner_builds_kernel_metadata_once_per_step(monkeypatch) -> None:
     attn = steps(make_tiny_llm())
     assert isinstance(attn, TorchPagedStep)
     assert attn.decode_mask is not None and attn.workspace is not None and attn.decode_index is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 1, None), (9, 3, None), (4, 1, 1500)])
+def test_long_contexts_attended_in_parts_match_float64_and_stay_batch_invariant(lib, dtype, heads, kv_heads,
+                                                                                 window) -> None:
+    """Contexts past PART_LEN (1024) positions are attended in parts on several threads and
+    combined: the result matches the float64 attention (over the window where there is one),
+    and a sequence's bits stay the same alone, batched and on any thread count, since its parts
+    depend only on its own positions."""
+    lens = [2500, 1025, 30, 1024, 3100]
+    q, k, v, tables, seq_lens = make_pool(lens, heads, kv_heads, 64, 16, dtype, seed=heads + (window or 0))
+    scale = 0.125
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        out = torch.full(q[rows].shape, float("nan"), dtype=dtype)
+        assert cpu_kernels.paged_decode_attention(q[rows], k, v, tables[rows], seq_lens[rows], scale, out,
+                                                  library=lib, window=window)
+        return out
+
+    batch = attend(list(range(len(lens))))
+    if window is None:
+        bounds: list = []
+        want = plain_attention(q, k, v, tables, seq_lens, scale, bounds)
+        assert_matches(batch, want, bounds[0] if bf16_products(lib, dtype, 64) else None)
+    else:  # the last `window` keys of each sequence
+        for i, n in enumerate(lens):
+            want, bound = _windowed_decode(q[i], k, v, tables[i], n, window, scale)
+            assert_matches(batch[i : i + 1], want[None], bound[None] if bf16_products(lib, dtype, 64) else None)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for i in range(len(lens)):
+                assert torch.equal(attend([i]), batch[i : i + 1]), (i, t)
+            assert torch.equal(attend([4, 0, 2]), batch[[4, 0, 2]])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _windowed_decode(q, k, v, table, n: int, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64: the decode row at position n - 1 over keys n - window .. n - 1, per head, and
+    bf16_product_bound of each output element."""
+    heads, kv_heads, block_size = q.shape[0], k.shape[0], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    bound = torch.empty(q.shape, dtype=torch.float64)
+    rows = [(int(table[p // block_size]), p % block_size) for p in range(max(0, n - window), n)]
+    for h in range(heads):
+        kv = h // (heads // kv_heads)
+        keys = torch.stack([k[kv, b, o] for b, o in rows]).double()
+        vals = torch.stack([v[kv, b, o] for b, o in rows]).double()
+        out[h] = torch.softmax(keys @ q[h].double() * scale, dim=0) @ vals
+        bound[h] = bf16_product_bound(q[h].double(), keys, vals, scale)
+    return out, bound

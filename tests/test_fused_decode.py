@@ -342,3 +342,32 @@ def test_w8a8_fused_step_matches_the_eager_w8a8_model(batch: int, monkeypatch) -
         assert torch.equal(got, want) and torch.equal(got_kv, _new_kv(engine, reqs))
     else:  # the eager layers round activations to bf16 or 8 bits per token, the fused step per 32 columns
         assert _rel(got, want) < 5e-2
+
+
+@pytest.mark.parametrize("windows", [None, ["sliding_attention", "full_attention", "sliding_attention"]],
+                         ids=["whole", "mixed-windows"])
+def test_long_contexts_in_parts_match_eager_and_keep_their_bits(windows) -> None:
+    """Decode rows past 1024 positions are attended in parts (paged_attention.c's PART_LEN) that
+    the step's threads share, then combined. Against the eager model, with every layer whole or
+    with windowed layers (window 1100: one part there, several in the full layers) between full
+    ones; and the same bits on any thread count."""
+    overrides = dict(num_hidden_layers=3, max_position_embeddings=4096, num_key_value_heads=1)
+    if windows:
+        overrides.update(sliding_window=1100, layer_types=windows)
+    engine = _engine(tiny_loaded(seed=4, **overrides), num_blocks=600, max_model_len=4096)
+    assert engine.runner.fused is not None
+    rng = random.Random(5)
+    prompts = [[rng.randrange(0, 256) for _ in range(n)] for n in (2600, 40, 1100, 1025)]
+    reqs = _requests(engine, prompts)
+    _prefill_all_but_last(engine, reqs)
+    fused = _decode(engine, reqs, True)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(_decode(engine, reqs, True), fused)
+    finally:
+        torch.set_num_threads(before)
+    eager = _decode(engine, reqs, False)
+    assert _rel(fused, eager) < 1e-5
+    assert torch.equal(fused.argmax(-1), eager.argmax(-1))

@@ -1442,10 +1442,13 @@ static int64_t max_k(const TmModel *m) {
     return 2 * k; /* room for a repeat-2 input */
 }
 
-/* One attention work item of a step: a decode row's (chunk -1, its row, a kv head), or
- * a prefill chunk's (its index, a block of its query positions, a kv head). */
+/* One attention work item of a step: a decode row's (chunk -1, its row, a kv head, part j
+ * of the row's whole context in PART_LEN positions: paged_attention.c), or a prefill chunk's
+ * (its index, a block of its query positions, a kv head; part 0). A layer whose window
+ * leaves a row fewer parts skips the items past them; a row of one part is attended whole.
+ * slot: where a part's result goes (parts of rows with several, in order), else -1. */
 typedef struct {
-    int32_t chunk, index, kvh;
+    int32_t chunk, index, kvh, part, slot;
 } AttnItem;
 
 /* Checks the prefill chunks of a step: pairs (first row, row count), in row order, apart,
@@ -1468,33 +1471,51 @@ static int check_chunks(const int32_t *chunks, int64_t n_chunks, int64_t B, cons
     return 0;
 }
 
+/* Whether some decode row of the step is attended in parts under the window in ``a``. */
+static int layer_has_parts(const Args *a, const AttnItem *items, int64_t n_items) {
+    for (int64_t i = 0; i < n_items; i++)
+        if (items[i].chunk < 0 && items[i].part == 1 && item_parts(a, items[i].index) > 1) return 1;
+    return 0;
+}
+
 /* The step's attention items: the chunks' first (the prefill kernel's larger items; later
  * query blocks, which see more keys, before earlier ones), then every other row's, one per
  * kv head. NULL when out of memory. */
-static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *chunks, int64_t n_chunks,
-                                 int64_t *count) {
+static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *seq_lens, const int32_t *chunks,
+                                 int64_t n_chunks, int64_t *count, int64_t *slots) {
     const int64_t KVH = m->kv_heads, per_block = PF_ROWS / (m->heads / m->kv_heads);
     int64_t n = 0, chunk_rows = 0;
     for (int64_t c = 0; c < n_chunks; c++) {
         n += (chunks[2 * c + 1] + per_block - 1) / per_block * KVH;
         chunk_rows += chunks[2 * c + 1];
     }
-    n += (B - chunk_rows) * KVH;
+    for (int64_t b = 0, c = 0; b < B; b++) {
+        if (c < n_chunks && b == chunks[2 * c]) {
+            b += chunks[2 * c + 1] - 1, c++;
+            continue;
+        }
+        n += (seq_lens[b] + PART_LEN - 1) / PART_LEN * KVH;
+    }
     AttnItem *items = (AttnItem *)malloc((size_t)(n > 0 ? n : 1) * sizeof(AttnItem));
     if (!items) return NULL;
     int64_t i = 0;
     for (int64_t c = 0; c < n_chunks; c++)
         for (int64_t blk = (chunks[2 * c + 1] + per_block - 1) / per_block - 1; blk >= 0; blk--)
-            for (int64_t kvh = 0; kvh < KVH; kvh++) items[i++] = (AttnItem){(int32_t)c, (int32_t)blk, (int32_t)kvh};
-    int64_t c = 0;
+            for (int64_t kvh = 0; kvh < KVH; kvh++)
+                items[i++] = (AttnItem){(int32_t)c, (int32_t)blk, (int32_t)kvh, 0, -1};
+    int64_t c = 0, slot = 0;
     for (int64_t b = 0; b < B; b++) {
         if (c < n_chunks && b == chunks[2 * c]) {
             b += chunks[2 * c + 1] - 1, c++;
             continue;
         }
-        for (int64_t kvh = 0; kvh < KVH; kvh++) items[i++] = (AttnItem){-1, (int32_t)b, (int32_t)kvh};
+        const int64_t P = (seq_lens[b] + PART_LEN - 1) / PART_LEN;
+        for (int64_t kvh = 0; kvh < KVH; kvh++)
+            for (int64_t j = 0; j < P; j++)
+                items[i++] = (AttnItem){-1, (int32_t)b, (int32_t)kvh, (int32_t)j, P > 1 ? (int32_t)slot++ : -1};
     }
     *count = i;
+    *slots = slot;
     return items;
 }
 
@@ -1726,12 +1747,14 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
     const int64_t rmax = check_segments(m, segs, n_segs, B);
     if (rmax < 0) return 1;
 
-    int64_t n_items = 0;
-    AttnItem *items = attention_items(m, B, chunks, n_chunks, &n_items);
-    /* [B, NQKV | NQ | I] shared, then [B, rmax]: each adapted row's x a^T (lora_shrink) */
-    float *qkv = (float *)aligned_alloc(64, ((size_t)B * (NQKV + NQ + I + rmax) * 4 + 63) / 64 * 64);
-    /* Per layer, the claim counters of its five phases (see claim_chunk), then the head's. */
-    enum { PH_QKV, PH_ATTEND, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
+    int64_t n_items = 0, n_slots = 0;
+    AttnItem *items = attention_items(m, B, seq_lens, chunks, n_chunks, &n_items, &n_slots);
+    /* [B, NQKV | NQ | I] shared, then [B, rmax]: each adapted row's x a^T (lora_shrink), then
+     * the parts' results of rows attended in parts */
+    const size_t part_floats = (size_t)n_slots * PART_FLOATS(G, D);
+    float *qkv = (float *)aligned_alloc(64, (((size_t)B * (NQKV + NQ + I + rmax) + part_floats) * 4 + 63) / 64 * 64);
+    /* Per layer, the claim counters of its phases (see claim_chunk), then the head's. */
+    enum { PH_QKV, PH_ATTEND, PH_COMBINE, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
     int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
     if (!items || !qkv || !work) {
         free(items);
@@ -1739,7 +1762,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
         free(work);
         return 2;
     }
-    float *attn = qkv + B * NQKV, *act = attn + B * NQ, *lora_t = act + B * I;
+    float *attn = qkv + B * NQKV, *act = attn + B * NQ, *lora_t = act + B * I, *parts = lora_t + B * rmax;
     if (num_threads < 1) num_threads = 1;
     SpinBarrier bar = {0, 0, num_threads};
     int failed = 0;
@@ -1751,7 +1774,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
         const int T = bar.n, t = omp_get_thread_num();
         int sense = 0;
         const int64_t KM = max_k(m);
-        const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
+        const size_t att_floats = (size_t)(2 * G * D + G + VW * D + D + G * (max_len < PART_LEN ? max_len : PART_LEN));
         /* int4_q8_tile's / int8_vnni_rows' input (up to two planes of B + 3 rows) and its scales
          * (per 32 columns for up to B + 3 rows: int8g_vnni_rows reads its padding rows' too) */
         const size_t q8_floats = ((size_t)2 * (B + 3) * KM * TM_ACT_BYTES + 3) / 4 + (size_t)(B + 3) * KM / 32;
@@ -1841,7 +1864,17 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                     for (; it < end; it++) {
                         const AttnItem *ai = &items[it];
                         if (ai->chunk < 0) {
-                            const AttnItem *nx = it + 1 < end && items[it + 1].chunk < 0 ? &items[it + 1] : NULL;
+                            const int64_t P = item_parts(&a, ai->index); /* under this layer's window */
+                            if (ai->part >= P) continue;
+                            if (P > 1) {
+                                int64_t p0, p1;
+                                part_range(&a, ai->index, ai->part, &p0, &p1);
+                                attend_range(&a, ai->index, ai->kvh, m->cache_fmt, 0, &sc, p0, p1,
+                                             parts + (size_t)ai->slot * PART_FLOATS(G, D));
+                                continue;
+                            }
+                            const AttnItem *nx = it + 1 < end && items[it + 1].chunk < 0 && items[it + 1].part == 0
+                                                     ? &items[it + 1] : NULL;
                             sc.next_item = nx ? (int64_t)nx->index * m->kv_heads + nx->kvh : -1;
                             attend_dispatch(&a, ai->index, ai->kvh, m->cache_fmt, 0, &sc);
                             continue;
@@ -1858,6 +1891,23 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                     }
             }
             barrier_wait(&bar, &sense);
+            /* 3b. rows attended in parts under this layer's window: their parts combined. */
+            a.window = L->window; /* (every thread decides alike, allocation failed or not) */
+            if (n_slots && layer_has_parts(&a, items, n_items)) {
+                if (ok) {
+                    int64_t it, end;
+                    while ((it = claim_chunk(&work[li * PHASES + PH_COMBINE], n_items, T, 1, &end)) >= 0)
+                        for (; it < end; it++) {
+                            const AttnItem *ai = &items[it];
+                            if (ai->chunk >= 0 || ai->part != 0) continue;
+                            const int64_t P = item_parts(&a, ai->index);
+                            if (P > 1)
+                                combine_parts(&a, ai->index, ai->kvh, parts + (size_t)ai->slot * PART_FLOATS(G, D), P,
+                                              0, sc.acc);
+                        }
+                }
+                barrier_wait(&bar, &sense);
+            }
             /* 4. o projection, added into the residual stream. */
             if (ok) {
                 thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);

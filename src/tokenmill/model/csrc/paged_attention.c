@@ -641,17 +641,20 @@ TM_INLINE void from_pairs_order(float *x, int64_t n) {
     }
 }
 
-/* One (sequence, kv head) item; D % VW == 0. ``fmt``: the pool's format (KV_*);
- * ``io_bf16``: q and out are bf16 (the fused decode step passes float32 q/out
- * over a pool of any format); ``kind``: how rows are read (ROWS_*, a compile-time
- * constant: attend_dispatch). */
+/* One (sequence, kv head) item over positions p0 .. p1 - 1 of its context; D % VW == 0.
+ * ``fmt``: the pool's format (KV_*); ``io_bf16``: q and out are bf16 (the fused decode
+ * step passes float32 q/out over a pool of any format); ``kind``: how rows are read
+ * (ROWS_*, a compile-time constant: attend_dispatch). ``part`` NULL: the range is the
+ * whole context the item attends, and the output rows are written; otherwise the range is
+ * one part of it (item_parts) and ``part`` gets the unnormalised result, PART_FLOATS(G, D)
+ * floats, for combine_parts. */
 TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, const int kind,
-                           const int64_t D, Scratch *sc) {
+                           const int64_t D, Scratch *sc, int64_t p0, int64_t p1, float *part) {
     const int64_t BS = a->block_size;
     const int64_t G = a->heads / a->kv_heads;
     const size_t esize = kv_esize(fmt);
     const ItemRows me = item_rows(a, n, kvh, esize);
-    const int64_t L = me.len, lo = me.lo; /* scores kept at s[g * L + pos], pos in lo .. L - 1 */
+    const int64_t L = p1, lo = p0, W = p1 - p0; /* scores kept at s[g * W + pos - lo], pos in lo .. L - 1 */
     const int32_t *table = me.table;
     const char *kbase = me.k, *vbase = me.v;
     const float *kscales = fmt >= KV_I8 ? a->k_scale + kvh * a->num_blocks : NULL;
@@ -691,7 +694,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     const int64_t cap = (int64_t)(PF_ITEM_BYTES / (D * esize));
     const int64_t ahead = L - lo < cap ? L : lo + cap; /* rows lo .. ahead - 1 requested at the start */
     const int64_t item = n * a->kv_heads + kvh;
-    if (sc->warm_item != item) {
+    if (part || sc->warm_item != item) {
         prefetch_range(kbase, table, lo, ahead, BS, D * esize);
         prefetch_range(vbase, table, lo, ahead, BS, D * esize);
     }
@@ -702,13 +705,13 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 #ifdef TM_NO_ITEM_PIPELINE /* benchmarks/attention_products.py's baseline: no look-ahead */
     sc->next_item = -1;
 #endif
-    if (sc->next_item >= 0) {
+    if (sc->next_item >= 0 && !part) {
         nx = item_rows(a, sc->next_item / a->kv_heads, sc->next_item % a->kv_heads, esize);
         const int64_t chunks = (L - lo + VW - 1) / VW, rows = nx.len - nx.lo < cap ? nx.len - nx.lo : cap;
         nx_step = (rows + chunks - 1) / chunks;
         nx.len = nx.lo + rows;
     }
-    sc->warm_item = sc->next_item;
+    sc->warm_item = part ? -1 : sc->next_item;
 
     /* Pass 1: scores, VW positions at a time, up to HEADS_PER_PASS query heads per row load. */
     for (int64_t pos0 = lo; pos0 < L; pos0 += VW) {
@@ -720,42 +723,43 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
             prefetch_range(nx.k, nx.table, r0, r1, BS, D * esize);
         }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
-            float *sg = s + g0 * L + pos0;
+            float *sg = s + g0 * W + (pos0 - lo);
             const float *qg = sc->q + g0 * D;
 #ifdef TM_ATTN_BF16_DOT
             if (kind == ROWS_BF16_DOT) {
                 const uint16_t *qh = (const uint16_t *)sc->q + g0 * D;
                 switch (G - g0) {
-                case 1: chunk_scores_bf16(qh, rows, D, 1, a->scale, sg, L, cnt); break;
-                case 2: chunk_scores_bf16(qh, rows, D, 2, a->scale, sg, L, cnt); break;
-                default: chunk_scores_bf16(qh, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt); break;
+                case 1: chunk_scores_bf16(qh, rows, D, 1, a->scale, sg, W, cnt); break;
+                case 2: chunk_scores_bf16(qh, rows, D, 2, a->scale, sg, W, cnt); break;
+                default: chunk_scores_bf16(qh, rows, D, HEADS_PER_PASS, a->scale, sg, W, cnt); break;
                 }
                 continue;
             }
 #endif
             switch (G - g0) {
-            case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, L, cnt, kind, rscale, pairs); break;
-            case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, L, cnt, kind, rscale, pairs); break;
-            default: chunk_scores(qg, rows, D, HEADS_PER_PASS, a->scale, sg, L, cnt, kind, rscale, pairs); break;
+            case 1: chunk_scores(qg, rows, D, 1, a->scale, sg, W, cnt, kind, rscale, pairs); break;
+            case 2: chunk_scores(qg, rows, D, 2, a->scale, sg, W, cnt, kind, rscale, pairs); break;
+            default: chunk_scores(qg, rows, D, HEADS_PER_PASS, a->scale, sg, W, cnt, kind, rscale, pairs); break;
             }
         }
     }
 
-    /* Softmax numerators, in place; 1 / sum kept per query. */
+    /* Softmax numerators, in place; 1 / sum kept per query (a part keeps max and sum). */
     for (int64_t g = 0; g < G; g++) {
-        float *restrict sg = s + g * L;
+        float *restrict sg = s + g * W;
         float m = -INFINITY;
 #pragma omp simd reduction(max : m)
-        for (int64_t i = lo; i < L; i++) m = sg[i] > m ? sg[i] : m;
+        for (int64_t i = 0; i < W; i++) m = sg[i] > m ? sg[i] : m;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = lo; i < L; i++) {
+        for (int64_t i = 0; i < W; i++) {
             float e = exp_nonpos(sg[i] - m);
             if (kind == ROWS_BF16_DOT) e = round_bf16(e);
             sg[i] = e;
             sum += e;
         }
         sc->inv[g] = 1.0f / sum;
+        if (part) part[G * D + g] = m, part[G * D + G + g] = sum;
     }
 
     /* Pass 2: weighted sum of V rows, up to HEADS_PER_PASS query heads per row load. */
@@ -769,22 +773,22 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
             prefetch_range(nx.v, nx.table, r0, r1, BS, D * esize);
         }
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
-            const float *pg = s + g0 * L + pos0;
+            const float *pg = s + g0 * W + (pos0 - lo);
             float *ag = sc->acc + g0 * D;
 #ifdef TM_ATTN_BF16_DOT
             if (kind == ROWS_BF16_DOT) {
                 switch (G - g0) {
-                case 1: chunk_values_bf16(pg, L, cnt, rows, D, 1, ag); break;
-                case 2: chunk_values_bf16(pg, L, cnt, rows, D, 2, ag); break;
-                default: chunk_values_bf16(pg, L, cnt, rows, D, HEADS_PER_PASS, ag); break;
+                case 1: chunk_values_bf16(pg, W, cnt, rows, D, 1, ag); break;
+                case 2: chunk_values_bf16(pg, W, cnt, rows, D, 2, ag); break;
+                default: chunk_values_bf16(pg, W, cnt, rows, D, HEADS_PER_PASS, ag); break;
                 }
                 continue;
             }
 #endif
             switch (G - g0) {
-            case 1: chunk_values(pg, L, cnt, rows, D, 1, ag, kind, rscale, pairs); break;
-            case 2: chunk_values(pg, L, cnt, rows, D, 2, ag, kind, rscale, pairs); break;
-            default: chunk_values(pg, L, cnt, rows, D, HEADS_PER_PASS, ag, kind, rscale, pairs); break;
+            case 1: chunk_values(pg, W, cnt, rows, D, 1, ag, kind, rscale, pairs); break;
+            case 2: chunk_values(pg, W, cnt, rows, D, 2, ag, kind, rscale, pairs); break;
+            default: chunk_values(pg, W, cnt, rows, D, HEADS_PER_PASS, ag, kind, rscale, pairs); break;
             }
         }
     }
@@ -793,6 +797,10 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
     if (kind == ROWS_BF16_DOT) bf16_acc_columns(sc->acc, G * D);
 #endif
     if (pairs) from_pairs_order(sc->acc, G * D);
+    if (part) {
+        memcpy(part, sc->acc, G * D * sizeof(float));
+        return;
+    }
     for (int64_t g = 0; g < G; g++) {
         const int64_t off = n * a->out_stride + (kvh * G + g) * D;
         const float w = sc->inv[g];
@@ -810,11 +818,12 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
 }
 
 /* Head sizes with a compiled-in trip count (accumulators stay in registers). */
-TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, int kind, Scratch *sc) {
+TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, int kind, Scratch *sc,
+                          int64_t p0, int64_t p1, float *part) {
     switch (a->head_dim) {
-    case 64: attend_item(a, n, kvh, fmt, io_bf16, kind, 64, sc); break;
-    case 128: attend_item(a, n, kvh, fmt, io_bf16, kind, 128, sc); break;
-    default: attend_item(a, n, kvh, fmt, io_bf16, kind, a->head_dim, sc); break;
+    case 64: attend_item(a, n, kvh, fmt, io_bf16, kind, 64, sc, p0, p1, part); break;
+    case 128: attend_item(a, n, kvh, fmt, io_bf16, kind, 128, sc, p0, p1, part); break;
+    default: attend_item(a, n, kvh, fmt, io_bf16, kind, a->head_dim, sc, p0, p1, part); break;
     }
 }
 
@@ -823,23 +832,98 @@ TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io
  * pools in place, widened in registers; the other quantized cases in one shared copy that
  * widens each row into a buffer by a runtime switch (a predictable branch per row; a copy
  * per format made the library several times slower to compile). */
-TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
+TM_INLINE void attend_range(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc, int64_t p0,
+                            int64_t p1, float *part) {
     if (fmt == KV_F32)
-        attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc); /* a float32 pool with bf16 q is refused by the entry points */
+        attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc, p0, p1, part); /* a float32 pool with bf16 q is refused by the entry points */
 #ifdef TM_ATTN_BF16_DOT
     else if (fmt == KV_BF16 && a->head_dim % 32 == 0) /* q's dtype a runtime flag: one copy, not two */
-        attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc);
+        attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc, p0, p1, part);
 #endif
     else if (fmt == KV_BF16 && io_bf16)
-        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc);
+        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc, p0, p1, part);
     else if (fmt == KV_BF16)
-        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16, sc);
+        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16, sc, p0, p1, part);
     else if (fmt == KV_I8 && !io_bf16)
-        attend_any(a, n, kvh, KV_I8, 0, ROWS_I8, sc);
+        attend_any(a, n, kvh, KV_I8, 0, ROWS_I8, sc, p0, p1, part);
     else if (io_bf16)
-        attend_any(a, n, kvh, fmt, 1, ROWS_CONV, sc);
+        attend_any(a, n, kvh, fmt, 1, ROWS_CONV, sc, p0, p1, part);
     else
-        attend_any(a, n, kvh, fmt, 0, ROWS_CONV, sc);
+        attend_any(a, n, kvh, fmt, 0, ROWS_CONV, sc, p0, p1, part);
+}
+
+/* The positions a decode row of sequence n attends: lo .. len - 1 (a windowed layer's
+ * window, else the whole context). */
+TM_INLINE void attended(const Args *a, int64_t n, int64_t *lo, int64_t *len) {
+    *len = a->seq_lens[n];
+    *lo = a->window > 0 && *len > a->window ? *len - a->window : 0;
+}
+
+/* A whole (sequence, kv head) item: its output rows written. */
+TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc) {
+    int64_t lo, len;
+    attended(a, n, &lo, &len);
+    attend_range(a, n, kvh, fmt, io_bf16, sc, lo, len, NULL);
+}
+
+/* Long contexts are attended in parts of PART_LEN positions, each its own work item, then
+ * combined (combine_parts): one sequence's item alone cannot keep several threads busy, and a
+ * batch of one with few kv heads (Gemma's one) left all threads but one waiting on it. The
+ * parts depend only on the positions attended, never on the batch or the thread count, so a
+ * sequence's result is the same alone and batched. PART_LEN is long enough that a part's
+ * combine (its G x D sums read once) costs little next to reading its K and V rows. */
+#ifndef PART_LEN /* benchmarks/context_parts.py's baseline: -DPART_LEN=(1 << 30), no parts */
+#define PART_LEN 1024
+#endif
+#define PART_FLOATS(G, D) ((G) * (D) + 2 * (G)) /* a part's unnormalised sums, then max and sum per head */
+
+/* How many parts sequence n's item is attended in: 1 for contexts up to PART_LEN. */
+TM_INLINE int64_t item_parts(const Args *a, int64_t n) {
+    int64_t lo, len;
+    attended(a, n, &lo, &len);
+    return (len - lo + PART_LEN - 1) / PART_LEN;
+}
+
+/* Part j of sequence n's item: positions p0 .. p1 - 1. */
+TM_INLINE void part_range(const Args *a, int64_t n, int64_t j, int64_t *p0, int64_t *p1) {
+    int64_t lo, len;
+    attended(a, n, &lo, &len);
+    *p0 = lo + j * PART_LEN;
+    *p1 = *p0 + PART_LEN < len ? *p0 + PART_LEN : len;
+}
+
+/* The output rows of item (n, kvh) from its P parts' results (PART_FLOATS each, in order):
+ * each part's sums scaled by exp(its max - the overall max), over the scaled sum of
+ * denominators; parts summed in order, so the result is deterministic. tmp: head_dim floats. */
+TM_INLINE void combine_parts(const Args *a, int64_t n, int64_t kvh, const float *parts, int64_t P, int io_bf16,
+                             float *tmp) {
+    const int64_t G = a->heads / a->kv_heads, D = a->head_dim, stride = PART_FLOATS(G, D);
+    for (int64_t g = 0; g < G; g++) {
+        float m = -INFINITY, denom = 0.0f;
+        for (int64_t j = 0; j < P; j++) {
+            const float mj = parts[j * stride + G * D + g];
+            m = mj > m ? mj : m;
+        }
+        memset(tmp, 0, D * sizeof(float));
+        for (int64_t j = 0; j < P; j++) {
+            const float *pj = parts + j * stride;
+            const float w = exp_nonpos(pj[G * D + g] - m);
+            denom += w * pj[G * D + G + g];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) tmp[d] += w * pj[g * D + d];
+        }
+        const float inv = 1.0f / denom;
+        const int64_t off = n * a->out_stride + (kvh * G + g) * D;
+        if (io_bf16) {
+            uint16_t *restrict o = (uint16_t *)a->out + off;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(tmp[d] * inv);
+        } else {
+            float *restrict o = (float *)a->out + off;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] = tmp[d] * inv;
+        }
+    }
 }
 
 /* Checks every table entry a sequence uses and returns the longest length,
@@ -872,13 +956,37 @@ TM_INLINE float *scratch_floats(size_t floats) {
     return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
 }
 
+/* A work item of the standalone kernel: a whole (sequence, kv head) pair, or part j of P of
+ * one (its result at parts + slot * PART_FLOATS). */
+typedef struct {
+    int64_t n, kvh, j, parts, slot;
+} Item;
+
 static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_threads, int fmt, int io_bf16) {
     const int64_t max_len = check_args(a, num_seqs, bt_width);
     if (max_len < 0) return 1;
     if (num_seqs == 0) return 0;
     const int64_t G = a->heads / a->kv_heads, D = a->head_dim;
-    const int64_t items = num_seqs * a->kv_heads;
-    const size_t floats = (size_t)(2 * G * D + G + VW * D + D + G * max_len);
+    int64_t items = 0, slots = 0;
+    for (int64_t n = 0; n < num_seqs; n++) {
+        const int64_t P = item_parts(a, n);
+        items += P * a->kv_heads;
+        if (P > 1) slots += P * a->kv_heads;
+    }
+    Item *list = (Item *)malloc(items * sizeof(Item));
+    float *parts = slots ? (float *)malloc(slots * PART_FLOATS(G, D) * sizeof(float)) : NULL;
+    if (!list || (slots && !parts)) {
+        free(list), free(parts);
+        return 2;
+    }
+    int64_t k = 0, slot = 0;
+    for (int64_t n = 0; n < num_seqs; n++) {
+        const int64_t P = item_parts(a, n);
+        for (int64_t kvh = 0; kvh < a->kv_heads; kvh++)
+            for (int64_t j = 0; j < P; j++) list[k++] = (Item){n, kvh, j, P, P > 1 ? slot++ : -1};
+    }
+    const int64_t span = max_len < PART_LEN ? max_len : PART_LEN;
+    const size_t floats = (size_t)(2 * G * D + G + VW * D + D + G * span);
     int failed = 0;
 #pragma omp parallel num_threads(threads_for(num_threads, items)) reduction(| : failed)
     {
@@ -894,12 +1002,30 @@ static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_thread
             const int64_t run_len = items >= 8 * omp_get_num_threads() ? 4 : 1;
 #pragma omp for schedule(dynamic, run_len)
             for (int64_t it = 0; it < items; it++) {
-                sc.next_item = (it + 1) % run_len && it + 1 < items ? it + 1 : -1;
-                attend_dispatch(a, it / a->kv_heads, it % a->kv_heads, fmt, io_bf16, &sc);
+                const Item *i = &list[it];
+                if (i->parts > 1) {
+                    int64_t p0, p1;
+                    part_range(a, i->n, i->j, &p0, &p1);
+                    attend_range(a, i->n, i->kvh, fmt, io_bf16, &sc, p0, p1, parts + i->slot * PART_FLOATS(G, D));
+                    continue;
+                }
+                const Item *nx = (it + 1) % run_len && it + 1 < items && list[it + 1].parts == 1 ? &list[it + 1] : NULL;
+                sc.next_item = nx ? nx->n * a->kv_heads + nx->kvh : -1;
+                attend_dispatch(a, i->n, i->kvh, fmt, io_bf16, &sc);
+            }
+            /* (the loop's barrier: every part is done) */
+            if (slots) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < items; it++) {
+                    const Item *i = &list[it];
+                    if (i->parts > 1 && i->j == 0)
+                        combine_parts(a, i->n, i->kvh, parts + i->slot * PART_FLOATS(G, D), i->parts, io_bf16, sc.acc);
+                }
             }
             free(buf);
         }
     }
+    free(list), free(parts);
     return failed ? 2 : 0;
 }
 
