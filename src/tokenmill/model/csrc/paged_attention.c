@@ -27,7 +27,10 @@
  * query group, so every K and V row comes from memory once and is used
  * `group` times from L1. Items are independent and each runs start to end on
  * one thread with the same instruction sequence, so a sequence's result
- * depends neither on what else is in the batch nor on the thread count.
+ * depends neither on what else is in the batch nor on the thread count. A
+ * context longer than PART_LEN positions is attended in parts, each its own
+ * item, and the parts' results combined in order (combine_parts): the parts
+ * are fixed by the sequence's own positions, so that stays true.
  *
  * Two passes over the context, in chunks of VW positions (VW = floats per
  * vector register): scores into a per-thread buffer; then max, exp and sum;
