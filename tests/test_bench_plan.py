@@ -92,6 +92,15 @@ def test_judge_and_limiting_factor() -> None:
     assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
     point.server.kv_usage_max = 0.97
     assert _limiting(judge(point, 4.0, settings)) == "KV pressure"
+    # confident: the top of the p99's 95% interval (here the largest of 30 steady TTFTs) must be
+    # within the SLO too, not only the p99 itself
+    top = max(steady_ttfts)
+    p99 = percentile(steady_ttfts, 99)
+    assert p99 < top
+    limit = {"ttft": (p99 + top) / 2}
+    assert judge(point, 4.0, PlanSettings(slo=limit, max_error_rate=0.05)).passed
+    strict = judge(point, 4.0, PlanSettings(slo=limit, max_error_rate=0.05), confident=True)
+    assert not strict.passed and "95% interval" in strict.why
 
 
 def _plan_tiny(tmp_path, engine_options: dict, args: list[str]) -> dict:
@@ -175,10 +184,11 @@ def test_the_search_starts_at_half_saturation_and_steps_down_while_the_held_rate
     async def saturation(target, counter, workload, settings):
         return 12.0
 
-    async def probe(target, counter, workload, settings, rate, seconds=None, warmup=planmod.WARMUP_FRACTION):
+    async def probe(target, counter, workload, settings, rate, seconds=None, warmup=planmod.WARMUP_FRACTION,
+                    confident=False):
         calls.append((rate, seconds))
         limit = 8.0 if seconds else 10.0
-        assert (warmup == planmod.STEADY_WARMUP_FRACTION) == bool(seconds)
+        assert (warmup == planmod.STEADY_WARMUP_FRACTION) == bool(seconds) == confident
         return planmod.Probe(rate=rate, passed=rate <= limit, requests=100, errors=0.0, p99={}, p99_interval={},
                              goodput=rate, throughput=rate, waiting_mean=1.0, running_mean=4.0, kv_usage_max=0.1,
                              breakdown={"decode": 1.0}, diagnosis="", why="" if rate <= limit else "tpot",

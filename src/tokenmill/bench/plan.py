@@ -213,7 +213,10 @@ def rising(records: list[RequestRecord], slo: dict[str, float]) -> str:
 
 
 def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float = WARMUP_FRACTION,
-          seconds: float | None = None) -> Probe:
+          seconds: float | None = None, confident: bool = False) -> Probe:
+    """The probe's verdict. ``confident``: a latency passes only when the top of its p99's 95%
+    interval is within the SLO (the steady run: the rate the plan recommends must hold with
+    that confidence, not only on this sample)."""
     recs = [r for r in point.run.records]
     ok = steady_records(recs, warmup)  # the p99s are of the steady state; errors count every request
     values = {"ttft": [r.ttft for r in ok if r.ttft is not None],
@@ -223,19 +226,22 @@ def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float
     s = point.summary
     errors = sum(1 for r in recs if not r.ok) / len(recs) if recs else 1.0
     p99 = {k: percentile(values[k], 99) for k in settings.slo}  # itl: of each request's longest gap
+    intervals = {k: p99_interval(values[k]) for k in settings.slo}
     why = []
     if errors > settings.max_error_rate:
         why.append(f"{100 * errors:.1f}% errors")
     for k, limit in settings.slo.items():
-        v = p99[k]
+        v, iv = p99[k], intervals[k]
         if v is None or v > limit:
             why.append(f"{k} p99 {'-' if v is None else f'{v:.3f}'} s > {limit:g} s")
+        elif confident and iv is not None and iv[1] > limit:
+            why.append(f"{k} p99 {v:.3f} s, but its 95% interval reaches {iv[1]:.3f} s > {limit:g} s")
     trend = rising(ok, settings.slo)
     if trend and not why:
         why.append(trend)
     d = point.server
     return Probe(rate=rate, passed=not why, requests=len(recs), errors=errors, p99=p99,
-                 p99_interval={k: p99_interval(values[k]) for k in settings.slo}, goodput=s.goodput,
+                 p99_interval=intervals, goodput=s.goodput,
                  throughput=s.request_throughput, waiting_mean=d.waiting_mean if d else None,
                  running_mean=d.running_mean if d else None, kv_usage_max=d.kv_usage_max if d else None,
                  breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why),
@@ -250,12 +256,13 @@ def _bench_config(workload: BenchConfig, settings: PlanSettings, shape: LoadShap
 
 
 async def probe(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
-                rate: float, seconds: float | None = None, warmup: float = WARMUP_FRACTION) -> Probe:
+                rate: float, seconds: float | None = None, warmup: float = WARMUP_FRACTION,
+                confident: bool = False) -> Probe:
     """One open-loop point at ``rate`` req/s (fresh salt, so no cache carries over)."""
     n = max(settings.probe_requests, math.ceil(rate * seconds)) if seconds else settings.probe_count(rate)
     result = BenchResult(target={}, config={})
     await run_bench(_bench_config(workload, settings, LoadShape(rate=rate), n), target, counter, result)
-    return judge(result.points[0], rate, settings, warmup, seconds)
+    return judge(result.points[0], rate, settings, warmup, seconds, confident)
 
 
 async def saturation(target: Target, counter: TokenCounter, workload: BenchConfig,
@@ -337,12 +344,14 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
 
 async def _hold(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
                 good: Probe, bad: Probe | None, note: Any) -> tuple[Probe | None, Probe | None]:
-    """Hold the chosen rate for ``steady_seconds``, judged on its second half; while that misses,
+    """Hold the chosen rate for ``steady_seconds``, judged on its second half and with the p99s'
+    95% intervals within the SLO; while that misses,
     step down by ``precision`` and hold again (at most STEADY_STEPS times). Returns the steady
     run that held (None if none did) and the lowest rate seen to miss."""
     rate = good.rate
     for _ in range(STEADY_STEPS):
-        p = await probe(target, counter, workload, settings, rate, settings.steady_seconds, STEADY_WARMUP_FRACTION)
+        p = await probe(target, counter, workload, settings, rate, settings.steady_seconds, STEADY_WARMUP_FRACTION,
+                        confident=True)
         note(p)
         if p.passed:
             return p, bad
