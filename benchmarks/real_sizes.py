@@ -13,7 +13,13 @@ once per round, best of ``--repeats``, as ``decode_speed.py`` does):
 
 * tokenmill with ``--quantization auto`` (what ``serve`` picks) and ``gguf`` (the file's
   own blocks);
-* llama.cpp through llama-cpp-python (``--llamacpp-path`` to import it from a folder).
+* llama.cpp through llama-cpp-python (``--llamacpp-path`` to import it from a folder), or
+  through its own ``llama-bench`` binary (``--llama-bench PATH``: prefill from an empty
+  context, decode at a depth of the prompt's length, ``-d``), which keeps llama.cpp's
+  repacked weight layouts.
+
+With ``--prefill-len 16384`` the rows are a long prompt's: its prefill, then decode at that
+context.
 
 Each row gives prefill tok/s for a ``--prefill-len``-token prompt and decode tok/s, both
 as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the
@@ -180,6 +186,30 @@ def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> 
     return run
 
 
+def llama_bench_runner(path: str, args: argparse.Namespace) -> decode_speed.Runner:
+    """llama.cpp's own `llama-bench` binary on the file: prefill of ``prefill_len`` tokens from an
+    empty context, then decode of ``decode_len`` tokens at a depth of ``prefill_len`` (its ``-d``),
+    one repetition per call; ``--llama-bench-args`` go to both."""
+    import json
+    import shlex
+    import subprocess
+
+    def one(extra: list[str]) -> float:
+        cmd = [args.llama_bench, "-m", path, "-t", str(args.threads), "-r", "1", "-o", "json", *extra,
+               *shlex.split(args.llama_bench_args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-500:]}")
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+
+    def run(seed: int) -> tuple[float, float]:
+        prefill = one(["-p", str(args.prefill_len), "-n", "0"])
+        decode = one(["-p", "0", "-n", str(args.decode_len), "-d", str(args.prefill_len)])
+        return prefill, decode
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
@@ -193,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-llamacpp", action="store_true", help="tokenmill rows only (no ratios)")
     ap.add_argument("--llamacpp-no-extra-bufts", action="store_true",
                     help="llama.cpp without its extra weight buffers (AMX, repacked layouts)")
+    ap.add_argument("--llama-bench", default="",
+                    help="llama.cpp's llama-bench binary: the llama.cpp row from it instead of llama-cpp-python")
+    ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags, e.g. \"--repack 0\"")
     args = ap.parse_args(argv)
     args.threads = args.threads or torch.get_num_threads()
     bw = bandwidth(args.threads)
@@ -208,9 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         runners: list[tuple[str, decode_speed.Runner]] = [
             (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
         lc = ("skipped (--skip-llamacpp)" if args.skip_llamacpp
+              else llama_bench_runner(path, args) if args.llama_bench
               else decode_speed.llamacpp_runner(args, args.threads, model_path=path))
         if not isinstance(lc, str):
-            runners.append(("llama.cpp (llama-cpp-python)", lc))
+            runners.append((f"llama.cpp ({'llama-bench' if args.llama_bench else 'llama-cpp-python'})", lc))
         best = {name: (0.0, 0.0) for name, _ in runners}
         for seed in range(args.repeats):  # rounds: every engine once per round
             for name, run in runners:
