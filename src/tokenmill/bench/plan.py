@@ -268,9 +268,11 @@ async def probe(target: Target, counter: TokenCounter, workload: BenchConfig, se
 async def saturation(target: Target, counter: TokenCounter, workload: BenchConfig,
                      settings: PlanSettings) -> float | None:
     """Requests per second the server completes with ``saturation_concurrency`` clients that
-    send again as soon as they are answered: no open-loop rate above it can hold, so it bounds
-    the search from above. Three rounds of the clients, so the first round's shared start
-    weighs little. None when nothing succeeded."""
+    send again as soon as they are answered: where that many fill the server, no open-loop
+    rate above it holds; where the server batches more, the open-loop limit can lie above it
+    (the search doubles past it then). Either way a start near the limit, found in seconds
+    where doubling from a low rate took minutes. Three rounds of the clients, so the first
+    round's shared start weighs little. None when nothing succeeded."""
     c = max(1, settings.saturation_concurrency)
     result = BenchResult(target={}, config={})
     await run_bench(_bench_config(workload, settings, LoadShape(concurrency=c), 3 * c), target, counter, result)
