@@ -137,9 +137,9 @@ def test_backends_agree(family, monkeypatch):
 
 
 def test_attention_masks_choose_the_backend(family):
-    """Sliding windows run on the C kernels (and, for a Llama-shaped layer, in the fused
-    step: Phi-3 here, so the greedy tests above cover windows there too); soft-capped
-    scores (Gemma 2) only on torch paged attention."""
+    """Sliding windows run on the C kernels and in the fused step (Phi-3's Llama-shaped layer
+    and Gemma 3's, so the greedy tests above cover windows there too); soft-capped scores
+    (Gemma 2) only on torch paged attention, and not in the fused step."""
     from tokenmill.model import cpu_kernels
 
     name, _model, loaded, _expected = family
@@ -155,7 +155,7 @@ def test_attention_masks_choose_the_backend(family):
         assert runner.fused is None
     elif cpu_kernels.load() is not None:
         assert runner.attention.name == "C kernels (paged, in place)"
-        assert (runner.fused is not None) == (name == "phi3")
+        assert (runner.fused is not None) == (name in ("phi3", "gemma3"))
 
 
 def test_unsupported_rope_scaling_is_one_clear_line():
@@ -301,8 +301,10 @@ def test_gguf_files_equal_transformers(arch, make, tmp_path):
     assert _tokens(_llm(loaded).generate(prompts, params)) == _reference(model, prompts, 8)
 
 
-def test_windowed_layers_in_the_fused_step_match_the_eager_forward():
-    """Phi-3 with a sliding window, int8 weights: the fused native step (its decode rows and,
+@pytest.mark.parametrize("make", [_phi3, _gemma3], ids=["phi3", "gemma3"])
+def test_windowed_layers_in_the_fused_step_match_the_eager_forward(make):
+    """Phi-3 with a sliding window, and Gemma 3 (its output norms, GeGLU, local and global
+    rotary tables, scaled embedding), int8 weights: the fused native step (its decode rows and,
     at int8, its prefill chunks too, windows cut across chunk and block edges) gives the
     eager forward's greedy tokens, on the same quantized weights."""
     from tokenmill.model import cpu_kernels
@@ -311,7 +313,7 @@ def test_windowed_layers_in_the_fused_step_match_the_eager_forward():
     if cpu_kernels.load() is None:
         pytest.skip("the C kernels are not built here")
     torch.manual_seed(0)
-    model = _phi3().float().eval()
+    model = make().float().eval()
     _randomize(model, 2)
     import tempfile
 

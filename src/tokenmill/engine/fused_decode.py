@@ -69,7 +69,9 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
                 ("k_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
                 ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int64)]
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int64),
+                ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
 
 
 class _Model(ctypes.Structure):
@@ -78,7 +80,10 @@ class _Model(ctypes.Structure):
                 ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64), ("max_positions", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_fmt", ctypes.c_int32),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("head", _Linear)]
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("head", _Linear),
+                ("act", ctypes.c_int32), ("pad", ctypes.c_int32)]
+
+ACT_SILU, ACT_GELU_TANH = 0, 1  # TmModel.act: the MLP's gate activation
 
 
 class Unsupported(Exception):
@@ -95,6 +100,7 @@ class FusedDecoder:
     keep: list[torch.Tensor] = field(default_factory=list)
     vocab_size: int = 0
     hidden_size: int = 0
+    embedding_multiplier: float = 1.0  # the model's (Gemma: sqrt(hidden)), applied to the embeddings here
     max_batch: int = 1  # from the weight kinds (see MAX_BATCH_BY_KIND) or the options
     # Whether the eager forward runs every decoder projection of a prefill chunk on the
     # same C kernels as this step: int8 kinds always; int4 where the build multiplies it
@@ -128,6 +134,8 @@ class FusedDecoder:
             if t is not None and not (t.dtype == torch.int32 and t.is_contiguous() and t.dim() == dims
                                       and (dims == 1 or t.shape[1] == 2)):
                 raise ValueError(f"fused step: {name} must be contiguous int32")
+        if self.embedding_multiplier != 1.0:
+            embeddings.mul_(self.embedding_multiplier)
         out_rows = b if logit_rows is None else logit_rows.shape[0]
         if logit_rows is not None and out_rows == 0:  # no logits wanted: a pointer all the same (NULL means all)
             logit_rows = torch.zeros(1, dtype=torch.int32)
@@ -235,7 +243,15 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
         dst = layers[i]
         dst.window = attn.window or 0  # a sliding-window layer's (model/llama.py set_windows); 0: none
         dst.input_norm = _f32(layer.input_layernorm.weight, keep)
-        dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms of both blocks' outputs too
+            dst.post_norm = _f32(layer.pre_feedforward_layernorm.weight, keep)
+            dst.attn_out_norm = _f32(layer.post_attention_layernorm.weight, keep)
+            dst.mlp_out_norm = _f32(layer.post_feedforward_layernorm.weight, keep)
+        else:
+            dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
+        rotary = model.layer_rotary(i)
+        if rotary is not model.rope:
+            dst.cos, dst.sin = _f32(rotary.cos, keep), _f32(rotary.sin, keep)
         dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
         dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
         dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
@@ -262,7 +278,9 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     m.hidden, m.heads, m.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     m.head_dim, m.inter, m.num_layers = head_dim, cfg.intermediate_size, cfg.num_hidden_layers
     m.num_blocks, m.block_size, m.max_positions = k0.shape[1], k0.shape[2], model.rope.cos.shape[0]
-    m.eps, m.scale = float(cfg.rms_norm_eps), head_dim**-0.5
+    m.eps, m.scale = float(cfg.rms_norm_eps), float(model.layers[0].self_attn.scale)
+    approximate = getattr(model.layers[0].mlp, "approximate", None)  # GeGLU's gelu (model/gemma.py)
+    m.act = ACT_SILU if approximate is None else ACT_GELU_TANH
     m.cache_fmt = cpu_kernels.KV_FORMAT[k0.dtype]
     m.layers = ctypes.cast(layers, ctypes.POINTER(_Layer))
     m.final_norm = _f32(model.norm.weight, keep)
@@ -275,6 +293,6 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     limit = min(MAX_BATCH_BY_KIND[k] for k in layer_kinds | {m.head.kind}) if max_batch is None else max_batch
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)
-    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, limit,
+    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, model.embedding_multiplier(), limit,
                         prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q4_int8_dot
                                                             else {W_INT8, W_INT8G}))

@@ -184,7 +184,19 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.rope_local = local.to(device) if local is not None else None
 
     def native_step_refusal(self) -> str | None:
-        return "Gemma's layer (four norms, GeGLU, scaled embedding) has no fused native step"
+        """The fused step takes Gemma's layer (its output norms, GeGLU with tanh, per-layer
+        rotary tables, the embedding multiplier), not soft-capping or exact-erf gelu."""
+        if self.settings.final_logit_softcapping is not None:
+            return "soft-capped final logits"
+        if self.settings.activation == "gelu":
+            return "exact (erf) gelu in the MLP"
+        return super().native_step_refusal()
+
+    def layer_rotary(self, index: int) -> RotaryEmbedding:
+        return self.rope_local if self.sliding[index] and self.rope_local is not None else self.rope
+
+    def embedding_multiplier(self) -> float:
+        return float(self.config.hidden_size**0.5)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], attn: StepAttention) -> torch.Tensor:

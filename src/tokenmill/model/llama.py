@@ -208,6 +208,14 @@ class LlamaForCausalLM(nn.Module):
         """Why the fused native step (engine/fused_decode.py) cannot run this model, or None."""
         return "soft-capped attention scores" if self.softcapped_attention() else None
 
+    def layer_rotary(self, index: int) -> RotaryEmbedding:
+        """The rotary tables layer ``index`` reads (one set for every layer here)."""
+        return self.rope
+
+    def embedding_multiplier(self) -> float:
+        """What the embeddings are multiplied by before the first layer (1: nothing)."""
+        return 1.0
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], attn: StepAttention) -> torch.Tensor:
         """Hidden states of a flattened step; ``attn`` is the step's attention, prepared

@@ -84,12 +84,17 @@ typedef struct {
 } TmLinear;
 
 typedef struct {
-    const float *input_norm, *post_norm; /* [hidden] */
+    const float *input_norm, *post_norm; /* [hidden]; post_norm: the norm before the MLP */
     const float *q_norm, *k_norm;        /* [head_dim] or NULL */
     TmLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;             /* [kv_heads, num_blocks, block_size, head_dim] */
     float *k_scale, *v_scale;            /* quantized pools: [kv_heads, num_blocks], else NULL */
     int64_t window;                      /* a sliding-window layer's window (paged_attention.c); 0: none */
+    /* Gemma's layer: norms of the attention block's and the MLP's outputs before their residual
+     * adds ([hidden], or NULL: added as they are), and its own rotary tables ([max_positions,
+     * head_dim], or NULL: the model's). */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *cos, *sin;
 } TmLayer;
 
 typedef struct {
@@ -101,7 +106,11 @@ typedef struct {
     const float *final_norm;
     const float *cos, *sin; /* [max_positions, head_dim] */
     TmLinear head;
+    int32_t act; /* the MLP's activation of its gate: ACT_SILU (SwiGLU) or ACT_GELU_TANH (GeGLU) */
+    int32_t pad;
 } TmModel;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt B transposed
  * and scaled, [r, n], stored in panels of LORA_PANEL columns (see lora_panel). B is
@@ -1471,6 +1480,17 @@ static int check_chunks(const int32_t *chunks, int64_t n_chunks, int64_t B, cons
     return 0;
 }
 
+/* x[b] += rms_norm(y[b]) * w for this thread's share of the B rows (Gemma's norms of a
+ * block's output before its residual add, in float32 as the eager model computes them). */
+static void normed_add(float *x, float *y, const float *w, int64_t B, int64_t H, float eps, int t, int T) {
+    for (int64_t b = t; b < B; b += T) {
+        float *yb = y + b * H, *xb = x + b * H;
+        rms_norm(yb, w, H, eps, yb);
+#pragma omp simd
+        for (int64_t i = 0; i < H; i++) xb[i] += yb[i];
+    }
+}
+
 /* Whether some decode row of the step is attended in parts under the window in ``a``. */
 static int layer_has_parts(const Args *a, const AttnItem *items, int64_t n_items) {
     for (int64_t i = 0; i < n_items; i++)
@@ -1752,7 +1772,8 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
     /* [B, NQKV | NQ | I] shared, then [B, rmax]: each adapted row's x a^T (lora_shrink), then
      * the parts' results of rows attended in parts */
     const size_t part_floats = (size_t)n_slots * PART_FLOATS(G, D);
-    float *qkv = (float *)aligned_alloc(64, (((size_t)B * (NQKV + NQ + I + rmax) + part_floats) * 4 + 63) / 64 * 64);
+    /* and [B, H] for a block's output that is normed before its residual add (Gemma) */
+    float *qkv = (float *)aligned_alloc(64, (((size_t)B * (NQKV + NQ + I + rmax + H) + part_floats) * 4 + 63) / 64 * 64);
     /* Per layer, the claim counters of its phases (see claim_chunk), then the head's. */
     enum { PH_QKV, PH_ATTEND, PH_COMBINE, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
     int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
@@ -1762,7 +1783,8 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
         free(work);
         return 2;
     }
-    float *attn = qkv + B * NQKV, *act = attn + B * NQ, *lora_t = act + B * I, *parts = lora_t + B * rmax;
+    float *attn = qkv + B * NQKV, *act = attn + B * NQ, *lora_t = act + B * I, *block_out = lora_t + B * rmax;
+    float *parts = block_out + B * H;
     if (num_threads < 1) num_threads = 1;
     SpinBarrier bar = {0, 0, num_threads};
     int failed = 0;
@@ -1829,7 +1851,8 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                     const int64_t b = it / m->kv_heads, kvh = it % m->kv_heads;
                     const int64_t pos = seq_lens[b] - 1;
                     if (quant && (block_tables[b * bt_stride + pos / BS] * m->kv_heads + kvh) % T != t) continue;
-                    const float *cs = m->cos + pos * D, *sn = m->sin + pos * D;
+                    const float *cs = (L->cos ? L->cos : m->cos) + pos * D;
+                    const float *sn = (L->sin ? L->sin : m->sin) + pos * D;
                     float *row = qkv + b * NQKV;
                     for (int64_t gq = 0; gq < G; gq++) {
                         float *q = row + (kvh * G + gq) * D;
@@ -1908,16 +1931,22 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                 }
                 barrier_wait(&bar, &sense);
             }
-            /* 4. o projection, added into the residual stream. */
+            /* 4. o projection, added into the residual stream (or, where the layer norms the
+             * block's output first, written out, normed and added: normed_add). */
+            float *o_out = L->attn_out_norm ? block_out : x;
             if (ok) {
-                thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, x, H, 1);
+                thread_linear(&L->o, attn, NQ, B, &is, &work[li * PHASES + PH_O], T, o_out, H, !L->attn_out_norm);
                 if (n_segs) lora_shrink(segs, n_segs, li, LORA_O, NQ, attn, NQ, lora_t, rmax, t, T);
             }
             barrier_wait(&bar, &sense);
             if (n_segs) {
                 int64_t c0, c1;
                 lora_columns(H, t, T, &c0, &c1);
-                if (ok) lora_expand(segs, n_segs, li, LORA_O, H, lora_t, rmax, c0, c1, x, H, 0);
+                if (ok) lora_expand(segs, n_segs, li, LORA_O, H, lora_t, rmax, c0, c1, o_out, H, 0);
+                barrier_wait(&bar, &sense);
+            }
+            if (L->attn_out_norm) {
+                if (ok) normed_add(x, block_out, L->attn_out_norm, B, H, m->eps, t, T);
                 barrier_wait(&bar, &sense);
             }
             /* 5. gate and up rows of the same features on the same thread, then SiLU(gate) * up. */
@@ -1942,20 +1971,29 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
                                         GU_COLS, I + c0);
                         }
                         for (int64_t b = 0; b < B; b++)
-                            silu_mul(gate + b * GU_COLS, up + b * GU_COLS, act + b * I + c0, c1 - c0);
+                            if (m->act == ACT_GELU_TANH)
+                                gelu_tanh_mul(gate + b * GU_COLS, up + b * GU_COLS, act + b * I + c0, c1 - c0);
+                            else
+                                silu_mul(gate + b * GU_COLS, up + b * GU_COLS, act + b * I + c0, c1 - c0);
                     }
             }
             barrier_wait(&bar, &sense);
-            /* 6. down projection, added into the residual stream. */
+            /* 6. down projection, added into the residual stream (normed first where the layer says). */
+            float *down_out = L->mlp_out_norm ? block_out : x;
             if (ok) {
-                thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, x, H, 1);
+                thread_linear(&L->down, act, I, B, &is, &work[li * PHASES + PH_DOWN], T, down_out, H,
+                              !L->mlp_out_norm);
                 if (n_segs) lora_shrink(segs, n_segs, li, LORA_DOWN, I, act, I, lora_t, rmax, t, T);
             }
             barrier_wait(&bar, &sense);
             if (n_segs) {
                 int64_t c0, c1;
                 lora_columns(H, t, T, &c0, &c1);
-                if (ok) lora_expand(segs, n_segs, li, LORA_DOWN, H, lora_t, rmax, c0, c1, x, H, 0);
+                if (ok) lora_expand(segs, n_segs, li, LORA_DOWN, H, lora_t, rmax, c0, c1, down_out, H, 0);
+                barrier_wait(&bar, &sense);
+            }
+            if (L->mlp_out_norm) {
+                if (ok) normed_add(x, block_out, L->mlp_out_norm, B, H, m->eps, t, T);
                 barrier_wait(&bar, &sense);
             }
         }

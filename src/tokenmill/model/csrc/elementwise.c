@@ -80,6 +80,23 @@ TM_INLINE void silu_mul(const float *g, const float *u, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
 }
 
+/* gelu with the tanh approximation (torch's gelu(approximate="tanh"), Gemma's GeGLU):
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with tanh(y) = sign(y) (1 - e) / (1 + e)
+ * for e = exp(-2 |y|) <= 1 (exp_nonpos in range, no cancellation where it matters: for
+ * small |y| the result is dominated by the 1 it is added to). */
+TM_INLINE float gelu_tanh(float g) {
+    const float y = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = exp_nonpos(y < 0.0f ? 2.0f * y : -2.0f * y);
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * g * (1.0f + (y < 0.0f ? -t : t));
+}
+
+/* gelu_tanh(g) * u, float32. */
+TM_INLINE void gelu_tanh_mul(const float *g, const float *u, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh(g[i]) * u[i];
+}
+
 /* ------------------------------------------------------------------ row-parallel entry points */
 
 TM_INLINE int ew_threads(int num_threads, int64_t rows, int64_t floats_per_row) {
