@@ -1504,17 +1504,14 @@ static int layer_has_parts(const Args *a, const AttnItem *items, int64_t n_items
 static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *seq_lens, const int32_t *chunks,
                                  int64_t n_chunks, int64_t *count, int64_t *slots) {
     const int64_t KVH = m->kv_heads, per_block = PF_ROWS / (m->heads / m->kv_heads);
-    int64_t n = 0, chunk_rows = 0;
-    for (int64_t c = 0; c < n_chunks; c++) {
-        n += (chunks[2 * c + 1] + per_block - 1) / per_block * KVH;
-        chunk_rows += chunks[2 * c + 1];
-    }
+    int64_t n = 0;
+    for (int64_t c = 0; c < n_chunks; c++) n += (chunks[2 * c + 1] + per_block - 1) / per_block * KVH;
     for (int64_t b = 0, c = 0; b < B; b++) {
         if (c < n_chunks && b == chunks[2 * c]) {
             b += chunks[2 * c + 1] - 1, c++;
             continue;
         }
-        n += (seq_lens[b] + PART_LEN - 1) / PART_LEN * KVH;
+        n += parts_of(seq_lens[b]) * KVH;
     }
     AttnItem *items = (AttnItem *)malloc((size_t)(n > 0 ? n : 1) * sizeof(AttnItem));
     if (!items) return NULL;
@@ -1529,7 +1526,7 @@ static AttnItem *attention_items(const TmModel *m, int64_t B, const int32_t *seq
             b += chunks[2 * c + 1] - 1, c++;
             continue;
         }
-        const int64_t P = (seq_lens[b] + PART_LEN - 1) / PART_LEN;
+        const int64_t P = parts_of(seq_lens[b]); /* the whole context's: a window can only leave fewer */
         for (int64_t kvh = 0; kvh < KVH; kvh++)
             for (int64_t j = 0; j < P; j++)
                 items[i++] = (AttnItem){-1, (int32_t)b, (int32_t)kvh, (int32_t)j, P > 1 ? (int32_t)slot++ : -1};

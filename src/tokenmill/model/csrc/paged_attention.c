@@ -644,6 +644,21 @@ TM_INLINE void from_pairs_order(float *x, int64_t n) {
     }
 }
 
+/* Output row of query head g of item (n, kvh): src * w, float32 or rounded to bf16. */
+TM_INLINE void store_out_row(const Args *a, int64_t n, int64_t kvh, int64_t g, int64_t D, const float *src,
+                             float w, int io_bf16) {
+    const int64_t off = n * a->out_stride + (kvh * (a->heads / a->kv_heads) + g) * D;
+    if (io_bf16) {
+        uint16_t *restrict o = (uint16_t *)a->out + off;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(src[d] * w);
+    } else {
+        float *restrict o = (float *)a->out + off;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) o[d] = src[d] * w;
+    }
+}
+
 /* One (sequence, kv head) item over positions p0 .. p1 - 1 of its context; D % VW == 0.
  * ``fmt``: the pool's format (KV_*); ``io_bf16``: q and out are bf16 (the fused decode
  * step passes float32 q/out over a pool of any format); ``kind``: how rows are read
@@ -804,20 +819,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         memcpy(part, sc->acc, G * D * sizeof(float));
         return;
     }
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t off = n * a->out_stride + (kvh * G + g) * D;
-        const float w = sc->inv[g];
-        const float *restrict ag = sc->acc + g * D;
-        if (io_bf16) {
-            uint16_t *restrict o = (uint16_t *)a->out + off;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(ag[d] * w);
-        } else {
-            float *restrict o = (float *)a->out + off;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = ag[d] * w;
-        }
-    }
+    for (int64_t g = 0; g < G; g++) store_out_row(a, n, kvh, g, D, sc->acc + g * D, sc->inv[g], io_bf16);
 }
 
 /* Head sizes with a compiled-in trip count (accumulators stay in registers). */
@@ -880,11 +882,14 @@ TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, i
 #endif
 #define PART_FLOATS(G, D) ((G) * (D) + 2 * (G)) /* a part's unnormalised sums, then max and sum per head */
 
+/* Parts of PART_LEN positions a span of ``positions`` is attended in. */
+TM_INLINE int64_t parts_of(int64_t positions) { return (positions + PART_LEN - 1) / PART_LEN; }
+
 /* How many parts sequence n's item is attended in: 1 for contexts up to PART_LEN. */
 TM_INLINE int64_t item_parts(const Args *a, int64_t n) {
     int64_t lo, len;
     attended(a, n, &lo, &len);
-    return (len - lo + PART_LEN - 1) / PART_LEN;
+    return parts_of(len - lo);
 }
 
 /* Part j of sequence n's item: positions p0 .. p1 - 1. */
@@ -915,17 +920,7 @@ TM_INLINE void combine_parts(const Args *a, int64_t n, int64_t kvh, const float 
 #pragma omp simd
             for (int64_t d = 0; d < D; d++) tmp[d] += w * pj[g * D + d];
         }
-        const float inv = 1.0f / denom;
-        const int64_t off = n * a->out_stride + (kvh * G + g) * D;
-        if (io_bf16) {
-            uint16_t *restrict o = (uint16_t *)a->out + off;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(tmp[d] * inv);
-        } else {
-            float *restrict o = (float *)a->out + off;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) o[d] = tmp[d] * inv;
-        }
+        store_out_row(a, n, kvh, g, D, tmp, 1.0f / denom, io_bf16);
     }
 }
 
