@@ -27,7 +27,7 @@ def test_candidate_parsing_and_p99_interval() -> None:
 
 def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     """One request at a time, 20 tokens in 0.115 s: about 8.7 req/s at most, which the closed-loop
-    run measures and the search starts from half of; a TTFT SLO of 0.3 s holds somewhat below that
+    run measures and the search starts from; a TTFT SLO of 0.3 s holds somewhat below that
     (queueing grows near saturation) and fails well above; the chosen rate is then held longer."""
     from tokenmill.entrypoints.cli import main
 
@@ -43,7 +43,7 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     cand = json.loads(out.read_text())["candidates"][0]
     rate, failing = cand["sustainable_rate"], cand["failing_rate"]
     assert 7.5 <= cand["saturation_throughput"] <= 8.7 * 1.05  # one slot: 1 / 0.115 s at most
-    assert cand["probes"][0]["rate"] == pytest.approx(cand["saturation_throughput"] / 2)
+    assert cand["probes"][0]["rate"] == pytest.approx(cand["saturation_throughput"])
     assert 1 <= rate < failing <= 32 and failing / rate - 1 <= 0.3 + 1e-9
     assert rate <= 8.7 * 1.15, (rate, failing)
     # the chosen rate was held for --steady-seconds, and that run is the one reported
@@ -89,7 +89,9 @@ def test_judge_and_limiting_factor() -> None:
     assert len(steady_ttfts) == 30 and p.p99["ttft"] == pytest.approx(percentile(steady_ttfts, 99))
     assert _limiting(p) == "prefill"
     assert not judge(point, 4.0, PlanSettings(slo={"ttft": 0.5}, max_error_rate=0.0)).passed  # 1 error of 40
-    assert "ttft p99" in judge(point, 4.0, PlanSettings(slo={"ttft": 0.3})).why
+    over = judge(point, 4.0, PlanSettings(slo={"ttft": 0.3}))
+    assert "ttft p99" in over.why and over.overshoot == pytest.approx(p.p99["ttft"] / 0.3)
+    assert p.overshoot is None
     point.server.kv_usage_max = 0.97
     assert _limiting(judge(point, 4.0, settings)) == "KV pressure"
     # confident: the top of the p99's 95% interval (here the largest of 30 steady TTFTs) must be
@@ -101,6 +103,7 @@ def test_judge_and_limiting_factor() -> None:
     assert judge(point, 4.0, PlanSettings(slo=limit, max_error_rate=0.05)).passed
     strict = judge(point, 4.0, PlanSettings(slo=limit, max_error_rate=0.05), confident=True)
     assert not strict.passed and "95% interval" in strict.why
+    assert strict.overshoot == pytest.approx(top / limit["ttft"])
 
 
 def _plan_tiny(tmp_path, engine_options: dict, args: list[str]) -> dict:
@@ -171,41 +174,55 @@ def test_a_probe_whose_latency_still_grows_is_not_sustainable() -> None:
     assert rising(steady_records(recs([0.2 + 0.03 * i for i in range(12)])), slo) == ""  # too few to tell
 
 
-def test_the_search_starts_at_half_saturation_and_steps_down_while_the_held_rate_misses(monkeypatch) -> None:
+def test_the_search_starts_at_saturation_and_steps_down_while_the_held_rate_misses(monkeypatch) -> None:
     """A server whose short probes hold up to 10 req/s but whose settled state holds only 8 (the
     batch keeps growing for minutes near capacity): the bisection lands near 10, the held run there
-    misses, and the search steps down by the precision until a held run meets the SLO."""
+    misses, and the search steps down until a held run meets the SLO: by the square root of how far
+    the held run's p99 overshot (within 1 + precision / 2 .. 1 + 2 x precision), or by the precision
+    when the miss gives no latency figure."""
     import asyncio
 
     from tokenmill.bench import plan as planmod
 
     calls: list[tuple[float, float | None]] = []
+    overshoot_of = {"none": lambda rate: None, "tpot": lambda rate: (rate / 8.0) ** 2}
+    kind = ["tpot"]
 
     async def saturation(target, counter, workload, settings):
-        return 12.0
+        return 6.0
 
     async def probe(target, counter, workload, settings, rate, seconds=None, warmup=planmod.WARMUP_FRACTION,
                     confident=False):
         calls.append((rate, seconds))
         limit = 8.0 if seconds else 10.0
         assert (warmup == planmod.STEADY_WARMUP_FRACTION) == bool(seconds) == confident
-        return planmod.Probe(rate=rate, passed=rate <= limit, requests=100, errors=0.0, p99={}, p99_interval={},
+        passed = rate <= limit
+        return planmod.Probe(rate=rate, passed=passed, requests=100, errors=0.0, p99={}, p99_interval={},
                              goodput=rate, throughput=rate, waiting_mean=1.0, running_mean=4.0, kv_usage_max=0.1,
-                             breakdown={"decode": 1.0}, diagnosis="", why="" if rate <= limit else "tpot",
-                             seconds=seconds)
+                             breakdown={"decode": 1.0}, diagnosis="", why="" if passed else "tpot",
+                             seconds=seconds, overshoot=None if passed else overshoot_of[kind[0]](rate))
 
     monkeypatch.setattr(planmod, "saturation", saturation)
     monkeypatch.setattr(planmod, "probe", probe)
     settings = planmod.PlanSettings(slo={"tpot": 0.2}, precision=0.1, steady_seconds=150.0)
     plan = planmod.CandidatePlan("x", "")
     asyncio.run(planmod.search(None, None, None, settings, plan))
-    assert calls[0] == (6.0, None) and calls[1] == (12.0, None)  # half the saturation, then doubled
+    assert calls[0] == (6.0, None) and calls[1] == (12.0, None)  # the saturation throughput, then doubled
     held = [(r, s) for r, s in calls if s]
     assert held and all(s == 150.0 for _, s in held)
-    assert all(a / b == pytest.approx(1.1) for (a, _), (b, _) in zip(held, held[1:]))  # steps of the precision
-    assert held[0][0] > 9.0 and 8.0 / 1.1 < plan.sustainable_rate <= 8.0
+    assert held[0][0] > 9.0 and 8.0 / 1.2 < plan.sustainable_rate <= 8.0
+    for (a, _), (b, _) in zip(held, held[1:]):  # the square root of the overshoot, clipped
+        assert a / b == pytest.approx(min(max(a / 8.0, 1.05), 1.2))
     assert plan.steady is not None and plan.steady.rate == plan.sustainable_rate
-    assert plan.failing_rate == pytest.approx(plan.sustainable_rate * 1.1)
+    assert plan.failing_rate == pytest.approx(held[-2][0])
+    # misses without a latency figure step by the precision
+    calls.clear()
+    kind[0] = "none"
+    plan = planmod.CandidatePlan("x", "")
+    asyncio.run(planmod.search(None, None, None, settings, plan))
+    held = [r for r, s in calls if s]
+    assert all(a / b == pytest.approx(1.1) for a, b in zip(held, held[1:]))
+    assert 8.0 / 1.1 < plan.sustainable_rate <= 8.0
     # a settled state that holds nothing within the steps: no sustainable rate, said as such
     calls.clear()
     monkeypatch.setattr(planmod, "STEADY_STEPS", 2)
@@ -213,3 +230,17 @@ def test_the_search_starts_at_half_saturation_and_steps_down_while_the_held_rate
     asyncio.run(planmod.search(None, None, None, settings, plan))
     assert plan.sustainable_rate is None and plan.steady is None
     assert "none held" in planmod.table([plan], settings)
+
+
+def test_hold_step_follows_the_overshoot_within_bounds() -> None:
+    from tokenmill.bench.plan import Probe, hold_step
+
+    def missed(overshoot):
+        return Probe(rate=1.0, passed=False, requests=10, errors=0.0, p99={}, p99_interval={}, goodput=None,
+                     throughput=1.0, waiting_mean=None, running_mean=None, kv_usage_max=None, breakdown={},
+                     diagnosis="", why="x", overshoot=overshoot)
+
+    assert hold_step(missed(None), 0.2) == pytest.approx(1.2)
+    assert hold_step(missed(1.02), 0.2) == pytest.approx(1.1)  # just past: at least half the precision
+    assert hold_step(missed(1.44), 0.2) == pytest.approx(1.2)
+    assert hold_step(missed(4.0), 0.2) == pytest.approx(1.4)  # far past: at most twice the precision

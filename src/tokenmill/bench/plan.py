@@ -4,11 +4,11 @@ Sizing from one user on one machine says nothing about fifty. For each
 candidate (a `tokenmill serve` command line started here, or a running
 server's URL), the planner first measures what the server can do at all (a
 short closed-loop run at ``saturation_concurrency``), then offers open-loop
-Poisson load from half that throughput (doubling while probes pass, halving
-down to ``rate_min`` / 4 while they fail), bisects between the last rate that
-met the SLO and the first that did not until they are within ``precision``,
-and finally holds the chosen rate for ``steady_seconds``, stepping down by
-``precision`` while that longer run misses. A probe *meets* the SLO when its
+Poisson load at that throughput (doubling while probes pass, halving down to
+``rate_min`` / 4 while they fail), bisects between the last rate that met the
+SLO and the first that did not until they are within ``precision``, and
+finally holds the chosen rate for ``steady_seconds``, stepping down while that
+longer run misses (by more the further it missed: ``hold_step``). A probe *meets* the SLO when its
 error rate is at most ``max_error_rate`` and the p99 of every latency the SLO
 names is within it.
 
@@ -58,7 +58,7 @@ from tokenmill.bench.types import RequestRecord
 KV_PRESSURE = 0.95  # KV pool use at which a failing probe is called KV-bound
 DOWN_STEPS_FACTOR = 4  # below the first rate, the search halves down to rate_min / 4 at most
 VERIFY_OVER = 1.2  # --verify also runs this multiple of the sustainable rate, which should miss the SLO
-STEADY_STEPS = 4  # at most this many steps down (each by ``precision``) while the steady run misses
+STEADY_STEPS = 4  # at most this many steps down while the steady run misses
 
 
 @dataclass
@@ -88,10 +88,10 @@ class PlanSettings:
     max_error_rate: float = 0.01
     rate_min: float = 0.25  # the search goes no lower than rate_min / DOWN_STEPS_FACTOR
     rate_max: float = 64.0
-    start_rate: float | None = None  # None: half the throughput of the saturation run
+    start_rate: float | None = None  # None: the throughput of the saturation run
     saturation_concurrency: int = 32  # the closed-loop run that measures the server's throughput
     steady_seconds: float = 150.0  # the chosen rate is held this long (0: not held)
-    precision: float = 0.1  # stop bisecting when the failing rate is within this of the passing one
+    precision: float = 0.2  # stop bisecting when the failing rate is within this of the passing one
     probe_requests: int = 60  # at least this many requests per probe
     probe_seconds: float = 30.0  # ... and at least this long at the probed rate
     cost_per_hour: float | None = None
@@ -118,6 +118,7 @@ class Probe:
     breakdown: dict[str, float]
     diagnosis: str
     why: str  # what failed, or "" when it passed
+    overshoot: float | None = None  # the failing latency's p99 (or interval top) over its SLO; None: passed or no such figure
     preemptions: float | None = None  # during the probe (server counter)
     seconds: float | None = None  # how long requests were sent (the steady run and --verify set it)
 
@@ -228,14 +229,18 @@ def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float
     p99 = {k: percentile(values[k], 99) for k in settings.slo}  # itl: of each request's longest gap
     intervals = {k: p99_interval(values[k]) for k in settings.slo}
     why = []
+    over: list[float] = []
     if errors > settings.max_error_rate:
         why.append(f"{100 * errors:.1f}% errors")
     for k, limit in settings.slo.items():
         v, iv = p99[k], intervals[k]
         if v is None or v > limit:
             why.append(f"{k} p99 {'-' if v is None else f'{v:.3f}'} s > {limit:g} s")
+            if v is not None:
+                over.append(v / limit)
         elif confident and iv is not None and iv[1] > limit:
             why.append(f"{k} p99 {v:.3f} s, but its 95% interval reaches {iv[1]:.3f} s > {limit:g} s")
+            over.append(iv[1] / limit)
     trend = rising(ok, settings.slo)
     if trend and not why:
         why.append(trend)
@@ -245,7 +250,8 @@ def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float
                  throughput=s.request_throughput, waiting_mean=d.waiting_mean if d else None,
                  running_mean=d.running_mean if d else None, kv_usage_max=d.kv_usage_max if d else None,
                  breakdown=point.breakdown, diagnosis=point.diagnosis, why="; ".join(why),
-                 preemptions=d.preemptions if d else None, seconds=seconds)
+                 preemptions=d.preemptions if d else None, seconds=seconds,
+                 overshoot=max(over) if over and why else None)
 
 
 def _bench_config(workload: BenchConfig, settings: PlanSettings, shape: LoadShape, n: int) -> BenchConfig:
@@ -271,7 +277,7 @@ async def saturation(target: Target, counter: TokenCounter, workload: BenchConfi
     send again as soon as they are answered: where that many fill the server, no open-loop
     rate above it holds; where the server batches more, the open-loop limit can lie above it
     (the search doubles past it then). Either way a start near the limit, found in seconds
-    where doubling from a low rate took minutes. Three rounds of the clients, so the first
+    where doubling from a low rate took minutes; where it misses, the next probe is half. Three rounds of the clients, so the first
     round's shared start weighs little. None when nothing succeeded."""
     c = max(1, settings.saturation_concurrency)
     result = BenchResult(target={}, config={})
@@ -282,7 +288,7 @@ async def saturation(target: Target, counter: TokenCounter, workload: BenchConfi
 
 async def search(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
                  plan: CandidatePlan, log: Any = None, started: float | None = None) -> None:
-    """From half the saturation throughput: doubling or halving to a bracket, bisection to
+    """From the saturation throughput: doubling or halving to a bracket, bisection to
     ``precision``, then the chosen rate held for ``steady_seconds`` (stepping down while it misses)."""
     def note(p: Probe) -> None:
         plan.probes.append(p)
@@ -297,7 +303,7 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
         if log and plan.saturation_throughput is not None:
             log(f"  {plan.name}: {plan.saturation_throughput:.3g} req/s with "
                 f"{settings.saturation_concurrency} clients in a closed loop")
-        start = (plan.saturation_throughput or 2 * settings.rate_min) / 2
+        start = plan.saturation_throughput or settings.rate_min
     floor = settings.rate_min / DOWN_STEPS_FACTOR
     rate = min(max(start, floor), settings.rate_max)
     good: Probe | None = None
@@ -347,9 +353,9 @@ async def search(target: Target, counter: TokenCounter, workload: BenchConfig, s
 async def _hold(target: Target, counter: TokenCounter, workload: BenchConfig, settings: PlanSettings,
                 good: Probe, bad: Probe | None, note: Any) -> tuple[Probe | None, Probe | None]:
     """Hold the chosen rate for ``steady_seconds``, judged on its second half and with the p99s'
-    95% intervals within the SLO; while that misses,
-    step down by ``precision`` and hold again (at most STEADY_STEPS times). Returns the steady
-    run that held (None if none did) and the lowest rate seen to miss."""
+    95% intervals within the SLO; while that misses, step down (``hold_step``) and hold again
+    (at most STEADY_STEPS times). Returns the steady run that held (None if none did) and the
+    lowest rate seen to miss."""
     rate = good.rate
     for _ in range(STEADY_STEPS):
         p = await probe(target, counter, workload, settings, rate, settings.steady_seconds, STEADY_WARMUP_FRACTION,
@@ -358,10 +364,26 @@ async def _hold(target: Target, counter: TokenCounter, workload: BenchConfig, se
         if p.passed:
             return p, bad
         bad = p if bad is None or p.rate < bad.rate else bad
-        rate /= 1 + settings.precision
+        rate /= hold_step(p, settings.precision)
         if rate < settings.rate_min / DOWN_STEPS_FACTOR:
             break
     return None, bad
+
+
+def hold_step(missed: Probe, precision: float) -> float:
+    """The factor to divide a held rate that missed by: the square root of how far its worst
+    p99 overshot the SLO, kept between 1 + precision / 2 and 1 + 2 x precision.
+
+    Why the root: near capacity a decode-bound latency grows like 1 / (1 - rate / capacity),
+    so a p99 twice the SLO means the rate is well past the knee, and one a few percent over
+    means it is just past it. The held runs are the expensive part of a search (each is
+    ``steady_seconds``); a step of the precision from a run that missed by 2x took four of them
+    where two do. The square root undershoots that curve's own answer on purpose: a step too
+    far costs precision, one too short costs another held run. A miss with no latency figure
+    (errors, a latency still rising) steps by the precision."""
+    if missed.overshoot is None:
+        return 1 + precision
+    return min(max(math.sqrt(missed.overshoot), 1 + precision / 2), 1 + 2 * precision)
 
 
 def _conclude(plan: CandidatePlan, good: Probe | None, bad: Probe | None, settings: PlanSettings) -> None:
@@ -570,15 +592,16 @@ def add_plan_parser(sub: Any) -> None:
     s.add_argument("--rate-min", type=float, default=0.25,
                    help="the search goes no lower than a quarter of this, req/s (default 0.25)")
     s.add_argument("--start-rate", type=float, default=None,
-                   help="first rate probed (default: half the throughput of the closed-loop run)")
+                   help="first rate probed (default: the throughput of the closed-loop run)")
     s.add_argument("--saturation-concurrency", type=int, default=32,
                    help="clients of the closed-loop run that bounds the search (default 32)")
     s.add_argument("--steady-seconds", type=float, default=150.0,
                    help="hold the chosen rate this long, judged on its second half, stepping down "
                         "while it misses (default 150; 0: do not)")
     s.add_argument("--rate-max", type=float, default=64.0, help="highest rate probed (default 64)")
-    s.add_argument("--precision", type=float, default=0.1,
-                   help="stop when the failing rate is within this fraction of the passing one (default 0.1)")
+    s.add_argument("--precision", type=float, default=0.2,
+                   help="stop when the failing rate is within this fraction of the passing one (default 0.2, "
+                        "the margin --verify checks from above)")
     s.add_argument("--probe-requests", type=int, default=60, help="at least this many requests per probe")
     s.add_argument("--probe-seconds", type=float, default=30.0, help="and at least this long (default 30)")
     s.add_argument("--verify", type=float, default=None, metavar="SECONDS",
