@@ -107,3 +107,32 @@ def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):
     report = llm.engine.runner.model.quant_report
     assert "dequantized" in report.kept["layers.0.self_attn.qkv_proj"]
     assert "kept dense" in report.summary()
+
+
+def test_fused_step_takes_projections_of_one_kquant_type(tmp_path):
+    """q/k/v and gate/up all Q4_K (stacked into one block matrix each), o Q5_K, down Q6_K: every
+    projection has one block type, so the fused step takes the model (decode rows and prefill
+    chunks) and gives the eager forward's greedy tokens; a projection mixing two types keeps
+    the eager forward and says which."""
+    from tokenmill.options import KernelOptions
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels are not built here")
+    loaded = load_model(_kquant_file(tmp_path, {"down_proj": "Q6_K", "o_proj": "Q5_K", "layers.": "Q4_K"}))
+    rng = random.Random(6)
+    prompts = [[rng.randrange(TINY_VOCAB - 1) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    fused = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
+                kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16)
+    qkv = fused.engine.runner.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == 1 and qkv.formats == "Q4_K"
+    assert fused.engine.runner.fused is not None
+    eager = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
+                kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16,
+                kernel_options=KernelOptions.from_env().replace(fused_decode=False))
+    assert eager.engine.runner.fused is None
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in fused.generate(prompts, params)] == want
+    mixed = LLM(loaded_model=load_model(_kquant_file(tmp_path, {"v_proj": "Q6_K", "layers.": "Q4_K"})),
+                tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf", num_blocks=16)
+    assert mixed.engine.runner.fused is None

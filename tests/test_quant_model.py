@@ -157,3 +157,53 @@ def test_gguf_keeps_a_q8_0_head_as_its_exact_int8_groups(tmp_path) -> None:
     _write_gguf(path, weights, cfg, {"": "Q4_1"})
     q4 = _engine(load_model(path), quantization="gguf")
     assert not isinstance(q4.model.lm_head, quant.Int8GroupLinear)
+
+
+def test_q5_blocks_keep_their_exact_weights() -> None:
+    """Q5_0 and Q5_1 rows read by q5_from_gguf give gguf's own dequantization bit for bit;
+    Q5_0's codes less 16 in Q8_0's layout (int8 g32) are the same weights exactly, and the
+    two-plane int4 form (Q5_0 and Q5_1) the same weights to float32 rounding."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import dequantize, quantize
+
+    x = np.random.default_rng(3).standard_normal((12, 256)).astype(np.float32)
+    for t in ("Q5_0", "Q5_1"):
+        blocks = quantize(x, QT[t])
+        want = torch.from_numpy(dequantize(blocks, QT[t]).astype(np.float32))
+        q, d, m = quant.q5_from_gguf(t, blocks, (12, 256))
+        assert q.dtype == torch.uint8 and int(q.max()) <= 31 and int(q.max()) >= 16  # the fifth bit is read
+        w = d[..., None] * (q.float().view(12, 8, 32) - 16) if m is None else d[..., None] * q.float().view(12, 8, 32) + m[..., None]
+        assert torch.equal(w.view(12, 256), want), t
+        split = quant.Int4Linear(quant.int4_from_gguf(t, blocks, (12, 256)))
+        assert torch.allclose(split.dequantized_weight(), want, rtol=0, atol=1e-6 * float(want.abs().max())), t
+    blocks = quantize(x, QT.Q5_0)
+    codes, d = quant.int8g_from_q5_0(blocks, (12, 256))
+    layer = quant.Int8GroupLinear(codes, d)
+    assert torch.equal(layer.dequantized_weight(), torch.from_numpy(dequantize(blocks, QT.Q5_0)))
+
+
+def test_gguf_serves_q5_blocks_on_the_int8_and_int4_kernels(tmp_path) -> None:
+    """A file in Gemma 3 270M Q4_K_M's mixture of small-block types: q/k/gate/up Q5_0, v
+    Q8_0, o Q5_1. Q5_0 (with Q8_0 beside it) becomes int8 groups, Q5_1 two int4 planes; none
+    is left dense, and the logits stay as close to the dequantized model as the int8
+    activations allow."""
+    cfg = tiny_config()
+    path = str(tmp_path / "q5.gguf")
+    write_gguf(path, tiny_weights(cfg, seed=8), cfg, qtypes={"v_proj": "Q8_0", "o_proj": "Q5_1", "layers.": "Q5_0"})
+    loaded = load_model(path)
+    assert {entry[0] for entry in loaded.raw_quantized.values()} == {"Q5_0", "Q5_1", "Q8_0"}
+    dense = _engine(loaded)
+    native = _engine(loaded, quantization="gguf")
+    report = native.model.quant_report
+    assert report.quantized["layers.0.self_attn.qkv_proj"] == "Q5_0+Q8_0 (int8 g32)"
+    assert report.quantized["layers.0.mlp.gate_up_proj"] == "Q5_0 (int8 g32)"
+    assert report.quantized["layers.0.mlp.down_proj"] == "Q5_0 (int8 g32)"
+    assert report.quantized["layers.0.self_attn.o_proj"] == "Q5_1 (int4 g32, split)"
+    assert not report.kept
+    qkv = native.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, quant.Int8GroupLinear) and qkv.dynamic
+    assert torch.equal(qkv.dequantized_weight(), dense.model.layers[0].self_attn.qkv_proj.weight.float())
+    got, ref = _logits(native, IDS), _logits(dense, IDS)
+    assert _rel(got, ref) < 0.05
+    assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9

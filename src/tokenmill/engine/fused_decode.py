@@ -50,16 +50,18 @@ from ..model import cpu_kernels
 from ..model.llama import LlamaForCausalLM, Linear
 from ..model.lora import base_of
 from ..model.quant import Int4Linear, Int8GroupLinear, Int8Linear
+from ..model.kquant import KQuantLinear
 
 log = logging.getLogger(__name__)
 
-W_F32, W_BF16, W_INT8, W_INT4, W_INT8G = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
-                                           cpu_kernels.W_INT4, cpu_kernels.W_INT8G)
+W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = (cpu_kernels.W_F32, cpu_kernels.W_BF16, cpu_kernels.W_INT8,
+                                                 cpu_kernels.W_INT4, cpu_kernels.W_INT8G, cpu_kernels.W_KQ)
 # Largest decode batch each weight kind runs fused: beyond it the eager model's
 # matrix-matrix products win. Measured per kind as the fused / eager step time
 # on SmolLM2-135M (docs/performance.md, "The fused decode step"): every kind
 # stays faster up to 64 decodes. A model takes its lowest kind's.
-MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64, W_INT8G: 64}
+MAX_BATCH_BY_KIND = {W_F32: 64, W_BF16: 64, W_INT8: 64, W_INT4: 64, W_INT8G: 64,
+                     W_KQ: 64}  # K-quant: the eager layer runs the same kernel (KQuantLinear), no torch matmul to lose to
 
 
 _Linear = cpu_kernels.TmLinear
@@ -201,6 +203,14 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
         s.kind = W_F32 if w.dtype == torch.float32 else W_BF16
         s.n, s.k, s.w = w.shape[0], w.shape[1], w.data_ptr()
         return s
+    if isinstance(mod, KQuantLinear):
+        descs = mod.kernel_descriptions()  # the layer keeps the blocks they point into
+        if len(descs) != 1:
+            raise Unsupported(f"{name}: {mod.formats} blocks in one projection (the step's projection has one block "
+                              "type; the eager forward runs each part)")
+        ctypes.pointer(s)[0] = descs[0]
+        s.bias = _f32(bias, keep) if bias is not None else None
+        return s
     raise Unsupported(f"{name}: {type(mod).__name__} has no fused kernel")
 
 
@@ -294,5 +304,5 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)
     return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, model.embedding_multiplier(), limit,
-                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4} if lib.q4_int8_dot
-                                                            else {W_INT8, W_INT8G}))
+                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4, W_KQ} if lib.q4_int8_dot
+                                                            else {W_INT8, W_INT8G, W_KQ}))

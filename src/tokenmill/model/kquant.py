@@ -92,11 +92,21 @@ class KQuantLinear(_QuantLinear):
         if k % SUPER_BLOCK or any(shape[1] != k for _, _, shape in parts):
             raise ValueError(f"K-quant rows must be whole {SUPER_BLOCK}-weight super-blocks of one width")
         super().__init__(k, sum(shape[0] for _, _, shape in parts), bias)
+        # Neighbouring parts of one type are one block matrix (their rows stacked): a fused
+        # projection of one type (q, k and v all Q4_K) is then one kernel description, which
+        # the fused step can run.
+        runs: list[tuple[str, list[np.ndarray]]] = []
+        for type_name, blocks, shape in parts:
+            rows = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(shape[0], -1)
+            if runs and runs[-1][0] == type_name:
+                runs[-1][1].append(rows)
+            else:
+                runs.append((type_name, [rows]))
         self.parts: list[KQuantPart] = []
-        for i, (type_name, blocks, shape) in enumerate(parts):
-            data = torch.from_numpy(np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(shape[0], -1).copy())
+        for i, (type_name, stacked) in enumerate(runs):
+            data = torch.from_numpy(np.concatenate(stacked) if len(stacked) > 1 else stacked[0].copy())
             self.register_buffer(f"blocks{i}", data)  # counted in the engine's weight bytes
-            self.parts.append(KQuantPart(type_name, shape[0], i))
+            self.parts.append(KQuantPart(type_name, data.shape[0], i))
         self._descs: list[Any] | None = None
 
     def blocks(self, part: KQuantPart) -> torch.Tensor:

@@ -43,8 +43,10 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
     "Q8_0": (32, 2 + 32),
     "Q4_0": (32, 2 + 16),
     "Q4_1": (32, 2 + 2 + 16),
+    "Q5_0": (32, 2 + 4 + 16),  # fp16 d, 32 fifth bits, 16 bytes of nibbles
+    "Q5_1": (32, 2 + 2 + 4 + 16),  # fp16 d and m, then as Q5_0
 }
-# K-quants keep their blocks too (model/kquant.py); they are dequantized by gguf.quants
+# K-quants keep their blocks too (model/kquant.py); they and Q5_0/Q5_1 are dequantized by gguf.quants
 RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 

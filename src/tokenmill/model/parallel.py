@@ -43,7 +43,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .llama import Linear, LlamaForCausalLM
-from .loader import (BLOCK_SHAPES, RAW_KEPT_TYPES, LoadedModel, dequantize, gguf_to_hf_name, hf_config,
+from .loader import (RAW_KEPT_TYPES, LoadedModel, dequantize, gguf_to_hf_name, hf_config,
                      read_gguf, unpermute_rows)
 
 
@@ -526,7 +526,7 @@ def _input_group(mode: str, proj: str, group_size: int, types: dict[str, str]) -
     if mode == "gguf":
         kinds = sorted({t for name, t in types.items() if f".{proj}." in name and t in RAW_KEPT_TYPES})
         if kinds:
-            block = BLOCK_SHAPES[kinds[0]][0]
+            block = max(_block_geometry(kind)[0] for kind in kinds)  # a K-quant's 256 with a Q4_0's 32: 256
             return block, f"{'/'.join(kinds)} blocks of {block}"
     return None
 

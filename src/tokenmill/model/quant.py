@@ -205,9 +205,42 @@ def int8g_from_gguf(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
     return b[..., 2:].contiguous().view(torch.int8).reshape(rows, k), _f16(b, 0)
 
 
-def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
-    """Raw GGUF Q4_0 / Q4_1 / Q8_0 rows ``[rows, bytes_per_row]`` -> int4 codes, group 32."""
+def q5_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor | None]:
+    """Raw GGUF Q5_0 / Q5_1 rows -> (5-bit codes 0..31 as uint8 [rows, k], the blocks' scales d
+    [rows, k / 32], their offsets m for Q5_1 or None): w = d * (q - 16) (Q5_0), d * q + m (Q5_1).
+    Weight i of a block takes its low nibble from byte i % 16 of the nibbles (low half first)
+    and its fifth bit from bit i of the 32-bit word before them."""
     rows, k = shape
+    off = 2 if type_name == "Q5_0" else 4
+    b = _gguf_blocks(blocks, rows, k, off + 20)
+    qh = b[..., off : off + 4].contiguous().view(torch.int32)  # [rows, k / 32, 1], little-endian
+    fifth = (qh >> torch.arange(32, dtype=torch.int32)) & 1
+    packed = b[..., off + 4 :]
+    low = torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+    codes = (low.to(torch.int32) | (fifth << 4)).to(torch.uint8).reshape(rows, k)
+    return codes, _f16(b, 0), _f16(b, 2) if type_name == "Q5_1" else None
+
+
+def int8g_from_q5_0(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q5_0 rows -> (int8 codes q - 16, in -16..15, [rows, k]; scales [rows, k / 32]):
+    exactly the blocks' weights in :class:`Int8GroupLinear`'s (Q8_0's) layout."""
+    codes, d, _ = q5_from_gguf("Q5_0", blocks, shape)
+    return (codes.to(torch.int16) - 16).to(torch.int8), d
+
+
+def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
+    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows ``[rows, bytes_per_row]`` -> int4 codes,
+    group 32 (Q5 and Q8_0 blocks as two nibble planes fed the same input, ``repeat`` 2). The
+    convention: w = sum over planes of (code - 8) * scale + zero."""
+    rows, k = shape
+    if type_name in ("Q5_0", "Q5_1"):  # q = 16 hi + lo, hi in {0, 1}
+        q, d, m = q5_from_gguf(type_name, blocks, shape)
+        hi, lo = q >> 4, q & 15
+        # (hi - 8) 16d + z_hi + (lo - 8) d + z_lo = 16d hi + d lo - 136d + z_hi + z_lo
+        z_hi = 112.0 * d if m is None else 128.0 * d  # Q5_0 wants -16d in all: 112d + 8d - 136d
+        z_lo = 8.0 * d if m is None else 8.0 * d + m
+        return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1), torch.cat([z_hi, z_lo], 1), 32, 2)
     if type_name in ("Q4_0", "Q4_1"):
         off = 2 if type_name == "Q4_0" else 4
         b = _gguf_blocks(blocks, rows, k, off + 16)
@@ -223,7 +256,7 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         lo = (q & 15).to(torch.uint8).reshape(rows, k)
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
                          torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
-    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1 do)")
+    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 do)")
 
 
 # --------------------------------------------------------------------------- layers
@@ -759,7 +792,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
     if mode == "gguf" and not raw:
-        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks; "
+        raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
+                         "blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
     # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
     # weight-only (16-bit integer activations with the C kernels): the last layers' output
@@ -809,6 +843,18 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
                 continue
             if kinds & set(KQUANT_TYPES):
                 report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
+                continue
+            if "Q5_0" in kinds and kinds <= {"Q5_0", "Q8_0"} and dev.type == "cpu":
+                # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
+                # kernels with 8-bit activations a scale per 32 inputs (llama.cpp's Q5_0 x Q8_0)
+                groups = [int8g_from_q5_0(raw[s][1], tuple(raw[s][2])) if raw[s][0] == "Q5_0"
+                          else int8g_from_gguf(raw[s][1], tuple(raw[s][2])) for s in sources]
+                new = Int8GroupLinear(torch.cat([q for q, _ in groups]).to(dev),
+                                      torch.cat([d for _, d in groups]).to(dev), bias, dynamic=True)
+                fmt = "+".join(sorted(kinds)) + " (int8 g32)"
+                parent_name, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), attr, new)
+                report.quantized[name] = fmt
                 continue
             parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
             codes = Int4Codes.cat_rows(parts)
