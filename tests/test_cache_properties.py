@@ -25,12 +25,13 @@ class Sim:
     """``policy`` and ``bound``: the scheduler's queue order (engine/fairness.py)."""
 
     def __init__(self, num_blocks: int, caching: bool, budget: int, max_seqs: int, policy: str = "fcfs",
-                 bound: float = 30.0) -> None:
+                 bound: float = 30.0, window: int | None = None) -> None:
         self.cache = PrefixCache(BLOCK) if caching else None
         self.pool = BlockPool(num_blocks, self.cache)
         config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
                                  starvation_bound_s=bound)
-        self.sched = Scheduler(config, BLOCK, self.pool, self.cache)
+        self.sched = Scheduler(config, BLOCK, self.pool, self.cache, kv_window=window)
+        self.window = window  # every layer slides: only the last `window` positions are read
         self.shadow: dict[int, dict[int, int]] = {}  # block -> {offset: token}
         self.active: list[Request] = []
         self.steps = 0
@@ -48,9 +49,14 @@ class Sim:
         self.active.append(req)
         return True
 
+    def _read_from(self, computed: int) -> int:
+        """The first position the next query of a request with ``computed`` tokens reads."""
+        return 0 if self.window is None else max(0, computed + 1 - self.window)
+
     def check_hits(self, req: Request) -> None:
-        """Every computed token of a scheduled request is in its blocks, as written."""
-        for pos in range(req.num_computed_tokens):
+        """Every computed token of a scheduled request that its next query reads is in its
+        blocks, as written."""
+        for pos in range(self._read_from(req.num_computed_tokens), req.num_computed_tokens):
             block = req.block_table[pos // BLOCK]
             assert self.shadow.get(block, {}).get(pos % BLOCK) == req.token_at(pos), (
                 f"{req.request_id}: block {block} slot {pos % BLOCK} does not hold token {pos}")
@@ -62,9 +68,9 @@ class Sim:
         # still holds there: never rewritten (a request that swapped its partial block for a
         # cached copy gave the old one up).
         relied_on = {(table[pos // BLOCK], pos % BLOCK) for r, (computed, table) in before.items()
-                     if r in self.sched.running for pos in range(computed)
+                     if r in self.sched.running for pos in range(self._read_from(computed), computed)
                      if pos // BLOCK < len(r.block_table) and r.block_table[pos // BLOCK] == table[pos // BLOCK]}
-        held = {b for r in self.sched.running for b in r.block_table}
+        held = {b for r in self.sched.running for b in r.block_table[r.num_dropped_blocks:]}
         for req, num_new in batch.items:  # every write of a step lands before any read (as in a layer)
             start = req.num_computed_tokens
             for pos in range(start, start + num_new):
@@ -78,6 +84,10 @@ class Sim:
             self.check_hits(req)
         assert len(held) <= self.pool.num_blocks
         self.sched.after_step(batch)
+        for req, _ in batch.items:  # behind the window, only the indexed path may wait (then all of it goes)
+            if self.window is not None and req in self.sched.running:
+                behind = min((req.num_computed_tokens + 1 - self.window) // BLOCK, len(req.block_table) - 1)
+                assert req.num_dropped_blocks >= behind or behind < req.num_cached_blocks
         for req, _ in batch.items:
             if req.num_computed_tokens == req.num_tokens:
                 req.output_token_ids.append(next_token)
@@ -92,6 +102,8 @@ class Sim:
             self.cache.check_invariants(self.pool.ref_counts)
         for req in self.sched.running:
             assert len(req.block_table) * BLOCK >= req.num_computed_tokens
+            if self.window is not None:
+                assert req.num_cached_blocks <= self.window // BLOCK
 
     def drain(self, limit: int) -> None:
         for i in range(limit):
@@ -126,6 +138,26 @@ request_st = st.tuples(
 )
 def test_random_workloads_keep_invariants(shared, requests, num_blocks, caching, budget, max_seqs):
     sim = Sim(num_blocks, caching, budget, max_seqs)
+    _arrive(sim, shared, sorted(enumerate(requests), key=lambda x: x[1][3]), steps=8)
+    sim.drain(limit=2000)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shared=st.lists(prefixes, min_size=4, max_size=4),
+    requests=st.lists(request_st, min_size=1, max_size=10),
+    num_blocks=st.integers(4, 40),
+    caching=st.booleans(),
+    budget=st.integers(1, 24),
+    max_seqs=st.integers(1, 6),
+    window=st.integers(2, 14),
+)
+def test_sliding_window_workloads_free_blocks_behind_the_window(shared, requests, num_blocks, caching, budget,
+                                                                 max_seqs, window):
+    """Every layer slides: a running request releases the blocks no query of it reads again
+    (the prefix cache's indexed path, at most a window's blocks, once all of it is behind), and
+    what it still reads is intact, with prefix hits, in-step sharing, preemption and aborts."""
+    sim = Sim(num_blocks, caching, budget, max_seqs, window=window)
     _arrive(sim, shared, sorted(enumerate(requests), key=lambda x: x[1][3]), steps=8)
     sim.drain(limit=2000)
 
@@ -191,7 +223,7 @@ def test_lru_evicts_oldest_idle_leaf_first():
     sim = Sim.__new__(Sim)
     sim.cache, sim.pool = cache, pool
     sim.sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), BLOCK, pool, cache)
-    sim.shadow, sim.active, sim.steps = {}, [], 0
+    sim.shadow, sim.active, sim.steps, sim.window = {}, [], 0, None
     sim.add("old", [1] * 8 + [2], 1)
     sim.drain(50)
     sim.add("new", [3] * 8 + [4], 1)

@@ -199,6 +199,10 @@ class Request:
     generator: Any = None  # torch.Generator for seeded sampling
     # Prefix-cache bookkeeping: how many of this request's blocks are already in the tree.
     num_cached_blocks: int = 0
+    # Sliding-window models: the leading block_table entries already released (wholly behind
+    # every layer's window); their slots repeat the first block still held, so the table
+    # keeps its positions and holds only ids of this request's finite K/V.
+    num_dropped_blocks: int = 0
     # Scheduler step at which it last joined the running batch (prefill ordering).
     admitted_step: int = 0
     # When it arrived: the requests its queue (fairness.py: queue_key) had started, and the

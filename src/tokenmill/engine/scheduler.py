@@ -70,8 +70,13 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         policy: BatchingPolicy | None = None,
         device_type: str = "cpu",
+        kv_window: int | None = None,
     ) -> None:
         self.config = config
+        # Every layer slides (model.kv_window): blocks behind the window are released while the
+        # request runs (_drop_behind_window), and the prefix cache indexes at most a window's
+        # blocks of a path (more could not be released without breaking the tree's paths).
+        self.kv_window = kv_window
         self.device_type = device_type  # picks the default token budget (SchedulerConfig.token_budget)
         self.block_size = block_size
         self.pool = pool
@@ -139,8 +144,9 @@ class Scheduler:
             self.order.left(request)
 
     def _release(self, request: Request) -> None:
-        self.pool.release(request.block_table)
+        self.pool.release(request.block_table[request.num_dropped_blocks:])
         request.block_table = []
+        request.num_dropped_blocks = 0
         request.num_computed_tokens = 0
         request.num_cached_blocks = 0
 
@@ -518,7 +524,7 @@ class Scheduler:
         (which a waiter may have taken in this step) no other running request holds."""
         held: dict[int, int] = {}
         for r in self.running:
-            for block in r.block_table:
+            for block in r.block_table[r.num_dropped_blocks:]:
                 held[block] = held.get(block, 0) + 1
         newest = self.running[-1]
         return [r for r in self.running if r is newest or all(
@@ -565,6 +571,7 @@ class Scheduler:
             # Speculative proposals count once accepted (accept_proposals).
             request.num_computed_tokens += num_new - len(request.spec_token_ids)
             self._cache_full_blocks(request)
+            self._drop_behind_window(request)
 
     def accept_proposals(self, request: Request, accepted: int) -> None:
         """``accepted`` proposals of ``request`` (already appended to its output) were
@@ -572,11 +579,14 @@ class Scheduler:
         if accepted and request.status is RequestStatus.RUNNING:
             request.num_computed_tokens += accepted
             self._cache_full_blocks(request)
+            self._drop_behind_window(request)
 
     def _cache_full_blocks(self, request: Request) -> None:
         if self.prefix_cache is None:
             return
         num_full = request.num_computed_tokens // self.block_size
+        if self.kv_window is not None:
+            num_full = min(num_full, self.kv_window // self.block_size)
         if num_full <= request.num_cached_blocks:
             return
         swaps = self.prefix_cache.insert(
@@ -587,6 +597,24 @@ class Scheduler:
             self.pool.release([request.block_table[index]])
             request.block_table[index] = cached_block
         request.num_cached_blocks = num_full
+
+    def _drop_behind_window(self, request: Request) -> None:
+        """Release the blocks no layer reads again. The next query sits at position
+        ``num_computed_tokens`` or later and reads keys from ``window - 1`` before it on, so a
+        block that ends before that is done with. The blocks the prefix cache indexes are a
+        root path and go together once all of them are behind the window (a request holds
+        whole paths of the tree, so an idle node never has a busy child); the last block
+        stays (its id fills the released slots)."""
+        if self.kv_window is None:
+            return
+        behind = (request.num_computed_tokens + 1 - self.kv_window) // self.block_size
+        behind = min(behind, len(request.block_table) - 1)
+        if behind <= request.num_dropped_blocks or behind < request.num_cached_blocks:
+            return
+        table = request.block_table
+        self.pool.release(table[request.num_dropped_blocks:behind])
+        table[:behind] = [table[behind]] * behind
+        request.num_dropped_blocks = behind
 
     def abort(self, request: Request) -> None:
         self.finish(request, "abort")

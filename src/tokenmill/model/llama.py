@@ -188,6 +188,13 @@ class LlamaForCausalLM(nn.Module):
         """Compute the rotary tables for real (the model was built on the meta device)."""
         self.rope = RotaryEmbedding(self.config, max_positions).to(device)
 
+    def kv_window(self) -> int | None:
+        """How far behind a query any layer still reads when every layer slides (the largest
+        window): K/V further back is never read again, so the scheduler frees its blocks.
+        None where some layer attends the whole context (Gemma 3's global layers)."""
+        windows = [layer.self_attn.window for layer in self.layers]
+        return None if not windows or any(w is None for w in windows) else max(windows)
+
     def attention_masks(self) -> str | None:
         """What this model's attention needs beyond a causal mask (sliding windows,
         soft-capped scores), said in words; None: a plain causal mask. The C attention
