@@ -244,3 +244,37 @@ def test_hold_step_follows_the_overshoot_within_bounds() -> None:
     assert hold_step(missed(1.02), 0.2) == pytest.approx(1.1)  # just past: at least half the precision
     assert hold_step(missed(1.44), 0.2) == pytest.approx(1.2)
     assert hold_step(missed(4.0), 0.2) == pytest.approx(1.4)  # far past: at most twice the precision
+
+
+def test_a_held_run_whose_latency_trends_past_the_slo_fails() -> None:
+    """Near capacity the queue grows slowly: a held run can meet the SLO while its TTFT climbs
+    steadily. The group medians' trend, projected TREND_HORIZON_S ahead, fails it; noise around
+    a flat level, or a climb too slow to reach the SLO in that time, does not."""
+    import random
+
+    from tokenmill.bench.loadgen import PointRun
+    from tokenmill.bench.plan import TREND_HORIZON_S, PlanSettings, judge, projected_crossing
+    from tokenmill.bench.runner import PointResult
+    from tokenmill.bench.stats import summarize
+    from tokenmill.bench.types import RequestRecord
+
+    rng = random.Random(4)
+
+    def recs(level):  # 400 requests over 80 s, each with its send time's TTFT level plus noise
+        return [RequestRecord(index=i, start=0.2 * i, ok=True, ttft=max(0.01, level(0.2 * i) + rng.gauss(0, 0.1)),
+                              e2e=2.0) for i in range(400)]
+
+    slo = {"ttft": 2.0}
+    flat = recs(lambda t: 0.6)
+    assert projected_crossing(flat, slo, {"ttft": 0.9}) == ""
+    climbing = recs(lambda t: 0.6 + 0.005 * t)  # 0.3 s a minute: past 2 s within ten minutes
+    why = projected_crossing(climbing, slo, {"ttft": 1.2})
+    assert why.startswith("ttft rising") and "> 2 s" in why
+    creeping = recs(lambda t: 0.6 + 0.0002 * t)  # 0.012 s a minute: ten minutes add 0.12 s
+    assert projected_crossing(creeping, slo, {"ttft": 0.9}) == ""
+    assert TREND_HORIZON_S >= 300  # at least as far ahead as a five-minute verification
+    # judge applies it to runs held for a set time (steady, --verify), not to short probes
+    point = PointResult("rate=5/s", {}, summarize(climbing, slo), PointRun(records=climbing))
+    assert judge(point, 5.0, PlanSettings(slo=slo)).passed
+    held = judge(point, 5.0, PlanSettings(slo=slo), warmup=0.0, seconds=80.0)
+    assert not held.passed and "rising" in held.why

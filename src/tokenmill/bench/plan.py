@@ -213,6 +213,52 @@ def rising(records: list[RequestRecord], slo: dict[str, float]) -> str:
     return ""
 
 
+# A held run (or --verify) that meets the SLO may still be past capacity: near it the queue
+# grows slowly enough that 150 s pass and five minutes miss (measured on the bundled model at
+# its closed-loop throughput). Its latencies are cut into TREND_GROUPS runs of requests in send
+# order; a latency whose group medians rise with time (least squares, t >= TREND_T) fast enough
+# to take its p99 past the SLO within TREND_HORIZON_S more seconds fails the run. Group medians,
+# not single requests: neighbouring requests share a queue, so their latencies are not
+# independent draws and a per-request fit would call noise a trend.
+TREND_GROUPS = 10
+TREND_T = 3.0
+TREND_HORIZON_S = 600.0
+
+
+def projected_crossing(records: list[RequestRecord], slo: dict[str, float],
+                       p99: dict[str, float | None]) -> str:
+    """Why these steady-state requests' latencies (in send order) are on their way past the
+    SLO, or ""."""
+    n = len(records) // TREND_GROUPS
+    if n < 3:
+        return ""
+    for key, limit in slo.items():
+        times, medians = [], []
+        for g in range(TREND_GROUPS):
+            group = records[g * n:(g + 1) * n]
+            values = [v for v in (_latency(r, key) for r in group) if v is not None]
+            if len(values) >= 3:
+                times.append(sum(r.start for r in group) / len(group))
+                medians.append(percentile(values, 50))
+        if len(times) < TREND_GROUPS // 2 or p99.get(key) is None:
+            continue
+        k = len(times)
+        mt, mv = sum(times) / k, sum(medians) / k
+        sxx = sum((t - mt) ** 2 for t in times)
+        if sxx <= 0:
+            continue
+        slope = sum((t - mt) * (v - mv) for t, v in zip(times, medians)) / sxx
+        resid = sum((v - mv - slope * (t - mt)) ** 2 for t, v in zip(times, medians))
+        se = math.sqrt(resid / (k - 2) / sxx) if resid > 0 else 0.0
+        if slope <= 0 or (se > 0 and slope / se < TREND_T):
+            continue
+        ahead = float(p99[key]) + slope * TREND_HORIZON_S  # type: ignore[arg-type]
+        if ahead > limit:
+            return (f"{key} rising {60 * slope:.3f} s a minute: its p99 would reach {ahead:.2f} s > {limit:g} s "
+                    f"within {TREND_HORIZON_S / 60:g} more minutes")
+    return ""
+
+
 def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float = WARMUP_FRACTION,
           seconds: float | None = None, confident: bool = False) -> Probe:
     """The probe's verdict. ``confident``: a latency passes only when the top of its p99's 95%
@@ -241,7 +287,7 @@ def judge(point: PointResult, rate: float, settings: PlanSettings, warmup: float
         elif confident and iv is not None and iv[1] > limit:
             why.append(f"{k} p99 {v:.3f} s, but its 95% interval reaches {iv[1]:.3f} s > {limit:g} s")
             over.append(iv[1] / limit)
-    trend = rising(ok, settings.slo)
+    trend = rising(ok, settings.slo) or (projected_crossing(ok, settings.slo, p99) if seconds else "")
     if trend and not why:
         why.append(trend)
     d = point.server
