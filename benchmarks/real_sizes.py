@@ -92,9 +92,9 @@ def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -
     return blocks.reshape(rows, -1)
 
 
-def write_model(path: str, shape: Shape, mix: str, seed: int = 0) -> int:
-    """Write the file; returns the bytes one decode token reads (all weights but the embedding
-    table, plus one row of it)."""
+def write_model(path: str, shape: Shape, mix: str, seed: int = 0, context: int = 4096) -> int:
+    """Write the file (its context length ``context``); returns the bytes one decode token reads
+    (all weights but the embedding table, plus one row of it)."""
     import gguf
     from gguf import GGMLQuantizationType as QT
 
@@ -110,7 +110,7 @@ def write_model(path: str, shape: Shape, mix: str, seed: int = 0) -> int:
     assert vocab, "the bundled GGUF has no tokenizer.ggml.tokens"
     head_dim = shape.hidden // shape.heads
     w.add_block_count(shape.layers)
-    w.add_context_length(4096)
+    w.add_context_length(context)
     w.add_embedding_length(shape.hidden)
     w.add_feed_forward_length(shape.intermediate)
     w.add_head_count(shape.heads)
@@ -171,10 +171,18 @@ def bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def kv_pool_mib(shape: Shape, tokens: int) -> int:
+    """A KV pool for one sequence of ``tokens`` (float32 rows, the widest a pool holds), at least
+    256 MiB: long prompts (``--prefill-len 16384``) fit."""
+    per_token = shape.layers * 2 * shape.kv_heads * (shape.hidden // shape.heads) * 4
+    return max(256, -(-tokens * per_token // 2**20))
+
+
 def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> decode_speed.Runner:
     engine = LLMEngine(EngineConfig.from_options(
         model=path, dtype="auto", quantization=quantization, enable_prefix_caching=False,
-        kv_cache_memory="256MiB", max_num_batched_tokens=max(1024, args.prefill_len)))
+        kv_cache_memory=f"{kv_pool_mib(SHAPES[args.shape], args.prefill_len + args.decode_len + 256)}MiB",
+        max_num_batched_tokens=max(1024, args.prefill_len)))
     print(f"# tokenmill --quantization {quantization}: runs dtype {engine.config.dtype}, "
           f"quantization {engine.config.quantization}", flush=True)
     torch.set_num_threads(args.threads)
@@ -232,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenmill-real-sizes-") as tmp:
         path = os.path.join(tmp, f"{args.shape}-{args.qtype}.gguf")
         t = time.perf_counter()
-        per_token = write_model(path, SHAPES[args.shape], args.qtype)
+        per_token = write_model(path, SHAPES[args.shape], args.qtype,
+                                context=max(4096, args.prefill_len + args.decode_len + 64))
         print(f"# real_sizes: shape {args.shape}, {args.qtype}, file {os.path.getsize(path) / 2**20:.0f} MiB "
               f"(written in {time.perf_counter() - t:.0f} s), {per_token / 2**20:.0f} MiB read per decode token, "
               f"bandwidth {bw / 1e9:.1f} GB/s (torch copy_, read+write) -> limit {bw / per_token:.1f} tok/s, "
