@@ -615,10 +615,13 @@ class Int4Linear(_QuantLinear):
             if many_rows:  # AVX2, AVX-512 VNNI: int8 activations at every row count, in the nibble packing
                 vw = library.vector_width
                 packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
-                if packed is not None:
-                    scales, zeros = cpu_kernels.tile_major(self.scales, vw), cpu_kernels.tile_major(zero, vw)
-                    d.packed, d.packed_scale, d.packed_zero = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()
-                    keep += (packed, scales, zeros)
+                if packed is not None:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
+                    form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero)
+                    scales = cpu_kernels.tile_major(scales, vw)
+                    zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
+                    d.packed, d.packed_scale, d.q4_form = packed.data_ptr(), scales.data_ptr(), form
+                    d.packed_zero = None if zeros is None else zeros.data_ptr()
+                    keep += (packed, scales) + (() if zeros is None else (zeros,))
             self._desc = (d, keep, many_rows)
         return self._desc[0]
 
