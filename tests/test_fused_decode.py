@@ -374,7 +374,7 @@ def test_long_contexts_in_parts_match_eager_and_keep_their_bits(windows) -> None
 
 
 def test_q4_0_gguf_fused_step_reads_symmetric_fp16_blocks_with_the_same_bits_at_any_thread_count(tmp_path) -> None:
-    """A Q4_0 file's layers are packed without zeros and with their fp16 scales (int4_q8_form)
+    """A Q4_0 file's layers, its LM head among them, are packed without zeros and with their fp16 scales (int4_q8_form)
     where the build multiplies int4 codes by int8 activations; the fused step's logits and K/V
     then do not depend on the thread count, nor on which other rows share the step, and stay
     at the dequantized float model's."""
@@ -390,7 +390,8 @@ def test_q4_0_gguf_fused_step_reads_symmetric_fp16_blocks_with_the_same_bits_at_
     loaded = load_model(path)
     engine = _engine(loaded, quantization="gguf", dtype="float32")
     layers = [m for m in engine.model.modules() if isinstance(m, quant.Int4Linear)]
-    assert layers
+    # the head (the tied Q4_0 token table) keeps its blocks too, without --quantize-lm-head
+    assert isinstance(engine.model.lm_head, quant.Int4Linear) and engine.model.lm_head in layers
     library = layers[0].ops.library
     if library is not None and library.q4_int8_dot:
         descs = [m.kernel_description() for m in layers]

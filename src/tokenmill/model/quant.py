@@ -785,12 +785,16 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
     # layout exactly), rather than being dequantized to a float32 matmul that costs a
     # many-stream decode step as much as a decoder layer's projections.
-    gguf_head = mode == "gguf" and raw.get(head_source, ("",))[0] == "Q8_0"
-    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head
-                  and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
-                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0  # type: ignore[attr-defined]
-                  and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
-    targets = _targets(model, quantize_head or group_head)
+    # One in Q4_0 / Q4_1 blocks keeps them as the decoder's int4 layers do: dequantized to bf16,
+    # one decode step would read the head at over three times the file's bytes.
+    head_type = raw.get(head_source, ("",))[0] if mode == "gguf" else ""
+    gguf_head = head_type == "Q8_0"
+    one_cpu_head = (model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+                    and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
+    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head and one_cpu_head
+                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
+    int4_head = head_type in ("Q4_0", "Q4_1") and not quantize_head and one_cpu_head
+    targets = _targets(model, quantize_head or group_head or int4_head)
     if mode == "int4":
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
