@@ -371,3 +371,49 @@ def test_long_contexts_in_parts_match_eager_and_keep_their_bits(windows) -> None
     eager = _decode(engine, reqs, False)
     assert _rel(fused, eager) < 1e-5
     assert torch.equal(fused.argmax(-1), eager.argmax(-1))
+
+
+def test_q4_0_gguf_fused_step_reads_symmetric_fp16_blocks_with_the_same_bits_at_any_thread_count(tmp_path) -> None:
+    """A Q4_0 file's layers, its LM head among them, are packed without zeros and with their fp16 scales (int4_q8_form)
+    where the build multiplies int4 codes by int8 activations; the fused step's logits and K/V
+    then do not depend on the thread count, nor on which other rows share the step, and stay
+    at the dequantized float model's."""
+    gguf_files = pytest.importorskip("gguf_files")
+    from conftest import TINY_EOS, tiny_config, tiny_weights
+    from tokenmill.model.loader import load_model
+
+    cfg = tiny_config(tie_word_embeddings=True)
+    weights = tiny_weights(cfg, seed=11)
+    weights.pop("lm_head.weight")
+    path = str(tmp_path / "q4_0.gguf")
+    gguf_files.write_gguf(path, weights, cfg, qtypes={"": "Q4_0"}, eos_token_id=TINY_EOS)
+    loaded = load_model(path)
+    engine = _engine(loaded, quantization="gguf", dtype="float32")
+    layers = [m for m in engine.model.modules() if isinstance(m, quant.Int4Linear)]
+    # the head (the tied Q4_0 token table) keeps its blocks too, without --quantize-lm-head
+    assert isinstance(engine.model.lm_head, quant.Int4Linear) and engine.model.lm_head in layers
+    library = layers[0].ops.library
+    if library is not None and library.q4_int8_dot:
+        descs = [m.kernel_description() for m in layers]
+        packed = [d for d in descs if d.packed]
+        assert packed and all(d.q4_form == cpu_kernels.Q4_SYMMETRIC | cpu_kernels.Q4_F16 and not d.packed_zero
+                              for d in packed)
+    reqs = _requests(engine, _prompts(7, seed=3))
+    _prefill_all_but_last(engine, reqs)
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append((_decode(engine, reqs, True), _new_kv(engine, reqs)))
+        alone = _decode(engine, reqs[2:3], True)  # one row of the batch, stepped by itself
+    finally:
+        torch.set_num_threads(before)
+    for logits, kv in results[1:]:
+        assert torch.equal(logits, results[0][0]) and torch.equal(kv, results[0][1])
+    assert torch.equal(alone[0], results[0][0][2])
+    dense = _engine(loaded, dtype="float32")
+    reqs_d = _requests(dense, [r.prompt_token_ids for r in reqs])
+    _prefill_all_but_last(dense, reqs_d)
+    want = _decode(dense, reqs_d, False)
+    assert _rel(results[0][0], want) < 0.05

@@ -408,3 +408,60 @@ def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: 
         want = x.double() @ table.double().t()
     assert float((got.double() - want).norm() / want.norm()) < 1e-6
     assert torch.allclose(layer(x), got)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "native"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 13])  # every remainder of the kernel's 4-row passes
+@pytest.mark.parametrize("group,fp16", [(32, True), (32, False), (64, True)])
+def test_symmetric_int4_nibble_packing_reads_no_zeros(isa: str, rows: int, group: int, fp16: bool) -> None:
+    """Layers whose zero is -8 x scale (GGUF Q4_0: w = d (q - 8)) are packed without zeros and,
+    where their scales are fp16 values, with fp16 scales (int4_q8_form): the -8 is taken on each
+    activation block's integer code sum. Against the float64 product of the same quantized
+    activations the error is float rounding only, as with the general packing; both ISAs."""
+    if not X86 or "avx2" not in cpu_kernels._cpu_flags():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS[isa])
+    if not narrow.q4_int8_dot:
+        pytest.skip(f"the {isa} build here keeps float32 activations for int4 (no VNNI)")
+    g = torch.Generator().manual_seed(rows + group)
+    vw = narrow.vector_width
+    n, k = 5 * vw, 256
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    codes[: n // 2, : 2 * group] = 15  # the sums' largest magnitude
+    codes[n // 2:, : group] = 0  # and the offset's: every code at -8
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    scale = scale.half().float() if fp16 else scale + 1e-9  # 1e-9: not fp16-exact
+    zero = -8.0 * scale
+    form, scales, zeros = cpu_kernels.int4_q8_form(scale, zero)
+    assert zeros is None and form == cpu_kernels.Q4_SYMMETRIC | (cpu_kernels.Q4_F16 if fp16 else 0)
+    assert scales.dtype == (torch.float16 if fp16 else torch.float32)
+    packed, scales = cpu_kernels.pack_int4_q8(codes, vw), cpu_kernels.tile_major(scales, vw)
+    bias = torch.randn(n, generator=g)
+    d = TmLinear()
+    d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT4, n, k, 1, group
+    wp = pack_int4(codes)
+    d.w, d.scale, d.zero, d.bias = wp.data_ptr(), scale.data_ptr(), zero.data_ptr(), bias.data_ptr()
+    d.packed, d.packed_scale, d.packed_zero, d.q4_form = packed.data_ptr(), scales.data_ptr(), None, form
+    x = torch.randn(rows, k, generator=g)
+    x[0, :32] = torch.linspace(-1, 1, 32)  # a block whose ends quantize to -127 and +127
+    got = cpu_kernels.linear(d, x, library=narrow)
+    w = ((codes.view(n, k // group, group).double() - 8.0) * scale[..., None].double()).view(n, k)
+    want = _q8_blocks(x) @ w.t() + bias.double()
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < 1e-5, err
+    # the same layer through the general packing (zeros read) gives the same products within rounding
+    full, zfull = cpu_kernels.tile_major(scale, vw), cpu_kernels.tile_major(zero, vw)
+    d.packed_scale, d.packed_zero, d.q4_form = full.data_ptr(), zfull.data_ptr(), 0
+    general = cpu_kernels.linear(d, x, library=narrow)
+    assert float((general.double() - want).norm() / want.norm()) < 1e-5
+
+
+def test_int4_q8_form_keeps_zeros_and_float32_where_not_exact() -> None:
+    """Asymmetric layers keep their zeros; values fp16 cannot hold keep float32."""
+    s = torch.tensor([[0.5, 0.25]])
+    form, scales, zeros = cpu_kernels.int4_q8_form(s, -8.0 * s + torch.tensor([[0.0, 0.125]]))
+    assert form == cpu_kernels.Q4_F16 and zeros is not None and zeros.dtype == torch.float16
+    form, scales, zeros = cpu_kernels.int4_q8_form(s + 1e-7, -8.0 * (s + 1e-7))
+    assert form == cpu_kernels.Q4_SYMMETRIC and zeros is None and scales.dtype == torch.float32
+    form, _, zeros = cpu_kernels.int4_q8_form(s, torch.full_like(s, 1e6))  # zeros past fp16's range
+    assert form == 0 and zeros is not None and zeros.dtype == torch.float32

@@ -605,6 +605,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 # --------------------------------------------------------------------------- one projection
 
 W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = 0, 1, 2, 3, 4, 5  # TmLinear.kind (W_KQ: csrc/kquant.c)
+Q4_SYMMETRIC, Q4_F16 = 1, 2  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
 
 
 class TmLinear(ctypes.Structure):
@@ -615,7 +616,7 @@ class TmLinear(ctypes.Structure):
                 ("a8_rows", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("row_sums", ctypes.c_void_p), ("packed", ctypes.c_void_p),
-                ("a16_rows", ctypes.c_int32), ("pad2", ctypes.c_int32),
+                ("a16_rows", ctypes.c_int32), ("q4_form", ctypes.c_int32),
                 ("packed_scale", ctypes.c_void_p), ("packed_zero", ctypes.c_void_p)]
 
 
@@ -658,7 +659,25 @@ def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
     """[N, G] per-row values (an int4 layer's group scales or zeros) -> [N / VW, G, VW], the
     order int4_q8_rows loads them: one vector per tile and group."""
     n, g = per_row.shape
-    return per_row.float().reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
+    keep = per_row if per_row.dtype == torch.float16 else per_row.float()  # fp16: Q4_F16's
+    return keep.reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
+
+
+def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """An int4 layer's nibble-packing scales and kernel zeros (``z - 8 s``, [N, G] each) -> its
+    ``q4_form`` and the per-row arrays to tile (:func:`tile_major`): no zeros when every zero is
+    ``-8 s`` (``Q4_SYMMETRIC``: GGUF Q4_0, where the kernel takes the -8 on the activations'
+    code sums), and fp16 when that holds every value exactly (``Q4_F16``: Q4_0's own ``d``), so
+    a decode step reads the file's 4.5 bits a weight rather than 6."""
+    form, kept = 0, [scales.float()]
+    if bool(torch.equal(zeros.float(), -8.0 * scales.float())):
+        form |= Q4_SYMMETRIC
+    else:
+        kept.append(zeros.float())
+    if all(bool(torch.equal(t.half().float(), t)) for t in kept):
+        form |= Q4_F16
+        kept = [t.half() for t in kept]
+    return form, kept[0], kept[1] if len(kept) > 1 else None
 
 
 def unpack_int4(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,8 @@ Formats. int8: symmetric, one scale per output channel. int4: asymmetric,
 one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``.
 Scales are rounded to bf16 *before* the codes are chosen, so a kernel's bf16
 scales are exact. GGUF: Q4_0 is ``s = d, z = 0``, Q4_1 is ``s = d, z = m + 8d``
-(codes kept bit for bit); Q8_0 has a scale per 32 columns, which no int8
+(codes kept bit for bit; the CPU packing of a layer whose zeros are all 0, as
+Q4_0's, reads no zeros and keeps fp16 scales: ``cpu_kernels.int4_q8_form``); Q8_0 has a scale per 32 columns, which no int8
 kernel takes, so each code ``q = 16*hi + lo`` is split into two int4 codes and
 the layer multiplies ``[x, x]`` by ``[W_hi | W_lo]`` with the int4 kernel:
 the same 8.5 bits per weight, no re-quantization.
@@ -615,10 +616,13 @@ class Int4Linear(_QuantLinear):
             if many_rows:  # AVX2, AVX-512 VNNI: int8 activations at every row count, in the nibble packing
                 vw = library.vector_width
                 packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
-                if packed is not None:
-                    scales, zeros = cpu_kernels.tile_major(self.scales, vw), cpu_kernels.tile_major(zero, vw)
-                    d.packed, d.packed_scale, d.packed_zero = packed.data_ptr(), scales.data_ptr(), zeros.data_ptr()
-                    keep += (packed, scales, zeros)
+                if packed is not None:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
+                    form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero)
+                    scales = cpu_kernels.tile_major(scales, vw)
+                    zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
+                    d.packed, d.packed_scale, d.q4_form = packed.data_ptr(), scales.data_ptr(), form
+                    d.packed_zero = None if zeros is None else zeros.data_ptr()
+                    keep += (packed, scales) + (() if zeros is None else (zeros,))
             self._desc = (d, keep, many_rows)
         return self._desc[0]
 
@@ -782,12 +786,16 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
     # layout exactly), rather than being dequantized to a float32 matmul that costs a
     # many-stream decode step as much as a decoder layer's projections.
-    gguf_head = mode == "gguf" and raw.get(head_source, ("",))[0] == "Q8_0"
-    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head
-                  and model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
-                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0  # type: ignore[attr-defined]
-                  and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
-    targets = _targets(model, quantize_head or group_head)
+    # One in Q4_0 / Q4_1 blocks keeps them as the decoder's int4 layers do: dequantized to bf16,
+    # one decode step would read the head at over three times the file's bytes.
+    head_type = raw.get(head_source, ("",))[0] if mode == "gguf" else ""
+    gguf_head = head_type == "Q8_0"
+    one_cpu_head = (model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
+                    and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
+    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head and one_cpu_head
+                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
+    int4_head = head_type in ("Q4_0", "Q4_1") and not quantize_head and one_cpu_head
+    targets = _targets(model, quantize_head or group_head or int4_head)
     if mode == "int4":
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)

@@ -78,9 +78,9 @@ typedef struct {
                                 n % VW == 0 and k % 4 == 0 */
     int32_t a16_rows;        /* int8, int8g with packed: from this many rows (below a8_rows), 16-bit activations
                                 as two u8 planes (0: never); w may be NULL when this is 1 */
-    int32_t pad2;
-    const float *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales */
-    const float *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows) */
+    int32_t q4_form;         /* int4 with packed: Q4_SYMMETRIC | Q4_F16 bits (int4_q8_block), fixed at packing */
+    const void *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales */
+    const void *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows); NULL with Q4_SYMMETRIC */
 } TmLinear;
 
 typedef struct {
@@ -111,6 +111,11 @@ typedef struct {
 } TmModel;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
+
+/* TmLinear.q4_form: Q4_SYMMETRIC, every zero is -8 x its scale (GGUF Q4_0: w = d (q - 8)),
+ * so no zero is read and the -8 is taken on each activation block's code sum in int32;
+ * Q4_F16, the packed scales (and zeros) are fp16, exact where the packing chose it. */
+enum { Q4_SYMMETRIC = 1, Q4_F16 = 2 };
 
 /* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt B transposed
  * and scaled, [r, n], stored in panels of LORA_PANEL columns (see lora_panel). B is
@@ -470,9 +475,10 @@ TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
 /* Rows of x as int8 with one scale per 32 columns (round to nearest), and each
  * group's sum of the quantized values (into xsum, [B, kp / group]): the zero
  * term must see the same input as the codes, or a large zero point would turn
- * the input's rounding into a large error. */
+ * the input's rounding into a large error. bsum, when given: each 32-column
+ * block's integer code sum, [B, kp / 32] (a symmetric int4 layer's offset). */
 static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp, int64_t group, int8_t *xq, float *xd,
-                             float *xsum) {
+                             float *xsum, int32_t *bsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < B; b++)
@@ -498,6 +504,7 @@ static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp,
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
             const int32_t qsum = _mm_cvtsi128_si32(s4);
             xd[b * (kp / 32) + c0 / 32] = d;
+            if (bsum) bsum[b * (kp / 32) + c0 / 32] = qsum;
             if (xsum) {
                 float *gs = xsum + b * (kp / group) + c0 / group;
                 if (c0 % group == 0) *gs = 0.0f;
@@ -871,11 +878,14 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * 16-row tiles through vpdpbusd (unsigned codes times signed activations, added in 32 bits). */
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 #ifdef TM_Q4_VNNI
-TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NT,
-                             const int NB, int64_t tile, vf out[2][Q4_ROWS]) {
+TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
+                             const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 256, *w1 = w0 + C * 256;
-    const float *ps = L->packed_scale + tile * G * VW, *pz = L->packed_zero + tile * G * VW;
+    const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
+    const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
+    const float *gsum = (const float *)xsum;
+    const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 f[2][Q4_ROWS];
     for (int t = 0; t < NT; t++)
@@ -905,19 +915,27 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 }
             }
         }
+        if (FORM & Q4_SYMMETRIC) /* codes - 8, exactly: 8 x the block's activation code sum off each sum */
+            for (int b = 0; b < NB; b++) {
+                const __m512i off = _mm512_set1_epi32(8 * bsum[b * C + c]);
+                for (int t = 0; t < NT; t++) a[t][b] = _mm512_sub_epi32(a[t][b], off);
+            }
         for (int t = 0; t < NT; t++) {
-            const __m512 sv = _mm512_loadu_ps(ps + t * G * VW + group * VW);
+            const __m512 sv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
+                                            : _mm512_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++)
                 f[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][b]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[b * C + c])),
                                           f[t][b]);
         }
         if (--blocks_left == 0) group++, blocks_left = per;
     }
-    for (int64_t j = 0; j < G; j++)
-        for (int t = 0; t < NT; t++) {
-            const __m512 zv = _mm512_loadu_ps(pz + t * G * VW + j * VW);
-            for (int b = 0; b < NB; b++) f[t][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(xsum[b * G + j]), f[t][b]);
-        }
+    if (!(FORM & Q4_SYMMETRIC))
+        for (int64_t j = 0; j < G; j++)
+            for (int t = 0; t < NT; t++) {
+                const __m512 zv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pzh + t * G * VW + j * VW)))
+                                                : _mm512_loadu_ps(pz + t * G * VW + j * VW);
+                for (int b = 0; b < NB; b++) f[t][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(gsum[b * G + j]), f[t][b]);
+            }
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
@@ -927,11 +945,14 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
  * 16-bit sum is pinned to its register after every add (an empty asm): left free, gcc
  * reassociated the unrolled step loop's adds, computed a block's products first and
  * spilled them to the stack, at two thirds of this loop's rate. */
-TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, const int NT,
-                             const int NB, int64_t tile, vf out[2][Q4_ROWS]) {
+TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
+                             const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 128, *w1 = w0 + C * 128;
-    const float *ps = L->packed_scale + tile * G * VW, *pz = L->packed_zero + tile * G * VW;
+    const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
+    const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
+    const float *gsum = (const float *)xsum;
+    const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 f[2][Q4_ROWS];
     for (int t = 0; t < NT; t++)
@@ -964,28 +985,36 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
             }
         }
         for (int t = 0; t < NT; t++) {
-            const __m256 sv = _mm256_loadu_ps(ps + t * G * VW + group * VW);
-            for (int b = 0; b < NB; b++)
-                f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a[t][b], ones)),
-                                          _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
+            const __m256 sv = FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph + t * G * VW + group * VW)))
+                                            : _mm256_loadu_ps(ps + t * G * VW + group * VW);
+            for (int b = 0; b < NB; b++) {
+                __m256i s32 = _mm256_madd_epi16(a[t][b], ones);
+                if (FORM & Q4_SYMMETRIC) /* codes - 8, exactly: 8 x the block's activation code sum off */
+                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * bsum[b * C + c]));
+                f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
+            }
         }
         if (--blocks_left == 0) group++, blocks_left = per;
     }
-    for (int64_t j = 0; j < G; j++)
-        for (int t = 0; t < NT; t++) {
-            const __m256 zv = _mm256_loadu_ps(pz + t * G * VW + j * VW);
-            for (int b = 0; b < NB; b++) f[t][b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(xsum[b * G + j]), f[t][b]);
-        }
+    if (!(FORM & Q4_SYMMETRIC))
+        for (int64_t j = 0; j < G; j++)
+            for (int t = 0; t < NT; t++) {
+                const __m256 zv = FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pzh + t * G * VW + j * VW)))
+                                                : _mm256_loadu_ps(pz + t * G * VW + j * VW);
+                for (int b = 0; b < NB; b++) f[t][b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(gsum[b * G + j]), f[t][b]);
+            }
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
 #endif
 
 /* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an int4
- * layer in the nibble packing, from the input as quantize_q8_rows left it. */
-static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
-                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
-    const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group;
+ * layer in the nibble packing, from the input as quantize_q8_rows left it; FORM, the
+ * layer's q4_form, compiled in (int4_q8_rows). */
+TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
+                                 int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0,
+                                 const int FORM) {
+    const int64_t kp = L->k * L->repeat, C = kp / 32, G = FORM & Q4_SYMMETRIC ? C : kp / L->group;
     vf acc[2][Q4_ROWS];
     for (int64_t tile = n0 / VW; tile < n1 / VW;) {
         const int NT = tile + 1 < n1 / VW ? 2 : 1;
@@ -994,7 +1023,7 @@ static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, c
             const int NB = left >= Q4_ROWS ? Q4_ROWS : (int)left;
             const int8_t *xb = xq + b0 * kp;
             const float *xdb = xd + b0 * C, *xsb = xsum + b0 * G;
-#define Q4_BLOCK(T, N) int4_q8_block(L, xb, xdb, xsb, T, N, tile, acc)
+#define Q4_BLOCK(T, N) int4_q8_block(L, xb, xdb, xsb, T, N, tile, acc, FORM)
 #define Q4_SWITCH(T)                                                                                    \
     switch (NB) {                                                                                       \
         case 1: Q4_BLOCK(T, 1); break;                                                                  \
@@ -1019,6 +1048,18 @@ static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, c
             }
         }
         tile += NT;
+    }
+}
+
+static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
+                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
+        case Q4_SYMMETRIC | Q4_F16:
+            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_SYMMETRIC | Q4_F16);
+            break;
+        case Q4_SYMMETRIC: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_SYMMETRIC); break;
+        case Q4_F16: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_F16); break;
+        default: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, 0); break;
     }
 }
 #endif
@@ -1149,7 +1190,7 @@ int tm_kernels_q4_int8_dot(void) {
 /* Per-thread activation scratch for one matmul input. */
 typedef struct {
     float *xext; /* [rows, k * repeat]: the input, fed twice for repeat-2 int4; or as bf16 (xh) */
-    float *xsum; /* [rows, groups] */
+    float *xsum; /* [rows, groups]; a Q4_SYMMETRIC layer's input: int32 block code sums, [rows, k * repeat / 32] */
     const uint16_t *xh; /* [rows, k] bf16 copy of the input for bf16_dot_tile, or NULL */
     float *wtile;       /* [VW, k * repeat]: one int4 row tile, dequantized (int4_dequant_rows) */
     int8_t *xq;         /* [rows, k * repeat]: the input as int8, a scale per 32 columns (int4_q8_tile) */
@@ -1188,7 +1229,8 @@ static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *
  * nibble packing given) rather than int4_q8_tile, int4_tile or dequantized float32 tiles. */
 TM_INLINE int int4_q8_packed(const TmLinear *L) {
 #ifdef TM_Q4_PACKED
-    return L->kind == W_INT4 && L->packed && L->packed_scale && L->packed_zero && L->n % VW == 0;
+    return L->kind == W_INT4 && L->packed && L->packed_scale && (L->packed_zero || (L->q4_form & Q4_SYMMETRIC)) &&
+           L->n % VW == 0;
 #else
     (void)L;
     return 0;
@@ -1230,7 +1272,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #endif
 #ifdef TM_Q8_DOT
     if (L->kind == W_INT8 && B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) { /* int8_q8_tile's input */
-        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL);
+        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL, NULL);
         return x;
     }
 #endif
@@ -1243,10 +1285,16 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         *ldx_out = kp;
     }
     if (B >= TM_INT4_DEQUANT_ROWS && !int4_q8_packed(L)) return x; /* dequantized tiles: no group sums */
+#ifdef TM_Q4_PACKED
+    if (int4_q8_packed(L) && (L->q4_form & Q4_SYMMETRIC)) { /* block code sums where group sums would go */
+        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, NULL, (int32_t *)is->xsum);
+        return x;
+    }
+#endif
 #ifndef TM_Q8_DOT
 #ifdef TM_Q4_VNNI
     if (int4_q8_packed(L)) {
-        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum);
+        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL);
         return x;
     }
 #endif
@@ -1259,7 +1307,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
             is->xsum[b * G + j] = t;
         }
 #else
-    quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum);
+    quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL);
 #endif
     return x;
 }
@@ -2068,7 +2116,8 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
         return 1;
     if (B == 0) return 0;
     if (num_threads < 1) num_threads = 1;
-    const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / L->group : 0;
+    /* int4's group sums, or a symmetric layer's block code sums (kp / 32 a row: room for either) */
+    const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / 32 : 0;
     int failed = 0;
     int64_t next = 0; /* the threads' claim counter (claim_chunk) */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
