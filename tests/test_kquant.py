@@ -48,9 +48,10 @@ def _layer(types: tuple[str, ...], rows: int, k: int, seed: int = 0) -> KQuantLi
 
 
 def test_kernel_dequantizes_exactly_and_matches_float32(lib):
-    """Each type alone (the identity's product reads the C kernel's weights out, exactly),
-    then a fused Q4_K + Q6_K projection against the dequantized float32 matmul at several
-    row counts (float32 activations: only the summation order differs)."""
+    """Each type alone (the identity's product, 512 rows: widened tiles, reads the C kernel's
+    weights out exactly), then a fused Q4_K + Q6_K + Q5_K projection against the dequantized
+    float32 matmul at row counts the widened tiles take (float32 activations: only the
+    summation order differs)."""
     for t in TYPES:
         layer = _layer((t,), 32, 512, seed=2)
         (desc,) = layer.kernel_descriptions()
@@ -59,12 +60,79 @@ def test_kernel_dequantizes_exactly_and_matches_float32(lib):
         assert got is not None and torch.equal(got.t(), layer.dequantized_weight()), t
     layer = _layer(("Q4_K", "Q6_K", "Q5_K"), 48, 768, seed=3)
     w = layer.dequantized_weight()
-    for rows in (1, 3, 7, 16, 33):
+    for rows in (1, 3, 7, 16, 33, 40):
+        if rows < lib.kquant_int8_rows:
+            continue  # int8 activations: test_int8_activation_products
         x = torch.randn(rows, 768)
         outs = [cpu_kernels.linear(d, x, lib) for d in layer.kernel_descriptions()]
         got = torch.cat(outs, dim=1)
         want = x.double() @ w.double().t()
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
+
+
+def _q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer K-quant path sees it: per row and 32 inputs, d = amax / 127 and
+    codes round(x * (127 / amax)) (float32 arithmetic, ties to even), widened back."""
+    a = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(a).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(a * inv)
+    d = (amax / np.float32(127)).astype(np.float32)
+    return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_int8_activation_products(lib, type_name):
+    """Few activation rows: the blocks' codes times int8 activations (a scale per 32 inputs)
+    in builds with integer dot products. Against the float64 product of the dequantized
+    weights and the activations quantized the same way, within float32 summation; against
+    the unquantized activations, within the rounding bound (half a step per input); and each
+    row's result the same bits whatever rows share its call and however many threads run it."""
+    k = 768
+    layer = _layer((type_name,), 64, k, seed=7)
+    (desc,) = layer.kernel_descriptions()
+    w = layer.dequantized_weight().double()
+    gen = torch.Generator().manual_seed(8)
+    for rows in (1, 2, 3, 7, 16, 33):
+        x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+        x[0, :32] = 0.0  # an all-zero group
+        got = cpu_kernels.linear(desc, x, lib)
+        assert got is not None
+        got = got.double()
+        exact = x.double() @ w.t()
+        if rows >= lib.kquant_int8_rows:  # widened tiles, float32 activations
+            assert torch.allclose(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max())), rows
+            continue
+        xq = _q8_activations(x)
+        want = xq @ w.t()
+        assert (got - want).abs().le(1e-5 * (xq.abs() @ w.abs().t()) + 1e-6).all(), rows
+        step = x.double().reshape(rows, -1, 32).abs().amax(2, keepdim=True).expand(rows, k // 32, 32) / 254
+        assert (got - exact).abs().le(step.reshape(rows, k) @ w.abs().t() + 1e-6).all(), rows
+        assert not torch.allclose(got, exact, rtol=1e-6, atol=0), "the int8 path was not taken"
+        alone = torch.cat([cpu_kernels.linear(desc, x[i : i + 1], lib) for i in range(rows)])
+        assert torch.equal(alone.double(), got), rows
+    if lib.kquant_int8_rows:
+        x = torch.randn(5, k, generator=gen)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = cpu_kernels.linear(desc, x, lib)
+            torch.set_num_threads(2)
+            two = cpu_kernels.linear(desc, x, lib)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two)
+
+
+def test_int8_activation_path_in_avx_builds():
+    """Builds with AVX2 (and AVX-512 with VNNI) have the integer path; the portable one keeps
+    widening tiles to float32."""
+    if not X86:
+        pytest.skip("x86 builds only")
+    assert cpu_kernels.build(cpu_kernels.ISA_FLAGS["portable"]).kquant_int8_rows == 0
+    if "avx2" in cpu_kernels._cpu_flags():
+        assert cpu_kernels.build(cpu_kernels.ISA_FLAGS["avx2"]).kquant_int8_rows > 1
 
 
 def _kquant_file(tmp_path, qtypes: dict[str, str]) -> str:

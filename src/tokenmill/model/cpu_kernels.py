@@ -99,6 +99,7 @@ class KernelLibrary:
     int8_dot_unit: str = ""  # what computes those sums: "VNNI", or "AVX2 16-bit" products (the same sums)
     bf16_attention: bool = False  # decode attention over a bf16 pool multiplies bf16-rounded q and weights (vdpbf16ps)
     q4_int8_dot: bool = False  # int4 layers in the nibble packing multiply codes by int8 activations (AVX2, AVX-512 VNNI)
+    kquant_int8_rows: int = 0  # K-quant layers multiply codes by int8 activations below this many rows (kquant.c)
 
 
 _lock = threading.Lock()
@@ -244,6 +245,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_vector_width.restype = ctypes.c_int
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
     cdll.tm_kernels_q4_int8_dot.restype = ctypes.c_int
+    cdll.tm_kernels_kquant_int8_rows.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_bf16_attention.restype = ctypes.c_int
     cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
@@ -256,7 +258,8 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     amx = int8_dot and bool(cdll.tm_kernels_amx_init(1))
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
                          int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""),
-                         bool(cdll.tm_kernels_bf16_attention()), bool(cdll.tm_kernels_q4_int8_dot()))
+                         bool(cdll.tm_kernels_bf16_attention()), bool(cdll.tm_kernels_q4_int8_dot()),
+                         cdll.tm_kernels_kquant_int8_rows())
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:

@@ -1237,6 +1237,31 @@ TM_INLINE int int4_q8_packed(const TmLinear *L) {
 #endif
 }
 
+#define TM_KQ_DOT_ROWS 32 /* below this many activation rows, K-quant layers take kq_dot_rows */
+
+/* Whether a K-quant layer's products run on int8 activations (kquant.c's kq_dot_rows)
+ * rather than on tiles widened to float32: with few activation rows the widening costs
+ * more than the products it feeds; with many it is shared by them all and the float32
+ * tile's products are faster. */
+TM_INLINE int kq_int8_dot(const TmLinear *L, int64_t B) {
+#ifdef TM_KQ_DOT
+    return L->kind == W_KQ && B < TM_KQ_DOT_ROWS;
+#else
+    (void)L, (void)B;
+    return 0;
+#endif
+}
+
+/* Below how many activation rows K-quant layers multiply their codes by int8 activations
+ * (kq_dot_rows; tests compare those within the activations' rounding); 0: never. */
+int tm_kernels_kquant_int8_rows(void) {
+#ifdef TM_KQ_DOT
+    return TM_KQ_DOT_ROWS;
+#else
+    return 0;
+#endif
+}
+
 /* What a matmul over input x reads: x itself, or for int4 the per-group sums
  * (and for repeat 2 the doubled input) in this thread's scratch; for bf16
  * weights and several rows, also a bf16 copy of x (is->xh). */
@@ -1268,6 +1293,12 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #pragma omp simd
             for (int64_t c = 0; c < L->k; c++) xh[b * L->k + c] = f32_to_bf16(x[b * ldx + c]);
         is->xh = xh;
+    }
+#endif
+#ifdef TM_KQ_DOT
+    if (kq_int8_dot(L, B)) { /* kq_dot_rows' input: codes, scales and sums in the scratch */
+        kq_quantize_rows(x, ldx, B, L->k, is->xq, is->xd, is->xsum, is->xsum + B * (L->k / 32));
+        return x;
     }
 #endif
 #ifdef TM_Q8_DOT
@@ -1355,12 +1386,19 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
     const int64_t G = L->kind == W_INT4 ? L->k * L->repeat / L->group : 0;
     const float *xsum = is->xsum;
     const uint16_t *xh = is->xh;
-    /* K-quant tiles are always widened first (kquant.c): float32 activations, the file's exact weights */
+    /* K-quant tiles not taken by kq_dot_rows are widened first (kquant.c): float32 activations */
     const int dequant = (L->kind == W_INT4 && B >= TM_INT4_DEQUANT_ROWS) || L->kind == W_KQ;
     float out[TM_MAX_ROWS][VW];
 #ifdef TM_Q4_PACKED
     if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
         int4_q8_rows(L, is->xq, is->xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
+        return;
+    }
+#endif
+#ifdef TM_KQ_DOT
+    if (kq_int8_dot(L, B)) { /* the input quantized by prepare_input (kq_quantize_rows) */
+        kq_dot_rows(L->group, (const uint8_t *)L->w, L->k, is->xq, is->xd, xsum, xsum + B * (L->k / 32), B, n0, n1,
+                    L->bias, y, ldy, accumulate, y_col0);
         return;
     }
 #endif
@@ -2116,8 +2154,9 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
         return 1;
     if (B == 0) return 0;
     if (num_threads < 1) num_threads = 1;
-    /* int4's group sums, or a symmetric layer's block code sums (kp / 32 a row: room for either) */
-    const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / 32 : 0;
+    /* int4's group sums, or a symmetric layer's block code sums (kp / 32 a row: room for either),
+     * or a K-quant input's 32- and 16-input code sums (kq_quantize_rows) */
+    const int64_t kp = L->k * L->repeat, G = L->kind == W_INT4 ? kp / 32 : L->kind == W_KQ ? 3 * kp / 32 : 0;
     int failed = 0;
     int64_t next = 0; /* the threads' claim counter (claim_chunk) */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
