@@ -100,7 +100,8 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     kquants = sorted({entry[0] for key, entry in raw.items() if ".layers." in key and entry[0].endswith("_K")})
     if kquants and (device is None or device.type == "cpu"):
         return "gguf", (f"the file's decoder projections are {'/'.join(kquants)} blocks: kept as they are (its exact "
-                        "weights at its own size), multiplied by float32 activations")
+                        "weights at its own size); decode rows multiply their codes by int8 activations (a scale "
+                        "per 32 inputs), prefill chunks widen them to float32")
     if device is not None and int8_compute(name, device, options):
         from ..model.cpu_kernels import load
 

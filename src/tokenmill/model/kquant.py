@@ -2,11 +2,14 @@
 
 A K-quant file's projections keep their own bytes (4.5, 5.5 and 6.6 bits a weight)
 rather than being dequantized at load and requantized: ``KQuantLinear`` holds the
-blocks, and the C kernels (``csrc/kquant.c`` inside ``tm_linear``) widen a tile of
-rows to float32 exactly as ggml does and multiply it by float32 activations, so the
-products see the file's exact weights with nothing rounded on the activations'
-side. A fused projection whose parts were stored in different types (q/k in Q4_K
-and v in Q6_K, as Q4_K_M files have them) keeps one block matrix per part.
+blocks, and the C kernels (``csrc/kquant.c`` inside ``tm_linear`` and the fused step)
+read them as stored. Few activation rows (decode) multiply the blocks' codes by int8
+activations with integer dot products, each row quantized on its own with a scale per
+32 inputs, as llama.cpp multiplies K-quants by its Q8_K activations; many rows (prefill
+chunks), and builds without AVX2, widen a tile of rows to float32 exactly as ggml does
+and multiply it by float32 activations. A fused projection whose parts were stored in
+different types (q/k in Q4_K and v in Q6_K, as Q4_K_M files have them) keeps one block
+matrix per part.
 
 Without the C kernels (another device, kernels off) the layer widens its blocks
 with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.

@@ -1,6 +1,7 @@
-/* GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) widened to float32, row by row, exactly as ggml
- * dequantizes them: decode_step.c's linear_rows turns a tile of rows into float32 here and
- * runs its dense float32 tile over it (float32 activations, nothing re-quantized), so a
+/* GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as stored. Many activation rows: decode_step.c's
+ * linear_rows widens a tile of rows to float32 here, exactly as ggml dequantizes them, and
+ * runs its dense float32 tile over it (float32 activations). Few rows (decode): the codes
+ * times int8 activations with integer dot products (kq_dot_rows, below). Either way a
  * K-quant file keeps its own bytes in memory and its exact weights in the products.
  *
  * Layouts (256 weights per super-block, rows of k / 256 super-blocks):
