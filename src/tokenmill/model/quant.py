@@ -860,16 +860,13 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
                 new = Int8GroupLinear(torch.cat([q for q, _ in groups]).to(dev),
                                       torch.cat([d for _, d in groups]).to(dev), bias, dynamic=True)
                 fmt = "+".join(sorted(kinds)) + " (int8 g32)"
-                parent_name, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attr, new)
-                report.quantized[name] = fmt
-                continue
-            parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
-            codes = Int4Codes.cat_rows(parts)
-            codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat)
-            new = Int4Linear(codes, bias)
-            fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
-                ", split" if codes.repeat == 2 else "") + ")"
+            else:
+                parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
+                codes = Int4Codes.cat_rows(parts)
+                codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat)
+                new = Int4Linear(codes, bias)
+                fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
+                    ", split" if codes.repeat == 2 else "") + ")"
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
