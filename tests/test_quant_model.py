@@ -136,6 +136,28 @@ def test_gguf_blocks_served_natively_match_the_dequantized_model(tmp_path, qtype
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
 
 
+def test_gguf_layers_kept_as_blocks_are_never_dequantized(tmp_path, monkeypatch) -> None:
+    """Layers `gguf` rebuilds from the file's blocks are never widened to dense weights
+    (an 8B file's would not fit in memory): the model gives the same logits as one built
+    from weights handed over as a plain dict, which are all made and loaded."""
+    from tokenmill.model import loader
+    from tokenmill.model.loader import LoadedModel
+
+    cfg = tiny_config(tie_word_embeddings=False)
+    path = str(tmp_path / "tiny.gguf")
+    _write_gguf(path, tiny_weights(cfg, seed=6), cfg, {"layers.": "Q4_0", "down_proj": "Q8_0"})
+    loaded = load_model(path)
+    made: list[str] = []
+    dense = loader._dense
+    monkeypatch.setattr(loader, "_dense", lambda t, rows, dtype: made.append(t.name) or dense(t, rows, dtype))
+    native = _engine(loaded, quantization="gguf")
+    assert made and not [name for name in made if name.startswith("blk.")
+                         and not name.endswith("norm.weight")]  # only norms, the table and the head
+    assert not [n for n, p in native.model.named_parameters() if p.is_meta]
+    eager = LoadedModel(loaded.config, dict(loaded.weights), loaded.quant_types, loaded.raw_quantized)
+    assert torch.equal(_logits(native, IDS), _logits(_engine(eager, quantization="gguf"), IDS))
+
+
 def test_gguf_keeps_a_q8_0_head_as_its_exact_int8_groups(tmp_path) -> None:
     """Without --quantize-lm-head, a head (here the tied token table) stored as Q8_0 keeps
     the file's codes and scales in an Int8GroupLinear, not a float32 matmul."""

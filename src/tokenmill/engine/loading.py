@@ -17,6 +17,7 @@ from ..corpus import corpus_text
 from ..model import smoothquant
 from ..model.architectures import model_class
 from ..model.llama import LlamaForCausalLM
+from ..model.loader import CheckpointWeights
 from ..model.loader import LoadedModel, load_model  # noqa: F401 - how tools outside the engine read a checkpoint
 from .executors import Kernels, choose_kernels
 from .request import Request, SamplingParams
@@ -42,9 +43,19 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
         model = model_class(loaded.config)(loaded.config, max_positions=max_len)
     if parallel is not None:
         parallel.shard_model(model)
-    model = model.to_empty(device=device).to(dtype)
+    from ..model.quant import block_backed_layers
+
+    # Layers `gguf` rebuilds from the file's blocks stay on meta: their dense weights are
+    # never made (an 8B Q4_0 file's would be 32 GB in float32, its blocks take 4.7).
+    deferred = block_backed_layers(model, loaded, config, device) if parallel is None else {}
+    weights = loaded.weights
+    if deferred and not isinstance(weights, CheckpointWeights):
+        deferred = {}  # weights handed over as a plain dict are loaded as they are
+    model = _materialize(model, device, dtype, {f"{name}.weight" for name in deferred})
     model.reset_rope(max_len, device)
-    model.load_weights(loaded.weights)
+    if deferred:
+        weights = weights.deferring([s for sources in deferred.values() for s in sources], dtype)
+    model.load_weights(weights)
     if calibration and str(config.quantization).lower() == "w8a8":
         if parallel is not None:
             parallel.share_calibration(calibration)  # every rank smooths its shard on these tokens, in step
@@ -58,7 +69,28 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
         quantize_model(model, loaded, config)
         if parallel is not None:
             parallel.after_quantize(model)
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} weights were never loaded (first: {left[0]}); "
+                           "a layer left for the file's blocks was not rebuilt from them")
     model.eval()
+    return model
+
+
+def _materialize(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                 keep_meta: set[str]) -> LlamaForCausalLM:
+    """``model`` (built on meta) with storage on ``device`` in ``dtype`` for every
+    parameter and buffer but the ``keep_meta`` parameters (by name)."""
+    if not keep_meta:
+        return model.to_empty(device=device).to(dtype)
+    held = {}
+    for name in keep_meta:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        held[name] = (module, attr, module._parameters.pop(attr))
+    model = model.to_empty(device=device).to(dtype)
+    for module, attr, param in held.values():
+        module._parameters[attr] = torch.nn.Parameter(param.to(dtype), requires_grad=False)
     return model
 
 

@@ -23,6 +23,8 @@ so quantization and tensor parallelism treat the model as they treat Llama.
 from __future__ import annotations
 
 import dataclasses
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,10 +216,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Hugging Face names in; every norm weight shifted by one (Gemma scales by 1 + w)."""
-        shifted = {name: (w.float() + 1.0).to(w.dtype) if name.endswith("norm.weight") else w
-                   for name, w in weights.items()}
+        norms = {name: (weights[name].float() + 1.0).to(weights[name].dtype)
+                 for name in weights if name.endswith("norm.weight")}
+        shifted = ChainMap(norms, weights)  # the rest read as they are, one at a time
         super().load_weights(shifted)
         params = dict(self.named_parameters())
         for i in range(self.config.num_hidden_layers):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,63 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
 RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 
+class CheckpointWeights(MutableMapping[str, torch.Tensor]):
+    """Hugging Face-named weights, each made when it is read rather than at load.
+
+    A GGUF file's block tensors widen four to eight times when dequantized to float32:
+    held all at once, an 8B model's would not fit the memory of a machine that serves its
+    4.7 GB file. Read one at a time (``model.load_weights`` copies each into its parameter
+    and drops it), the dense copies never add up; layers that keep the file's blocks
+    (``--quantization gguf``) never read theirs (``deferring``). Tensors stored here are
+    kept as they are; nothing read is cached.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def add_lazy(self, name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> None:
+        self._values[name] = make
+        self._shapes[name] = tuple(shape)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def deferring(self, names: Iterable[str], dtype: torch.dtype) -> CheckpointWeights:
+        """A view in which ``names`` read as meta tensors of their shape (no data made):
+        what the parameters of layers that will be rebuilt from the file's blocks load."""
+        view = CheckpointWeights()
+        view._values, view._shapes = dict(self._values), dict(self._shapes)
+        for name in names:
+            shape = self._shapes[name]
+            view._values[name] = lambda shape=shape: torch.empty(shape, dtype=dtype, device="meta")
+        return view
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._values[name]
+        return value if isinstance(value, torch.Tensor) else value()
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._values[name] = tensor
+        self._shapes[name] = tuple(tensor.shape)
+
+    def __delitem__(self, name: str) -> None:
+        del self._values[name]
+        del self._shapes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 @dataclass
 class LoadedModel:
     """A checkpoint read into memory, named and laid out as Hugging Face does."""
 
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: MutableMapping[str, torch.Tensor]
     quant_types: dict[str, str]
     raw_quantized: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] = field(default_factory=dict)
     source: str = ""
@@ -128,10 +180,20 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
 
         out = gguf_dequantize(np.asarray(data), GGMLQuantizationType[type_name])
         return np.asarray(out, dtype=np.float32).reshape(shape)
-    raise UnsupportedModel(
+    raise _unsupported_type(type_name)
+
+
+def _unsupported_type(type_name: str) -> UnsupportedModel:
+    return UnsupportedModel(
         f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
         "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
     )
+
+
+def check_tensor_type(type_name: str) -> None:
+    """Refuse a tensor type ``dequantize`` cannot read, at load (weights are dequantized later)."""
+    if type_name not in ("F32", "F16", "BF16", *_OWN_DEQUANT, *_GGUF_QUANTS_OK):
+        raise _unsupported_type(type_name)
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -308,8 +370,19 @@ def _phi3_gguf_rope(gguf_file: GGUFFile, config: ModelConfig) -> None:
         config.rope_scaling["attention_factor"] = float(md["phi3.rope.scaling.attn_factor"])
 
 
+def _dense(t: GGUFTensor, row_index: np.ndarray | None, dtype: torch.dtype) -> torch.Tensor:
+    """One GGUF tensor dequantized, rows in Hugging Face order, in ``dtype``."""
+    values = dequantize(t.data, t.type_name, t.shape)
+    if row_index is not None:
+        values = values[row_index]
+    if not values.flags.writeable or not values.flags.c_contiguous:
+        values = np.array(values, copy=True)  # F32 tensors are read-only views of the file
+    return torch.from_numpy(values).to(dtype)
+
+
 def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Read a GGUF file: metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
+    """Read a GGUF file: metadata -> ModelConfig, tensors -> HF-named weights, each
+    dequantized when read (``CheckpointWeights``), and the block tensors' raw bytes."""
     gguf_file = read_gguf(path)
     arch = gguf_file.metadata.get("general.architecture")
     check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture")
@@ -337,20 +410,17 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     # already half-split in llama.cpp ("NEOX" style), so its rows are stored as HF has them.
     permuted = config.architecture in ("llama", "mistral", "mixtral")
 
-    weights: dict[str, torch.Tensor] = {}
+    weights = CheckpointWeights()
     quant_types: dict[str, str] = {}
     raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]] = {}
     for hf, t in entries:
         type_name, shape = t.type_name, t.shape
-        values = dequantize(t.data, type_name, shape)
+        check_tensor_type(type_name)
         row_index = None
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config.num_attention_heads if ".q_proj." in hf else config.num_key_value_heads
             row_index = unpermute_rows(shape[0], heads)
-            values = values[row_index]
-        if not values.flags.writeable or not values.flags.c_contiguous:
-            values = np.array(values, copy=True)  # F32 tensors are read-only views of the file
-        weights[hf] = torch.from_numpy(values).to(dtype)
+        weights.add_lazy(hf, tuple(shape), lambda t=t, rows=row_index: _dense(t, rows, dtype))
         quant_types[hf] = type_name
         if type_name in RAW_KEPT_TYPES and len(shape) == 2:
             blocks = t.data  # [rows, bytes_per_row] uint8 view into the memory map

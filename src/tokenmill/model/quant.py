@@ -759,6 +759,36 @@ def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tu
     return out
 
 
+def _block_layer_kind(kinds: set[str], device: torch.device) -> str | None:
+    """What ``gguf`` rebuilds a layer stored in ``kinds`` blocks as: "kquant" (the blocks as
+    they are), "int8 groups" (Q5_0, with Q8_0 beside it), "int4" (Q4_0/Q4_1/Q5_1/Q8_0 as
+    nibble planes); None where it stays a dense layer (K-quants mixed with other types, or
+    K-quants off the CPU)."""
+    from .kquant import KQUANT_TYPES
+
+    if kinds <= set(KQUANT_TYPES):
+        return "kquant" if device.type == "cpu" else None
+    if kinds & set(KQUANT_TYPES):
+        return None
+    if "Q5_0" in kinds and kinds <= {"Q5_0", "Q8_0"} and device.type == "cpu":
+        return "int8 groups"
+    return "int4"
+
+
+def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
+                        device: torch.device) -> dict[str, tuple[str, ...]]:
+    """Decoder projections that ``quantize_model`` will rebuild from the file's blocks
+    (``--quantization gguf``): their dense weights need never be made, so the model can
+    leave them on meta and load them as meta (``CheckpointWeights.deferring``). Module
+    name -> the checkpoint weights it is made from. The LM head is not among them (its
+    choice depends on how it is tied)."""
+    raw = getattr(loaded, "raw_quantized", None) or {}
+    if str(config.quantization or "none").lower() != "gguf" or not raw:
+        return {}
+    return {name: sources for name, _, sources in _targets(model, False)
+            if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device)}
+
+
 def _head_source(model: nn.Module) -> str:
     """The checkpoint weight the LM head reads: the token table when they are tied."""
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
@@ -814,8 +844,10 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
     grouped_activations = mode == "w8a8" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1 and _vnni(
         getattr(config, "kernel_options", None))
+    model_device = model.embed_tokens.weight.device  # type: ignore[attr-defined]
     for name, mod, sources in targets:
-        dev = mod.weight.device
+        # a layer rebuilt from the file's blocks may have been left on meta (block_backed_layers)
+        dev = model_device if mod.weight.is_meta else mod.weight.device
         bias = mod.bias
         new: nn.Module
         if name == "lm_head" and group_head and gguf_head:
@@ -839,20 +871,17 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
                 kind = getattr(loaded, "quant_types", {}).get(missing[0], "not quantized")
                 report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
                 continue
-            from .kquant import KQUANT_TYPES, KQuantLinear
-
             kinds = {raw[s][0] for s in sources}
-            if kinds <= set(KQUANT_TYPES) and dev.type == "cpu":  # the file's K-quant blocks as they are
-                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias)
-                fmt = f"{new.formats} blocks"
-                parent_name, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent_name), attr, new)
-                report.quantized[name] = fmt
-                continue
-            if kinds & set(KQUANT_TYPES):
+            rebuilt_as = _block_layer_kind(kinds, dev)
+            if rebuilt_as is None:
                 report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
                 continue
-            if "Q5_0" in kinds and kinds <= {"Q5_0", "Q8_0"} and dev.type == "cpu":
+            if rebuilt_as == "kquant":  # the file's K-quant blocks as they are
+                from .kquant import KQuantLinear
+
+                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias)
+                fmt = f"{new.formats} blocks"
+            elif rebuilt_as == "int8 groups":
                 # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
                 # kernels with 8-bit activations a scale per 32 inputs (llama.cpp's Q5_0 x Q8_0)
                 groups = [int8g_from_q5_0(raw[s][1], tuple(raw[s][2])) if raw[s][0] == "Q5_0"
@@ -873,7 +902,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
         report.quantized[name] = fmt
         if name == "lm_head" and tied:
             probe = torch.zeros(1, dtype=torch.long, device=dev)
-            if new.rows(probe) is not None:  # type: ignore[operator]
+            rows = getattr(new, "rows", None)  # K-quant layers have no row lookup
+            if rows is not None and rows(probe) is not None:
                 model.embed_tokens = QuantizedEmbedding(new, embed_dtype)  # type: ignore[arg-type]
                 report.shared_embedding = True
     model.quant_report = report  # type: ignore[assignment]  # for startup logs and the eval's JSON
