@@ -6,6 +6,7 @@ rotary, each 2-D tensor stored as F32 or quantized by ``gguf.quants``.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import numpy as np
@@ -82,7 +83,7 @@ def write_gguf(path: str, weights: dict[str, Any], cfg: Any, *, arch: str = "lla
         if qtype == "F32":
             w.add_tensor(gname, value)
         elif qtype in KQUANT_SCALES:  # gguf.quants cannot make these: random blocks of the same shape
-            rng = np.random.default_rng(abs(hash(name)) % 2**32)
+            rng = np.random.default_rng(zlib.crc32(name.encode()))  # the same blocks in every process
             blocks = random_kquant_blocks(qtype, int(np.prod(value.shape[:-1])), value.shape[-1], rng)
             w.add_tensor(gname, blocks.reshape(*value.shape[:-1], -1), raw_dtype=QT[qtype])
         else:
