@@ -47,38 +47,58 @@ def _layer(types: tuple[str, ...], rows: int, k: int, seed: int = 0) -> KQuantLi
     return KQuantLinear([(t, random_kquant_blocks(t, rows, k, rng), (rows, k)) for t in types])
 
 
+def _float_tiles(lib, type_name: str) -> bool:
+    """Whether many activation rows of ``type_name`` run on tiles widened to float32 (else
+    on int8g tiles: Q4_K / Q5_K where the build has integer products)."""
+    return type_name == "Q6_K" or not lib.kquant_int8_tiles
+
+
 def test_kernel_dequantizes_exactly_and_matches_float32(lib):
-    """Each type alone (the identity's product, 512 rows: widened tiles, reads the C kernel's
-    weights out exactly), then a fused Q4_K + Q6_K + Q5_K projection against the dequantized
-    float32 matmul at row counts the widened tiles take (float32 activations: only the
-    summation order differs)."""
+    """Each type alone (the identity's product, 512 rows, reads the C kernel's weights out:
+    exactly from float32 tiles; from int8g tiles within a rounding of the one-hot input's
+    scale, 127 x (1 / 127)), then a fused Q4_K + Q6_K + Q5_K projection against the
+    dequantized float32 matmul at row counts the widened tiles take (float32 activations:
+    only the summation order differs)."""
     for t in TYPES:
         layer = _layer((t,), 32, 512, seed=2)
         (desc,) = layer.kernel_descriptions()
         eye = torch.eye(512)
         got = cpu_kernels.linear(desc, eye, lib)
-        assert got is not None and torch.equal(got.t(), layer.dequantized_weight()), t
+        want = layer.dequantized_weight()
+        assert got is not None, t
+        if _float_tiles(lib, t):
+            assert torch.equal(got.t(), want), t
+        else:
+            assert torch.allclose(got.t(), want, rtol=1e-6, atol=1e-7 * float(want.abs().max())), t
     layer = _layer(("Q4_K", "Q6_K", "Q5_K"), 48, 768, seed=3)
     w = layer.dequantized_weight()
     for rows in (1, 3, 7, 16, 33, 40):
         if rows < lib.kquant_int8_rows:
             continue  # int8 activations: test_int8_activation_products
         x = torch.randn(rows, 768)
-        outs = [cpu_kernels.linear(d, x, lib) for d in layer.kernel_descriptions()]
-        got = torch.cat(outs, dim=1)
-        want = x.double() @ w.double().t()
-        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
+        first = 0
+        for part, d in zip(layer.parts, layer.kernel_descriptions()):
+            first += part.rows
+            if not _float_tiles(lib, part.type_name):
+                continue  # int8g tiles: test_int8_activation_products
+            got = cpu_kernels.linear(d, x, lib)
+            want = x.double() @ w[first - part.rows : first].double().t()
+            assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
 
 
-def _q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the integer K-quant path sees it: per row and 32 inputs, d = amax / 127 and
-    codes round(x * (127 / amax)) (float32 arithmetic, ties to even), widened back."""
+def _q8_activations(x: torch.Tensor, divide: bool = False) -> torch.Tensor:
+    """x as the integer K-quant paths see it: per row and 32 inputs, d = amax / 127 and
+    codes round(x * (127 / amax)) (few rows), or round(x / d) (``divide``: the int8g tiles'
+    input, quantized as int8g layers' is), float32 arithmetic, ties to even, widened back."""
     a = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
     amax = np.abs(a).max(axis=2, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    q = np.rint(a * inv)
     d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if divide:
+            q = np.where(amax > 0, np.rint(a / np.where(amax > 0, d, np.float32(1))), 0)
+        else:
+            inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+            q = np.rint(a * inv)
     return torch.from_numpy((q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape))
 
 
@@ -94,24 +114,30 @@ def test_int8_activation_products(lib, type_name):
     (desc,) = layer.kernel_descriptions()
     w = layer.dequantized_weight().double()
     gen = torch.Generator().manual_seed(8)
-    for rows in (1, 2, 3, 7, 16, 33):
+    for rows in (1, 2, 3, 7, 16, 33, 70):
         x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
         x[0, :32] = 0.0  # an all-zero group
         got = cpu_kernels.linear(desc, x, lib)
         assert got is not None
         got = got.double()
         exact = x.double() @ w.t()
-        if rows >= lib.kquant_int8_rows:  # widened tiles, float32 activations
+        many = rows >= lib.kquant_int8_rows
+        if many and _float_tiles(lib, type_name):  # widened tiles, float32 activations
             assert torch.allclose(got, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max())), rows
             continue
-        xq = _q8_activations(x)
+        xq = _q8_activations(x, divide=many)
         want = xq @ w.t()
         assert (got - want).abs().le(1e-5 * (xq.abs() @ w.abs().t()) + 1e-6).all(), rows
         step = x.double().reshape(rows, -1, 32).abs().amax(2, keepdim=True).expand(rows, k // 32, 32) / 254
         assert (got - exact).abs().le(step.reshape(rows, k) @ w.abs().t() + 1e-6).all(), rows
         assert not torch.allclose(got, exact, rtol=1e-6, atol=0), "the int8 path was not taken"
-        alone = torch.cat([cpu_kernels.linear(desc, x[i : i + 1], lib) for i in range(rows)])
-        assert torch.equal(alone.double(), got), rows
+        # a row's result does not depend on the rows beside it (with many rows: on the AMX
+        # tiles or the vector units, whichever took it)
+        split = (lib.kquant_int8_rows + 1) if many else 1
+        parts = [cpu_kernels.linear(desc, x[i : i + split], lib) for i in range(0, rows, split)]
+        if many and parts[-1].shape[0] < lib.kquant_int8_rows:
+            parts[-1] = cpu_kernels.linear(desc, x[-lib.kquant_int8_rows - 1:], lib)[-parts[-1].shape[0]:]
+        assert torch.equal(torch.cat(parts).double(), got), rows
     if lib.kquant_int8_rows:
         x = torch.randn(5, k, generator=gen)
         threads = torch.get_num_threads()
@@ -165,12 +191,14 @@ def test_gguf_kquant_model_same_tokens_as_dequantized_float32(tmp_path):
         assert got == want
         return
     # Decode rows multiply int8 activations: each token kept is the dense model's choice or
-    # within a near tie of it, scored by the dense model on the kept model's own text.
+    # within a near tie of it, scored by the dense model on the kept model's own text. Near:
+    # the activations' rounding moved these random-code models' picks by up to 0.11 nats
+    # over twelve block draws (a quarter of them had one such tie in 48 tokens).
     scored = dense.score([p + g for p, g in zip(prompts, got)], top=1)
     for prompt, tokens, entries in zip(prompts, got, scored):
         for j, token in enumerate(tokens):
             e = entries[len(prompt) + j]
-            assert e.token_id == token and max(e.top.values()) - e.logprob < 0.05, (j, e)
+            assert e.token_id == token and max(e.top.values()) - e.logprob < 0.2, (j, e)
 
 
 def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):

@@ -100,6 +100,7 @@ class KernelLibrary:
     bf16_attention: bool = False  # decode attention over a bf16 pool multiplies bf16-rounded q and weights (vdpbf16ps)
     q4_int8_dot: bool = False  # int4 layers in the nibble packing multiply codes by int8 activations (AVX2, AVX-512 VNNI)
     kquant_int8_rows: int = 0  # K-quant layers multiply codes by int8 activations below this many rows (kquant.c)
+    kquant_int8_tiles: bool = False  # from that many rows, Q4_K / Q5_K tiles run on the int8g kernels (kq_int8g_rows)
 
 
 _lock = threading.Lock()
@@ -246,6 +247,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_q8_activations.restype = ctypes.c_int
     cdll.tm_kernels_q4_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_kquant_int8_rows.restype = ctypes.c_int
+    cdll.tm_kernels_kquant_int8_tiles.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_bf16_attention.restype = ctypes.c_int
     cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
@@ -259,7 +261,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
                          int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""),
                          bool(cdll.tm_kernels_bf16_attention()), bool(cdll.tm_kernels_q4_int8_dot()),
-                         cdll.tm_kernels_kquant_int8_rows())
+                         cdll.tm_kernels_kquant_int8_rows(), bool(cdll.tm_kernels_kquant_int8_tiles()))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:

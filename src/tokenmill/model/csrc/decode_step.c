@@ -1198,6 +1198,41 @@ typedef struct {
     int int_bits;       /* 8 or 16: the input was quantized per row to that for int8_vnni_rows */
 } InputScratch;
 
+#if defined(TM_KQ_DOT) && defined(TM_VNNI_DOT)
+#define TM_KQ_INT8G 1
+/* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of a Q4_K /
+ * Q5_K layer with many activation rows: two tiles at a time widened to int8g tiles in the
+ * thread's scratch (kquant.c's kq_int8g_tiles), multiplied by int8g_vnni_rows (AMX tiles
+ * where the build has them), then each group's dmin * m times the activations' group sums
+ * (xsum, prepare_input) taken off. */
+static void kq_int8g_rows(const TmLinear *L, const InputScratch *is, int64_t B, int64_t n0, int64_t n1, float *y,
+                          int64_t ldy, int accumulate, int64_t y_col0) {
+    const int64_t K = L->k, G = K / 32;
+    int8_t *packed = (int8_t *)is->wtile; /* 2 VW K codes, 3 x 2 VW G floats, VW 256 bytes: within VW K floats */
+    float *scale = (float *)(packed + 2 * VW * K), *zero = scale + 2 * VW * G;
+    int32_t *sums = (int32_t *)(zero + 2 * VW * G);
+    uint8_t *rowbuf = (uint8_t *)(sums + 2 * VW * G);
+    for (int64_t r0 = n0; r0 < n1; r0 += 2 * VW) {
+        const int64_t nr = n1 - r0 < 2 * VW ? n1 - r0 : 2 * VW;
+        kq_int8g_tiles(L->group, (const uint8_t *)L->w, K, r0, nr, rowbuf, packed, scale, sums, zero);
+        TmLinear t = {0};
+        t.kind = W_INT8G, t.n = nr, t.k = K, t.scale = scale, t.row_sums = sums, t.packed = packed;
+        t.bias = L->bias ? L->bias + r0 : NULL;
+        int8g_vnni_rows(&t, 8, (const tm_act *)is->xq, is->xd, B, 0, nr, y, ldy, accumulate, y_col0 - r0);
+        for (int64_t b = 0; b < B; b++) {
+            const float *xs = is->xsum + b * G;
+            float *yb = y + b * ldy - y_col0 + r0;
+            for (int64_t r = 0; r < nr; r += VW) {
+                const float *zt = zero + (r / VW) * G * VW;
+                vf c = {0};
+                for (int64_t g = 0; g < G; g++) c = vfma(vload(zt + g * VW), (vf){0} + xs[g], c);
+                vstore(yb + r, vload(yb + r) - c);
+            }
+        }
+    }
+}
+#endif
+
 #define TM_INT4_DEQUANT_ROWS 8 /* from this many activation rows, int4 tiles are dequantized first */
 
 /* Rows [r0, r0 + nr) of an int4 matrix as float32 (code * scale + zero), into
@@ -1252,6 +1287,27 @@ TM_INLINE int kq_int8_dot(const TmLinear *L, int64_t B) {
 #endif
 }
 
+/* Whether Q4_K / Q5_K layers multiply many activation rows on int8g tiles (kq_int8g_rows)
+ * rather than on tiles widened to float32. */
+int tm_kernels_kquant_int8_tiles(void) {
+#ifdef TM_KQ_INT8G
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether a K-quant layer's many-row products run on int8g tiles (kq_int8g_rows): Q4_K and
+ * Q5_K (a scale per 32 weights) in whole tiles, where the build has integer products. */
+TM_INLINE int kq_int8g(const TmLinear *L, int64_t B) {
+#ifdef TM_KQ_INT8G
+    return L->kind == W_KQ && B >= TM_KQ_DOT_ROWS && L->group != KQ_Q6_K && L->n % VW == 0;
+#else
+    (void)L, (void)B;
+    return 0;
+#endif
+}
+
 /* Below how many activation rows K-quant layers multiply their codes by int8 activations
  * (kq_dot_rows; tests compare those within the activations' rounding); 0: never. */
 int tm_kernels_kquant_int8_rows(void) {
@@ -1293,6 +1349,21 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #pragma omp simd
             for (int64_t c = 0; c < L->k; c++) xh[b * L->k + c] = f32_to_bf16(x[b * ldx + c]);
         is->xh = xh;
+    }
+#endif
+#ifdef TM_KQ_INT8G
+    if (kq_int8g(L, B)) { /* kq_int8g_rows' input: 8-bit codes a scale per 32 inputs, and their group sums */
+        const int64_t G = L->k / 32;
+        quantize_group_rows(x, ldx, B, L->k, (tm_act *)is->xq, is->xd);
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t g = 0; g < G; g++) {
+                const tm_act *q = (const tm_act *)is->xq + b * L->k + g * 32;
+                int sum = 0;
+#pragma omp simd reduction(+ : sum)
+                for (int i = 0; i < 32; i++) sum += (int)q[i] - 128;
+                is->xsum[b * G + g] = is->xd[b * G + g] * (float)sum;
+            }
+        return x;
     }
 #endif
 #ifdef TM_KQ_DOT
@@ -1392,6 +1463,12 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
 #ifdef TM_Q4_PACKED
     if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
         int4_q8_rows(L, is->xq, is->xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
+        return;
+    }
+#endif
+#ifdef TM_KQ_INT8G
+    if (kq_int8g(L, B)) { /* the input quantized by prepare_input (quantize_group_rows) */
+        kq_int8g_rows(L, is, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
     }
 #endif

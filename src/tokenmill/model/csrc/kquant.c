@@ -115,6 +115,59 @@ static void kq_dequant_rows(int type, const uint8_t *blocks, int64_t k, int64_t 
     }
 }
 
+/* ------------------------------------------------------------------ integer tiles for many rows
+ *
+ * Many activation rows (prefill chunks) multiply a Q4_K / Q5_K tile on the int8g kernels
+ * (decode_step.c's kq_int8g_rows: AMX tiles or VNNI / AVX2 integer products) instead of
+ * widening it to float32: per 32-weight sub-block the codes q (0..15, or 0..31) are int8
+ * codes with the group scale d * sc, and the min's part, dmin * m times the activations'
+ * group sum, is taken off after. The weights stay exactly the file's. Q6_K's scales are per
+ * 16 weights, finer than the int8g groups, so its tiles stay float32. */
+
+/* Rows [r0, r0 + nr) (nr a multiple of VW) of a Q4_K / Q5_K matrix of k inputs as int8g
+ * tiles: packed [nr / VW][k / 4][VW][4] codes (the VNNI packing), scale, row_sums (-128 x
+ * each group's code sum, for the u8 activations' offset) and zero (dmin * m), each
+ * [nr / VW][k / 32][VW]. rowbuf: VW * 256 bytes of scratch. */
+static void kq_int8g_tiles(int type, const uint8_t *blocks, int64_t k, int64_t r0, int64_t nr, uint8_t *rowbuf,
+                           int8_t *packed, float *scale, int32_t *row_sums, float *zero) {
+    const int five = type == KQ_Q5_K;
+    const int64_t bb = kq_block_bytes(type), nsb = k / 256, G = k / 32;
+    for (int64_t t = 0; t < nr / VW; t++) {
+        int8_t *pt = packed + t * k * VW;
+        float *st = scale + t * G * VW, *zt = zero + t * G * VW;
+        int32_t *rt = row_sums + t * G * VW;
+        for (int64_t s = 0; s < nsb; s++) {
+            for (int r = 0; r < VW; r++) {
+                const uint8_t *b = blocks + ((r0 + t * VW + r) * nsb + s) * bb;
+                const float d = kq_half(b), dmin = kq_half(b + 2);
+                const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+                uint8_t *q = rowbuf + r * 256;
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t u0 = (uint8_t)(1u << (2 * j)), u1 = (uint8_t)(2u << (2 * j));
+                    for (int l = 0; l < 32; l++) {
+                        q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) + (five && (qh[l] & u0) ? 16 : 0));
+                        q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) + (five && (qh[l] & u1) ? 16 : 0));
+                    }
+                }
+                for (int j = 0; j < 8; j++) {
+                    uint8_t sc, m;
+                    kq_scale_min(j, b + 4, &sc, &m);
+                    int sum = 0;
+                    for (int l = 0; l < 32; l++) sum += q[32 * j + l];
+                    const int64_t g = s * 8 + j;
+                    st[g * VW + r] = d * (float)sc;
+                    zt[g * VW + r] = dmin * (float)m;
+                    rt[g * VW + r] = -128 * sum;
+                }
+            }
+            /* VNNI packing: 4 consecutive inputs of a row form one 32-bit word, VW rows' words side by side */
+            int32_t *words = (int32_t *)(pt + s * 256 * VW);
+            for (int64_t c4 = 0; c4 < 64; c4++)
+                for (int r = 0; r < VW; r++) memcpy(words + c4 * VW + r, rowbuf + r * 256 + 4 * c4, 4);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------ integer dot products
  *
  * Decode rows (few activation rows, decode_step.c's TM_KQ_DOT_ROWS) multiply the blocks'
