@@ -112,12 +112,14 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
                             "(9 multiplies per 256 products, where int8 weights need 16), are this CPU's fastest "
                             "kernel; its Q8_0 LM head kept as int8 with a scale per 32 inputs")
         layer_bytes = _layer_bytes(raw)
-        if (unit == "VNNI" and getattr(lib, "q4_int8_dot", False) and not getattr(lib, "amx", False)
-                and _layers_in_int4_blocks(raw) and layer_bytes >= MEMORY_BOUND_LAYER_BYTES):
+        if (unit == "VNNI" and getattr(lib, "q4_int8_dot", False) and _layers_in_int4_blocks(raw)
+                and layer_bytes >= MEMORY_BOUND_LAYER_BYTES):
+            prefill = ("AMX tiles would prefill int8 weights faster, but every decoded token would read twice the "
+                       "bytes" if getattr(lib, "amx", False) else "without AMX tiles int8 weights gain little in prefill")
             return "gguf", (f"the decoder's {layer_bytes / 2**20:.0f} MiB of Q4 blocks are far past the caches, so "
                             "one stream's decode is bound by the bytes a token reads: kept at 4 bits (int8 would "
-                            "read twice as many), multiplied by int8 activations with VNNI; without AMX tiles "
-                            "int8 weights gain little in prefill")
+                            f"read twice as many, and requantize the file's weights), multiplied by int8 activations "
+                            f"with VNNI; {prefill}")
         return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
                         "per 32 inputs")
