@@ -14,7 +14,9 @@ Rows (all on the same GGUF file, the same number of threads):
   softmax; the path ``TOKENMILL_ATTENTION=reference`` selects) and no fused
   step, float32: the eager baseline the ratios are taken against;
 * llama.cpp through ``llama-cpp-python`` when it is installed (the optional
-  extra ``bench-llamacpp``); otherwise the script says so and skips the row.
+  extra ``bench-llamacpp``), or through its own ``llama-bench`` binary
+  (``--llama-bench PATH``: prefill from an empty context, decode at a depth of
+  the prompt's length); otherwise the script says so and skips the row.
 
 ``--model`` takes another GGUF file (the same file for every row and for
 llama.cpp), e.g. Gemma 3 270M Q4_K_M: ``--configs gguf+lm_head,float32`` then
@@ -26,7 +28,8 @@ with torch's dispatch narrowed (``ATEN_CPU_CAPABILITY=avx2``) and the C
 kernels built without AVX-512 (``TOKENMILL_KERNEL_ISA=avx2``); give it a
 llama.cpp built the same way with ``--llamacpp-path`` (a ``pip install
 --target`` folder of llama-cpp-python compiled with ``GGML_NATIVE=OFF
-GGML_AVX512=OFF``), so both sides use the same instructions.
+GGML_AVX512=OFF``) or ``--llama-bench`` (a llama-bench from such a build), so
+both sides use the same instructions.
 
 Prefill: one ``--prefill-len``-token prompt (one step), tok/s = prompt
 tokens / step time. Decode: ``--decode-len`` greedy tokens after a short
@@ -145,6 +148,30 @@ def without_extra_bufts() -> None:
     llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
 
 
+def llama_bench_runner(path: str, args: argparse.Namespace) -> Runner:
+    """llama.cpp's own `llama-bench` binary on the file: prefill of ``prefill_len`` tokens from an
+    empty context, then decode of ``decode_len`` tokens at a depth of ``prefill_len`` (its ``-d``),
+    one repetition per call; ``--llama-bench-args`` go to both."""
+    import json
+    import shlex
+    import subprocess
+
+    def one(extra: list[str]) -> float:
+        cmd = [args.llama_bench, "-m", path, "-t", str(args.threads), "-r", "1", "-o", "json", *extra,
+               *shlex.split(args.llama_bench_args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-500:]}")
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+
+    def run(seed: int) -> tuple[float, float]:
+        prefill = one(["-p", str(args.prefill_len), "-n", "0"])
+        decode = one(["-p", "0", "-n", str(args.decode_len), "-d", str(args.prefill_len)])
+        return prefill, decode
+
+    return run
+
+
 def llamacpp_runner(args: argparse.Namespace, threads: int, model_path: str | None = None) -> Runner | str:
     """llama.cpp on ``model_path`` (default: ``--model`` or the bundled model); a line saying
     why not when llama-cpp-python is missing."""
@@ -194,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama.cpp without its extra weight buffers (AMX, repacking): a build whose AMX "
                          "path crashes on batched evals still runs, slower")
     ap.add_argument("--model", default=None, help="a GGUF file to measure instead of the bundled model")
+    ap.add_argument("--llama-bench", default="",
+                    help="llama.cpp's own llama-bench binary for the llama.cpp row (instead of llama-cpp-python)")
+    ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags")
     args = ap.parse_args(argv)
     if args.isa == "avx2" and os.environ.get("TOKENMILL_KERNEL_ISA") != "avx2":
         env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", TOKENMILL_KERNEL_ISA="avx2")
@@ -212,10 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         ("tokenmill float32 eager, reference attention (baseline)", tokenmill_runner("float32", args, reference=True))]
     for config in args.configs.split(","):
         runners.append((f"tokenmill {config}", tokenmill_runner(config, args)))
-    lc = llamacpp_runner(args, threads)
+    if args.llama_bench:
+        from tokenmill.bundled import default_model_path
+
+        args.threads = threads
+        lc: Runner | str = llama_bench_runner(args.model or default_model_path(), args)
+    else:
+        lc = llamacpp_runner(args, threads)
     note = lc if isinstance(lc, str) else ""
     if not isinstance(lc, str):
-        runners.append(("llama.cpp (llama-cpp-python), same GGUF", lc))
+        kind = "llama-bench" if args.llama_bench else "llama-cpp-python"
+        runners.append((f"llama.cpp ({kind}), same GGUF", lc))
     best = {name: (0.0, 0.0) for name, _ in runners}
     for seed in range(args.repeats):  # rounds: every engine once per round
         for name, run in runners:

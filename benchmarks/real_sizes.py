@@ -194,30 +194,6 @@ def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> 
     return run
 
 
-def llama_bench_runner(path: str, args: argparse.Namespace) -> decode_speed.Runner:
-    """llama.cpp's own `llama-bench` binary on the file: prefill of ``prefill_len`` tokens from an
-    empty context, then decode of ``decode_len`` tokens at a depth of ``prefill_len`` (its ``-d``),
-    one repetition per call; ``--llama-bench-args`` go to both."""
-    import json
-    import shlex
-    import subprocess
-
-    def one(extra: list[str]) -> float:
-        cmd = [args.llama_bench, "-m", path, "-t", str(args.threads), "-r", "1", "-o", "json", *extra,
-               *shlex.split(args.llama_bench_args)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-500:]}")
-        return float(json.loads(done.stdout)[0]["avg_ts"])
-
-    def run(seed: int) -> tuple[float, float]:
-        prefill = one(["-p", str(args.prefill_len), "-n", "0"])
-        decode = one(["-p", "0", "-n", str(args.decode_len), "-d", str(args.prefill_len)])
-        return prefill, decode
-
-    return run
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
@@ -250,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         runners: list[tuple[str, decode_speed.Runner]] = [
             (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
         lc = ("skipped (--skip-llamacpp)" if args.skip_llamacpp
-              else llama_bench_runner(path, args) if args.llama_bench
+              else decode_speed.llama_bench_runner(path, args) if args.llama_bench
               else decode_speed.llamacpp_runner(args, args.threads, model_path=path))
         if not isinstance(lc, str):
             runners.append((f"llama.cpp ({'llama-bench' if args.llama_bench else 'llama-cpp-python'})", lc))
