@@ -159,7 +159,12 @@ def llama_bench_runner(path: str, args: argparse.Namespace) -> Runner:
     def one(extra: list[str]) -> float:
         cmd = [args.llama_bench, "-m", path, "-t", str(args.threads), "-r", "1", "-o", "json", *extra,
                *shlex.split(args.llama_bench_args)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        # llama.cpp's threads as its users run them: not the PASSIVE wait policy importing tokenmill
+        # set in this process's environment (its threads would sleep between ops)
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if OMP_WAIT_POLICY_GIVEN is not None:
+            env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_GIVEN
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-500:]}")
         return float(json.loads(done.stdout)[0]["avg_ts"])
