@@ -46,11 +46,11 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
     from ..model.quant import block_backed_layers
 
     # Layers `gguf` rebuilds from the file's blocks stay on meta: their dense weights are
-    # never made (an 8B Q4_0 file's would be 32 GB in float32, its blocks take 4.7).
-    deferred = block_backed_layers(model, loaded, config, device) if parallel is None else {}
+    # never made (a 4-bit file's, widened to float32, take eight times its bytes).
+    # (weights handed over as a plain dict, or sharded across ranks, are loaded as they are)
     weights = loaded.weights
-    if deferred and not isinstance(weights, CheckpointWeights):
-        deferred = {}  # weights handed over as a plain dict are loaded as they are
+    deferred = (block_backed_layers(model, loaded, config, device)
+                if parallel is None and isinstance(weights, CheckpointWeights) else {})
     model = _materialize(model, device, dtype, {f"{name}.weight" for name in deferred})
     model.reset_rope(max_len, device)
     if deferred:
@@ -83,13 +83,13 @@ def _materialize(model: LlamaForCausalLM, device: torch.device, dtype: torch.dty
     parameter and buffer but the ``keep_meta`` parameters (by name)."""
     if not keep_meta:
         return model.to_empty(device=device).to(dtype)
-    held = {}
+    held = []
     for name in keep_meta:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
-        held[name] = (module, attr, module._parameters.pop(attr))
+        held.append((module, attr, module._parameters.pop(attr)))
     model = model.to_empty(device=device).to(dtype)
-    for module, attr, param in held.values():
+    for module, attr, param in held:
         module._parameters[attr] = torch.nn.Parameter(param.to(dtype), requires_grad=False)
     return model
 

@@ -55,8 +55,8 @@ class CheckpointWeights(MutableMapping[str, torch.Tensor]):
     """Hugging Face-named weights, each made when it is read rather than at load.
 
     A GGUF file's block tensors widen four to eight times when dequantized to float32:
-    held all at once, an 8B model's would not fit the memory of a machine that serves its
-    4.7 GB file. Read one at a time (``model.load_weights`` copies each into its parameter
+    held all at once, a large model's would not fit the memory of a machine that serves
+    its file. Read one at a time (``model.load_weights`` copies each into its parameter
     and drops it), the dense copies never add up; layers that keep the file's blocks
     (``--quantization gguf``) never read theirs (``deferring``). Tensors stored here are
     kept as they are; nothing read is cached.
@@ -69,9 +69,6 @@ class CheckpointWeights(MutableMapping[str, torch.Tensor]):
     def add_lazy(self, name: str, shape: tuple[int, ...], make: Callable[[], torch.Tensor]) -> None:
         self._values[name] = make
         self._shapes[name] = tuple(shape)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
 
     def deferring(self, names: Iterable[str], dtype: torch.dtype) -> CheckpointWeights:
         """A view in which ``names`` read as meta tensors of their shape (no data made):

@@ -58,22 +58,28 @@ static inline void kq_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
-static void kq_dequant_q45(const uint8_t *b, float *y, int five) {
-    const float d = kq_half(b), dmin = kq_half(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
-    for (int j = 0; j < 4; j++) { /* 64 weights: two sub-blocks from the low and high nibbles */
-        uint8_t s0, m0, s1, m1;
-        kq_scale_min(2 * j, scales, &s0, &m0);
-        kq_scale_min(2 * j + 1, scales, &s1, &m1);
-        const float d0 = d * s0, n0 = dmin * m0, d1 = d * s1, n1 = dmin * m1;
-        const uint8_t *q = qs + 32 * j;
+/* A Q4_K / Q5_K super-block's 256 codes in input order: 0..15, or 0..31 with Q5_K's fifth
+ * bits. Each 32 bytes of nibbles hold two sub-blocks, the low nibbles' then the high ones'. */
+static inline void kq_codes_q45(const uint8_t *b, int five, uint8_t *q) {
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 4; j++) {
         const uint8_t u0 = (uint8_t)(1u << (2 * j)), u1 = (uint8_t)(2u << (2 * j));
         for (int l = 0; l < 32; l++) {
-            const int lo = (q[l] & 0xF) + (five && (qh[l] & u0) ? 16 : 0);
-            const int hi = (q[l] >> 4) + (five && (qh[l] & u1) ? 16 : 0);
-            y[64 * j + l] = d0 * (float)lo - n0;
-            y[64 * j + 32 + l] = d1 * (float)hi - n1;
+            q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) + (five && (qh[l] & u0) ? 16 : 0));
+            q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) + (five && (qh[l] & u1) ? 16 : 0));
         }
+    }
+}
+
+static void kq_dequant_q45(const uint8_t *b, float *y, int five) {
+    const float d = kq_half(b), dmin = kq_half(b + 2);
+    uint8_t q[256];
+    kq_codes_q45(b, five, q);
+    for (int j = 0; j < 8; j++) { /* sub-block j: w = (d * sc_j) * q - dmin * m_j */
+        uint8_t sc, m;
+        kq_scale_min(j, b + 4, &sc, &m);
+        const float dj = d * sc, nj = dmin * m;
+        for (int l = 0; l < 32; l++) y[32 * j + l] = dj * (float)q[32 * j + l] - nj;
     }
 }
 
@@ -140,15 +146,8 @@ static void kq_int8g_tiles(int type, const uint8_t *blocks, int64_t k, int64_t r
             for (int r = 0; r < VW; r++) {
                 const uint8_t *b = blocks + ((r0 + t * VW + r) * nsb + s) * bb;
                 const float d = kq_half(b), dmin = kq_half(b + 2);
-                const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
                 uint8_t *q = rowbuf + r * 256;
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t u0 = (uint8_t)(1u << (2 * j)), u1 = (uint8_t)(2u << (2 * j));
-                    for (int l = 0; l < 32; l++) {
-                        q[64 * j + l] = (uint8_t)((qs[32 * j + l] & 0xF) + (five && (qh[l] & u0) ? 16 : 0));
-                        q[64 * j + 32 + l] = (uint8_t)((qs[32 * j + l] >> 4) + (five && (qh[l] & u1) ? 16 : 0));
-                    }
-                }
+                kq_codes_q45(b, five, q);
                 for (int j = 0; j < 8; j++) {
                     uint8_t sc, m;
                     kq_scale_min(j, b + 4, &sc, &m);
