@@ -31,14 +31,14 @@ llama.cpp built the same way with ``--llamacpp-path`` (a ``pip install
 GGML_AVX512=OFF``) or ``--llama-bench`` (a llama-bench from such a build), so
 both sides use the same instructions.
 
-Prefill: one ``--prefill-len``-token prompt (one step), tok/s = prompt
-tokens / step time. Decode: ``--decode-len`` greedy tokens after a short
-prompt, tok/s = decode steps / their time. Every engine is built first, then
-measured ``--repeats`` times in rounds (each engine once per round), so a
-slow spell of this shared host's memory bandwidth falls on every row alike
-rather than on whichever engine ran then; the best repeat is reported,
-because the other processes only ever add time. Ratios are against the eager
-row measured in the same run.
+Prefill: one ``--prefill-len``-token prompt, tok/s = prompt tokens / the time
+to its first token. Decode: the same request's next ``--decode-len`` greedy
+tokens, at the prompt's depth (as llama-bench's ``-d``), tok/s = decode steps
+/ their time. Every engine is built first, then measured ``--repeats`` times
+in rounds (each engine once per round), so a slow spell of this shared host's
+memory bandwidth falls on every row alike rather than on whichever engine ran
+then; the best repeat is reported, because the other processes only ever add
+time. Ratios are against the eager row measured in the same run.
 
     .venv/bin/python benchmarks/decode_speed.py [--configs float32,bfloat16,int8,int4,gguf+lm_head,gguf+lm_head:eager]
 """
@@ -96,19 +96,18 @@ def make_engine(config: str, reference: bool = False, eager: bool = False) -> LL
 
 
 def measure(engine: LLMEngine, prefill_len: int, decode_len: int, seed: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one run."""
+    """(prefill tok/s, decode tok/s) of one request: a ``prefill_len``-token prompt (its steps up
+    to the first token give prefill), then ``decode_len`` greedy tokens at that depth (the
+    steps after it give decode), as llama-bench's ``-d`` decodes at the prompt's depth."""
     rng = random.Random(seed)
     vocab = engine.tokenizer.vocab_size
     prompt = [rng.randrange(100, vocab - 100) for _ in range(prefill_len)]
-    engine.add_request(f"p{seed}", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    engine.add_request(f"r{seed}", prompt, SamplingParams(temperature=0.0, max_tokens=decode_len + 1,
+                                                          ignore_eos=True))
     t = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
+    while engine.has_unfinished() and not any(d.token_ids for d in engine.step()):
+        pass  # the prompt's chunks, then its first token
     prefill = prefill_len / (time.perf_counter() - t)
-
-    engine.add_request(f"d{seed}", prompt[:32], SamplingParams(temperature=0.0, max_tokens=decode_len + 1,
-                                                               ignore_eos=True))
-    engine.step()  # prefill + first token
     t = time.perf_counter()
     steps = 0
     while engine.has_unfinished():
@@ -148,6 +147,16 @@ def without_extra_bufts() -> None:
     llama_module.llama_cpp.llama_model_default_params = model_params  # what Llama() reads
 
 
+def llama_cpp_env() -> dict[str, str]:
+    """The environment for llama.cpp's binaries: its threads as its users run them, not under the
+    PASSIVE wait policy importing tokenmill set in this process's environment (its OpenMP
+    threads would sleep between ops)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if OMP_WAIT_POLICY_GIVEN is not None:
+        env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_GIVEN
+    return env
+
+
 def llama_bench_runner(path: str, args: argparse.Namespace) -> Runner:
     """llama.cpp's own `llama-bench` binary on the file: prefill of ``prefill_len`` tokens from an
     empty context, then decode of ``decode_len`` tokens at a depth of ``prefill_len`` (its ``-d``),
@@ -159,12 +168,7 @@ def llama_bench_runner(path: str, args: argparse.Namespace) -> Runner:
     def one(extra: list[str]) -> float:
         cmd = [args.llama_bench, "-m", path, "-t", str(args.threads), "-r", "1", "-o", "json", *extra,
                *shlex.split(args.llama_bench_args)]
-        # llama.cpp's threads as its users run them: not the PASSIVE wait policy importing tokenmill
-        # set in this process's environment (its threads would sleep between ops)
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-        if OMP_WAIT_POLICY_GIVEN is not None:
-            env["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_GIVEN
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=llama_cpp_env())
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr[-500:]}")
         return float(json.loads(done.stdout)[0]["avg_ts"])
@@ -200,9 +204,7 @@ def llamacpp_runner(args: argparse.Namespace, threads: int, model_path: str | No
         t = time.perf_counter()
         llm.eval(prompt)
         prefill = args.prefill_len / (time.perf_counter() - t)
-        llm.reset()
-        llm.eval(prompt[:32])
-        t = time.perf_counter()
+        t = time.perf_counter()  # decode at the prompt's depth, as the tokenmill rows do
         for _ in range(args.decode_len):  # one token per eval, as a decode step; the token's value costs nothing
             llm.eval([rng.randrange(100, 40000)])
         return prefill, args.decode_len / (time.perf_counter() - t)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+import decode_speed  # noqa: E402  (first: it notes the caller's OpenMP wait policy before tokenmill sets one)
 from tokenmill.bench.client import Target  # noqa: E402
 from tokenmill.bench.lengths import parse_length  # noqa: E402
 from tokenmill.bench.loadgen import LoadShape  # noqa: E402
@@ -53,6 +53,7 @@ class Server:
     name: str
     cmd: list[str]
     port: int
+    env: dict[str, str] | None = None  # None: this process's
     proc: subprocess.Popen | None = None
     log: str = ""
 
@@ -62,7 +63,7 @@ class Server:
 
     def start(self, timeout: float = 900.0) -> None:
         fd, self.log = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".log")
-        self.proc = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, stdout=fd, stderr=subprocess.STDOUT, env=self.env)
         os.close(fd)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         ll = Server("llama-server", [args.llama_server, "-m", path, "--host", "127.0.0.1", "--port", str(port),
                                      "-t", str(args.threads), "-tb", str(args.threads),
                                      "--parallel", str(args.concurrency), "-c", str(args.concurrency * per_seq),
-                                     "--cont-batching", "--no-webui", *shlex.split(args.llama_server_args)], port)
+                                     "--cont-batching", "--no-webui", *shlex.split(args.llama_server_args)], port,
+                    env=decode_speed.llama_cpp_env())
         servers = [tm, ll]
         for s in servers:
             s.start()

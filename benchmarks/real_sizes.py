@@ -16,10 +16,15 @@ once per round, best of ``--repeats``, as ``decode_speed.py`` does):
 * llama.cpp through llama-cpp-python (``--llamacpp-path`` to import it from a folder), or
   through its own ``llama-bench`` binary (``--llama-bench PATH``: prefill from an empty
   context, decode at a depth of the prompt's length, ``-d``), which keeps llama.cpp's
-  repacked weight layouts.
+  repacked weight layouts, or through ``llama-server`` (``--llama-server PATH``: one request a
+  round, its prompt prefilled once and decoded on at its depth, from the server's own timings).
 
-With ``--prefill-len 16384`` the rows are a long prompt's: its prefill, then decode at that
-context.
+tokenmill's rows, like llama.cpp's, decode at the prompt's depth: one request, its prompt's
+steps (to the first token) for prefill, its next ``--decode-len`` steps for decode.
+
+With ``--prefill-len 16384`` the rows are a long prompt's: its prefill (TTFT = 16384 / the
+prefill rate), then decode at that context; ``--llama-server`` then saves llama-bench's second
+prefill of the prompt.
 
 Each row gives prefill tok/s for a ``--prefill-len``-token prompt and decode tok/s, both
 as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the
@@ -33,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -194,6 +201,39 @@ def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> 
     return run
 
 
+def llama_server_runner(path: str, args: argparse.Namespace) -> tuple[decode_speed.Runner, Callable[[], None]]:
+    """llama.cpp's ``llama-server`` on the file with one slot, and a function that stops it. Each
+    call sends one ``/completion`` of ``--prefill-len`` random token ids for ``--decode-len`` new
+    tokens (greedy, ``ignore_eos``, prompt cache off) and reads the server's own timings:
+    prefill tok/s (``prompt_per_second``) and decode tok/s at the prompt's depth
+    (``predicted_per_second``). A long prompt is prefilled once a round, where llama-bench's
+    decode at depth (``-d``) prefills it again first."""
+    import random
+
+    import httpx
+    from llama_server import Server, _free_port
+
+    port = _free_port()
+    server = Server("llama-server", [args.llama_server, "-m", path, "--host", "127.0.0.1", "--port", str(port),
+                                     "-t", str(args.threads), "-tb", str(args.threads), "--parallel", "1",
+                                     "-c", str(args.prefill_len + args.decode_len + 64), "--no-webui",
+                                     *shlex.split(args.llama_server_args)], port, env=decode_speed.llama_cpp_env())
+    server.start()
+
+    def run(seed: int) -> tuple[float, float]:
+        rng = random.Random(seed)
+        prompt = [rng.randrange(100, 40000) for _ in range(args.prefill_len)]
+        body = {"prompt": prompt, "n_predict": args.decode_len, "ignore_eos": True, "cache_prompt": False,
+                "temperature": 0.0, "top_k": 1}
+        r = httpx.post(server.url + "/completion", json=body, timeout=7200.0, trust_env=False)
+        r.raise_for_status()
+        timings = r.json()["timings"]
+        assert timings["prompt_n"] == args.prefill_len, timings
+        return float(timings["prompt_per_second"]), float(timings["predicted_per_second"])
+
+    return run, server.stop
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
@@ -210,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-bench", default="",
                     help="llama.cpp's llama-bench binary: the llama.cpp row from it instead of llama-cpp-python")
     ap.add_argument("--llama-bench-args", default="", help="extra llama-bench flags, e.g. \"--repack 0\"")
+    ap.add_argument("--llama-server", default="",
+                    help="llama.cpp's llama-server binary: the llama.cpp row from one request a round "
+                         "(one prefill, then decode at its depth: long prompts)")
+    ap.add_argument("--llama-server-args", default="", help="extra llama-server flags")
     args = ap.parse_args(argv)
     args.threads = args.threads or torch.get_num_threads()
     bw = bandwidth(args.threads)
@@ -225,16 +269,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.repeats}, load {os.getloadavg()[0]:.2f}", flush=True)
         runners: list[tuple[str, decode_speed.Runner]] = [
             (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
-        lc = ("skipped (--skip-llamacpp)" if args.skip_llamacpp
-              else decode_speed.llama_bench_runner(path, args) if args.llama_bench
-              else decode_speed.llamacpp_runner(args, args.threads, model_path=path))
+        stop_llama_server: Callable[[], None] = lambda: None
+        kind = "llama-server" if args.llama_server else "llama-bench" if args.llama_bench else "llama-cpp-python"
+        if args.skip_llamacpp:
+            lc: decode_speed.Runner | str = "skipped (--skip-llamacpp)"
+        elif args.llama_server:
+            lc, stop_llama_server = llama_server_runner(path, args)
+        elif args.llama_bench:
+            lc = decode_speed.llama_bench_runner(path, args)
+        else:
+            lc = decode_speed.llamacpp_runner(args, args.threads, model_path=path)
         if not isinstance(lc, str):
-            runners.append((f"llama.cpp ({'llama-bench' if args.llama_bench else 'llama-cpp-python'})", lc))
+            runners.append((f"llama.cpp ({kind})", lc))
         best = {name: (0.0, 0.0) for name, _ in runners}
-        for seed in range(args.repeats):  # rounds: every engine once per round
-            for name, run in runners:
-                p, d = run(seed)
-                best[name] = (max(best[name][0], p), max(best[name][1], d))
+        try:
+            for seed in range(args.repeats):  # rounds: every engine once per round
+                for name, run in runners:
+                    p, d = run(seed)
+                    best[name] = (max(best[name][0], p), max(best[name][1], d))
+        finally:
+            stop_llama_server()
         lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (float("nan"), float("nan"))
         print("| engine | prefill tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | of bandwidth limit |")
         print("|---|---|---|---|---|---|")
