@@ -1017,7 +1017,10 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = FORM & Q4_SYMMETRIC ? C : kp / L->group;
     vf acc[2][Q4_ROWS];
     for (int64_t tile = n0 / VW; tile < n1 / VW;) {
-        const int NT = tile + 1 < n1 / VW ? 2 : 1;
+        /* One activation row: one tile at a time. Two tiles' codes and scales are four short
+         * streams of memory a pass, which the hardware prefetchers followed worse than two (the
+         * shared activation broadcast saves nothing worth that when a row is all there is). */
+        const int NT = B > 1 && tile + 1 < n1 / VW ? 2 : 1;
         for (int64_t b0 = 0; b0 < B; b0 += Q4_ROWS) {
             const int64_t left = B - b0;
             const int NB = left >= Q4_ROWS ? Q4_ROWS : (int)left;
