@@ -197,12 +197,22 @@ def _isa_flags(kernel_isa: str, extra_flags: tuple[str, ...]) -> tuple[str, ...]
     return isa
 
 
+def _without_idle_amx_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags`` less the ``-mno-amx-*`` ones where this CPU has no AMX: ``-march=native``
+    enables none there, so they change nothing but the cache key, and the AVX-512 build and
+    the native one are one library, compiled once."""
+    if "amx_tile" in _cpu_flags():
+        return flags
+    return tuple(f for f in flags if f not in NO_AMX)
+
+
 def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = None) -> KernelLibrary:
     """Compile (unless cached) and load the kernel library; raises on failure.
     ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
     options = options or process_options()
     cc = _compiler()
     flags = CFLAGS + _isa_flags(options.kernel_isa, tuple(extra_flags)) + tuple(extra_flags)
+    flags = _without_idle_amx_flags(flags)
     path = _library_path(cc, flags, options.kernel_cache_dir)
     if not path.exists():
         _compile(cc, flags, path)

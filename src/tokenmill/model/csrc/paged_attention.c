@@ -836,25 +836,47 @@ TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io
  * float32, bf16 and (under float32 q, as the fused step and float32 models read it) int8
  * pools in place, widened in registers; the other quantized cases in one shared copy that
  * widens each row into a buffer by a runtime switch (a predictable branch per row; a copy
- * per format made the library several times slower to compile). */
+ * per format made the library several times slower to compile). Each case is one
+ * out-of-line function that every caller shares (the standalone kernel's two loops, the
+ * fused step's): inlined into each, the copies made single functions of hundreds of
+ * kilobytes that took gcc minutes to allocate registers for, for one call per item saved. */
+#define TM_ATTEND_CASE(name, FMT, IO, KIND)                                                                   \
+    static __attribute__((noinline)) void name(const Args *a, int64_t n, int64_t kvh, int fmt, Scratch *sc,   \
+                                               int64_t p0, int64_t p1, float *part) {                         \
+        (void)fmt;                                                                                            \
+        attend_any(a, n, kvh, FMT, IO, KIND, sc, p0, p1, part);                                               \
+    }
+TM_ATTEND_CASE(attend_f32, KV_F32, 0, ROWS_F32)
+#ifdef TM_ATTN_BF16_DOT
+static __attribute__((noinline)) void attend_bf16_dot(const Args *a, int64_t n, int64_t kvh, int io_bf16,
+                                                      Scratch *sc, int64_t p0, int64_t p1, float *part) {
+    attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc, p0, p1, part);
+}
+#endif
+TM_ATTEND_CASE(attend_bf16_io_bf16, KV_BF16, 1, ROWS_BF16)
+TM_ATTEND_CASE(attend_bf16_io_f32, KV_BF16, 0, ROWS_BF16)
+TM_ATTEND_CASE(attend_i8, KV_I8, 0, ROWS_I8)
+TM_ATTEND_CASE(attend_conv_io_bf16, fmt, 1, ROWS_CONV)
+TM_ATTEND_CASE(attend_conv_io_f32, fmt, 0, ROWS_CONV)
+
 TM_INLINE void attend_range(const Args *a, int64_t n, int64_t kvh, int fmt, int io_bf16, Scratch *sc, int64_t p0,
                             int64_t p1, float *part) {
     if (fmt == KV_F32)
-        attend_any(a, n, kvh, KV_F32, 0, ROWS_F32, sc, p0, p1, part); /* a float32 pool with bf16 q is refused by the entry points */
+        attend_f32(a, n, kvh, fmt, sc, p0, p1, part); /* a float32 pool with bf16 q is refused by the entry points */
 #ifdef TM_ATTN_BF16_DOT
     else if (fmt == KV_BF16 && a->head_dim % 32 == 0) /* q's dtype a runtime flag: one copy, not two */
-        attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc, p0, p1, part);
+        attend_bf16_dot(a, n, kvh, io_bf16, sc, p0, p1, part);
 #endif
     else if (fmt == KV_BF16 && io_bf16)
-        attend_any(a, n, kvh, KV_BF16, 1, ROWS_BF16, sc, p0, p1, part);
+        attend_bf16_io_bf16(a, n, kvh, fmt, sc, p0, p1, part);
     else if (fmt == KV_BF16)
-        attend_any(a, n, kvh, KV_BF16, 0, ROWS_BF16, sc, p0, p1, part);
+        attend_bf16_io_f32(a, n, kvh, fmt, sc, p0, p1, part);
     else if (fmt == KV_I8 && !io_bf16)
-        attend_any(a, n, kvh, KV_I8, 0, ROWS_I8, sc, p0, p1, part);
+        attend_i8(a, n, kvh, fmt, sc, p0, p1, part);
     else if (io_bf16)
-        attend_any(a, n, kvh, fmt, 1, ROWS_CONV, sc, p0, p1, part);
+        attend_conv_io_bf16(a, n, kvh, fmt, sc, p0, p1, part);
     else
-        attend_any(a, n, kvh, fmt, 0, ROWS_CONV, sc, p0, p1, part);
+        attend_conv_io_f32(a, n, kvh, fmt, sc, p0, p1, part);
 }
 
 /* The positions a decode row of sequence n attends: lo .. len - 1 (a windowed layer's
