@@ -27,10 +27,12 @@ prefill rate), then decode at that context; ``--llama-server`` then saves llama-
 prefill of the prompt.
 
 Each row gives prefill tok/s for a ``--prefill-len``-token prompt and decode tok/s, both
-as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the
-machine's bandwidth (a multi-threaded torch ``copy_`` of a 1 GiB buffer, read plus write
-bytes over time) divided by the bytes of weights one decode token reads (every tensor of
-the file except the token embedding, of which one row is read).
+as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the rate
+the same threads read a 1 GiB buffer (``memory_bandwidth.read_bandwidth``, measured at the
+start of every round: a VM's bandwidth drifts with its neighbours, by up to 2x within
+minutes; the highest reading is the limit, so the fraction errs low) divided by the bytes of
+weights one decode token reads (every tensor of the file except the token embedding, of
+which one row is read).
 
     .venv/bin/python benchmarks/real_sizes.py --shape 1.1b --qtype Q4_0 --llamacpp-path /work/llamacpp
 """
@@ -49,6 +51,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode_speed  # noqa: E402  (its OpenMP note and measure())
+import memory_bandwidth  # noqa: E402
 import torch  # noqa: E402
 
 from tokenmill.bundled import default_model_path  # noqa: E402
@@ -165,19 +168,6 @@ def write_model(path: str, shape: Shape, mix: str, seed: int = 0, context: int =
     return read_per_token
 
 
-def bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a torch copy_ (read + write counted), best of ``repeats``."""
-    torch.set_num_threads(threads)
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
-
-
 def kv_pool_mib(shape: Shape, tokens: int) -> int:
     """A KV pool for one sequence of ``tokens`` (float32 rows, the widest a pool holds), at least
     256 MiB: long prompts (``--prefill-len 16384``) fit."""
@@ -256,7 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-server-args", default="", help="extra llama-server flags")
     args = ap.parse_args(argv)
     args.threads = args.threads or torch.get_num_threads()
-    bw = bandwidth(args.threads)
     with tempfile.TemporaryDirectory(prefix="tokenmill-real-sizes-") as tmp:
         path = os.path.join(tmp, f"{args.shape}-{args.qtype}.gguf")
         t = time.perf_counter()
@@ -264,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
                                 context=max(4096, args.prefill_len + args.decode_len + 64))
         print(f"# real_sizes: shape {args.shape}, {args.qtype}, file {os.path.getsize(path) / 2**20:.0f} MiB "
               f"(written in {time.perf_counter() - t:.0f} s), {per_token / 2**20:.0f} MiB read per decode token, "
-              f"bandwidth {bw / 1e9:.1f} GB/s (torch copy_, read+write) -> limit {bw / per_token:.1f} tok/s, "
               f"threads {args.threads}, prefill {args.prefill_len}, decode {args.decode_len}, best of "
               f"{args.repeats}, load {os.getloadavg()[0]:.2f}", flush=True)
         runners: list[tuple[str, decode_speed.Runner]] = [
@@ -282,13 +270,19 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(lc, str):
             runners.append((f"llama.cpp ({kind})", lc))
         best = {name: (0.0, 0.0) for name, _ in runners}
+        readings: list[float] = []
         try:
             for seed in range(args.repeats):  # rounds: every engine once per round
+                readings.append(memory_bandwidth.read_bandwidth(args.threads))
                 for name, run in runners:
                     p, d = run(seed)
                     best[name] = (max(best[name][0], p), max(best[name][1], d))
         finally:
             stop_llama_server()
+        bw = max(readings)
+        print(f"read bandwidth, {args.threads} threads, at each round's start: "
+              f"{', '.join(f'{r / 1e9:.1f}' for r in readings)} GB/s -> limit {bw / per_token:.1f} tok/s "
+              f"({bw / 1e9:.1f} GB/s over {per_token / 2**20:.0f} MiB a token)")
         lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (float("nan"), float("nan"))
         print("| engine | prefill tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | of bandwidth limit |")
         print("|---|---|---|---|---|---|")
