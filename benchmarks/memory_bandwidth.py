@@ -106,7 +106,7 @@ def copy_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 15) -> fl
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--threads", type=int, default=0, help="threads (0: torch's count, all cores)")
     args = ap.parse_args(argv)
     threads = args.threads or torch.get_num_threads()

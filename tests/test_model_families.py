@@ -334,6 +334,36 @@ def test_gguf_files_equal_transformers(arch, make, tmp_path):
     assert _tokens(_llm(loaded).generate(prompts, params)) == _reference(model, prompts, 8)
 
 
+def test_phi3_gguf_fused_tensors_split_unread_and_each_read_once(tmp_path, monkeypatch):
+    """Loading a Phi-3 GGUF dequantizes nothing (a 3.8B file's fused q/k/v and gate/up would
+    be most of its weights in float32); reading a layer's q, k and v in turn dequantizes
+    their fused tensor once, and the parts are its rows."""
+    from tokenmill.model import loader
+
+    torch.manual_seed(0)
+    model = _phi3(window=None).float().eval()
+    path = str(tmp_path / "tiny.gguf")
+    _gguf_of(model, path, "phi3")
+    made: list[str] = []
+    dense = loader._dense
+    monkeypatch.setattr(loader, "_dense", lambda t, *a: made.append(t.name) or dense(t, *a))
+    loaded = load_model(path)
+    assert made == []
+    weights = loaded.weights
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in weights
+    parts = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    assert [weights.shape_of(p) for p in parts] == [(4 * 16, 64), (2 * 16, 64), (2 * 16, 64)]
+    fused = model.model.layers[0].self_attn.qkv_proj.weight.detach()
+    rows = torch.cat([weights[p] for p in parts])
+    assert made == ["blk.0.attn_qkv.weight"]
+    torch.testing.assert_close(rows.float(), fused.float())
+    assert weights[parts[0]].shape == weights.shape_of(parts[0])
+    assert made == ["blk.0.attn_qkv.weight"] * 2  # read again after its last part: made again, not held
+    gate, up = weights["model.layers.1.mlp.gate_proj.weight"], weights["model.layers.1.mlp.up_proj.weight"]
+    torch.testing.assert_close(torch.cat([gate, up]).float(),
+                               model.model.layers[1].mlp.gate_up_proj.weight.detach().float())
+
+
 @pytest.mark.parametrize("make", [_phi3, _gemma3], ids=["phi3", "gemma3"])
 def test_windowed_layers_in_the_fused_step_match_the_eager_forward(make):
     """Phi-3 with a sliding window, and Gemma 3 (its output norms, GeGLU, local and global

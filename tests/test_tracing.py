@@ -104,9 +104,11 @@ def test_one_linked_trace_per_request_from_router_to_engine():
         assert sum(_ms(p) for p in parts) == pytest.approx(_ms(engine), rel=0.01)
         # nested in time, and the router's span is the request as the client saw it
         # nested in time: the router's span holds the server's, which holds the engine's; the
-        # router's and the server's own parts are small (a loaded 2-core machine gave 1-7%)
+        # router's own part is small: a loaded 2-core machine gave 1-7% of a ~100 ms request,
+        # once 32 ms (a scheduling stall), so up to 15% or 50 ms; a server span that ended at the
+        # response's headers (a stream's first bytes) would miss by far more
         assert _ms(engine) <= _ms(http_span) <= _ms(route) <= client_ms
-        assert _ms(http_span) >= 0.85 * _ms(route), (_ms(http_span), _ms(route))
+        assert _ms(route) - _ms(http_span) <= max(0.15 * _ms(route), 50.0), (_ms(http_span), _ms(route))
         attrs = {a.key: a.value for a in engine.attributes}
         assert attrs["gen_ai.usage.output_tokens"].int_value == 96
         assert attrs["gen_ai.usage.input_tokens"].int_value > 0 and attrs["tokenmill.tenant"].string_value

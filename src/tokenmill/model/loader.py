@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,32 @@ class CheckpointWeights(MutableMapping[str, torch.Tensor]):
             shape = self._shapes[name]
             view._values[name] = lambda shape=shape: torch.empty(shape, dtype=dtype, device="meta")
         return view
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """``name``'s shape, without making it."""
+        return self._shapes[name]
+
+    def split_rows(self, name: str, parts: Sequence[tuple[str, int]]) -> None:
+        """Replaces ``name`` by consecutive row ranges, ``(new name, rows)`` each, made when
+        read like the rest. A run of one source's parts read in turn (as loading reads a
+        layer's q, k and v) makes the source once: it is held until its last part is read."""
+        source, shape = self._values.pop(name), self._shapes.pop(name)
+        pending = {part for part, _ in parts}
+        held: list[torch.Tensor] = []
+
+        def rows_of(part: str, start: int, rows: int) -> torch.Tensor:
+            if not held:
+                held.append(source if isinstance(source, torch.Tensor) else source())
+            out = held[0][start:start + rows].contiguous()
+            pending.discard(part)
+            if not pending:
+                held.clear()
+            return out
+
+        start = 0
+        for part, rows in parts:
+            self.add_lazy(part, (rows, *shape[1:]), lambda p=part, s=start, r=rows: rows_of(p, s, r))
+            start += rows
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self._values[name]
@@ -154,8 +180,10 @@ def dequantize_q4_1(data: np.ndarray) -> np.ndarray:
     return (_f16(b, 0) * q + _f16(b, 2)).reshape(-1)
 
 
+_FLOAT_TYPES = ("F32", "F16", "BF16")
 _OWN_DEQUANT = {"Q8_0": dequantize_q8_0, "Q4_0": dequantize_q4_0, "Q4_1": dequantize_q4_1}
 _GGUF_QUANTS_OK = ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_K", "Q2_K", "Q3_K")
+READABLE_TYPES = (*_FLOAT_TYPES, *_OWN_DEQUANT, *_GGUF_QUANTS_OK)  # what dequantize reads
 
 
 def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -182,14 +210,14 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
 
 def _unsupported_type(type_name: str) -> UnsupportedModel:
     return UnsupportedModel(
-        f"unsupported GGUF tensor type {type_name}; supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, "
-        "Q4_K, Q5_K, Q6_K (re-quantize the file to one of these)"
+        f"unsupported GGUF tensor type {type_name}; supported: {', '.join(READABLE_TYPES)} "
+        "(re-quantize the file to one of these)"
     )
 
 
 def check_tensor_type(type_name: str) -> None:
     """Refuse a tensor type ``dequantize`` cannot read, at load (weights are dequantized later)."""
-    if type_name not in ("F32", "F16", "BF16", *_OWN_DEQUANT, *_GGUF_QUANTS_OK):
+    if type_name not in READABLE_TYPES:
         raise _unsupported_type(type_name)
 
 
@@ -440,11 +468,10 @@ def _split_phi3(weights: dict[str, torch.Tensor], quant_types: dict[str, str],
     fused_types = {n: quant_types.pop(n) for n in list(quant_types) if n.endswith(("qkv_proj.weight",
                                                                                      "gate_up_proj.weight"))}
     fused_raw = {n: raw.pop(n) for n in fused_types if n in raw}
-    for part, (source, start) in split_fused_weights(weights, config).items():
+    for part, (source, start, rows) in split_fused_weights(weights, config).items():
         quant_types[part] = fused_types[source]
         if source in fused_raw:
             kind, blocks, shape = fused_raw[source]
-            rows = weights[part].shape[0]
             raw[part] = (kind, blocks[start:start + rows], (rows, shape[1]))
 
 
@@ -579,9 +606,9 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
         from .phi3 import split_fused_weights
 
         sources = split_fused_weights(weights, config)
-        for part, (source, _) in sources.items():
+        for part, (source, _, _) in sources.items():
             quant_types[part] = quant_types[source]
-        for source in {source for source, _ in sources.values()}:
+        for source in {source for source, _, _ in sources.values()}:
             quant_types.pop(source)
     if config.num_experts:
         from .moe import canonical_expert_names

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -43,25 +44,38 @@ def longrope_inv_freq(cfg: ModelConfig, scaling: dict[str, Any], max_positions: 
     return 1.0 / (ext * cfg.rope_theta**shape), float(attention_factor)
 
 
-def split_fused_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tuple[str, int]]:
+def split_fused_weights(weights: MutableMapping[str, torch.Tensor],
+                        cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
     """In place: ``qkv_proj`` -> q/k/v_proj and ``gate_up_proj`` -> gate/up_proj, per layer.
-    Returns each new name's fused source and first row there."""
+    Returns each new name's fused source, its first row there and its rows. A GGUF file's
+    weights (``CheckpointWeights``) are split without being read: each part is dequantized
+    when loading reads it, and never where the layer keeps the file's blocks."""
+    from .loader import CheckpointWeights
+
     assert cfg.head_dim is not None
     q_size = cfg.num_attention_heads * cfg.head_dim
     kv_size = cfg.num_key_value_heads * cfg.head_dim
-    sources: dict[str, tuple[str, int]] = {}
+    sources: dict[str, tuple[str, int, int]] = {}
     for name in [n for n in weights if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
-        fused = weights.pop(name)
+        lazy = isinstance(weights, CheckpointWeights)
+        total = weights.shape_of(name)[0] if lazy else weights[name].shape[0]
         prefix = name.rsplit(".", 2)[0]
         if name.endswith("qkv_proj.weight"):
             parts = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
         else:
-            parts = (("gate_proj", fused.shape[0] // 2), ("up_proj", fused.shape[0] // 2))
+            parts = (("gate_proj", total // 2), ("up_proj", total // 2))
+        named = [(f"{prefix}.{part}.weight", rows) for part, rows in parts]
         start = 0
-        for part, rows in parts:
-            weights[f"{prefix}.{part}.weight"] = fused[start:start + rows].contiguous()
-            sources[f"{prefix}.{part}.weight"] = (name, start)
+        for part, rows in named:
+            sources[part] = (name, start, rows)
             start += rows
+        if lazy:
+            weights.split_rows(name, named)
+        else:
+            fused = weights.pop(name)
+            for part, rows in named:
+                _, first, _ = sources[part]
+                weights[part] = fused[first:first + rows].contiguous()
     return sources
 
 

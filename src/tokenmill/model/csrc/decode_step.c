@@ -1130,12 +1130,7 @@ static void quantize_group_rows(const float *x, int64_t ldx, int64_t B, int64_t 
     for (int64_t b = 0; b < B; b++)
         for (int64_t c0 = 0; c0 < K; c0 += 32) {
             const float *xs = x + b * ldx + c0;
-            float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-            for (int i = 0; i < 32; i++) {
-                const float v = fabsf(xs[i]);
-                amax = v > amax ? v : amax;
-            }
+            const float amax = amax_32(xs);
             const float d = amax > 1e-30f ? amax / 127.0f : 1.0f;
             tm_act *q = xq + b * K + c0;
 #pragma omp simd

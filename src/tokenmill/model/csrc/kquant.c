@@ -209,17 +209,24 @@ static inline __m128i kq_unpack_scales(const uint8_t *q) {
 /* Rows of x as int8 codes q = round(x / d), d = amax / 127 per 32 inputs (xq [B, k], xd
  * [B, k / 32]), with each 32 and each 16 inputs' code sums times their d (s32 [B, k / 32],
  * s16 [B, k / 16]) for the min and offset terms. */
+/* The largest |x| of 32 floats: the int8 scale of one activation block (amax / 127), as
+ * every per-32 activation quantizer here takes it (this one, decode_step.c's). */
+static inline float amax_32(const float *xs) {
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int i = 0; i < 32; i++) {
+        const float v = fabsf(xs[i]);
+        amax = v > amax ? v : amax;
+    }
+    return amax;
+}
+
 static void kq_quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t k, int8_t *xq, float *xd, float *s32,
                              float *s16) {
     for (int64_t b = 0; b < B; b++)
         for (int64_t c0 = 0; c0 < k; c0 += 32) {
             const float *xs = x + b * ldx + c0;
-            float amax = 0.0f;
-#pragma omp simd reduction(max : amax)
-            for (int i = 0; i < 32; i++) {
-                const float v = fabsf(xs[i]);
-                amax = v > amax ? v : amax;
-            }
+            const float amax = amax_32(xs);
             const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
             int8_t *q = xq + b * k + c0;
             int sum[2] = {0, 0};
