@@ -22,9 +22,10 @@ once per round, best of ``--repeats``, as ``decode_speed.py`` does):
 tokenmill's rows, like llama.cpp's, decode at the prompt's depth: one request, its prompt's
 steps (to the first token) for prefill, its next ``--decode-len`` steps for decode.
 
-With ``--prefill-len 16384`` the rows are a long prompt's: its prefill (TTFT = 16384 / the
-prefill rate), then decode at that context; ``--llama-server`` then saves llama-bench's second
-prefill of the prompt.
+``--kv-cache-dtypes auto,int8`` adds a tokenmill row per KV pool dtype (the pool a long
+context reads every step). With ``--prefill-len 16384`` the rows are a long prompt's: its
+prefill (TTFT = 16384 / the prefill rate), then decode at that context; ``--llama-server``
+then saves llama-bench's second prefill of the prompt.
 
 Each row gives prefill tok/s for a ``--prefill-len``-token prompt and decode tok/s, both
 as a ratio against llama.cpp, and decode as a fraction of the bandwidth limit: the rate
@@ -175,13 +176,13 @@ def kv_pool_mib(shape: Shape, tokens: int) -> int:
     return max(256, -(-tokens * per_token // 2**20))
 
 
-def tokenmill_runner(path: str, quantization: str, args: argparse.Namespace) -> decode_speed.Runner:
+def tokenmill_runner(path: str, quantization: str, kv_dtype: str, args: argparse.Namespace) -> decode_speed.Runner:
     engine = LLMEngine(EngineConfig.from_options(
-        model=path, dtype="auto", quantization=quantization, enable_prefix_caching=False,
+        model=path, dtype="auto", quantization=quantization, kv_cache_dtype=kv_dtype, enable_prefix_caching=False,
         kv_cache_memory=f"{kv_pool_mib(SHAPES[args.shape], args.prefill_len + args.decode_len + 256)}MiB",
         max_num_batched_tokens=max(1024, args.prefill_len)))
-    print(f"# tokenmill --quantization {quantization}: runs dtype {engine.config.dtype}, "
-          f"quantization {engine.config.quantization}", flush=True)
+    print(f"# tokenmill --quantization {quantization} --kv-cache-dtype {kv_dtype}: runs dtype {engine.config.dtype}, "
+          f"quantization {engine.config.quantization}, KV pool {engine.config.cache.kv_cache_dtype}", flush=True)
     torch.set_num_threads(args.threads)
 
     def run(seed: int) -> tuple[float, float]:
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
     ap.add_argument("--qtype", choices=("Q4_0", "Q4_K_M", "Q8_0"), default="Q4_0")
     ap.add_argument("--quantizations", default="auto,gguf", help="tokenmill rows, comma-separated")
+    ap.add_argument("--kv-cache-dtypes", default="auto",
+                    help="tokenmill's KV pool dtypes, comma-separated (a row for each with each quantization)")
     ap.add_argument("--prefill-len", type=int, default=128)
     ap.add_argument("--decode-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
@@ -256,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
               f"threads {args.threads}, prefill {args.prefill_len}, decode {args.decode_len}, best of "
               f"{args.repeats}, load {os.getloadavg()[0]:.2f}", flush=True)
         runners: list[tuple[str, decode_speed.Runner]] = [
-            (f"tokenmill --quantization {q}", tokenmill_runner(path, q, args)) for q in args.quantizations.split(",")]
+            (f"tokenmill --quantization {q}" + (f" --kv-cache-dtype {kv}" if kv != "auto" else ""),
+             tokenmill_runner(path, q, kv, args))
+            for q in args.quantizations.split(",") for kv in args.kv_cache_dtypes.split(",")]
         stop_llama_server: Callable[[], None] = lambda: None
         kind = "llama-server" if args.llama_server else "llama-bench" if args.llama_bench else "llama-cpp-python"
         if args.skip_llamacpp:
