@@ -165,6 +165,9 @@ def real_tokenizer(bundled_model_path):
     return Tokenizer.from_gguf(bundled_model_path)
 
 
+_QUALITY_BASELINES: dict = {}
+
+
 def bundled_quality(loaded, tokenizer, candidate: str, max_ppl_increase: float, max_tokens: int | None = None):
     """``tokenmill eval``'s comparison of ``candidate`` (e.g. "w8a8", "none:kv=int8") with
     float32 on the bundled sample text (its first ``max_tokens`` tokens)."""
@@ -174,7 +177,10 @@ def bundled_quality(loaded, tokenizer, candidate: str, max_ppl_increase: float, 
     text_ids = tokenizer.encode(sample_path("sample_text.txt").read_text(encoding="utf-8"),
                                 add_special_tokens=True)[:max_tokens]
     opts = EvalOptions(speed=False)
-    base = run_config(CandidateSpec.parse("none"), opts, loaded, tokenizer, text_ids, [])
+    key = (id(loaded), max_tokens)  # the float32 baseline, run once a session per text
+    if key not in _QUALITY_BASELINES:
+        _QUALITY_BASELINES[key] = run_config(CandidateSpec.parse("none"), opts, loaded, tokenizer, text_ids, [])
+    base = _QUALITY_BASELINES[key]
     cand = run_config(CandidateSpec.parse(candidate), opts, loaded, tokenizer, text_ids, [])
     comp = compare(base, cand, max_ppl_increase, None)
     assert comp.ppl_increase is not None and comp.next_token_agreement is not None

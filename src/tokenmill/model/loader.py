@@ -460,19 +460,24 @@ def load_gguf(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
     return LoadedModel(config, weights, quant_types, raw, source=str(path), format="gguf")
 
 
-def _split_phi3(weights: dict[str, torch.Tensor], quant_types: dict[str, str],
+def _split_phi3(weights: CheckpointWeights, quant_types: dict[str, str],
                 raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]], config: ModelConfig) -> None:
-    """Phi-3's fused q/k/v and gate/up into the separate names (kept blocks split by rows too)."""
-    from .phi3 import split_fused_weights
+    """Phi-3's fused q/k/v and gate/up into the separate names, unread (``split_rows``: each
+    part dequantized when loading reads it); kept blocks split by rows too."""
+    from .phi3 import FUSED_SUFFIXES, fused_parts
 
-    fused_types = {n: quant_types.pop(n) for n in list(quant_types) if n.endswith(("qkv_proj.weight",
-                                                                                     "gate_up_proj.weight"))}
-    fused_raw = {n: raw.pop(n) for n in fused_types if n in raw}
-    for part, (source, start, rows) in split_fused_weights(weights, config).items():
-        quant_types[part] = fused_types[source]
-        if source in fused_raw:
-            kind, blocks, shape = fused_raw[source]
-            raw[part] = (kind, blocks[start:start + rows], (rows, shape[1]))
+    for name in [n for n in weights if n.endswith(FUSED_SUFFIXES)]:
+        parts = fused_parts(name, weights.shape_of(name)[0], config)
+        weights.split_rows(name, parts)
+        kind = quant_types.pop(name)
+        fused_raw = raw.pop(name, None)
+        start = 0
+        for part, rows in parts:
+            quant_types[part] = kind
+            if fused_raw is not None:
+                _, blocks, shape = fused_raw
+                raw[part] = (kind, blocks[start:start + rows], (rows, shape[1]))
+            start += rows
 
 
 # --------------------------------------------------------------------------- Hugging Face folder

@@ -44,38 +44,36 @@ def longrope_inv_freq(cfg: ModelConfig, scaling: dict[str, Any], max_positions: 
     return 1.0 / (ext * cfg.rope_theta**shape), float(attention_factor)
 
 
+FUSED_SUFFIXES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+
+
+def fused_parts(name: str, rows: int, cfg: ModelConfig) -> list[tuple[str, int]]:
+    """The separate names a fused tensor ``name`` of ``rows`` rows splits into, each with its
+    rows, in the fused order: q/k/v_proj from ``qkv_proj``, gate/up_proj from ``gate_up_proj``."""
+    assert cfg.head_dim is not None
+    prefix = name.rsplit(".", 2)[0]
+    if name.endswith("qkv_proj.weight"):
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        parts = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
+    else:
+        parts = (("gate_proj", rows // 2), ("up_proj", rows // 2))
+    return [(f"{prefix}.{part}.weight", n) for part, n in parts]
+
+
 def split_fused_weights(weights: MutableMapping[str, torch.Tensor],
                         cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """In place: ``qkv_proj`` -> q/k/v_proj and ``gate_up_proj`` -> gate/up_proj, per layer.
-    Returns each new name's fused source, its first row there and its rows. A GGUF file's
-    weights (``CheckpointWeights``) are split without being read: each part is dequantized
-    when loading reads it, and never where the layer keeps the file's blocks."""
-    from .loader import CheckpointWeights
-
-    assert cfg.head_dim is not None
-    q_size = cfg.num_attention_heads * cfg.head_dim
-    kv_size = cfg.num_key_value_heads * cfg.head_dim
+    """In place, on tensors held in memory: each fused tensor into its ``fused_parts``.
+    Returns each new name's fused source, its first row there and its rows. (A GGUF file's
+    weights are split unread instead: ``loader._split_phi3``.)"""
     sources: dict[str, tuple[str, int, int]] = {}
-    for name in [n for n in weights if n.endswith(("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"))]:
-        lazy = isinstance(weights, CheckpointWeights)
-        total = weights.shape_of(name)[0] if lazy else weights[name].shape[0]
-        prefix = name.rsplit(".", 2)[0]
-        if name.endswith("qkv_proj.weight"):
-            parts = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
-        else:
-            parts = (("gate_proj", total // 2), ("up_proj", total // 2))
-        named = [(f"{prefix}.{part}.weight", rows) for part, rows in parts]
+    for name in [n for n in weights if n.endswith(FUSED_SUFFIXES)]:
+        fused = weights.pop(name)
         start = 0
-        for part, rows in named:
+        for part, rows in fused_parts(name, fused.shape[0], cfg):
+            weights[part] = fused[start:start + rows].contiguous()
             sources[part] = (name, start, rows)
             start += rows
-        if lazy:
-            weights.split_rows(name, named)
-        else:
-            fused = weights.pop(name)
-            for part, rows in named:
-                _, first, _ = sources[part]
-                weights[part] = fused[first:first + rows].contiguous()
     return sources
 
 
