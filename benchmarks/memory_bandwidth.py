@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,21 +76,27 @@ def _reader() -> ctypes.CDLL:
     return cdll
 
 
+def _median_seconds(run: Callable[[], object], repeats: int) -> float:
+    """The median time of ``repeats`` calls of ``run``."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 15) -> float:
     """Bytes/s ``threads`` threads sustain reading a buffer of ``nbytes``: the median of
-    ``repeats`` passes (about half a second). Not the best pass: a VM here read at 34 GB/s for
-    minutes with single passes at 55-59 GB/s among them, bursts no decode of many tokens holds."""
+    ``repeats`` passes (about half a second). Not the best pass: a VM can read several times
+    faster for single passes amid minutes at its usual rate, bursts no decode of many tokens
+    holds (docs/performance.md has the readings)."""
     reader = _reader()
     # Every 8 bytes distinct, as weights are: pages of one value could be merged by the host
     # (a VM's same-page merging), and reading one page over and over is a cache's rate.
     buf = torch.arange(nbytes // 8, dtype=torch.int64)
-    ptr = buf.data_ptr()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        reader.tm_read_all(ptr, buf.numel() * 8, threads)
-        times.append(time.perf_counter() - t)
-    return buf.numel() * 8 / statistics.median(times)
+    ptr, size = buf.data_ptr(), buf.numel() * 8
+    return size / _median_seconds(lambda: reader.tm_read_all(ptr, size, threads), repeats)
 
 
 def copy_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 15) -> float:
@@ -97,12 +104,7 @@ def copy_bandwidth(threads: int, nbytes: int = 1 << 30, repeats: int = 15) -> fl
     torch.set_num_threads(threads)
     src = torch.arange(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times)
+    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,12 +84,12 @@ class CheckpointWeights(MutableMapping[str, torch.Tensor]):
         """``name``'s shape, without making it."""
         return self._shapes[name]
 
-    def split_rows(self, name: str, parts: Sequence[tuple[str, int]]) -> None:
-        """Replaces ``name`` by consecutive row ranges, ``(new name, rows)`` each, made when
+    def split_rows(self, name: str, parts: Sequence[tuple[str, int, int]]) -> None:
+        """Replaces ``name`` by row ranges, ``(new name, first row, rows)`` each, made when
         read like the rest. A run of one source's parts read in turn (as loading reads a
         layer's q, k and v) makes the source once: it is held until its last part is read."""
         source, shape = self._values.pop(name), self._shapes.pop(name)
-        pending = {part for part, _ in parts}
+        pending = {part for part, _, _ in parts}
         held: list[torch.Tensor] = []
 
         def rows_of(part: str, start: int, rows: int) -> torch.Tensor:
@@ -101,10 +101,8 @@ class CheckpointWeights(MutableMapping[str, torch.Tensor]):
                 held.clear()
             return out
 
-        start = 0
-        for part, rows in parts:
+        for part, start, rows in parts:
             self.add_lazy(part, (rows, *shape[1:]), lambda p=part, s=start, r=rows: rows_of(p, s, r))
-            start += rows
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self._values[name]
@@ -471,13 +469,11 @@ def _split_phi3(weights: CheckpointWeights, quant_types: dict[str, str],
         weights.split_rows(name, parts)
         kind = quant_types.pop(name)
         fused_raw = raw.pop(name, None)
-        start = 0
-        for part, rows in parts:
+        for part, start, rows in parts:
             quant_types[part] = kind
             if fused_raw is not None:
                 _, blocks, shape = fused_raw
                 raw[part] = (kind, blocks[start:start + rows], (rows, shape[1]))
-            start += rows
 
 
 # --------------------------------------------------------------------------- Hugging Face folder

@@ -47,9 +47,10 @@ def longrope_inv_freq(cfg: ModelConfig, scaling: dict[str, Any], max_positions: 
 FUSED_SUFFIXES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
 
 
-def fused_parts(name: str, rows: int, cfg: ModelConfig) -> list[tuple[str, int]]:
+def fused_parts(name: str, rows: int, cfg: ModelConfig) -> list[tuple[str, int, int]]:
     """The separate names a fused tensor ``name`` of ``rows`` rows splits into, each with its
-    rows, in the fused order: q/k/v_proj from ``qkv_proj``, gate/up_proj from ``gate_up_proj``."""
+    first row there and its rows, in the fused order: q/k/v_proj from ``qkv_proj``,
+    gate/up_proj from ``gate_up_proj``."""
     assert cfg.head_dim is not None
     prefix = name.rsplit(".", 2)[0]
     if name.endswith("qkv_proj.weight"):
@@ -58,7 +59,8 @@ def fused_parts(name: str, rows: int, cfg: ModelConfig) -> list[tuple[str, int]]
         parts = (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size))
     else:
         parts = (("gate_proj", rows // 2), ("up_proj", rows // 2))
-    return [(f"{prefix}.{part}.weight", n) for part, n in parts]
+    starts = [sum(n for _, n in parts[:i]) for i in range(len(parts))]
+    return [(f"{prefix}.{part}.weight", start, n) for (part, n), start in zip(parts, starts)]
 
 
 def split_fused_weights(weights: MutableMapping[str, torch.Tensor],
@@ -69,11 +71,9 @@ def split_fused_weights(weights: MutableMapping[str, torch.Tensor],
     sources: dict[str, tuple[str, int, int]] = {}
     for name in [n for n in weights if n.endswith(FUSED_SUFFIXES)]:
         fused = weights.pop(name)
-        start = 0
-        for part, rows in fused_parts(name, fused.shape[0], cfg):
+        for part, start, rows in fused_parts(name, fused.shape[0], cfg):
             weights[part] = fused[start:start + rows].contiguous()
             sources[part] = (name, start, rows)
-            start += rows
     return sources
 
 

@@ -206,11 +206,9 @@ static inline __m128i kq_unpack_scales(const uint8_t *q) {
                           (int)(((u[2] >> 4) & m4) | (((u[1] >> 6) & m2) << 4)));
 }
 
-/* Rows of x as int8 codes q = round(x / d), d = amax / 127 per 32 inputs (xq [B, k], xd
- * [B, k / 32]), with each 32 and each 16 inputs' code sums times their d (s32 [B, k / 32],
- * s16 [B, k / 16]) for the min and offset terms. */
 /* The largest |x| of 32 floats: the int8 scale of one activation block (amax / 127), as
- * every per-32 activation quantizer here takes it (this one, decode_step.c's). */
+ * the per-32 activation quantizers take it (kq_quantize_rows below, decode_step.c's
+ * quantize_group_rows). */
 static inline float amax_32(const float *xs) {
     float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
@@ -221,6 +219,9 @@ static inline float amax_32(const float *xs) {
     return amax;
 }
 
+/* Rows of x as int8 codes q = round(x / d), d = amax / 127 per 32 inputs (xq [B, k], xd
+ * [B, k / 32]), with each 32 and each 16 inputs' code sums times their d (s32 [B, k / 32],
+ * s16 [B, k / 16]) for the min and offset terms. */
 static void kq_quantize_rows(const float *x, int64_t ldx, int64_t B, int64_t k, int8_t *xq, float *xd, float *s32,
                              float *s16) {
     for (int64_t b = 0; b < B; b++)
