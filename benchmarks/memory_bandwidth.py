@@ -54,23 +54,30 @@ long long tm_read_all(const char *buf, int64_t bytes, int threads) {
 """
 
 
-def _reader() -> ctypes.CDLL:
-    """The compiled reader, cached by its source's hash in the temporary folder."""
+def compile_probe(source: str, stem: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """A small C probe compiled with the system gcc (``-O2 -march=native`` and ``flags``), cached
+    by its source's hash in the temporary folder: the benchmarks' own measuring code, not the
+    kernel library."""
     cc = shutil.which("gcc")
     if cc is None:
         raise RuntimeError("gcc not found on PATH")
-    digest = hashlib.sha256(_READER.encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / "tokenmill-bench-reader"
+    digest = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / "tokenmill-bench-probes"
     folder.mkdir(exist_ok=True)
-    lib = folder / f"reader-{digest}.so"
+    lib = folder / f"{stem}-{digest}.so"
     if not lib.exists():
-        src = folder / f"reader-{digest}.c"
-        src.write_text(_READER)
-        tmp = folder / f"reader-{digest}.{os.getpid()}.tmp"
-        subprocess.run([cc, "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)],
+        src = folder / f"{stem}-{digest}.c"
+        src.write_text(source)
+        tmp = folder / f"{stem}-{digest}.{os.getpid()}.tmp"
+        subprocess.run([cc, "-O2", "-march=native", *flags, "-shared", "-fPIC", str(src), "-o", str(tmp)],
                        check=True, capture_output=True, timeout=120)
         os.replace(tmp, lib)
-    cdll = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+def _reader() -> ctypes.CDLL:
+    """The compiled reader."""
+    cdll = compile_probe(_READER, "reader", ("-fopenmp",))
     cdll.tm_read_all.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     cdll.tm_read_all.restype = ctypes.c_longlong
     return cdll

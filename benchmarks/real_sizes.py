@@ -288,12 +288,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read bandwidth, {args.threads} threads, at each round's start: "
               f"{', '.join(f'{r / 1e9:.1f}' for r in readings)} GB/s -> limit {bw / per_token:.1f} tok/s "
               f"({bw / 1e9:.1f} GB/s over {per_token / 2**20:.0f} MiB a token)")
-        lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (float("nan"), float("nan"))
+        lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (None, None)
+
+        def ratio(value: float, baseline: float | None) -> str:
+            return "-" if baseline is None else f"{value / baseline:.2f}x"
+
         print("| engine | prefill tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | of bandwidth limit |")
         print("|---|---|---|---|---|---|")
         for name, _ in runners:
             p, d = best[name]
-            print(f"| {name} | {p:.0f} | {p / lc_p:.2f}x | {d:.1f} | {d / lc_d:.2f}x | {d * per_token / bw:.0%} |")
+            print(f"| {name} | {p:.0f} | {ratio(p, lc_p)} | {d:.1f} | {ratio(d, lc_d)} | {d * per_token / bw:.0%} |")
         if isinstance(lc, str):
             print(f"llama.cpp rows skipped: {lc}")
     return 0

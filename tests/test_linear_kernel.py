@@ -193,7 +193,7 @@ def _q8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ["avx2", "native"])
-@pytest.mark.parametrize("rows", [1, 3, 5, 13, 70])  # every remainder of the kernel's 4-row passes
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 70])  # every pass size of the 4-row (AVX2) and 6-row passes
 @pytest.mark.parametrize("group,repeat", [(32, 1), (64, 2), (128, 1)])
 def test_int4_nibble_packing_multiplies_int8_activations_exactly(isa: str, rows: int, group: int,
                                                                  repeat: int) -> None:
@@ -411,7 +411,7 @@ def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: 
 
 
 @pytest.mark.parametrize("isa", ["avx2", "native"])
-@pytest.mark.parametrize("rows", [1, 3, 5, 13])  # every remainder of the kernel's 4-row passes
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13])  # every pass size of the 4-row (AVX2) and 6-row passes
 @pytest.mark.parametrize("group,fp16", [(32, True), (32, False), (64, True)])
 def test_symmetric_int4_nibble_packing_reads_no_zeros(isa: str, rows: int, group: int, fp16: bool) -> None:
     """Layers whose zero is -8 x scale (GGUF Q4_0: w = d (q - 8)) are packed without zeros and,

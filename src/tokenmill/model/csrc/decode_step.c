@@ -876,7 +876,11 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
  * one row at a time) and dequantizing tiles to float32 (measured in docs/performance.md).
  * out[t][b] lane i: row i of tile t . x_b. AVX-512 VNNI builds run the same packing with
  * 16-row tiles through vpdpbusd (unsigned codes times signed activations, added in 32 bits). */
+#ifdef TM_Q4_VNNI
+#define Q4_ROWS 6 /* activation rows per pass: two tiles' int32 and float accumulators each, 24 of 32 registers */
+#else
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
+#endif
 #ifdef TM_Q4_VNNI
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
@@ -893,8 +897,13 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     int64_t group = 0, blocks_left = per;
     for (int64_t c = 0; c < C; c++) {
         __m512i a[2][Q4_ROWS];
-        for (int t = 0; t < NT; t++)
-            for (int b = 0; b < NB; b++) a[t][b] = _mm512_setzero_si512();
+        /* Q4_SYMMETRIC: codes - 8, exactly, as 8 x the block's activation code sum off each
+         * sum, put there before the products rather than subtracted after: vpdpbusd and the
+         * float multiplies share two pipes on some CPUs (Zen 4), where each op off counts. */
+        for (int b = 0; b < NB; b++) {
+            const __m512i start = FORM & Q4_SYMMETRIC ? _mm512_set1_epi32(-8 * bsum[b * C + c]) : _mm512_setzero_si512();
+            for (int t = 0; t < NT; t++) a[t][b] = start;
+        }
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             __m512i lo[2], hi[2];
@@ -915,11 +924,6 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 }
             }
         }
-        if (FORM & Q4_SYMMETRIC) /* codes - 8, exactly: 8 x the block's activation code sum off each sum */
-            for (int b = 0; b < NB; b++) {
-                const __m512i off = _mm512_set1_epi32(8 * bsum[b * C + c]);
-                for (int t = 0; t < NT; t++) a[t][b] = _mm512_sub_epi32(a[t][b], off);
-            }
         for (int t = 0; t < NT; t++) {
             const __m512 sv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
                                             : _mm512_loadu_ps(ps + t * G * VW + group * VW);
@@ -1027,11 +1031,17 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
             const int8_t *xb = xq + b0 * kp;
             const float *xdb = xd + b0 * C, *xsb = xsum + b0 * G;
 #define Q4_BLOCK(T, N) int4_q8_block(L, xb, xdb, xsb, T, N, tile, acc, FORM)
+#if Q4_ROWS == 6
+#define Q4_WIDE_CASES(T) case 4: Q4_BLOCK(T, 4); break; case 5: Q4_BLOCK(T, 5); break;
+#else
+#define Q4_WIDE_CASES(T)
+#endif
 #define Q4_SWITCH(T)                                                                                    \
     switch (NB) {                                                                                       \
         case 1: Q4_BLOCK(T, 1); break;                                                                  \
         case 2: Q4_BLOCK(T, 2); break;                                                                  \
         case 3: Q4_BLOCK(T, 3); break;                                                                  \
+        Q4_WIDE_CASES(T)                                                                                \
         default: Q4_BLOCK(T, Q4_ROWS); break;                                                           \
     }
             if (NT == 2) {
@@ -1040,6 +1050,7 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
                 Q4_SWITCH(1)
             }
 #undef Q4_SWITCH
+#undef Q4_WIDE_CASES
 #undef Q4_BLOCK
             for (int t = 0; t < NT; t++) {
                 const vf bias = L->bias ? vload(L->bias + (tile + t) * VW) : (vf){0};
