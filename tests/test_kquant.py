@@ -35,6 +35,23 @@ def test_dequantize_bit_exact_with_gguf(type_name):
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_subblock_codes_are_the_blocks_weights_as_int4_groups(type_name):
+    """Q4_K / Q5_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an
+    offset per 32 weights, Q5_K's fifth bit a second nibble plane) give the blocks' weights:
+    the scale d sc and offset -dmin m are exact in float32, and the int4 form's zero (8 s + o)
+    rounds at most once, in float32."""
+    from tokenmill.model.quant import int4_from_gguf
+
+    rng = np.random.default_rng(3)
+    blocks = random_kquant_blocks(type_name, 16, 512, rng)
+    want = torch.from_numpy(kquant.dequantize(type_name, blocks, (16, 512)))
+    codes = int4_from_gguf(type_name, blocks, (16, 512))
+    assert codes.group_size == 32 and codes.repeat == (2 if type_name == "Q5_K" else 1)
+    got = codes.dequantize()
+    assert torch.allclose(got, want, rtol=0, atol=float(want.abs().max()) * 2**-21), (got - want).abs().max()
+
+
 @pytest.fixture(scope="module", params=BUILDS)
 def lib(request) -> cpu_kernels.KernelLibrary:
     if request.param == "avx2" and "avx2" not in cpu_kernels._cpu_flags():
@@ -216,23 +233,32 @@ def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):
     assert "kept dense" in report.summary()
 
 
-def test_fused_step_takes_projections_of_one_kquant_type(tmp_path):
-    """q/k/v and gate/up all Q4_K (stacked into one block matrix each), o Q5_K, down Q6_K: every
-    projection has one block type, so the fused step takes the model (decode rows and prefill
-    chunks) and gives the eager forward's greedy tokens; a projection mixing two types keeps
-    the eager forward and says which."""
+@pytest.mark.parametrize("qtypes,parts", [
+    ({"down_proj": "Q6_K", "o_proj": "Q5_K", "layers.": "Q6_K"}, 1),  # q/k/v stacked into one block matrix
+    ({"v_proj": "Q6_K", "down_proj": "Q6_K", "layers.": "Q4_K"}, 2),  # Q4_K_M's q/k Q4_K beside v Q6_K
+])
+def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
+    """A K-quant model runs the fused step (decode rows and prefill chunks) with the eager
+    forward's greedy tokens: a q/k/v projection of one block type as one part, one of two
+    types (Q4_K_M's) as two, the second's outputs after the first's (``qkv_tail``). Q4_K /
+    Q5_K projections of one type become int4 layers where the build has the nibble kernel."""
+    from tokenmill.model.quant import Int4Linear
     from tokenmill.options import KernelOptions
 
-    if cpu_kernels.load() is None:
+    lib = cpu_kernels.load()
+    if lib is None:
         pytest.skip("the C kernels are not built here")
-    loaded = load_model(_kquant_file(tmp_path, {"down_proj": "Q6_K", "o_proj": "Q5_K", "layers.": "Q4_K"}))
+    loaded = load_model(_kquant_file(tmp_path, qtypes))
     rng = random.Random(6)
     prompts = [[rng.randrange(TINY_VOCAB - 1) for _ in range(rng.randint(3, 40))] for _ in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     fused = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
                 kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16)
-    qkv = fused.engine.runner.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == 1 and qkv.formats == "Q4_K"
+    layer = fused.engine.runner.model.layers[0]
+    qkv = layer.self_attn.qkv_proj
+    assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == parts
+    if parts == 2:  # gate/up Q4_K alone: int4 groups where the nibble kernel runs them
+        assert isinstance(layer.mlp.gate_up_proj, Int4Linear if lib.q4_int8_dot else KQuantLinear)
     assert fused.engine.runner.fused is not None
     eager = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
                 kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16,
@@ -240,6 +266,3 @@ def test_fused_step_takes_projections_of_one_kquant_type(tmp_path):
     assert eager.engine.runner.fused is None
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in fused.generate(prompts, params)] == want
-    mixed = LLM(loaded_model=load_model(_kquant_file(tmp_path, {"v_proj": "Q6_K", "layers.": "Q4_K"})),
-                tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf", num_blocks=16)
-    assert mixed.engine.runner.fused is None

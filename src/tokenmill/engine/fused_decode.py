@@ -73,7 +73,7 @@ class _Layer(ctypes.Structure):
                 ("down", _Linear), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
                 ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p), ("window", ctypes.c_int64),
                 ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("qkv_tail", _Linear)]
 
 
 class _Model(ctypes.Structure):
@@ -214,6 +214,26 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
     raise Unsupported(f"{name}: {type(mod).__name__} has no fused kernel")
 
 
+def _qkv_linears(mod: nn.Module, keep: list[torch.Tensor], name: str,
+                 lib: cpu_kernels.KernelLibrary) -> tuple[_Linear, _Linear]:
+    """The q/k/v projection as the step's ``qkv`` and ``qkv_tail`` (n = 0: none): a K-quant
+    projection stored in two block types (Q4_K_M's q and k in Q4_K, v in Q6_K) is two parts,
+    the second's outputs after the first's."""
+    base = base_of(mod)
+    tail = _Linear()
+    if not isinstance(base, KQuantLinear) or len(base.kernel_descriptions()) != 2:
+        return _linear(mod, keep, name, lib), tail
+    head, rest = base.kernel_descriptions()
+    ctypes.pointer(tail)[0] = rest
+    first = _Linear()
+    ctypes.pointer(first)[0] = head
+    bias = getattr(base, "bias", None)
+    if bias is not None:  # each part adds its own rows' bias
+        first.bias = _f32(bias[:head.n], keep)
+        tail.bias = _f32(bias[head.n:], keep)
+    return first, tail
+
+
 def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
           lib: cpu_kernels.KernelLibrary, max_batch: int | None = None) -> FusedDecoder | None:
     """The fused decoder for this model and pool, or None (with the reason logged) when
@@ -264,14 +284,15 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
             dst.cos, dst.sin = _f32(rotary.cos, keep), _f32(rotary.sin, keep)
         dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
         dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
-        dst.qkv = _linear(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
+        dst.qkv, dst.qkv_tail = _qkv_linears(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
         dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj", lib)
         dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj", lib)
         if dst.gate_up.packed and (dst.gate_up.n // 2) % lib.vector_width:
             raise Unsupported(f"layers.{i}.gate_up_proj: gate and up are not whole VNNI tiles")
         dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj", lib)
-        for lin, name in ((dst.qkv, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"), (dst.down, "down")):
-            if lin.kind != W_INT4 and lin.k % lib.vector_width:
+        for lin, name in ((dst.qkv, "qkv"), (dst.qkv_tail, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"),
+                          (dst.down, "down")):
+            if lin.n and lin.kind != W_INT4 and lin.k % lib.vector_width:
                 raise Unsupported(f"layers.{i}.{name}: {lin.k} input features")
         if not (kc.is_contiguous() and vc.is_contiguous()):
             raise Unsupported("KV pool not contiguous")
@@ -299,7 +320,7 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
         raise Unsupported(f"lm_head: {m.head.k} input features")
     layer_kinds = {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
-                   for p in ("qkv", "o", "gate_up", "down")}
+                   for p in ("qkv", "qkv_tail", "o", "gate_up", "down") if getattr(layers[i], p).n}
     limit = min(MAX_BATCH_BY_KIND[k] for k in layer_kinds | {m.head.kind}) if max_batch is None else max_batch
     log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
              limit, cfg.num_hidden_layers)

@@ -79,7 +79,7 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", 
 NO_AMX = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
 ISA_FLAGS = {"native": (), "avx512": NO_AMX, "avx2": ("-mno-avx512f", *NO_AMX),
              "portable": ("-march=x86-64", "-mtune=generic")}
-_ABI_VERSION = 13
+_ABI_VERSION = 14
 _ENTRY = {torch.float32: "tm_paged_decode_f32", torch.bfloat16: "tm_paged_decode_bf16"}
 # Quantized pools (model/kv_quant.py): the kernels' format codes (KV_I8, KV_FP8 in paged_attention.c).
 KV_FORMAT = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}

@@ -45,6 +45,33 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
+def _q45_parts(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K super-blocks ([n, bytes]) -> their codes (uint8 [n, 8, 32], 0..15 or 0..31)
+    and each 32-weight sub-block's scale ``d * sc`` and offset ``-dmin * m`` (float32 [n, 8],
+    both exact: an fp16 times a 6-bit integer): w = scale * q + offset."""
+    n = b.shape[0]
+    d, dmin = _half(b, 0), _half(b, 2)
+    sc, mn = _scale_min(b[:, 4:16])
+    qs = b[:, 48:] if type_name == "Q5_K" else b[:, 16:]
+    q = np.stack([qs.reshape(n, 4, 32) & 0xF, qs.reshape(n, 4, 32) >> 4], axis=2).reshape(n, 8, 32)
+    if type_name == "Q5_K":
+        qh = b[:, 16:48]
+        bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8 sub-blocks, 32]
+        q = q + (bits << 4)
+    return q, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+
+
+def subblock_codes(type_name: str, blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K rows (``shape`` [rows, k]) as codes with a scale and an offset per 32 weights:
+    (uint8 [rows, k], float32 [rows, k / 32] twice), w = scale * code + offset: the form the
+    int4 nibble kernels take (``quant.int4_from_gguf``)."""
+    rows, k = shape
+    _, nbytes = KQUANT_TYPES[type_name]
+    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, nbytes)
+    q, scale, offset = _q45_parts(type_name, b)
+    return q.reshape(rows, k), scale.reshape(rows, k // 32), offset.reshape(rows, k // 32)
+
+
 def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Raw K-quant rows -> float32 ``shape``, as ggml computes each weight:
     Q4_K / Q5_K ``(d * sc) * q - dmin * m`` per 32 weights, Q6_K ``(d * sc) * (q - 32)`` per 16."""
@@ -52,17 +79,8 @@ def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np
     b = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, nbytes)
     n = b.shape[0]
     if type_name in ("Q4_K", "Q5_K"):
-        d, dmin = _half(b, 0), _half(b, 2)
-        sc, mn = _scale_min(b[:, 4:16])
-        qs = b[:, 48:] if type_name == "Q5_K" else b[:, 16:]
-        q = np.stack([qs.reshape(n, 4, 32) & 0xF, qs.reshape(n, 4, 32) >> 4], axis=2).reshape(n, 8, 32)
-        if type_name == "Q5_K":
-            qh = b[:, 16:48]
-            bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8 sub-blocks, 32]
-            q = q + (bits << 4)
-        scale = (d * sc.astype(np.float32))[..., None]
-        offset = (dmin * mn.astype(np.float32))[..., None]
-        values = scale * q.astype(np.float32) - offset
+        q, scale, low = _q45_parts(type_name, b)
+        values = scale[..., None] * q.astype(np.float32) + low[..., None]
     elif type_name == "Q6_K":
         ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
         sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 16)

@@ -69,6 +69,17 @@ def _vnni(options: Any) -> bool:
     return library is not None and library.int8_dot
 
 
+def _nibble_kernel(config: Any) -> bool:
+    """Whether the engine's C kernels multiply int4 codes in the nibble packing by int8
+    activations (AVX2, AVX-512 VNNI: ``int4_q8_rows``), on a single-process model."""
+    from . import cpu_kernels
+
+    if int(getattr(config, "tensor_parallel_size", 1) or 1) != 1:
+        return False
+    library = cpu_kernels.load(getattr(config, "kernel_options", None))
+    return library is not None and library.q4_int8_dot
+
+
 @dataclass
 class KernelPolicy:
     """Which kernel runs for how many rows (tokens in the step)."""
@@ -231,8 +242,9 @@ def int8g_from_q5_0(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
 
 
 def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
-    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows ``[rows, bytes_per_row]`` -> int4 codes,
-    group 32 (Q5 and Q8_0 blocks as two nibble planes fed the same input, ``repeat`` 2). The
+    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows ``[rows, bytes_per_row]`` ->
+    int4 codes, group 32 (5- and 8-bit codes as two nibble planes fed the same input, ``repeat``
+    2; a K-quant's 32-weight sub-blocks each with its own scale and offset). The
     convention: w = sum over planes of (code - 8) * scale + zero."""
     rows, k = shape
     if type_name in ("Q5_0", "Q5_1"):  # q = 16 hi + lo, hi in {0, 1}
@@ -250,6 +262,15 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)  # low nibbles first
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
+    if type_name in ("Q4_K", "Q5_K"):  # w = s q + o per 32 weights (kquant.subblock_codes)
+        from .kquant import subblock_codes
+
+        q, s, o = (torch.from_numpy(a) for a in subblock_codes(type_name, blocks, shape))
+        if type_name == "Q4_K":
+            return Int4Codes(q, s, o + 8.0 * s, 32)
+        hi, lo = q >> 4, q & 15  # as Q5_1: (hi - 8) 16 s + 128 s + (lo - 8) s + 8 s + o
+        return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * s, s], 1), torch.cat([128.0 * s, 8.0 * s + o], 1),
+                         32, 2)
     if type_name == "Q8_0":
         codes, d = int8g_from_gguf(blocks, shape)
         q = codes.view(rows, k // 32, 32).to(torch.int16)
@@ -257,7 +278,7 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         lo = (q & 15).to(torch.uint8).reshape(rows, k)
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
                          torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
-    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 do)")
+    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K do)")
 
 
 # --------------------------------------------------------------------------- layers
@@ -759,13 +780,23 @@ def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tu
     return out
 
 
-def _block_layer_kind(kinds: set[str], device: torch.device) -> str | None:
+def _block_layer_kind(kinds: set[str], device: torch.device, nibble_kernel: bool) -> str | None:
     """What ``gguf`` rebuilds a layer stored in ``kinds`` blocks as: "kquant" (the blocks as
     they are), "int8 groups" (Q5_0, with Q8_0 beside it), "int4" (Q4_0/Q4_1/Q5_1/Q8_0 as
-    nibble planes); None where it stays a dense layer (K-quants mixed with other types, or
-    K-quants off the CPU)."""
+    nibble planes, and Q4_K/Q5_K alone where the C kernels multiply the nibble packing by
+    int8 activations: ``nibble_kernel``); None where it stays a dense layer (K-quants mixed
+    with other types, or K-quants off the CPU).
+
+    Q4_K / Q5_K as int4 layers: their 32-weight sub-blocks are the int4 kernels' groups (a
+    float32 scale and offset each, 6 bits a weight read where the blocks hold 4.5), which
+    run prefill on int8 products and decode one tile's rows at a time; the blocks as they
+    are (kquant.c) widen tiles to float32 for prefill and reduce each row across its lanes
+    in decode (docs/performance.md, "K-quant files at real sizes"). Q6_K (a scale per 16
+    weights) has no such group and keeps its blocks."""
     from .kquant import KQUANT_TYPES
 
+    if kinds <= {"Q4_K", "Q5_K"} and nibble_kernel and device.type == "cpu":
+        return "int4"
     if kinds <= set(KQUANT_TYPES):
         return "kquant" if device.type == "cpu" else None
     if kinds & set(KQUANT_TYPES):
@@ -786,7 +817,8 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     if str(config.quantization or "none").lower() != "gguf" or not raw:
         return {}
     return {name: sources for name, _, sources in _targets(model, False)
-            if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device)}
+            if all(s in raw for s in sources)
+            and _block_layer_kind({raw[s][0] for s in sources}, device, _nibble_kernel(config))}
 
 
 def _head_source(model: nn.Module) -> str:
@@ -845,6 +877,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     grouped_activations = mode == "w8a8" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1 and _vnni(
         getattr(config, "kernel_options", None))
     model_device = model.embed_tokens.weight.device  # type: ignore[attr-defined]
+    nibble_kernel = mode == "gguf" and _nibble_kernel(config)
     for name, mod, sources in targets:
         # a layer rebuilt from the file's blocks may have been left on meta (block_backed_layers)
         dev = model_device if mod.weight.is_meta else mod.weight.device
@@ -872,7 +905,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
                 report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
                 continue
             kinds = {raw[s][0] for s in sources}
-            rebuilt_as = _block_layer_kind(kinds, dev)
+            rebuilt_as = _block_layer_kind(kinds, dev, nibble_kernel)
             if rebuilt_as is None:
                 report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
                 continue

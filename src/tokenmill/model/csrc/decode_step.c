@@ -95,6 +95,9 @@ typedef struct {
      * head_dim], or NULL: the model's). */
     const float *attn_out_norm, *mlp_out_norm;
     const float *cos, *sin;
+    /* The q/k/v projection's second part, n = 0 where there is none: its outputs follow qkv's
+     * (a GGUF Q4_K_M file stores v in Q6_K blocks beside q and k in Q4_K). */
+    TmLinear qkv_tail;
 } TmLayer;
 
 typedef struct {
@@ -1944,7 +1947,7 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
     /* and [B, H] for a block's output that is normed before its residual add (Gemma) */
     float *qkv = (float *)aligned_alloc(64, (((size_t)B * (NQKV + NQ + I + rmax + H) + part_floats) * 4 + 63) / 64 * 64);
     /* Per layer, the claim counters of its phases (see claim_chunk), then the head's. */
-    enum { PH_QKV, PH_ATTEND, PH_COMBINE, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
+    enum { PH_QKV, PH_QKV_TAIL, PH_ATTEND, PH_COMBINE, PH_O, PH_GATE_UP, PH_DOWN, PHASES };
     int64_t *work = (int64_t *)calloc((size_t)m->num_layers * PHASES + 1, sizeof(int64_t));
     if (!items || !qkv || !work) {
         free(items);
@@ -1999,6 +2002,9 @@ int tm_model_step(const TmModel *m, float *x, int64_t B, const int32_t *block_ta
             if (ok) {
                 for (int64_t b = 0; b < B; b++) rms_norm(x + b * H, L->input_norm, H, m->eps, h + b * H);
                 thread_linear(&L->qkv, h, H, B, &is, &work[li * PHASES + PH_QKV], T, qkv, NQKV, 0);
+                if (L->qkv_tail.n)
+                    thread_linear(&L->qkv_tail, h, H, B, &is, &work[li * PHASES + PH_QKV_TAIL], T, qkv + L->qkv.n,
+                                  NQKV, 0);
                 if (n_segs) lora_shrink(segs, n_segs, li, LORA_QKV, H, h, H, lora_t, rmax, t, T);
             }
             barrier_wait(&bar, &sense);

@@ -1083,7 +1083,7 @@ int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache
 }
 
 /* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 13; }
+int tm_kernels_abi_version(void) { return 14; }
 
 /* 1 when decode attention over a bf16 pool multiplies bf16-rounded queries and softmax
  * weights (ROWS_BF16_DOT), 0 when its arithmetic is float32. */
