@@ -59,6 +59,33 @@ def lib(request) -> cpu_kernels.KernelLibrary:
     return cpu_kernels.build(cpu_kernels.ISA_FLAGS[request.param])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_q4k_factors_in_the_nibble_kernel_match_float32_scales(lib, rows):
+    """A Q4_K layer as int4 groups reads Q4_K's own factors where the nibble kernel runs
+    (``Q4_KSCALES``: fp16 d and dmin a super-block, 6-bit sc and m a group, 4.6 bits a weight)
+    and gives what the same codes with float32 scales and offsets give (6 bits a weight),
+    within float32 rounding, at every pass size of the kernel's row passes."""
+    import dataclasses
+
+    from tokenmill.model.ops import ModelOps
+    from tokenmill.model.quant import Int4Linear, int4_from_gguf
+
+    if not lib.q4_int8_dot:
+        pytest.skip("this build has no nibble kernel (the layer runs dequantized tiles)")
+    rng = np.random.default_rng(7)
+    n, k = 4 * lib.vector_width, 768
+    codes = int4_from_gguf("Q4_K", random_kquant_blocks("Q4_K", n, k, rng), (n, k))
+    factored, plain = Int4Linear(codes), Int4Linear(dataclasses.replace(codes, kscales=None))
+    for layer in (factored, plain):
+        layer.ops = ModelOps(library=lib)
+    assert factored.kernel_description().q4_form == cpu_kernels.Q4_KSCALES
+    assert not plain.kernel_description().q4_form & cpu_kernels.Q4_KSCALES
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    with torch.inference_mode():
+        got, want = factored(x), plain(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (got - want).abs().max()
+
+
 def _layer(types: tuple[str, ...], rows: int, k: int, seed: int = 0) -> KQuantLinear:
     rng = np.random.default_rng(seed)
     return KQuantLinear([(t, random_kquant_blocks(t, rows, k, rng), (rows, k)) for t in types])

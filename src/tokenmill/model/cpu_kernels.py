@@ -620,7 +620,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 # --------------------------------------------------------------------------- one projection
 
 W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = 0, 1, 2, 3, 4, 5  # TmLinear.kind (W_KQ: csrc/kquant.c)
-Q4_SYMMETRIC, Q4_F16 = 1, 2  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
+Q4_SYMMETRIC, Q4_F16, Q4_KSCALES = 1, 2, 4  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
 
 
 class TmLinear(ctypes.Structure):
@@ -676,6 +676,24 @@ def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
     n, g = per_row.shape
     keep = per_row if per_row.dtype == torch.float16 else per_row.float()  # fp16: Q4_F16's
     return keep.reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
+
+
+def pack_kscales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
+                 vector_width: int) -> torch.Tensor:
+    """Q4_K's factors (float16 d, dmin [N, S]; uint8 sc, m [N, 8 S], S super-blocks a row) ->
+    the ``Q4_KSCALES`` layout int4_q8_rows reads, uint8 [N / VW, S, 20 VW]: per tile and
+    super-block d and dmin (VW float16 each), then the 8 groups' sc (VW bytes each), then
+    their m."""
+    n, s = d.shape
+    vw = vector_width
+
+    def halves(t: torch.Tensor) -> torch.Tensor:  # [N, S] fp16 -> [tiles, S, 2 VW] bytes
+        return t.to(torch.float16).reshape(n // vw, vw, s).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    def bytes_of(t: torch.Tensor) -> torch.Tensor:  # [N, 8 S] -> [tiles, S, 8 VW]
+        return t.to(torch.uint8).reshape(n // vw, vw, s, 8).permute(0, 2, 3, 1).reshape(n // vw, s, 8 * vw)
+
+    return torch.cat([halves(d), halves(dmin), bytes_of(sc), bytes_of(m)], dim=2).contiguous()
 
 
 def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:

@@ -9,7 +9,8 @@ activations with integer dot products, each row quantized on its own with a scal
 chunks), and builds without AVX2, widen a tile of rows to float32 exactly as ggml does
 and multiply it by float32 activations. A fused projection whose parts were stored in
 different types (q/k in Q4_K and v in Q6_K, as Q4_K_M files have them) keeps one block
-matrix per part.
+matrix per part. Where the build has the int4 nibble kernel, a Q4_K / Q5_K projection of
+one type is served as an int4 layer instead (``subblock_codes``, ``quant._block_layer_kind``).
 
 Without the C kernels (another device, kernels off) the layer widens its blocks
 with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.
@@ -70,6 +71,18 @@ def subblock_codes(type_name: str, blocks: Any, shape: tuple[int, ...]) -> tuple
     b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, nbytes)
     q, scale, offset = _q45_parts(type_name, b)
     return q.reshape(rows, k), scale.reshape(rows, k // 32), offset.reshape(rows, k // 32)
+
+
+def superblock_factors(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Q4_K rows' own factors of ``subblock_codes``' scales and offsets: d and dmin (float16
+    [rows, k / 256]), the sub-blocks' 6-bit sc and m (uint8 [rows, k / 32]); scale = d sc,
+    offset = -dmin m. What the nibble kernel reads in place of float32 scales and offsets."""
+    rows, k = shape
+    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, KQUANT_TYPES["Q4_K"][1])
+    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).reshape(rows, k // SUPER_BLOCK)
+    dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).reshape(rows, k // SUPER_BLOCK)
+    sc, mn = _scale_min(b[:, 4:16])
+    return d.copy(), dmin.copy(), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32)
 
 
 def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

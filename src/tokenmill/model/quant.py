@@ -149,6 +149,10 @@ class Int4Codes:
     zeros: torch.Tensor  # float32 [N, K // group]
     group_size: int
     repeat: int = 1
+    # Q4_K's own factors of those (group 32, repeat 1): per 256-weight super-block d and dmin
+    # (float16 [N, K // 256] each), per group sc and m (uint8 [N, K // 32] each), scales = d sc
+    # and zeros - 8 scales = -dmin m: the nibble kernel reads these, 4.6 bits a weight in all.
+    kscales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
@@ -172,8 +176,12 @@ class Int4Codes:
             raise ValueError("cannot fuse int4 tensors with different group sizes")
         if len({p.repeat for p in parts}) != 1:
             parts = [p.as_split() for p in parts]
+        kscales = None
+        if all(p.kscales is not None for p in parts):
+            kscales = tuple(torch.cat([p.kscales[i] for p in parts]) for i in range(4))  # type: ignore[index]
         return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
-                         torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].repeat)
+                         torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].repeat,
+                         kscales)  # type: ignore[arg-type]
 
 
 def check_int4_group(name: str, in_features: int, group_size: int) -> None:
@@ -263,11 +271,12 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
     if type_name in ("Q4_K", "Q5_K"):  # w = s q + o per 32 weights (kquant.subblock_codes)
-        from .kquant import subblock_codes
+        from .kquant import subblock_codes, superblock_factors
 
         q, s, o = (torch.from_numpy(a) for a in subblock_codes(type_name, blocks, shape))
         if type_name == "Q4_K":
-            return Int4Codes(q, s, o + 8.0 * s, 32)
+            return Int4Codes(q, s, o + 8.0 * s, 32,
+                             kscales=tuple(torch.from_numpy(a) for a in superblock_factors(blocks, shape)))
         hi, lo = q >> 4, q & 15  # as Q5_1: (hi - 8) 16 s + 128 s + (lo - 8) s + 8 s + o
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * s, s], 1), torch.cat([128.0 * s, 8.0 * s + o], 1),
                          32, 2)
@@ -574,6 +583,9 @@ class Int4Linear(_QuantLinear):
         dev = codes.codes.device
         self.register_buffer("scales", codes.scales.float().contiguous())  # [N, K' // group]
         self.register_buffer("zeros", codes.zeros.float().contiguous())
+        ks = codes.kscales if codes.repeat == 1 and codes.group_size == 32 else None
+        for name, t in zip(("k_d", "k_dmin", "k_sc", "k_m"), ks or (None,) * 4):
+            self.register_buffer(name, None if t is None else t.contiguous())  # Q4_K's factors (Int4Codes.kscales)
         self.layout = "nibbles"
         if dev.type == "cuda":
             packed = self._tinygemm_pack(codes.codes)
@@ -637,10 +649,14 @@ class Int4Linear(_QuantLinear):
             if many_rows:  # AVX2, AVX-512 VNNI: int8 activations at every row count, in the nibble packing
                 vw = library.vector_width
                 packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
-                if packed is not None:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
-                    form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero)
-                    scales = cpu_kernels.tile_major(scales, vw)
-                    zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
+                if packed is not None:
+                    if self.k_d is not None:  # Q4_K's own factors: 4.6 bits a weight
+                        form, zeros = cpu_kernels.Q4_KSCALES, None
+                        scales = cpu_kernels.pack_kscales(self.k_d, self.k_dmin, self.k_sc, self.k_m, vw)
+                    else:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
+                        form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero)
+                        scales = cpu_kernels.tile_major(scales, vw)
+                        zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
                     d.packed, d.packed_scale, d.q4_form = packed.data_ptr(), scales.data_ptr(), form
                     d.packed_zero = None if zeros is None else zeros.data_ptr()
                     keep += (packed, scales) + (() if zeros is None else (zeros,))
@@ -857,7 +873,10 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     group_head = ((mode == "w8a8" or gguf_head) and not quantize_head and one_cpu_head
                   and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
     int4_head = head_type in ("Q4_0", "Q4_1") and not quantize_head and one_cpu_head
-    targets = _targets(model, quantize_head or group_head or int4_head)
+    # One in K-quant blocks (Q4_K_M's head is Q6_K) keeps them too: dense, the head alone would be
+    # read at 16 or 32 bits a weight where the file's blocks hold 6.6.
+    kquant_head = head_type in ("Q4_K", "Q5_K", "Q6_K") and not quantize_head and one_cpu_head
+    targets = _targets(model, quantize_head or group_head or int4_head or kquant_head)
     if mode == "int4":
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)

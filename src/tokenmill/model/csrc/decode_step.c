@@ -117,8 +117,11 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* TmLinear.q4_form: Q4_SYMMETRIC, every zero is -8 x its scale (GGUF Q4_0: w = d (q - 8)),
  * so no zero is read and the -8 is taken on each activation block's code sum in int32;
- * Q4_F16, the packed scales (and zeros) are fp16, exact where the packing chose it. */
-enum { Q4_SYMMETRIC = 1, Q4_F16 = 2 };
+ * Q4_F16, the packed scales (and zeros) are fp16, exact where the packing chose it;
+ * Q4_KSCALES, GGUF Q4_K's own factors (w = d sc q - dmin m, groups of 32): packed_scale holds,
+ * per tile and 256-weight super-block, d and dmin (VW fp16 each) and the 8 groups' 6-bit sc
+ * and m (VW bytes each), no packed_zero (cpu_kernels.pack_kscales). */
+enum { Q4_SYMMETRIC = 1, Q4_F16 = 2, Q4_KSCALES = 4 };
 
 /* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt B transposed
  * and scaled, [r, n], stored in panels of LORA_PANEL columns (see lora_panel). B is
@@ -884,13 +887,21 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
 #else
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 #endif
+#define Q4K_BYTES (20 * VW) /* Q4_KSCALES bytes per tile and super-block */
 #ifdef TM_Q4_VNNI
+/* Q4_KSCALES: a factor of a tile's super-block sb, the fp16 vector at half_at times the
+ * byte vector at bytes_at (d sc, or dmin m). */
+TM_INLINE __m512 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
+    return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + half_at))),
+                         _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + bytes_at)))));
+}
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 256, *w1 = w0 + C * 256;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
+    const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
     const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -928,15 +939,22 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
             }
         }
         for (int t = 0; t < NT; t++) {
-            const __m512 sv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
-                                            : _mm512_loadu_ps(ps + t * G * VW + group * VW);
+            const __m512 sv = FORM & Q4_KSCALES ? q4k_factor(kb + (t * (C / 8) + c / 8) * Q4K_BYTES, 0, 4 * VW + c % 8 * VW)
+                              : FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
+                                              : _mm512_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++)
                 f[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][b]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[b * C + c])),
                                           f[t][b]);
         }
         if (--blocks_left == 0) group++, blocks_left = per;
     }
-    if (!(FORM & Q4_SYMMETRIC))
+    if (FORM & Q4_KSCALES) /* w = d sc q - dmin m: dmin m x each group's activation sum off */
+        for (int64_t j = 0; j < G; j++)
+            for (int t = 0; t < NT; t++) {
+                const __m512 mv = q4k_factor(kb + (t * (C / 8) + j / 8) * Q4K_BYTES, 2 * VW, 12 * VW + j % 8 * VW);
+                for (int b = 0; b < NB; b++) f[t][b] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(gsum[b * G + j]), f[t][b]);
+            }
+    else if (!(FORM & Q4_SYMMETRIC))
         for (int64_t j = 0; j < G; j++)
             for (int t = 0; t < NT; t++) {
                 const __m512 zv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pzh + t * G * VW + j * VW)))
@@ -947,6 +965,11 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
         for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
 #else
+/* Q4_KSCALES: as the AVX-512 q4k_factor, 8 lanes. */
+TM_INLINE __m256 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + half_at))),
+                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sb + bytes_at)))));
+}
 /* Tiles [tile, tile + NT) (NT 1 or 2) against NB rows: both tiles share each broadcast
  * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. Each
  * 16-bit sum is pinned to its register after every add (an empty asm): left free, gcc
@@ -958,6 +981,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 128, *w1 = w0 + C * 128;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
+    const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -992,8 +1016,9 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
             }
         }
         for (int t = 0; t < NT; t++) {
-            const __m256 sv = FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph + t * G * VW + group * VW)))
-                                            : _mm256_loadu_ps(ps + t * G * VW + group * VW);
+            const __m256 sv = FORM & Q4_KSCALES ? q4k_factor(kb + (t * (C / 8) + c / 8) * Q4K_BYTES, 0, 4 * VW + c % 8 * VW)
+                              : FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph + t * G * VW + group * VW)))
+                                              : _mm256_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++) {
                 __m256i s32 = _mm256_madd_epi16(a[t][b], ones);
                 if (FORM & Q4_SYMMETRIC) /* codes - 8, exactly: 8 x the block's activation code sum off */
@@ -1003,7 +1028,13 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
         }
         if (--blocks_left == 0) group++, blocks_left = per;
     }
-    if (!(FORM & Q4_SYMMETRIC))
+    if (FORM & Q4_KSCALES) /* w = d sc q - dmin m: dmin m x each group's activation sum off */
+        for (int64_t j = 0; j < G; j++)
+            for (int t = 0; t < NT; t++) {
+                const __m256 mv = q4k_factor(kb + (t * (C / 8) + j / 8) * Q4K_BYTES, 2 * VW, 12 * VW + j % 8 * VW);
+                for (int b = 0; b < NB; b++) f[t][b] = _mm256_fnmadd_ps(mv, _mm256_set1_ps(gsum[b * G + j]), f[t][b]);
+            }
+    else if (!(FORM & Q4_SYMMETRIC))
         for (int64_t j = 0; j < G; j++)
             for (int t = 0; t < NT; t++) {
                 const __m256 zv = FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pzh + t * G * VW + j * VW)))
@@ -1070,6 +1101,10 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
 
 static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
                          int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    if (L->q4_form & Q4_KSCALES) {
+        int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES);
+        return;
+    }
     switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
         case Q4_SYMMETRIC | Q4_F16:
             int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_SYMMETRIC | Q4_F16);
@@ -1276,7 +1311,8 @@ static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *
  * nibble packing given) rather than int4_q8_tile, int4_tile or dequantized float32 tiles. */
 TM_INLINE int int4_q8_packed(const TmLinear *L) {
 #ifdef TM_Q4_PACKED
-    return L->kind == W_INT4 && L->packed && L->packed_scale && (L->packed_zero || (L->q4_form & Q4_SYMMETRIC)) &&
+    return L->kind == W_INT4 && L->packed && L->packed_scale &&
+           (L->packed_zero || (L->q4_form & (Q4_SYMMETRIC | Q4_KSCALES))) &&
            L->n % VW == 0;
 #else
     (void)L;
