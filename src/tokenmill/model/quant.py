@@ -803,12 +803,12 @@ def _block_layer_kind(kinds: set[str], device: torch.device, nibble_kernel: bool
     int8 activations: ``nibble_kernel``); None where it stays a dense layer (K-quants mixed
     with other types, or K-quants off the CPU).
 
-    Q4_K / Q5_K as int4 layers: their 32-weight sub-blocks are the int4 kernels' groups (a
-    float32 scale and offset each, 6 bits a weight read where the blocks hold 4.5), which
-    run prefill on int8 products and decode one tile's rows at a time; the blocks as they
-    are (kquant.c) widen tiles to float32 for prefill and reduce each row across its lanes
-    in decode (docs/performance.md, "K-quant files at real sizes"). Q6_K (a scale per 16
-    weights) has no such group and keeps its blocks."""
+    Q4_K / Q5_K as int4 layers: their 32-weight sub-blocks are the int4 kernels' groups
+    (Q4_K's own factors kept, ``Int4Codes.kscales``: 4.6 bits a weight read where the blocks
+    hold 4.5), which run prefill on int8 products and decode one tile's rows at a time; the
+    blocks as they are (kquant.c) widen tiles for prefill and reduce each row across its
+    lanes in decode (docs/performance.md, "K-quant files at real sizes"). Q6_K (a scale per
+    16 weights) has no such group and keeps its blocks."""
     from .kquant import KQUANT_TYPES
 
     if kinds <= {"Q4_K", "Q5_K"} and nibble_kernel and device.type == "cpu":
