@@ -35,19 +35,22 @@ def test_dequantize_bit_exact_with_gguf(type_name):
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
-def test_subblock_codes_are_the_blocks_weights_as_int4_groups(type_name):
-    """Q4_K / Q5_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an
-    offset per 32 weights, Q5_K's fifth bit a second nibble plane) give the blocks' weights:
-    the scale d sc and offset -dmin m are exact in float32, and the int4 form's zero (8 s + o)
-    rounds at most once, in float32."""
+def test_q4k_subblock_codes_are_the_blocks_weights_as_int4_groups():
+    """Q4_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an offset
+    per 32 weights, and the blocks' own factors) gives the blocks' weights: the scale d sc and
+    offset -dmin m are exact in float32, and the int4 form's zero (8 s + o) rounds at most
+    once, in float32."""
     from tokenmill.model.quant import int4_from_gguf
 
     rng = np.random.default_rng(3)
-    blocks = random_kquant_blocks(type_name, 16, 512, rng)
-    want = torch.from_numpy(kquant.dequantize(type_name, blocks, (16, 512)))
-    codes = int4_from_gguf(type_name, blocks, (16, 512))
-    assert codes.group_size == 32 and codes.repeat == (2 if type_name == "Q5_K" else 1)
+    blocks = random_kquant_blocks("Q4_K", 16, 512, rng)
+    want = torch.from_numpy(kquant.dequantize("Q4_K", blocks, (16, 512)))
+    codes = int4_from_gguf("Q4_K", blocks, (16, 512))
+    assert codes.group_size == 32 and codes.repeat == 1 and codes.kscales is not None
+    d, dmin, sc, m = (t.float() for t in codes.kscales)
+    assert torch.equal(codes.scales, (d.repeat_interleave(8, 1) * sc))
+    offset = -(dmin.repeat_interleave(8, 1) * m)
+    assert torch.allclose(codes.zeros - 8.0 * codes.scales, offset, rtol=0, atol=float(codes.scales.max()) * 2**-19)
     got = codes.dequantize()
     assert torch.allclose(got, want, rtol=0, atol=float(want.abs().max()) * 2**-21), (got - want).abs().max()
 
@@ -130,6 +133,46 @@ def test_kernel_dequantizes_exactly_and_matches_float32(lib):
             assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max())), rows
 
 
+def test_q6_tiles_multiply_int8_activations_at_every_row_count(lib):
+    """Q6_K in tiles (AVX-512 VNNI builds: cpu_kernels.pack_q6_tiles, decode_step.c's q6k_rows)
+    at every row count: against the float64 product of the dequantized weights and the
+    activations quantized with a scale per 32 inputs, within float32 summation; each row's
+    result the same bits alone as beside others, and with one thread as with two."""
+    from tokenmill.model.ops import ModelOps
+
+    if not lib.q6_tiles:
+        pytest.skip("this build multiplies Q6_K as stored (kq_dot_rows, float32 tiles)")
+    k = 768
+    layer = _layer(("Q6_K",), 4 * lib.vector_width, k, seed=9)
+    layer.ops = ModelOps(library=lib)
+    (desc,) = layer.kernel_descriptions()
+    assert desc.packed is not None and desc.packed_scale is not None
+    w = layer.dequantized_weight().double()
+    gen = torch.Generator().manual_seed(10)
+    for rows in (1, 2, 3, 4, 7, 40):
+        x = torch.randn(rows, k, generator=gen) * torch.rand(rows, 1, generator=gen) * 4
+        x[0, :32] = 0.0  # an all-zero group
+        got = cpu_kernels.linear(desc, x, lib).double()
+        xq = _q8_activations(x)
+        want = xq @ w.t()
+        assert (got - want).abs().le(1e-5 * (xq.abs() @ w.abs().t()) + 1e-6).all(), rows
+        alone = torch.cat([cpu_kernels.linear(desc, x[i : i + 1], lib) for i in range(rows)]).double()
+        assert torch.equal(alone, got), rows
+    _same_bits_with_one_thread_and_two(desc, x, lib)
+
+
+def _same_bits_with_one_thread_and_two(desc, x: torch.Tensor, lib) -> None:
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.linear(desc, x, lib)
+        torch.set_num_threads(2)
+        two = cpu_kernels.linear(desc, x, lib)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
 def _q8_activations(x: torch.Tensor, divide: bool = False) -> torch.Tensor:
     """x as the integer K-quant paths see it: per row and 32 inputs, d = amax / 127 and
     codes round(x * (127 / amax)) (few rows), or round(x / d) (``divide``: the int8g tiles'
@@ -183,16 +226,7 @@ def test_int8_activation_products(lib, type_name):
             parts[-1] = cpu_kernels.linear(desc, x[-lib.kquant_int8_rows - 1:], lib)[-parts[-1].shape[0]:]
         assert torch.equal(torch.cat(parts).double(), got), rows
     if lib.kquant_int8_rows:
-        x = torch.randn(5, k, generator=gen)
-        threads = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = cpu_kernels.linear(desc, x, lib)
-            torch.set_num_threads(2)
-            two = cpu_kernels.linear(desc, x, lib)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(one, two)
+        _same_bits_with_one_thread_and_two(desc, torch.randn(5, k, generator=gen), lib)
 
 
 def test_int8_activation_path_in_avx_builds():
@@ -267,8 +301,8 @@ def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):
 def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     """A K-quant model runs the fused step (decode rows and prefill chunks) with the eager
     forward's greedy tokens: a q/k/v projection of one block type as one part, one of two
-    types (Q4_K_M's) as two, the second's outputs after the first's (``qkv_tail``). Q4_K /
-    Q5_K projections of one type become int4 layers where the build has the nibble kernel."""
+    types (Q4_K_M's) as two, the second's outputs after the first's (``qkv_tail``). Q4_K
+    projections of one type become int4 layers where the build has the nibble kernel."""
     from tokenmill.model.quant import Int4Linear
     from tokenmill.options import KernelOptions
 

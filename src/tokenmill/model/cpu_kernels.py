@@ -101,6 +101,7 @@ class KernelLibrary:
     q4_int8_dot: bool = False  # int4 layers in the nibble packing multiply codes by int8 activations (AVX2, AVX-512 VNNI)
     kquant_int8_rows: int = 0  # K-quant layers multiply codes by int8 activations below this many rows (kquant.c)
     kquant_int8_tiles: bool = False  # from that many rows, Q4_K / Q5_K tiles run on the int8g kernels (kq_int8g_rows)
+    q6_tiles: bool = False  # Q6_K layers given pack_q6_tiles' copy multiply it by int8 activations (AVX-512 VNNI)
 
 
 _lock = threading.Lock()
@@ -258,6 +259,7 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     cdll.tm_kernels_q4_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_kquant_int8_rows.restype = ctypes.c_int
     cdll.tm_kernels_kquant_int8_tiles.restype = ctypes.c_int
+    cdll.tm_kernels_q6_tiles.restype = ctypes.c_int
     cdll.tm_kernels_int8_dot.restype = ctypes.c_int
     cdll.tm_kernels_bf16_attention.restype = ctypes.c_int
     cdll.tm_kernels_amx_init.argtypes = [ctypes.c_int]
@@ -271,7 +273,8 @@ def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = Non
     return KernelLibrary(cdll, path, cdll.tm_kernels_vector_width(), bool(cdll.tm_kernels_q8_activations()),
                          int8_dot, amx, {1: "VNNI", 2: "AVX2 16-bit"}.get(int8_dot_code, ""),
                          bool(cdll.tm_kernels_bf16_attention()), bool(cdll.tm_kernels_q4_int8_dot()),
-                         cdll.tm_kernels_kquant_int8_rows(), bool(cdll.tm_kernels_kquant_int8_tiles()))
+                         cdll.tm_kernels_kquant_int8_rows(), bool(cdll.tm_kernels_kquant_int8_tiles()),
+                         bool(cdll.tm_kernels_q6_tiles()))
 
 
 def load(options: KernelOptions | None = None) -> KernelLibrary | None:
@@ -694,6 +697,33 @@ def pack_kscales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch
         return t.to(torch.uint8).reshape(n // vw, vw, s, 8).permute(0, 2, 3, 1).reshape(n // vw, s, 8 * vw)
 
     return torch.cat([halves(d), halves(dmin), bytes_of(sc), bytes_of(m)], dim=2).contiguous()
+
+
+def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
+                  vector_width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q6_K rows as codes (uint8 q [N, K], 0..63), sub-block scales (int8 sc [N, K / 16]) and
+    super-block scales (float16 d [N, K / 256]) -> the tiles decode_step.c's q6k_rows reads:
+    codes uint8 [N / VW, K / 32, 24 VW] (per block the low nibbles in the int4 nibble packing,
+    then two 4 VW-byte vectors of the top two bits: byte 4r + i, bits 2s..2s+1, step s's
+    input i of row r, for the block's first 16 inputs and then its last 16) and scales uint8
+    [N / VW, K / 256, 18 VW] (d as VW float16, then the 16 sub-blocks' sc, VW bytes each).
+    None when N is not whole tiles."""
+    n, k = q.shape
+    vw = vector_width
+    if n % vw or k % 256:
+        return None
+    nibbles = pack_int4_q8(q & 15, vw)
+    assert nibbles is not None
+    top = (q >> 4).to(torch.int32).reshape(n // vw, vw, k // 32, 2, 4, 4)  # [tile, row, block, half, step, input]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 1, 1, 4, 1)
+    top = (top << shifts).sum(dim=4).to(torch.uint8)  # [tile, row, block, half, input]
+    top = top.permute(0, 2, 3, 1, 4).reshape(n // vw, k // 32, 8 * vw)
+    codes = torch.cat([nibbles.reshape(n // vw, k // 32, 16 * vw), top], dim=2).contiguous()
+    s = k // 256
+    halves = d.to(torch.float16).reshape(n // vw, vw, s).permute(0, 2, 1).contiguous().view(torch.uint8)
+    subs = sc.to(torch.int8).view(torch.uint8).reshape(n // vw, vw, s, 16).permute(0, 2, 3, 1)
+    scales = torch.cat([halves, subs.reshape(n // vw, s, 16 * vw)], dim=2).contiguous()
+    return codes, scales
 
 
 def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:

@@ -9,8 +9,8 @@ activations with integer dot products, each row quantized on its own with a scal
 chunks), and builds without AVX2, widen a tile of rows to float32 exactly as ggml does
 and multiply it by float32 activations. A fused projection whose parts were stored in
 different types (q/k in Q4_K and v in Q6_K, as Q4_K_M files have them) keeps one block
-matrix per part. Where the build has the int4 nibble kernel, a Q4_K / Q5_K projection of
-one type is served as an int4 layer instead (``subblock_codes``, ``quant._block_layer_kind``).
+matrix per part. Where the build has the int4 nibble kernel, a projection stored in Q4_K
+alone is served as an int4 layer instead (``subblock_codes``, ``quant._block_layer_kind``).
 
 Without the C kernels (another device, kernels off) the layer widens its blocks
 with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.
@@ -85,6 +85,22 @@ def superblock_factors(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray,
     return d.copy(), dmin.copy(), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32)
 
 
+def q6_parts(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K rows (``shape`` [rows, k]) as codes in input order (uint8 [rows, k], 0..63), the
+    16-weight sub-blocks' scales (int8 [rows, k / 16]) and the super-blocks' d (float16
+    [rows, k / 256]): w = d sc (q - 32)."""
+    rows, k = shape
+    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, KQUANT_TYPES["Q6_K"][1])
+    n = b.shape[0]
+    ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
+    low = np.concatenate([ql[:, :, :32] & 0xF, ql[:, :, 32:] & 0xF, ql[:, :, :32] >> 4, ql[:, :, 32:] >> 4], axis=2)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=2)
+    q = (low | (high << 4)).astype(np.uint8).reshape(rows, k)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).reshape(rows, k // 16)
+    d = np.ascontiguousarray(b[:, 208:210]).view(np.float16).reshape(rows, k // SUPER_BLOCK)
+    return q, sc.copy(), d.copy()
+
+
 def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Raw K-quant rows -> float32 ``shape``, as ggml computes each weight:
     Q4_K / Q5_K ``(d * sc) * q - dmin * m`` per 32 weights, Q6_K ``(d * sc) * (q - 32)`` per 16."""
@@ -155,14 +171,32 @@ class KQuantLinear(_QuantLinear):
         from . import cpu_kernels
 
         if self._descs is None:
+            library = self.ops.library
             descs = []
             for part in self.parts:
                 d = cpu_kernels.TmLinear()
                 d.kind, d.group, d.repeat = cpu_kernels.W_KQ, KQUANT_TYPES[part.type_name][0], 1
                 d.n, d.k, d.w, d.bias = part.rows, self.in_features, self.blocks(part).data_ptr(), None
+                if part.type_name == "Q6_K" and library is not None and library.q6_tiles:
+                    tiles = self._q6_tiles(part, library.vector_width)
+                    if tiles is not None:  # AVX-512 VNNI: q6k_rows multiplies these at every row count
+                        d.packed, d.packed_scale = tiles[0].data_ptr(), tiles[1].data_ptr()
                 descs.append(d)
             self._descs = descs
         return self._descs
+
+    def _q6_tiles(self, part: KQuantPart, vector_width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Q6_K part's tiles (cpu_kernels.pack_q6_tiles), made once and kept as buffers (the
+        engine's weight count sees them)."""
+        from . import cpu_kernels
+
+        q, sc, d = q6_parts(self.blocks(part).cpu().numpy(), (part.rows, self.in_features))
+        tiles = cpu_kernels.pack_q6_tiles(torch.from_numpy(q), torch.from_numpy(sc), torch.from_numpy(d),
+                                          vector_width)
+        if tiles is not None:
+            self.register_buffer(f"q6_codes{part.index}", tiles[0], persistent=False)
+            self.register_buffer(f"q6_scales{part.index}", tiles[1], persistent=False)
+        return tiles
 
     def dequantized_weight(self) -> torch.Tensor:
         return torch.cat([torch.from_numpy(dequantize(p.type_name, self.blocks(p).cpu().numpy(),

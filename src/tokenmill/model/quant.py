@@ -250,9 +250,9 @@ def int8g_from_q5_0(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
 
 
 def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
-    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows ``[rows, bytes_per_row]`` ->
-    int4 codes, group 32 (5- and 8-bit codes as two nibble planes fed the same input, ``repeat``
-    2; a K-quant's 32-weight sub-blocks each with its own scale and offset). The
+    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K rows ``[rows, bytes_per_row]`` -> int4
+    codes, group 32 (5- and 8-bit codes as two nibble planes fed the same input, ``repeat`` 2;
+    Q4_K's 32-weight sub-blocks each with its own scale and offset). The
     convention: w = sum over planes of (code - 8) * scale + zero."""
     rows, k = shape
     if type_name in ("Q5_0", "Q5_1"):  # q = 16 hi + lo, hi in {0, 1}
@@ -270,16 +270,12 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)  # low nibbles first
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
-    if type_name in ("Q4_K", "Q5_K"):  # w = s q + o per 32 weights (kquant.subblock_codes)
+    if type_name == "Q4_K":  # w = s q + o per 32 weights (kquant.subblock_codes), s = d sc, o = -dmin m
         from .kquant import subblock_codes, superblock_factors
 
         q, s, o = (torch.from_numpy(a) for a in subblock_codes(type_name, blocks, shape))
-        if type_name == "Q4_K":
-            return Int4Codes(q, s, o + 8.0 * s, 32,
-                             kscales=tuple(torch.from_numpy(a) for a in superblock_factors(blocks, shape)))
-        hi, lo = q >> 4, q & 15  # as Q5_1: (hi - 8) 16 s + 128 s + (lo - 8) s + 8 s + o
-        return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * s, s], 1), torch.cat([128.0 * s, 8.0 * s + o], 1),
-                         32, 2)
+        return Int4Codes(q, s, o + 8.0 * s, 32,
+                         kscales=tuple(torch.from_numpy(a) for a in superblock_factors(blocks, shape)))
     if type_name == "Q8_0":
         codes, d = int8g_from_gguf(blocks, shape)
         q = codes.view(rows, k // 32, 32).to(torch.int16)
@@ -287,7 +283,7 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         lo = (q & 15).to(torch.uint8).reshape(rows, k)
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
                          torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
-    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K do)")
+    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K do)")
 
 
 # --------------------------------------------------------------------------- layers
@@ -799,19 +795,20 @@ def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tu
 def _block_layer_kind(kinds: set[str], device: torch.device, nibble_kernel: bool) -> str | None:
     """What ``gguf`` rebuilds a layer stored in ``kinds`` blocks as: "kquant" (the blocks as
     they are), "int8 groups" (Q5_0, with Q8_0 beside it), "int4" (Q4_0/Q4_1/Q5_1/Q8_0 as
-    nibble planes, and Q4_K/Q5_K alone where the C kernels multiply the nibble packing by
-    int8 activations: ``nibble_kernel``); None where it stays a dense layer (K-quants mixed
-    with other types, or K-quants off the CPU).
+    nibble planes, and Q4_K alone where the C kernels multiply the nibble packing by int8
+    activations: ``nibble_kernel``); None where it stays a dense layer (K-quants mixed with
+    other types, or K-quants off the CPU).
 
-    Q4_K / Q5_K as int4 layers: their 32-weight sub-blocks are the int4 kernels' groups
-    (Q4_K's own factors kept, ``Int4Codes.kscales``: 4.6 bits a weight read where the blocks
-    hold 4.5), which run prefill on int8 products and decode one tile's rows at a time; the
-    blocks as they are (kquant.c) widen tiles for prefill and reduce each row across its
-    lanes in decode (docs/performance.md, "K-quant files at real sizes"). Q6_K (a scale per
-    16 weights) has no such group and keeps its blocks."""
+    Q4_K as int4 layers: its 32-weight sub-blocks are the int4 kernels' groups (Q4_K's own
+    factors kept, ``Int4Codes.kscales``: 4.6 bits a weight read where the blocks hold 4.5),
+    which run prefill on int8 products and decode one tile's rows at a time; the blocks as
+    they are (kquant.c) widen tiles for prefill and reduce each row across its lanes in
+    decode (docs/performance.md, "K-quant files at real sizes"). Q5_K would need two nibble
+    planes with float32 factors (12 bits a weight against its 5.5) and Q6_K has a scale per
+    16 weights, no such group: both keep their blocks."""
     from .kquant import KQUANT_TYPES
 
-    if kinds <= {"Q4_K", "Q5_K"} and nibble_kernel and device.type == "cpu":
+    if kinds == {"Q4_K"} and nibble_kernel and device.type == "cpu":
         return "int4"
     if kinds <= set(KQUANT_TYPES):
         return "kquant" if device.type == "cpu" else None

@@ -482,9 +482,10 @@ TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
  * group's sum of the quantized values (into xsum, [B, kp / group]): the zero
  * term must see the same input as the codes, or a large zero point would turn
  * the input's rounding into a large error. bsum, when given: each 32-column
- * block's integer code sum, [B, kp / 32] (a symmetric int4 layer's offset). */
+ * block's integer code sum, [B, kp / 32] (a symmetric int4 layer's offset); hsum, when
+ * given: each 16-column half's, [B, kp / 16] (q6k_rows' offset). */
 static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp, int64_t group, int8_t *xq, float *xd,
-                             float *xsum, int32_t *bsum) {
+                             float *xsum, int32_t *bsum, int32_t *hsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < B; b++)
@@ -509,6 +510,15 @@ static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp,
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
             s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
             const int32_t qsum = _mm_cvtsi128_si32(s4);
+            if (hsum) { /* each 16-column half's code sum: q16a holds columns 0-15, q16b 16-31 */
+                for (int h = 0; h < 2; h++) {
+                    const __m256i hs = _mm256_madd_epi16(h ? q16b : q16a, ones);
+                    __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
+                    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, _MM_SHUFFLE(1, 0, 3, 2)));
+                    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, _MM_SHUFFLE(2, 3, 0, 1)));
+                    hsum[b * (kp / 16) + c0 / 16 + h] = _mm_cvtsi128_si32(h4);
+                }
+            }
             xd[b * (kp / 32) + c0 / 32] = d;
             if (bsum) bsum[b * (kp / 32) + c0 / 32] = qsum;
             if (xsum) {
@@ -1046,6 +1056,21 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
 }
 #endif
 
+/* One pass's sums (tile t's NB rows in acc_t) plus the bias into y (=, or += when
+ * accumulate): int4_q8_rows_form and q6k_rows. */
+TM_INLINE void store_tile_rows(const TmLinear *L, const vf *acc0, const vf *acc1, int NT, int64_t NB, int64_t tile,
+                               int64_t b0, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    for (int t = 0; t < NT; t++) {
+        const vf bias = L->bias ? vload(L->bias + (tile + t) * VW) : (vf){0};
+        const vf *acc = t ? acc1 : acc0;
+        for (int64_t b = 0; b < NB; b++) {
+            float *yb = y + (b0 + b) * ldy - y_col0 + (tile + t) * VW;
+            const vf v = acc[b] + bias;
+            vstore(yb, accumulate ? vload(yb) + v : v);
+        }
+    }
+}
+
 /* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of an int4
  * layer in the nibble packing, from the input as quantize_q8_rows left it; FORM, the
  * layer's q4_form, compiled in (int4_q8_rows). */
@@ -1086,14 +1111,7 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
 #undef Q4_SWITCH
 #undef Q4_WIDE_CASES
 #undef Q4_BLOCK
-            for (int t = 0; t < NT; t++) {
-                const vf bias = L->bias ? vload(L->bias + (tile + t) * VW) : (vf){0};
-                for (int64_t b = 0; b < NB; b++) {
-                    float *yb = y + (b0 + b) * ldy - y_col0 + (tile + t) * VW;
-                    const vf v = acc[t][b] + bias;
-                    vstore(yb, accumulate ? vload(yb) + v : v);
-                }
-            }
+            store_tile_rows(L, acc[0], acc[1], NT, NB, tile, b0, y, ldy, accumulate, y_col0);
         }
         tile += NT;
     }
@@ -1114,6 +1132,117 @@ static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, c
         default: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, 0); break;
     }
 }
+#ifdef TM_Q4_VNNI
+#define TM_Q6_TILES 1
+/* GGUF Q6_K layers in tiles (AVX-512 VNNI): w = d sc (q - 32), q 6 bits, sc an int8 scale per
+ * 16 weights, d an fp16 per 256. L->packed holds, per tile of VW rows and 32-input block, the
+ * codes' low nibbles as the int4 nibble packing has them (four steps of 4 VW bytes), then two
+ * 4 VW-byte vectors of their top two bits (byte 4r + i: bits 2s..2s+1 hold step s's input i of
+ * row r, for the block's first 16 inputs, then for its last 16); L->packed_scale, per tile and
+ * super-block, d (VW fp16) and the 16 sub-blocks' sc (VW bytes each): cpu_kernels.pack_q6_tiles,
+ * 6.6 bits a weight as in the file. Each block's first and last 16 inputs are summed apart
+ * (their scales differ), starting at -32 x the activations' code sum of those 16 (hsum), so
+ * the sums are exact; the two are scaled and added in float32 with the row's activation scale.
+ * out[t][b] lane i: row i of tile t . x_b. */
+#define Q6_ROWS 3 /* activation rows per pass: two tiles' two int32 and one float accumulators each (18 registers) */
+#define Q6_CODE_BYTES (24 * VW) /* per tile and 32-input block */
+#define Q6_SCALE_BYTES (18 * VW) /* per tile and super-block */
+TM_INLINE __m512i q6_code(__m512i nib, __m512i top, int s) {
+    const __m512i t = s == 0 ? _mm512_slli_epi16(top, 4) : s == 1 ? _mm512_slli_epi16(top, 2)
+                      : s == 2 ? top : _mm512_srli_epi16(top, 2);
+    return _mm512_or_si512(nib, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+}
+TM_INLINE void q6k_block(const TmLinear *L, const int8_t *xq, const float *xd, const int32_t *hsum, const int NT,
+                         const int NB, int64_t tile, vf out[2][Q6_ROWS]) {
+    const int64_t K = L->k, C = K / 32;
+    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * Q6_CODE_BYTES;
+    const uint8_t *k0 = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q6_SCALE_BYTES;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 f[2][Q6_ROWS];
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) f[t][b] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i alo[2][Q6_ROWS], ahi[2][Q6_ROWS], tlo[2], thi[2];
+        for (int b = 0; b < NB; b++) {
+            const __m512i slo = _mm512_set1_epi32(-32 * hsum[b * 2 * C + 2 * c]);
+            const __m512i shi = _mm512_set1_epi32(-32 * hsum[b * 2 * C + 2 * c + 1]);
+            for (int t = 0; t < NT; t++) alo[t][b] = slo, ahi[t][b] = shi;
+        }
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *wc = w0 + (t * C + c) * Q6_CODE_BYTES;
+            tlo[t] = _mm512_loadu_si512((const void *)(wc + 16 * VW));
+            thi[t] = _mm512_loadu_si512((const void *)(wc + 20 * VW));
+        }
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            __m512i lo[2], hi[2];
+            for (int t = 0; t < NT; t++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(w0 + (t * C + c) * Q6_CODE_BYTES + s * 4 * VW));
+                lo[t] = q6_code(_mm512_and_si512(p, low4), tlo[t], s);
+                hi[t] = q6_code(_mm512_and_si512(_mm512_srli_epi16(p, 4), low4), thi[t], s);
+            }
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xb = xq + b * K + c * 32 + 4 * s;
+                int32_t x0, x1;
+                memcpy(&x0, xb, sizeof x0);
+                memcpy(&x1, xb + 16, sizeof x1);
+                const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
+                for (int t = 0; t < NT; t++) {
+                    alo[t][b] = _mm512_dpbusd_epi32(alo[t][b], lo[t], v0);
+                    ahi[t][b] = _mm512_dpbusd_epi32(ahi[t][b], hi[t], v1);
+                }
+            }
+        }
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *sb = k0 + (t * (C / 8) + c / 8) * Q6_SCALE_BYTES;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+            const uint8_t *sc = sb + 2 * VW + (c % 8) * 2 * VW;
+            const __m512 slo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+            const __m512 shi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + VW)))));
+            for (int b = 0; b < NB; b++) {
+                const __m512 g = _mm512_fmadd_ps(shi, _mm512_cvtepi32_ps(ahi[t][b]), _mm512_mul_ps(slo, _mm512_cvtepi32_ps(alo[t][b])));
+                f[t][b] = _mm512_fmadd_ps(g, _mm512_set1_ps(xd[b * C + c]), f[t][b]);
+            }
+        }
+    }
+    for (int t = 0; t < NT; t++)
+        for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
+}
+
+/* y[b, n - y_col0] (=, or += when accumulate) for rows [n0, n1) (whole tiles) of a Q6_K layer
+ * in tiles, from the input as quantize_q8_rows left it (codes, scales, 16-input code sums). */
+static void q6k_rows(const TmLinear *L, const int8_t *xq, const float *xd, const int32_t *hsum, int64_t B, int64_t n0,
+                     int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    const int64_t K = L->k, C = K / 32;
+    vf acc[2][Q6_ROWS];
+    for (int64_t tile = n0 / VW; tile < n1 / VW;) {
+        const int NT = B > 1 && tile + 1 < n1 / VW ? 2 : 1; /* one row: one stream of codes (int4_q8_rows_form) */
+        for (int64_t b0 = 0; b0 < B; b0 += Q6_ROWS) {
+            const int64_t left = B - b0;
+            const int NB = left >= Q6_ROWS ? Q6_ROWS : (int)left;
+            const int8_t *xb = xq + b0 * K;
+            const float *xdb = xd + b0 * C;
+            const int32_t *hb = hsum + b0 * 2 * C;
+#define Q6_BLOCK(T, N) q6k_block(L, xb, xdb, hb, T, N, tile, acc)
+#define Q6_SWITCH(T)                                                                                    \
+    switch (NB) {                                                                                       \
+        case 1: Q6_BLOCK(T, 1); break;                                                                  \
+        case 2: Q6_BLOCK(T, 2); break;                                                                  \
+        default: Q6_BLOCK(T, Q6_ROWS); break;                                                           \
+    }
+            if (NT == 2) {
+                Q6_SWITCH(2)
+            } else {
+                Q6_SWITCH(1)
+            }
+#undef Q6_SWITCH
+#undef Q6_BLOCK
+            store_tile_rows(L, acc[0], acc[1], NT, NB, tile, b0, y, ldy, accumulate, y_col0);
+        }
+        tile += NT;
+    }
+}
+#endif
 #endif
 
 static void fill_codes(tm_act *q, int64_t n, int code) {
@@ -1320,6 +1449,24 @@ TM_INLINE int int4_q8_packed(const TmLinear *L) {
 #endif
 }
 
+/* Whether a K-quant layer runs q6k_rows: Q6_K given its tiles (cpu_kernels.pack_q6_tiles). */
+TM_INLINE int q6_tiles(const TmLinear *L) {
+#ifdef TM_Q6_TILES
+    return L->kind == W_KQ && L->group == KQ_Q6_K && L->packed && L->packed_scale && L->n % VW == 0;
+#else
+    (void)L;
+    return 0;
+#endif
+}
+
+int tm_kernels_q6_tiles(void) {
+#ifdef TM_Q6_TILES
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #define TM_KQ_DOT_ROWS 32 /* below this many activation rows, K-quant layers take kq_dot_rows */
 
 /* Whether a K-quant layer's products run on int8 activations (kquant.c's kq_dot_rows)
@@ -1328,7 +1475,7 @@ TM_INLINE int int4_q8_packed(const TmLinear *L) {
  * tile's products are faster. */
 TM_INLINE int kq_int8_dot(const TmLinear *L, int64_t B) {
 #ifdef TM_KQ_DOT
-    return L->kind == W_KQ && B < TM_KQ_DOT_ROWS;
+    return L->kind == W_KQ && B < TM_KQ_DOT_ROWS && !q6_tiles(L);
 #else
     (void)L, (void)B;
     return 0;
@@ -1399,6 +1546,12 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
         is->xh = xh;
     }
 #endif
+#ifdef TM_Q6_TILES
+    if (q6_tiles(L)) { /* q6k_rows' input: codes a scale per 32 inputs, each 16 inputs' code sum */
+        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL, NULL, (int32_t *)is->xsum);
+        return x;
+    }
+#endif
 #ifdef TM_KQ_INT8G
     if (kq_int8g(L, B)) { /* kq_int8g_rows' input: 8-bit codes a scale per 32 inputs, and their group sums */
         const int64_t G = L->k / 32;
@@ -1422,7 +1575,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
 #endif
 #ifdef TM_Q8_DOT
     if (L->kind == W_INT8 && B < TM_INT4_DEQUANT_ROWS && L->k % 32 == 0) { /* int8_q8_tile's input */
-        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL, NULL);
+        quantize_q8_rows(x, ldx, B, L->k, 32, is->xq, is->xd, NULL, NULL, NULL);
         return x;
     }
 #endif
@@ -1437,14 +1590,14 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
     if (B >= TM_INT4_DEQUANT_ROWS && !int4_q8_packed(L)) return x; /* dequantized tiles: no group sums */
 #ifdef TM_Q4_PACKED
     if (int4_q8_packed(L) && (L->q4_form & Q4_SYMMETRIC)) { /* block code sums where group sums would go */
-        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, NULL, (int32_t *)is->xsum);
+        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, NULL, (int32_t *)is->xsum, NULL);
         return x;
     }
 #endif
 #ifndef TM_Q8_DOT
 #ifdef TM_Q4_VNNI
     if (int4_q8_packed(L)) {
-        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL);
+        quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL, NULL);
         return x;
     }
 #endif
@@ -1457,7 +1610,7 @@ static const float *prepare_input(const TmLinear *L, const float *x, int64_t ldx
             is->xsum[b * G + j] = t;
         }
 #else
-    quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL);
+    quantize_q8_rows(x, *ldx_out, B, kp, g, is->xq, is->xd, is->xsum, NULL, NULL);
 #endif
     return x;
 }
@@ -1511,6 +1664,12 @@ static void linear_rows(const TmLinear *L, const float *x, int64_t ldx, const In
 #ifdef TM_Q4_PACKED
     if (int4_q8_packed(L)) { /* the input quantized by prepare_input (quantize_q8_rows) */
         int4_q8_rows(L, is->xq, is->xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
+        return;
+    }
+#endif
+#ifdef TM_Q6_TILES
+    if (q6_tiles(L)) { /* the input quantized by prepare_input (quantize_q8_rows with 16-input sums) */
+        q6k_rows(L, is->xq, is->xd, (const int32_t *)xsum, B, n0, n1, y, ldy, accumulate, y_col0);
         return;
     }
 #endif
