@@ -134,14 +134,14 @@ def test_kernel_dequantizes_exactly_and_matches_float32(lib):
 
 
 def test_q6_tiles_multiply_int8_activations_at_every_row_count(lib):
-    """Q6_K in tiles (AVX-512 VNNI builds: cpu_kernels.pack_q6_tiles, decode_step.c's q6k_rows)
+    """Q6_K in tiles (AVX2 and AVX-512 VNNI builds: cpu_kernels.pack_q6_tiles, q6k_rows)
     at every row count: against the float64 product of the dequantized weights and the
     activations quantized with a scale per 32 inputs, within float32 summation; each row's
     result the same bits alone as beside others, and with one thread as with two."""
     from tokenmill.model.ops import ModelOps
 
     if not lib.q6_tiles:
-        pytest.skip("this build multiplies Q6_K as stored (kq_dot_rows, float32 tiles)")
+        pytest.skip("this build multiplies Q6_K as stored (float32 tiles)")
     k = 768
     layer = _layer(("Q6_K",), 4 * lib.vector_width, k, seed=9)
     layer.ops = ModelOps(library=lib)

@@ -101,7 +101,7 @@ class KernelLibrary:
     q4_int8_dot: bool = False  # int4 layers in the nibble packing multiply codes by int8 activations (AVX2, AVX-512 VNNI)
     kquant_int8_rows: int = 0  # K-quant layers multiply codes by int8 activations below this many rows (kquant.c)
     kquant_int8_tiles: bool = False  # from that many rows, Q4_K / Q5_K tiles run on the int8g kernels (kq_int8g_rows)
-    q6_tiles: bool = False  # Q6_K layers given pack_q6_tiles' copy multiply it by int8 activations (AVX-512 VNNI)
+    q6_tiles: bool = False  # Q6_K layers given pack_q6_tiles' copy multiply it by int8 activations (AVX2, AVX-512 VNNI)
 
 
 _lock = threading.Lock()

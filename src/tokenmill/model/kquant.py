@@ -179,7 +179,7 @@ class KQuantLinear(_QuantLinear):
                 d.n, d.k, d.w, d.bias = part.rows, self.in_features, self.blocks(part).data_ptr(), None
                 if part.type_name == "Q6_K" and library is not None and library.q6_tiles:
                     tiles = self._q6_tiles(part, library.vector_width)
-                    if tiles is not None:  # AVX-512 VNNI: q6k_rows multiplies these at every row count
+                    if tiles is not None:  # AVX2, AVX-512 VNNI: q6k_rows multiplies these at every row count
                         d.packed, d.packed_scale = tiles[0].data_ptr(), tiles[1].data_ptr()
                 descs.append(d)
             self._descs = descs
