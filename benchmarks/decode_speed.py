@@ -267,15 +267,20 @@ def main(argv: list[str] | None = None) -> int:
             best[name] = (max(best[name][0], p), max(best[name][1], d))
     rows = [(name, *best[name]) for name, _ in runners]
     base_p, base_d = rows[0][1], rows[0][2]
-    lc_p, lc_d = (float("nan"), float("nan")) if note else rows[-1][1:]
+    lc_p, lc_d = (None, None) if note else rows[-1][1:]
     print("| engine | prefill tok/s | vs eager | vs llama.cpp | decode tok/s | vs eager | vs llama.cpp |")
     print("|---|---|---|---|---|---|---|")
     for name, p, d in rows:
-        print(f"| {name} | {p:.0f} | {p / base_p:.2f}x | {p / lc_p:.2f}x | {d:.1f} | {d / base_d:.2f}x "
-              f"| {d / lc_d:.2f}x |")
+        print(f"| {name} | {p:.0f} | {ratio(p, base_p)} | {ratio(p, lc_p)} | {d:.1f} | {ratio(d, base_d)} "
+              f"| {ratio(d, lc_d)} |")
     if note:
         print(f"llama.cpp column skipped: {note}")
     return 0
+
+
+def ratio(value: float, baseline: float | None) -> str:
+    """``value`` against ``baseline`` as a table cell ("-" where the baseline was not run)."""
+    return "-" if baseline is None else f"{value / baseline:.2f}x"
 
 
 if __name__ == "__main__":

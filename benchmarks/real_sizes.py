@@ -289,10 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(f'{r / 1e9:.1f}' for r in readings)} GB/s -> limit {bw / per_token:.1f} tok/s "
               f"({bw / 1e9:.1f} GB/s over {per_token / 2**20:.0f} MiB a token)")
         lc_p, lc_d = best[runners[-1][0]] if not isinstance(lc, str) else (None, None)
-
-        def ratio(value: float, baseline: float | None) -> str:
-            return "-" if baseline is None else f"{value / baseline:.2f}x"
-
+        ratio = decode_speed.ratio
         print("| engine | prefill tok/s | vs llama.cpp | decode tok/s | vs llama.cpp | of bandwidth limit |")
         print("|---|---|---|---|---|---|")
         for name, _ in runners:
