@@ -35,7 +35,7 @@ def test_dequantize_bit_exact_with_gguf(type_name):
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_q4k_subblock_codes_are_the_blocks_weights_as_int4_groups():
+def test_q4k_as_int4_groups_gives_the_blocks_weights():
     """Q4_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an offset
     per 32 weights, and the blocks' own factors) gives the blocks' weights: the scale d sc and
     offset -dmin m are exact in float32, and the int4 form's zero (8 s + o) rounds at most

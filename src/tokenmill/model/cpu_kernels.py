@@ -674,10 +674,11 @@ def pack_int4_q8(codes: torch.Tensor, vector_width: int) -> torch.Tensor | None:
 
 
 def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
-    """[N, G] per-row values (an int4 layer's group scales or zeros) -> [N / VW, G, VW], the
-    order int4_q8_rows loads them: one vector per tile and group."""
+    """[N, G] per-row values (an int4 layer's group scales or zeros, a K-quant's factors) ->
+    [N / VW, G, VW], the order int4_q8_rows and q6k_rows load them: one vector per tile and
+    group. fp16 and byte values keep their type (Q4_F16's scales, the K-quant factors)."""
     n, g = per_row.shape
-    keep = per_row if per_row.dtype == torch.float16 else per_row.float()  # fp16: Q4_F16's
+    keep = per_row if per_row.dtype in (torch.float16, torch.uint8, torch.int8) else per_row.float()
     return keep.reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
 
 
@@ -688,15 +689,13 @@ def pack_kscales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch
     super-block d and dmin (VW float16 each), then the 8 groups' sc (VW bytes each), then
     their m."""
     n, s = d.shape
-    vw = vector_width
+    tiles = n // vector_width
 
-    def halves(t: torch.Tensor) -> torch.Tensor:  # [N, S] fp16 -> [tiles, S, 2 VW] bytes
-        return t.to(torch.float16).reshape(n // vw, vw, s).permute(0, 2, 1).contiguous().view(torch.uint8)
+    def per_tile(t: torch.Tensor) -> torch.Tensor:  # [N, S x j] -> [tiles, S, j VW values as bytes]
+        return tile_major(t, vector_width).view(torch.uint8).reshape(tiles, s, -1)
 
-    def bytes_of(t: torch.Tensor) -> torch.Tensor:  # [N, 8 S] -> [tiles, S, 8 VW]
-        return t.to(torch.uint8).reshape(n // vw, vw, s, 8).permute(0, 2, 3, 1).reshape(n // vw, s, 8 * vw)
-
-    return torch.cat([halves(d), halves(dmin), bytes_of(sc), bytes_of(m)], dim=2).contiguous()
+    return torch.cat([per_tile(d.to(torch.float16)), per_tile(dmin.to(torch.float16)),
+                      per_tile(sc.to(torch.uint8)), per_tile(m.to(torch.uint8))], dim=2).contiguous()
 
 
 def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
@@ -719,11 +718,9 @@ def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
     top = (top << shifts).sum(dim=4).to(torch.uint8)  # [tile, row, block, half, input]
     top = top.permute(0, 2, 3, 1, 4).reshape(n // vw, k // 32, 8 * vw)
     codes = torch.cat([nibbles.reshape(n // vw, k // 32, 16 * vw), top], dim=2).contiguous()
-    s = k // 256
-    halves = d.to(torch.float16).reshape(n // vw, vw, s).permute(0, 2, 1).contiguous().view(torch.uint8)
-    subs = sc.to(torch.int8).view(torch.uint8).reshape(n // vw, vw, s, 16).permute(0, 2, 3, 1)
-    scales = torch.cat([halves, subs.reshape(n // vw, s, 16 * vw)], dim=2).contiguous()
-    return codes, scales
+    d_tiles = tile_major(d.to(torch.float16), vw).view(torch.uint8)  # [tiles, S, 2 VW]
+    sc_tiles = tile_major(sc.to(torch.int8), vw).view(torch.uint8).reshape(n // vw, k // 256, 16 * vw)
+    return codes, torch.cat([d_tiles, sc_tiles], dim=2).contiguous()
 
 
 def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:

@@ -10,7 +10,7 @@ chunks), and builds without AVX2, widen a tile of rows to float32 exactly as ggm
 and multiply it by float32 activations. A fused projection whose parts were stored in
 different types (q/k in Q4_K and v in Q6_K, as Q4_K_M files have them) keeps one block
 matrix per part. Where the build has the int4 nibble kernel, a projection stored in Q4_K
-alone is served as an int4 layer instead (``subblock_codes``, ``quant._block_layer_kind``).
+alone is served as an int4 layer instead (``q4k_fields``, ``quant._block_layer_kind``).
 
 Without the C kernels (another device, kernels off) the layer widens its blocks
 with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.
@@ -46,10 +46,10 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc, mn
 
 
-def _q45_parts(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K super-blocks ([n, bytes]) -> their codes (uint8 [n, 8, 32], 0..15 or 0..31)
-    and each 32-weight sub-block's scale ``d * sc`` and offset ``-dmin * m`` (float32 [n, 8],
-    both exact: an fp16 times a 6-bit integer): w = scale * q + offset."""
+def _q45_fields(type_name: str, b: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K super-blocks ([n, bytes]) -> their codes (uint8 [n, 8, 32], 0..15 or 0..31),
+    d and dmin (float32 [n, 1], fp16 values) and the 8 sub-blocks' 6-bit sc and m (uint8
+    [n, 8]): w = d sc q - dmin m."""
     n = b.shape[0]
     d, dmin = _half(b, 0), _half(b, 2)
     sc, mn = _scale_min(b[:, 4:16])
@@ -59,30 +59,19 @@ def _q45_parts(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
         qh = b[:, 16:48]
         bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8 sub-blocks, 32]
         q = q + (bits << 4)
-    return q, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
+    return q, d, dmin, sc, mn
 
 
-def subblock_codes(type_name: str, blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K rows (``shape`` [rows, k]) as codes with a scale and an offset per 32 weights:
-    (uint8 [rows, k], float32 [rows, k / 32] twice), w = scale * code + offset: the form the
-    int4 nibble kernels take (``quant.int4_from_gguf``)."""
-    rows, k = shape
-    _, nbytes = KQUANT_TYPES[type_name]
-    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, nbytes)
-    q, scale, offset = _q45_parts(type_name, b)
-    return q.reshape(rows, k), scale.reshape(rows, k // 32), offset.reshape(rows, k // 32)
-
-
-def superblock_factors(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Q4_K rows' own factors of ``subblock_codes``' scales and offsets: d and dmin (float16
-    [rows, k / 256]), the sub-blocks' 6-bit sc and m (uint8 [rows, k / 32]); scale = d sc,
-    offset = -dmin m. What the nibble kernel reads in place of float32 scales and offsets."""
+def q4k_fields(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Q4_K rows (``shape`` [rows, k]) as the int4 kernels take them (``quant.int4_from_gguf``):
+    codes in input order (uint8 [rows, k], 0..15), d and dmin (float16 [rows, k / 256]) and
+    the 32-weight sub-blocks' sc and m (uint8 [rows, k / 32]); w = d sc q - dmin m."""
     rows, k = shape
     b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, KQUANT_TYPES["Q4_K"][1])
-    d = np.ascontiguousarray(b[:, 0:2]).view(np.float16).reshape(rows, k // SUPER_BLOCK)
-    dmin = np.ascontiguousarray(b[:, 2:4]).view(np.float16).reshape(rows, k // SUPER_BLOCK)
-    sc, mn = _scale_min(b[:, 4:16])
-    return d.copy(), dmin.copy(), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32)
+    q, d, dmin, sc, mn = _q45_fields("Q4_K", b)
+    per_row = k // SUPER_BLOCK
+    return (q.reshape(rows, k), d.astype(np.float16).reshape(rows, per_row),
+            dmin.astype(np.float16).reshape(rows, per_row), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32))
 
 
 def q6_parts(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -108,8 +97,10 @@ def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np
     b = np.ascontiguousarray(blocks).view(np.uint8).reshape(-1, nbytes)
     n = b.shape[0]
     if type_name in ("Q4_K", "Q5_K"):
-        q, scale, low = _q45_parts(type_name, b)
-        values = scale[..., None] * q.astype(np.float32) + low[..., None]
+        q, d, dmin, sc, mn = _q45_fields(type_name, b)
+        scale = (d * sc.astype(np.float32))[..., None]
+        offset = (dmin * mn.astype(np.float32))[..., None]
+        values = scale * q.astype(np.float32) - offset
     elif type_name == "Q6_K":
         ql, qh = b[:, :128].reshape(n, 2, 64), b[:, 128:192].reshape(n, 2, 32)
         sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(n, 16)

@@ -60,24 +60,17 @@ INT4_GROUP_SIZES = (32, 64, 128)
 COMPUTE_DTYPE = torch.bfloat16
 
 
-def _vnni(options: Any) -> bool:
-    """Whether the engine's C kernels (built for ``options``) multiply int8 by int8 activations
-    (VNNI, or AVX2's 16-bit products of the same sums)."""
-    from . import cpu_kernels
-
-    library = cpu_kernels.load(options)
-    return library is not None and library.int8_dot
-
-
-def _nibble_kernel(config: Any) -> bool:
-    """Whether the engine's C kernels multiply int4 codes in the nibble packing by int8
-    activations (AVX2, AVX-512 VNNI: ``int4_q8_rows``), on a single-process model."""
+def _one_process_kernels_have(config: Any, capability: str) -> bool:
+    """Whether a single-process model's C kernels (built for ``config.kernel_options``) have
+    ``capability``, a ``KernelLibrary`` flag: ``int8_dot`` (int8 by int8 activations: VNNI,
+    or AVX2's 16-bit products of the same sums), ``q4_int8_dot`` (int4 codes in the nibble
+    packing by int8 activations: ``int4_q8_rows``)."""
     from . import cpu_kernels
 
     if int(getattr(config, "tensor_parallel_size", 1) or 1) != 1:
         return False
     library = cpu_kernels.load(getattr(config, "kernel_options", None))
-    return library is not None and library.q4_int8_dot
+    return library is not None and bool(getattr(library, capability))
 
 
 @dataclass
@@ -270,12 +263,13 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)  # low nibbles first
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
-    if type_name == "Q4_K":  # w = s q + o per 32 weights (kquant.subblock_codes), s = d sc, o = -dmin m
-        from .kquant import subblock_codes, superblock_factors
+    if type_name == "Q4_K":  # w = s q + o per 32 weights, s = d sc and o = -dmin m (exact in float32)
+        from .kquant import q4k_fields
 
-        q, s, o = (torch.from_numpy(a) for a in subblock_codes(type_name, blocks, shape))
-        return Int4Codes(q, s, o + 8.0 * s, 32,
-                         kscales=tuple(torch.from_numpy(a) for a in superblock_factors(blocks, shape)))
+        q, d, dmin, sc, m = (torch.from_numpy(a) for a in q4k_fields(blocks, shape))
+        s = d.float().repeat_interleave(8, 1) * sc.float()
+        o = -(dmin.float().repeat_interleave(8, 1) * m.float())
+        return Int4Codes(q, s, o + 8.0 * s, 32, kscales=(d, dmin, sc, m))
     if type_name == "Q8_0":
         codes, d = int8g_from_gguf(blocks, shape)
         q = codes.view(rows, k // 32, 32).to(torch.int16)
@@ -829,9 +823,9 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     raw = getattr(loaded, "raw_quantized", None) or {}
     if str(config.quantization or "none").lower() != "gguf" or not raw:
         return {}
+    nibble_kernel = _one_process_kernels_have(config, "q4_int8_dot")
     return {name: sources for name, _, sources in _targets(model, False)
-            if all(s in raw for s in sources)
-            and _block_layer_kind({raw[s][0] for s in sources}, device, _nibble_kernel(config))}
+            if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device, nibble_kernel)}
 
 
 def _head_source(model: nn.Module) -> str:
@@ -890,10 +884,9 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
     embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
-    grouped_activations = mode == "w8a8" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1 and _vnni(
-        getattr(config, "kernel_options", None))
+    grouped_activations = mode == "w8a8" and _one_process_kernels_have(config, "int8_dot")
     model_device = model.embed_tokens.weight.device  # type: ignore[attr-defined]
-    nibble_kernel = mode == "gguf" and _nibble_kernel(config)
+    nibble_kernel = mode == "gguf" and _one_process_kernels_have(config, "q4_int8_dot")
     for name, mod, sources in targets:
         # a layer rebuilt from the file's blocks may have been left on meta (block_backed_layers)
         dev = model_device if mod.weight.is_meta else mod.weight.device

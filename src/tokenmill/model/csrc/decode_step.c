@@ -484,6 +484,15 @@ TM_INLINE void int8_q8_tile(const TmLinear *L, const int8_t *xq, const float *xd
  * the input's rounding into a large error. bsum, when given: each 32-column
  * block's integer code sum, [B, kp / 32] (a symmetric int4 layer's offset); hsum, when
  * given: each 16-column half's, [B, kp / 16] (q6k_rows' offset). */
+/* The sum of 16 int16 lanes (ones: sixteen 1s) as one int32. */
+TM_INLINE int32_t sum_i16x16(__m256i v, __m256i ones) {
+    const __m256i s32 = _mm256_madd_epi16(v, ones);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(s4);
+}
+
 static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp, int64_t group, int8_t *xq, float *xd,
                              float *xsum, int32_t *bsum, int32_t *hsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -505,19 +514,13 @@ static void quantize_q8_rows(const float *x, int64_t ldx, int64_t B, int64_t kp,
             const __m256i q16a = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
             const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b), order);
             _mm256_storeu_si256((__m256i *)(xq + b * kp + c0), q8);
-            const __m256i s32 = _mm256_madd_epi16(_mm256_add_epi16(q16a, q16b), ones);
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
-            const int32_t qsum = _mm_cvtsi128_si32(s4);
+            int32_t qsum;
             if (hsum) { /* each 16-column half's code sum: q16a holds columns 0-15, q16b 16-31 */
-                for (int h = 0; h < 2; h++) {
-                    const __m256i hs = _mm256_madd_epi16(h ? q16b : q16a, ones);
-                    __m128i h4 = _mm_add_epi32(_mm256_castsi256_si128(hs), _mm256_extracti128_si256(hs, 1));
-                    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, _MM_SHUFFLE(1, 0, 3, 2)));
-                    h4 = _mm_add_epi32(h4, _mm_shuffle_epi32(h4, _MM_SHUFFLE(2, 3, 0, 1)));
-                    hsum[b * (kp / 16) + c0 / 16 + h] = _mm_cvtsi128_si32(h4);
-                }
+                const int32_t lo_sum = sum_i16x16(q16a, ones), hi_sum = sum_i16x16(q16b, ones);
+                hsum[b * (kp / 16) + c0 / 16] = lo_sum, hsum[b * (kp / 16) + c0 / 16 + 1] = hi_sum;
+                qsum = lo_sum + hi_sum;
+            } else {
+                qsum = sum_i16x16(_mm256_add_epi16(q16a, q16b), ones);
             }
             xd[b * (kp / 32) + c0 / 32] = d;
             if (bsum) bsum[b * (kp / 32) + c0 / 32] = qsum;
@@ -1153,6 +1156,10 @@ TM_INLINE __m512i q6_code(__m512i nib, __m512i top, int s) {
                       : s == 2 ? top : _mm512_srli_epi16(top, 2);
     return _mm512_or_si512(nib, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
 }
+/* A 16-weight sub-block's scales d sc for the tile's VW rows (sc: VW int8). */
+TM_INLINE __m512 q6_scale(__m512 d, const uint8_t *sc) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
+}
 TM_INLINE void q6k_block(const TmLinear *L, const int8_t *xq, const float *xd, const int32_t *hsum, const int NT,
                          const int NB, int64_t tile, vf out[2][Q6_ROWS]) {
     const int64_t K = L->k, C = K / 32;
@@ -1198,8 +1205,7 @@ TM_INLINE void q6k_block(const TmLinear *L, const int8_t *xq, const float *xd, c
             const uint8_t *sb = k0 + (t * (C / 8) + c / 8) * Q6_SCALE_BYTES;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
             const uint8_t *sc = sb + 2 * VW + (c % 8) * 2 * VW;
-            const __m512 slo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)sc))));
-            const __m512 shi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + VW)))));
+            const __m512 slo = q6_scale(d, sc), shi = q6_scale(d, sc + VW);
             for (int b = 0; b < NB; b++) {
                 const __m512 g = _mm512_fmadd_ps(shi, _mm512_cvtepi32_ps(ahi[t][b]), _mm512_mul_ps(slo, _mm512_cvtepi32_ps(alo[t][b])));
                 f[t][b] = _mm512_fmadd_ps(g, _mm512_set1_ps(xd[b * C + c]), f[t][b]);
@@ -1219,6 +1225,10 @@ TM_INLINE __m256i q6_code(__m256i nib, __m256i top, int s) {
     const __m256i t = s == 0 ? _mm256_slli_epi16(top, 4) : s == 1 ? _mm256_slli_epi16(top, 2)
                       : s == 2 ? top : _mm256_srli_epi16(top, 2);
     return _mm256_or_si256(nib, _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+}
+/* As the AVX-512 q6_scale, 8 lanes. */
+TM_INLINE __m256 q6_scale(__m256 d, const uint8_t *sc) {
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
 }
 TM_INLINE void q6k_block(const TmLinear *L, const int8_t *xq, const float *xd, const int32_t *hsum, const int NT,
                          const int NB, int64_t tile, vf out[2][Q6_ROWS]) {
@@ -1260,8 +1270,7 @@ TM_INLINE void q6k_block(const TmLinear *L, const int8_t *xq, const float *xd, c
         const uint8_t *sb = k0 + (c / 8) * Q6_SCALE_BYTES;
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
         const uint8_t *sc = sb + 2 * VW + (c % 8) * 2 * VW;
-        const __m256 slo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
-        const __m256 shi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + VW)))));
+        const __m256 slo = q6_scale(d, sc), shi = q6_scale(d, sc + VW);
         for (int b = 0; b < NB; b++) {
             const __m256 g = _mm256_fmadd_ps(shi, _mm256_cvtepi32_ps(ahi[b]), _mm256_mul_ps(slo, _mm256_cvtepi32_ps(alo[b])));
             f[b] = _mm256_fmadd_ps(g, _mm256_set1_ps(xd[b * C + c]), f[b]);
