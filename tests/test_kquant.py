@@ -161,6 +161,46 @@ def test_q6_tiles_multiply_int8_activations_at_every_row_count(lib):
     _same_bits_with_one_thread_and_two(desc, x, lib)
 
 
+@pytest.mark.parametrize("vector_width", [8, 16])
+def test_q6_tiles_read_back_the_blocks_exactly(vector_width):
+    """The tiles hold Q6_K's blocks without loss: unpacked (cpu_kernels.unpack_q6_tiles) and
+    packed as the file has them (kquant.q6_blocks), they are the same bytes."""
+    rng = np.random.default_rng(11)
+    blocks = random_kquant_blocks("Q6_K", 2 * vector_width, 512, rng)
+    q, sc, d = kquant.q6_parts(blocks, (2 * vector_width, 512))
+    tiles = cpu_kernels.pack_q6_tiles(torch.from_numpy(q), torch.from_numpy(sc), torch.from_numpy(d), vector_width)
+    q2, sc2, d2 = cpu_kernels.unpack_q6_tiles(*tiles, vector_width)
+    back = kquant.q6_blocks(q2.numpy(), sc2.numpy(), d2.numpy())
+    assert np.array_equal(back.reshape(-1), np.asarray(blocks).view(np.uint8).reshape(-1))
+
+
+@pytest.mark.parametrize("types", [("Q6_K",), ("Q4_K", "Q6_K")])
+def test_q6_parts_move_into_their_tiles(lib, types):
+    """Where the kernels read Q6_K tiles, prepare_kernels moves each Q6_K part there and drops
+    its blocks: the layer holds its weights once (6.6 bits a Q6_K weight), the products are
+    the ones before the move bit for bit, and the weights read back the same. Elsewhere the
+    blocks stay."""
+    from tokenmill.model.ops import ModelOps
+
+    rows, k = 2 * lib.vector_width, 512
+    layer = _layer(types, rows, k, seed=12)
+    layer.ops = ModelOps(library=lib)
+    table = layer.dequantized_weight()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(13))
+    with torch.inference_mode():
+        before = [layer(x[:r]) for r in (1, 5)]
+    layer.prepare_kernels()
+    q6 = next(p for p in layer.parts if p.type_name == "Q6_K")
+    assert (layer.blocks_held(q6) is None) == bool(lib.q6_tiles)
+    if lib.q6_tiles:
+        assert 6.5 < kquant.weight_bits(layer) < 6.7 if types == ("Q6_K",) else kquant.weight_bits(layer) < 6.7
+        assert all(layer.blocks_held(p) is not None for p in layer.parts if p.type_name != "Q6_K")
+    with torch.inference_mode():
+        after = [layer(x[:r]) for r in (1, 5)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert torch.equal(layer.dequantized_weight(), table)
+
+
 def _same_bits_with_one_thread_and_two(desc, x: torch.Tensor, lib) -> None:
     threads = torch.get_num_threads()
     try:
@@ -318,8 +358,11 @@ def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     layer = fused.engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == parts
-    if parts == 2:  # gate/up Q4_K alone: int4 groups where the nibble kernel runs them
-        assert isinstance(layer.mlp.gate_up_proj, Int4Linear if lib.q4_int8_dot else KQuantLinear)
+    if parts == 2:  # gate/up Q4_K alone: int4 groups where the nibble kernel runs them, on Q4_K's own factors
+        gate_up = layer.mlp.gate_up_proj
+        assert isinstance(gate_up, Int4Linear if lib.q4_int8_dot else KQuantLinear)
+        if lib.q4_int8_dot:
+            assert gate_up.tiles_vw == lib.vector_width and gate_up.q4_form == cpu_kernels.Q4_KSCALES
     assert fused.engine.runner.fused is not None
     eager = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
                 kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16,

@@ -200,6 +200,57 @@ def test_rows_read_back_for_a_tied_embedding() -> None:
     assert _rel(split(x), x @ split.dequantized_weight().t()) < 1e-2
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "g64"])
+def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
+    """Where the kernels multiply the nibble packing by int8 activations, prepare_kernels
+    moves an int4 layer's codes and factors into the tiles and drops the row-major copy:
+    the products are the ones before the move, bit for bit, the weights and a tied
+    embedding's rows read back out of the tiles (the same values, the zero within one
+    float32 rounding), and the layer holds its weights once. Elsewhere nothing moves."""
+    import numpy as np
+
+    from gguf_files import random_kquant_blocks
+    from tokenmill.model import cpu_kernels
+    from tokenmill.model.ops import ModelOps
+
+    lib = cpu_kernels.load()
+    n, k = 64, 512
+    w = _weights(n, k, seed=9)
+    if kind == "Q4_K":
+        codes = int4_from_gguf("Q4_K", random_kquant_blocks("Q4_K", n, k, np.random.default_rng(2)), (n, k))
+    elif kind == "g64":
+        codes = quantize_int4(w, 64)
+    else:
+        codes = int4_from_gguf(kind, gguf_quantize(w.numpy(), getattr(QT, kind)), (n, k))
+    layer = Int4Linear(codes)
+    table = layer.dequantized_weight()
+    layer.ops = ModelOps(library=lib)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = [layer(x[:r]) for r in (1, 5)]
+    bytes_before = sum(b.numel() * b.element_size() for b in layer.buffers())
+    layer.prepare_kernels()
+    moves = lib is not None and bool(lib.q4_int8_dot)
+    assert (layer.tiles_vw is not None) == moves
+    if not moves:
+        return
+    assert layer.scales is None and layer.zeros is None and layer.packed.dim() == 4
+    held = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert held <= bytes_before
+    bits = 8.0 * held / (n * k)
+    assert bits <= {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.63, "Q8_0": 10.0, "g64": 5.0}[kind], bits
+    with torch.inference_mode():
+        after = [layer(x[:r]) for r in (1, 5)]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    got = layer.dequantized_weight()
+    assert torch.allclose(got, table, rtol=0, atol=float(table.abs().max()) * 2**-20)
+    ids = torch.tensor([0, 15, 16, 63, 17, 0])
+    assert torch.equal(layer.rows(ids), got[ids])
+    layer.prepare_kernels()  # binding again changes nothing
+    with torch.inference_mode():
+        assert torch.equal(layer(x[:5]), before[1])
+
+
 def test_dequantize_path_is_safe_across_threads() -> None:
     """Scratch buffers are per thread: two engines stepping in two threads get their own."""
     import threading

@@ -723,6 +723,33 @@ def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
     return codes, torch.cat([d_tiles, sc_tiles], dim=2).contiguous()
 
 
+def untile_int4_q8(packed: torch.Tensor, vector_width: int) -> torch.Tensor:
+    """The inverse of :func:`pack_int4_q8`'s reordering: [N / VW, K' / 32, 4, 4 VW] (or
+    [N / VW, K' / 32, 16 VW]) bytes -> :func:`pack_int4`'s row-major bytes [N, K' / 2]: a
+    row's bytes are the same in both, in the same order within it."""
+    t, c = packed.shape[:2]
+    steps = packed.reshape(t, c, 4, vector_width, 4)  # [tile, block, step, row, input]
+    return steps.permute(0, 3, 1, 2, 4).reshape(t * vector_width, c * 16)
+
+
+def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor,
+                    vector_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`pack_q6_tiles`: its tiles -> (uint8 q [N, K], int8 sc [N, K / 16],
+    float16 d [N, K / 256]), exactly."""
+    vw = vector_width
+    t, c = codes.shape[:2]
+    n, k = t * vw, c * 32
+    low = unpack_int4(untile_int4_q8(codes[:, :, :16 * vw], vw))  # [N, K]
+    top = codes[:, :, 16 * vw:].reshape(t, c, 2, vw, 4).permute(0, 3, 1, 2, 4)  # [tile, row, block, half, input]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
+    high = (top.unsqueeze(4) >> shifts) & 3  # [tile, row, block, half, step, input]
+    q = low | (high.reshape(n, k) << 4)
+    s = scales.shape[1]
+    d = scales[:, :, :2 * vw].contiguous().view(torch.float16).permute(0, 2, 1).reshape(n, s)
+    sc = scales[:, :, 2 * vw:].contiguous().view(torch.int8).reshape(t, s * 16, vw).permute(0, 2, 1).reshape(n, s * 16)
+    return q, sc.contiguous(), d.contiguous()
+
+
 def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """An int4 layer's nibble-packing scales and kernel zeros (``z - 8 s``, [N, G] each) -> its
     ``q4_form`` and the per-row arrays to tile (:func:`tile_major`): no zeros when every zero is

@@ -90,6 +90,22 @@ def q6_parts(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarra
     return q, sc.copy(), d.copy()
 
 
+def q6_blocks(q: np.ndarray, sc: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`q6_parts`: codes (uint8 [rows, k], 0..63), sub-block scales (int8
+    [rows, k / 16]) and super-block d (float16 [rows, k / 256]) -> the Q6_K rows as the file
+    stores them (uint8 [rows, k / 256 x 210])."""
+    rows, k = q.shape
+    n = rows * k // SUPER_BLOCK
+    quarters = np.asarray(q, dtype=np.uint8).reshape(n, 2, 4, 32)  # [block, half, quarter, 32]
+    low, high = quarters & 0xF, quarters >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64),
+                          np.ascontiguousarray(sc).view(np.uint8).reshape(n, 16),
+                          np.ascontiguousarray(d, dtype=np.float16).view(np.uint8).reshape(n, 2)], axis=1)
+    return out.astype(np.uint8).reshape(rows, -1)
+
+
 def dequantize(type_name: str, blocks: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Raw K-quant rows -> float32 ``shape``, as ggml computes each weight:
     Q4_K / Q5_K ``(d * sc) * q - dmin * m`` per 32 weights, Q6_K ``(d * sc) * (q - 32)`` per 16."""
@@ -149,13 +165,47 @@ class KQuantLinear(_QuantLinear):
             self.register_buffer(f"blocks{i}", data)  # counted in the engine's weight bytes
             self.parts.append(KQuantPart(type_name, data.shape[0], i))
         self._descs: list[Any] | None = None
+        self._desc_keep: list[torch.Tensor] = []
+        self.q6_vw: int | None = None  # the vector width of the Q6_K parts' tiles, once made
 
     def blocks(self, part: KQuantPart) -> torch.Tensor:
-        return getattr(self, f"blocks{part.index}")
+        """The part's rows as the file stores them (rebuilt from its tiles once
+        prepare_kernels has moved them there)."""
+        held = self.blocks_held(part)
+        if held is not None:
+            return held
+        from .cpu_kernels import unpack_q6_tiles
+
+        q, sc, d = unpack_q6_tiles(*self._tiles(part), self.q6_vw)  # type: ignore[arg-type]
+        return torch.from_numpy(q6_blocks(q.numpy(), sc.numpy(), d.numpy()))
+
+    def _tiles(self, part: KQuantPart) -> tuple[torch.Tensor, torch.Tensor] | None:
+        codes = getattr(self, f"q6_codes{part.index}", None)
+        return None if codes is None else (codes, getattr(self, f"q6_scales{part.index}"))
 
     @property
     def formats(self) -> str:
         return "+".join(sorted({p.type_name for p in self.parts}))
+
+    def prepare_kernels(self) -> None:
+        """Where the bound C kernels multiply Q6_K tiles (AVX2, AVX-512 VNNI): move each Q6_K
+        part into them (once, when the engine binds its kernels) and drop its blocks, so the
+        layer holds its weights once; every row count reads the tiles."""
+        library = self.ops.library
+        if library is None or not library.q6_tiles or any(self.blocks_held(p) is None for p in self.parts):
+            return
+        for part in self.parts:
+            if part.type_name != "Q6_K" or self.blocks_held(part).device.type != "cpu":  # type: ignore[union-attr]
+                continue
+            if (self._tiles(part) is None or self.q6_vw != library.vector_width) and \
+                    self._q6_tiles(part, library.vector_width) is None:
+                continue
+            setattr(self, f"blocks{part.index}", None)
+        self._descs = None
+
+    def blocks_held(self, part: KQuantPart) -> torch.Tensor | None:
+        """The part's blocks as held: None once moved into tiles."""
+        return getattr(self, f"blocks{part.index}")
 
     def kernel_descriptions(self) -> list[Any]:
         """One ``TmLinear`` per part (pointers into this layer's buffers)."""
@@ -163,17 +213,26 @@ class KQuantLinear(_QuantLinear):
 
         if self._descs is None:
             library = self.ops.library
-            descs = []
+            descs, keep = [], []
             for part in self.parts:
                 d = cpu_kernels.TmLinear()
                 d.kind, d.group, d.repeat = cpu_kernels.W_KQ, KQUANT_TYPES[part.type_name][0], 1
-                d.n, d.k, d.w, d.bias = part.rows, self.in_features, self.blocks(part).data_ptr(), None
-                if part.type_name == "Q6_K" and library is not None and library.q6_tiles:
+                d.n, d.k, d.bias = part.rows, self.in_features, None
+                tiles = self._tiles(part)
+                if part.type_name == "Q6_K" and tiles is None and library is not None and library.q6_tiles:
                     tiles = self._q6_tiles(part, library.vector_width)
-                    if tiles is not None:  # AVX2, AVX-512 VNNI: q6k_rows multiplies these at every row count
-                        d.packed, d.packed_scale = tiles[0].data_ptr(), tiles[1].data_ptr()
+                usable = (tiles is not None and library is not None and library.q6_tiles
+                          and library.vector_width == self.q6_vw)
+                if usable and self.blocks_held(part) is None:
+                    d.w = None  # moved: q6k_rows reads only the tiles
+                else:  # the blocks (rebuilt from the tiles, and kept while these descriptions are, if moved)
+                    blocks = self.blocks(part)
+                    keep.append(blocks)
+                    d.w = blocks.data_ptr()
+                if usable:  # AVX2, AVX-512 VNNI: q6k_rows multiplies these at every row count
+                    d.packed, d.packed_scale = tiles[0].data_ptr(), tiles[1].data_ptr()  # type: ignore[index]
                 descs.append(d)
-            self._descs = descs
+            self._descs, self._desc_keep = descs, keep
         return self._descs
 
     def _q6_tiles(self, part: KQuantPart, vector_width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -187,6 +246,7 @@ class KQuantLinear(_QuantLinear):
         if tiles is not None:
             self.register_buffer(f"q6_codes{part.index}", tiles[0], persistent=False)
             self.register_buffer(f"q6_scales{part.index}", tiles[1], persistent=False)
+            self.q6_vw = vector_width
         return tiles
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -209,7 +269,8 @@ class KQuantLinear(_QuantLinear):
 
 
 def weight_bits(layer: KQuantLinear) -> float:
-    """Stored bits per weight (the startup report's figure)."""
-    total = sum(layer.blocks(p).numel() for p in layer.parts)
+    """Stored bits per weight (the startup report's figure): the blocks, or the tiles they moved into."""
+    total = sum(held.numel() if (held := layer.blocks_held(p)) is not None else sum(t.numel() for t in layer._tiles(p))
+                for p in layer.parts)
     return 8.0 * total / (layer.in_features * layer.out_features)
 

@@ -593,6 +593,12 @@ class Int4Linear(_QuantLinear):
 
             self.register_buffer("packed", pack_int4(codes.codes))
         self._desc: Any = None  # the C kernel's description of this layer, made on first use
+        # Set once prepare_kernels has moved the codes into the kernel's tiles (their vector
+        # width): ``packed`` then holds cpu_kernels.pack_int4_q8's layout, ``tile_scales`` and
+        # ``tile_zeros`` the factors as int4_q8_rows reads them (``q4_form``), and the row-major
+        # codes, scales and zeros are gone: one copy of the weights.
+        self.tiles_vw: int | None = None
+        self.q4_form = 0
 
     @classmethod
     def from_float(cls, w: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
@@ -625,6 +631,11 @@ class Int4Linear(_QuantLinear):
         from . import cpu_kernels
 
         library = self.ops.library
+        if self.tiles_vw is not None:  # moved into the tiles (prepare_kernels): no row-major copy left
+            if not self._tiles_fit(library):
+                raise RuntimeError(f"this int4 layer's codes are in tiles of {self.tiles_vw} rows; the bound kernels "
+                                   "take another width or none")
+            return self._desc[0]
         many_rows = library is not None and library.q4_int8_dot
         # Made again only when the bound library first wants the nibble copy; a layer whose shape
         # does not pack is not retried on every call.
@@ -653,6 +664,35 @@ class Int4Linear(_QuantLinear):
             self._desc = (d, keep, many_rows)
         return self._desc[0]
 
+    def prepare_kernels(self) -> None:
+        """Where the bound C kernels multiply the nibble packing by int8 activations (AVX2,
+        AVX-512 VNNI): move the codes and factors into the tiles they read (once, when the
+        engine binds its kernels) and drop the row-major copy, so that the layer holds its
+        weights once (4.5 bits a weight for Q4_0, 4.6 for Q4_K; the eager path, the fused step
+        and every row count read the tiles)."""
+        library = self.ops.library
+        if (self.tiles_vw is not None or library is None or not library.q4_int8_dot or not self.unpack_ok
+                or self.packed.device.type != "cpu"):
+            return
+        d = self.kernel_description()
+        if not d.packed:
+            return
+        _, keep, _ = self._desc
+        tiles, scales = keep[1], keep[2]
+        zeros = keep[3] if len(keep) > 3 else None
+        self.packed = tiles
+        self.register_buffer("tile_scales", scales)
+        self.register_buffer("tile_zeros", zeros)
+        for name in ("scales", "zeros", "k_d", "k_dmin", "k_sc", "k_m"):
+            setattr(self, name, None)
+        self.tiles_vw, self.q4_form = library.vector_width, int(d.q4_form)
+        d.w, d.scale, d.zero = None, None, None  # int4_q8_rows reads only the tiles
+        self._desc = (d, (tiles, scales) + (() if zeros is None else (zeros,)), True)
+
+    def _tiles_fit(self, library: Any) -> bool:
+        """Whether ``library`` runs this layer's tiles (its nibble kernel, at their width)."""
+        return library is not None and bool(library.q4_int8_dot) and library.vector_width == self.tiles_vw
+
     def _kernel_rows(self, rows: int) -> bool:
         """Whether the C kernel multiplies ``rows`` activation rows (else: unpack + dense matmul):
         up to the policy's limit, and at any count where the build multiplies int4 codes by
@@ -660,7 +700,24 @@ class Int4Linear(_QuantLinear):
         lib = self.ops.library
         if lib is None:
             return False
+        if self.tiles_vw is not None:
+            return self._tiles_fit(lib)
         return rows <= POLICY.int4_kernel_max_rows or bool(lib.q4_int8_dot and self.kernel_description().packed)
+
+    def _row_major_bytes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes in pack_int4's row-major bytes [N, K' / 2], or the rows ``ids`` picks:
+        the buffer itself, or read back out of the tiles (a row lives in tile r // VW at lane
+        r % VW; the tiles hold the same bytes per row, reordered)."""
+        if self.tiles_vw is None:
+            return self.packed if ids is None else self.packed[ids]
+        from .cpu_kernels import untile_int4_q8
+
+        vw = self.tiles_vw
+        if ids is None:
+            return untile_int4_q8(self.packed, vw)
+        t, c = self.packed.shape[:2]
+        steps = self.packed.view(t, c, 4, vw, 4)  # [tile, block, step, lane, input]
+        return steps[ids // vw, :, :, ids % vw].reshape(ids.shape[0], c * 16)
 
     def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
@@ -668,13 +725,44 @@ class Int4Linear(_QuantLinear):
 
         if not self.unpack_ok:
             raise RuntimeError("tinygemm's int4 packing cannot be read back")
-        return unpack_int4(self.packed, out)
+        return unpack_int4(self._row_major_bytes(), out)
+
+    def _factors(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 (scales, zeros) [N, G] of ``w = (code - 8) s + z``, or the rows ``rows``
+        picks: the buffers, or derived from the kernel's tiled factors once they hold them."""
+        if self.tiles_vw is None:
+            return (self.scales, self.zeros) if rows is None else (self.scales[rows], self.zeros[rows])
+        from .cpu_kernels import Q4_KSCALES, Q4_SYMMETRIC
+
+        vw = self.tiles_vw
+
+        def per_row(tiled: torch.Tensor) -> torch.Tensor:  # [tiles, G, VW] -> [N, G] or [len(rows), G]
+            if rows is None:
+                return tiled.permute(0, 2, 1).reshape(-1, tiled.shape[1])
+            return tiled[rows // vw, :, rows % vw]
+
+        if self.q4_form & Q4_KSCALES:  # [tiles, S, 20 VW] bytes: d, dmin (fp16), then 8 groups' sc, m
+            kb = self.tile_scales
+            t, sb = kb.shape[:2]
+
+            def field(a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+                return kb[:, :, a * vw:b * vw].contiguous().view(dtype).float()
+
+            d, dmin = field(0, 2, torch.float16), field(2, 4, torch.float16)  # [tiles, S, VW]
+            sc = field(4, 12, torch.uint8).view(t, sb, 8, vw)
+            m = field(12, 20, torch.uint8).view(t, sb, 8, vw)
+            s = per_row((d[:, :, None] * sc).reshape(t, sb * 8, vw))
+            o = -per_row((dmin[:, :, None] * m).reshape(t, sb * 8, vw))
+            return s, o + 8.0 * s  # as int4_from_gguf computes them
+        s = per_row(self.tile_scales).float()
+        kernel_zero = -8.0 * s if self.q4_form & Q4_SYMMETRIC else per_row(self.tile_zeros).float()
+        return s, kernel_zero + 8.0 * s
 
     def _dequant(self, codes: torch.Tensor, rows: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """(codes - 8) * s + z in float32 for all rows, or for the rows ``rows`` picks;
         into ``out`` when given (the repeat-2 halves are then left unsummed)."""
-        s, z = (self.scales, self.zeros) if rows is None else (self.scales[rows], self.zeros[rows])
+        s, z = self._factors(rows)
         s, z = s[..., None], z[..., None]  # [rows, G, 1]
         n, kp = codes.shape
         g = self.group_size
@@ -701,7 +789,7 @@ class Int4Linear(_QuantLinear):
                 return y
         # Unpack into shared scratch buffers: fresh multi-MB tensors on every call cost more in
         # page faults than the arithmetic.
-        n, kp = self.out_features, self.packed.shape[1] * 2
+        n, kp = self.out_features, self.in_features * self.repeat
         codes = self._codes(_scratch("codes", x.device, torch.uint8, n * kp).view(n, kp))
         w32 = self._dequant(codes, out=_scratch("w32", x.device, torch.float32, n * kp))
         dense = dense_dtype(x.device)
@@ -717,7 +805,7 @@ class Int4Linear(_QuantLinear):
             return None
         from .cpu_kernels import unpack_int4
 
-        return self._dequant(unpack_int4(self.packed[ids]), ids)
+        return self._dequant(unpack_int4(self._row_major_bytes(ids)), ids)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -934,7 +1022,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
             else:
                 parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
                 codes = Int4Codes.cat_rows(parts)
-                codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat)
+                codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat,
+                                  None if codes.kscales is None else tuple(t.to(dev) for t in codes.kscales))
                 new = Int4Linear(codes, bias)
                 fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
                     ", split" if codes.repeat == 2 else "") + ")"

@@ -2513,8 +2513,9 @@ int tm_linear(const TmLinear *L, const float *x, int64_t ldx, int64_t B, float *
     if (L->kind != W_INT4 && L->k % VW) return 1;
     if (L->kind == W_KQ && (L->k % 256 || !kq_block_bytes(L->group) || L->repeat != 1)) return 1;
     if (L->kind == W_INT8G && L->k % 32) return 1;
+    /* the row-major weights may be gone where the layer holds only the packing its kernel reads */
     if (!L->w && !((L->kind == W_INT8 || L->kind == W_INT8G) && L->packed && tm_kernels_int8_dot() &&
-                   L->a16_rows == 1))
+                   L->a16_rows == 1) && !int4_q8_packed(L) && !q6_tiles(L))
         return 1;
     if (B == 0) return 0;
     if (num_threads < 1) num_threads = 1;
