@@ -5,7 +5,8 @@ bound by memory bandwidth instead. This script writes a random-weight GGUF file 
 model's shape (``--shape``: TinyLlama-1.1B, a 3B or an 8B Llama shape; ``tiny`` for a quick
 check of the script itself) with the bundled SmolLM2's tokenizer (copied from its GGUF
 metadata, so both engines load the file), in ``--qtype`` blocks (Q4_0, Q8_0, or Q4_K_M:
-Q4_K with Q6_K for ``attn_v``/``ffn_down``/the output head, as llama.cpp's mix does), into
+Q4_K with Q6_K for the output head and about half the layers' ``attn_v``/``ffn_down``, as
+llama.cpp's mix has them), into
 a temporary folder that is deleted afterwards.
 
 Rows, on the same file and the same number of threads, measured in rounds (each engine
@@ -82,10 +83,19 @@ SHAPES = {
 _BLOCKS = {"Q4_0": (18, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
 
 
-def _qtype_of(gguf_name: str, mix: str) -> str:
+def _qtype_of(gguf_name: str, mix: str, layers: int) -> str:
+    """A tensor's block type in the file. Q4_K_M as llama.cpp's quantizer mixes it: Q6_K for
+    the output head, and for ``attn_v`` and ``ffn_down`` in the layers it gives more bits (the
+    first and last eighth, and every third between), Q4_K for everything else."""
     if mix != "Q4_K_M":
         return mix
-    return "Q6_K" if any(k in gguf_name for k in ("attn_v", "ffn_down", "output.weight")) else "Q4_K"
+    if gguf_name == "output.weight":
+        return "Q6_K"
+    if gguf_name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(gguf_name.split(".")[1])
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -137,7 +147,7 @@ def write_model(path: str, shape: Shape, mix: str, seed: int = 0, context: int =
 
     def matrix(name: str, rows: int, cols: int) -> None:
         nonlocal read_per_token
-        qtype = _qtype_of(name, mix)
+        qtype = _qtype_of(name, mix, shape.layers)
         if name == "token_embd.weight" and qtype in ("Q4_K", "Q6_K"):
             qtype = "Q4_K"
         blocks = _random_blocks(qtype, rows, cols, rng)

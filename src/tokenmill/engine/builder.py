@@ -31,6 +31,7 @@ from . import adapters, auto
 from .block_pool import BlockPool
 from .draft import DraftModelProposer
 from .executors import Kernels, choose_kernels
+from .host_memory import release_freed_heap
 from .loading import build_model, calibration_text, weight_bytes
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner, num_blocks_for_budget
@@ -99,6 +100,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     kernels = choose_kernels(device, config.kernel_options)
     model = build_model(loaded, config, device, dtype, max_len, calibration, parallel, kernels)
     model.use_ops(kernels.ops)  # now, so that layouts the kernels read count as weights
+    release_freed_heap()  # the load's conversion scratch, before the KV pool is sized and made
     weights = weight_bytes(model)
     if config.enable_lora:  # every targeted projection behind a LoRA wrapper (model/lora.py)
         adapters.attach(model, config, device, dtype, parallel is not None)

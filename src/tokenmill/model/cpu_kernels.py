@@ -713,9 +713,8 @@ def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
         return None
     nibbles = pack_int4_q8(q & 15, vw)
     assert nibbles is not None
-    top = (q >> 4).to(torch.int32).reshape(n // vw, vw, k // 32, 2, 4, 4)  # [tile, row, block, half, step, input]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 1, 1, 4, 1)
-    top = (top << shifts).sum(dim=4).to(torch.uint8)  # [tile, row, block, half, input]
+    top = (q >> 4).to(torch.uint8).reshape(n // vw, vw, k // 32, 2, 4, 4)  # [tile, row, block, half, step, input]
+    top = top[:, :, :, :, 0] | (top[:, :, :, :, 1] << 2) | (top[:, :, :, :, 2] << 4) | (top[:, :, :, :, 3] << 6)
     top = top.permute(0, 2, 3, 1, 4).reshape(n // vw, k // 32, 8 * vw)
     codes = torch.cat([nibbles.reshape(n // vw, k // 32, 16 * vw), top], dim=2).contiguous()
     d_tiles = tile_major(d.to(torch.float16), vw).view(torch.uint8)  # [tiles, S, 2 VW]

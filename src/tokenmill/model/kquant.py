@@ -29,6 +29,7 @@ from .quant_linear import QuantLinearBase as _QuantLinear
 # ggml's type id and bytes per 256-weight super-block
 KQUANT_TYPES: dict[str, tuple[int, int]] = {"Q4_K": (12, 144), "Q5_K": (13, 176), "Q6_K": (14, 210)}
 SUPER_BLOCK = 256
+Q6_PACK_ROWS = 4096  # rows unpacked at a time while making Q6_K tiles (bounds the load's scratch memory)
 
 
 def _half(b: np.ndarray, at: int) -> np.ndarray:
@@ -240,9 +241,22 @@ class KQuantLinear(_QuantLinear):
         engine's weight count sees them)."""
         from . import cpu_kernels
 
-        q, sc, d = q6_parts(self.blocks(part).cpu().numpy(), (part.rows, self.in_features))
-        tiles = cpu_kernels.pack_q6_tiles(torch.from_numpy(q), torch.from_numpy(sc), torch.from_numpy(d),
-                                          vector_width)
+        if part.rows % vector_width:
+            return None
+        blocks = self.blocks(part).cpu().numpy()
+        tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+        step = Q6_PACK_ROWS // vector_width * vector_width
+        for r0 in range(0, part.rows, step):  # a slice of rows at a time: the unpacked codes take a byte a weight
+            r1 = min(r0 + step, part.rows)
+            q, sc, d = q6_parts(blocks[r0:r1], (r1 - r0, self.in_features))
+            chunk = cpu_kernels.pack_q6_tiles(torch.from_numpy(q), torch.from_numpy(sc), torch.from_numpy(d),
+                                              vector_width)
+            assert chunk is not None
+            if tiles is None:
+                tiles = tuple(torch.empty((part.rows // vector_width, *c.shape[1:]), dtype=c.dtype)
+                              for c in chunk)  # type: ignore[assignment]
+            for whole, c in zip(tiles, chunk):  # type: ignore[arg-type]
+                whole[r0 // vector_width:r1 // vector_width] = c
         if tiles is not None:
             self.register_buffer(f"q6_codes{part.index}", tiles[0], persistent=False)
             self.register_buffer(f"q6_scales{part.index}", tiles[1], persistent=False)

@@ -834,6 +834,7 @@ class QuantReport:
     quantized: dict[str, str] = field(default_factory=dict)  # module -> format
     kept: dict[str, str] = field(default_factory=dict)  # module -> why it stayed dense
     shared_embedding: bool = False
+    token_table: str = ""  # how an untied token table is held, where not dense ("Q4_K blocks")
 
     def summary(self) -> str:
         formats = sorted(set(self.quantized.values()))
@@ -842,6 +843,8 @@ class QuantReport:
             text += f"; {len(self.kept)} kept dense ({next(iter(self.kept.values()))})"
         if self.shared_embedding:
             text += "; tied embedding reads the quantized LM head"
+        if self.token_table:
+            text += f"; token table kept in its {self.token_table}"
         return text
 
 
@@ -912,8 +915,35 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     if str(config.quantization or "none").lower() != "gguf" or not raw:
         return {}
     nibble_kernel = _one_process_kernels_have(config, "q4_int8_dot")
-    return {name: sources for name, _, sources in _targets(model, False)
-            if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device, nibble_kernel)}
+    out = {name: sources for name, _, sources in _targets(model, False)
+           if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device, nibble_kernel)}
+    tied = bool(model.config.tie_word_embeddings) or "lm_head.weight" not in raw and "lm_head.weight" not in (
+        getattr(loaded, "weights", None) or {})
+    if not tied and device.type == "cpu":
+        if _head_keeps_blocks(raw.get("lm_head.weight", ("",))[0], config, model.lm_head.in_features):  # type: ignore[attr-defined]
+            out["lm_head"] = ("lm_head.weight",)
+        if _table_keeps_blocks(raw.get("model.embed_tokens.weight", ("",))[0], config):
+            out["embed_tokens"] = ("model.embed_tokens.weight",)
+    return out
+
+
+def _head_keeps_blocks(head_type: str, config: Any, in_features: int) -> bool:
+    """Whether ``gguf`` builds a single-process CPU model's LM head, stored in ``head_type``
+    blocks, from those blocks (its dense weight then never made): Q8_0 as int8 groups, Q4_0 /
+    Q4_1 as int4, K-quants as they are; not where ``quantize_lm_head`` asks for another format."""
+    if int(getattr(config, "tensor_parallel_size", 1) or 1) != 1 or bool(getattr(config, "quantize_lm_head", False)):
+        return False
+    if head_type == "Q8_0":
+        return in_features % Int8GroupLinear.GROUP == 0
+    return head_type in ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _table_keeps_blocks(table_type: str, config: Any) -> bool:
+    """Whether ``gguf`` keeps a single-process CPU model's untied token table, stored in
+    ``table_type`` blocks, as those blocks (block_embedding.BlockEmbedding)."""
+    from .loader import RAW_KEPT_TYPES
+
+    return int(getattr(config, "tensor_parallel_size", 1) or 1) == 1 and table_type in RAW_KEPT_TYPES
 
 
 def _head_source(model: nn.Module) -> str:
@@ -946,16 +976,16 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     # One in Q4_0 / Q4_1 blocks keeps them as the decoder's int4 layers do: dequantized to bf16,
     # one decode step would read the head at over three times the file's bytes.
     head_type = raw.get(head_source, ("",))[0] if mode == "gguf" else ""
-    gguf_head = head_type == "Q8_0"
-    one_cpu_head = (model.lm_head.weight.device.type == "cpu"  # type: ignore[attr-defined]
-                    and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
-    group_head = ((mode == "w8a8" or gguf_head) and not quantize_head and one_cpu_head
-                  and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
-    int4_head = head_type in ("Q4_0", "Q4_1") and not quantize_head and one_cpu_head
+    model_device = model.norm.weight.device  # type: ignore[attr-defined]  # never left on meta
+    one_cpu_head = (model_device.type == "cpu" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
     # One in K-quant blocks (Q4_K_M's head is Q6_K) keeps them too: dense, the head alone would be
     # read at 16 or 32 bits a weight where the file's blocks hold 6.6.
-    kquant_head = head_type in ("Q4_K", "Q5_K", "Q6_K") and not quantize_head and one_cpu_head
-    targets = _targets(model, quantize_head or group_head or int4_head or kquant_head)
+    head_blocks = one_cpu_head and _head_keeps_blocks(head_type, config, model.lm_head.in_features)  # type: ignore[attr-defined]
+    gguf_head = head_blocks and head_type == "Q8_0"
+    group_head = ((mode == "w8a8" and not quantize_head and one_cpu_head
+                   and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
+                  or gguf_head)
+    targets = _targets(model, quantize_head or group_head or head_blocks)
     if mode == "int4":
         for name, mod, _ in targets:
             check_int4_group(name, mod.in_features, group)
@@ -973,7 +1003,13 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
     tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
     embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
     grouped_activations = mode == "w8a8" and _one_process_kernels_have(config, "int8_dot")
-    model_device = model.embed_tokens.weight.device  # type: ignore[attr-defined]
+    table_type = raw.get("model.embed_tokens.weight", ("",))[0]
+    if mode == "gguf" and not tied and model_device.type == "cpu" and _table_keeps_blocks(table_type, config):
+        from .block_embedding import BlockEmbedding
+
+        _, table, shape = raw["model.embed_tokens.weight"]
+        model.embed_tokens = BlockEmbedding(table_type, table, tuple(shape), embed_dtype)  # type: ignore[arg-type]
+        report.token_table = f"{table_type} blocks"
     nibble_kernel = mode == "gguf" and _one_process_kernels_have(config, "q4_int8_dot")
     for name, mod, sources in targets:
         # a layer rebuilt from the file's blocks may have been left on meta (block_backed_layers)
