@@ -342,7 +342,8 @@ def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     """A K-quant model runs the fused step (decode rows and prefill chunks) with the eager
     forward's greedy tokens: a q/k/v projection of one block type as one part, one of two
     types (Q4_K_M's) as two, the second's outputs after the first's (``qkv_tail``). Q4_K
-    projections of one type become int4 layers where the build has the nibble kernel."""
+    projections, and the Q4_K part of a two-type one, become int4 layers where the build has
+    the nibble kernel."""
     from tokenmill.model.quant import Int4Linear
     from tokenmill.options import KernelOptions
 
@@ -358,7 +359,9 @@ def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     layer = fused.engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == parts
-    if parts == 2:  # gate/up Q4_K alone: int4 groups where the nibble kernel runs them, on Q4_K's own factors
+    if parts == 2:  # the Q4_K part of q/k/v, and gate/up Q4_K alone: int4 groups where the nibble kernel
+        # runs them, on Q4_K's own factors
+        assert [p.int4 for p in qkv.parts] == [bool(lib.q4_int8_dot), False]
         gate_up = layer.mlp.gate_up_proj
         assert isinstance(gate_up, Int4Linear if lib.q4_int8_dot else KQuantLinear)
         if lib.q4_int8_dot:

@@ -140,12 +140,18 @@ class KQuantPart:
     type_name: str
     rows: int
     index: int
+    int4: bool = False  # held as an int4 layer (``int4_{index}``), not as blocks
 
 
 class KQuantLinear(_QuantLinear):
-    """A projection whose weights stay in GGUF K-quant blocks (see the module docstring)."""
+    """A projection whose weights stay in GGUF K-quant blocks (see the module docstring).
 
-    def __init__(self, parts: list[tuple[str, Any, tuple[int, ...]]], bias: torch.Tensor | None = None) -> None:
+    ``q4k_as_int4``: a Q4_K part of a projection stored in several types (Q4_K_M's q/k beside
+    a Q6_K v) becomes an int4 layer of its own, Q4_K's sub-blocks its groups, as a projection
+    stored in Q4_K alone does (``quant._block_layer_kind``): where the nibble kernel runs."""
+
+    def __init__(self, parts: list[tuple[str, Any, tuple[int, ...]]], bias: torch.Tensor | None = None,
+                 q4k_as_int4: bool = False) -> None:
         k = parts[0][2][1]
         if k % SUPER_BLOCK or any(shape[1] != k for _, _, shape in parts):
             raise ValueError(f"K-quant rows must be whole {SUPER_BLOCK}-weight super-blocks of one width")
@@ -162,8 +168,15 @@ class KQuantLinear(_QuantLinear):
                 runs.append((type_name, [rows]))
         self.parts: list[KQuantPart] = []
         for i, (type_name, stacked) in enumerate(runs):
-            data = torch.from_numpy(np.concatenate(stacked) if len(stacked) > 1 else stacked[0].copy())
-            self.register_buffer(f"blocks{i}", data)  # counted in the engine's weight bytes
+            data = np.concatenate(stacked) if len(stacked) > 1 else stacked[0]
+            if type_name == "Q4_K" and q4k_as_int4:
+                from .quant import Int4Linear, int4_from_gguf
+
+                setattr(self, f"int4_{i}", Int4Linear(int4_from_gguf("Q4_K", data, (data.shape[0], k))))
+                self.register_buffer(f"blocks{i}", None)
+                self.parts.append(KQuantPart(type_name, data.shape[0], i, int4=True))
+                continue
+            self.register_buffer(f"blocks{i}", torch.from_numpy(data.copy()))  # counted in the engine's weight bytes
             self.parts.append(KQuantPart(type_name, data.shape[0], i))
         self._descs: list[Any] | None = None
         self._desc_keep: list[torch.Tensor] = []
@@ -175,10 +188,18 @@ class KQuantLinear(_QuantLinear):
         held = self.blocks_held(part)
         if held is not None:
             return held
+        if part.int4:
+            raise ValueError(f"part {part.index} of this layer is an int4 layer; its Q4_K blocks are not kept")
         from .cpu_kernels import unpack_q6_tiles
 
         q, sc, d = unpack_q6_tiles(*self._tiles(part), self.q6_vw)  # type: ignore[arg-type]
         return torch.from_numpy(q6_blocks(q.numpy(), sc.numpy(), d.numpy()))
+
+    def int4_part(self, part: KQuantPart) -> Any:
+        """The int4 layer holding an ``int4`` part (bound to this layer's ops)."""
+        sub = getattr(self, f"int4_{part.index}")
+        sub.ops = self.ops
+        return sub
 
     def _tiles(self, part: KQuantPart) -> tuple[torch.Tensor, torch.Tensor] | None:
         codes = getattr(self, f"q6_codes{part.index}", None)
@@ -193,10 +214,14 @@ class KQuantLinear(_QuantLinear):
         part into them (once, when the engine binds its kernels) and drop its blocks, so the
         layer holds its weights once; every row count reads the tiles."""
         library = self.ops.library
-        if library is None or not library.q6_tiles or any(self.blocks_held(p) is None for p in self.parts):
-            return
         for part in self.parts:
-            if part.type_name != "Q6_K" or self.blocks_held(part).device.type != "cpu":  # type: ignore[union-attr]
+            if part.int4:
+                self.int4_part(part).prepare_kernels()
+        q6 = [p for p in self.parts if p.type_name == "Q6_K"]
+        if library is None or not library.q6_tiles or any(self.blocks_held(p) is None for p in q6):
+            return
+        for part in q6:
+            if self.blocks_held(part).device.type != "cpu":  # type: ignore[union-attr]
                 continue
             if (self._tiles(part) is None or self.q6_vw != library.vector_width) and \
                     self._q6_tiles(part, library.vector_width) is None:
@@ -216,6 +241,9 @@ class KQuantLinear(_QuantLinear):
             library = self.ops.library
             descs, keep = [], []
             for part in self.parts:
+                if part.int4:  # the int4 layer's own description (pointers into its buffers)
+                    descs.append(self.int4_part(part).kernel_description())
+                    continue
                 d = cpu_kernels.TmLinear()
                 d.kind, d.group, d.repeat = cpu_kernels.W_KQ, KQUANT_TYPES[part.type_name][0], 1
                 d.n, d.k, d.bias = part.rows, self.in_features, None
@@ -264,7 +292,8 @@ class KQuantLinear(_QuantLinear):
         return tiles
 
     def dequantized_weight(self) -> torch.Tensor:
-        return torch.cat([torch.from_numpy(dequantize(p.type_name, self.blocks(p).cpu().numpy(),
+        return torch.cat([self.int4_part(p).dequantized_weight().cpu() if p.int4 else
+                          torch.from_numpy(dequantize(p.type_name, self.blocks(p).cpu().numpy(),
                                                       (p.rows, self.in_features))) for p in self.parts])
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,8 +312,14 @@ class KQuantLinear(_QuantLinear):
 
 
 def weight_bits(layer: KQuantLinear) -> float:
-    """Stored bits per weight (the startup report's figure): the blocks, or the tiles they moved into."""
-    total = sum(held.numel() if (held := layer.blocks_held(p)) is not None else sum(t.numel() for t in layer._tiles(p))
-                for p in layer.parts)
+    """Stored bits per weight (the startup report's figure): the blocks, the tiles they moved
+    into, or an int4 part's codes and factors."""
+    def part_bytes(p: KQuantPart) -> int:
+        if p.int4:
+            return sum(b.numel() * b.element_size() for b in layer.int4_part(p).buffers())
+        held = layer.blocks_held(p)
+        return held.numel() if held is not None else sum(t.numel() for t in layer._tiles(p))  # type: ignore[union-attr]
+
+    total = sum(part_bytes(p) for p in layer.parts)
     return 8.0 * total / (layer.in_features * layer.out_features)
 

@@ -1045,7 +1045,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
             if rebuilt_as == "kquant":  # the file's K-quant blocks as they are
                 from .kquant import KQuantLinear
 
-                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias)
+                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias,
+                                   q4k_as_int4=nibble_kernel)
                 fmt = f"{new.formats} blocks"
             elif rebuilt_as == "int8 groups":
                 # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
