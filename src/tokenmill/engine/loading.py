@@ -66,7 +66,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
     if config.quantization not in ("none", None):
         from ..model.quant import quantize_model
 
-        quantize_model(model, loaded, config)
+        quantize_model(model, loaded, config, None if kernels is None or parallel is not None else kernels.ops)
         if parallel is not None:
             parallel.after_quantize(model)
     left = [name for name, p in model.named_parameters() if p.is_meta]

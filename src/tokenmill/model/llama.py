@@ -19,7 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from .attention import StepAttention
 from .layers import MLP, Linear, linear_add
-from .ops import TORCH_OPS, ModelOps, rotate_half
+from .ops import TORCH_OPS, ModelOps, bind_ops, rotate_half
 from .support import UnsupportedModel
 
 
@@ -238,12 +238,7 @@ class LlamaForCausalLM(nn.Module):
         """Bind the engine's ops to every layer that reads them, and let quantized layers
         make the layouts those kernels read (at build, after any quantization or sharding
         has replaced modules; binding the same ops again changes nothing)."""
-        for module in self.modules():
-            if isinstance(getattr(type(module), "ops", None), ModelOps):
-                module.ops = ops
-                prepare = getattr(module, "prepare_kernels", None)
-                if prepare is not None:  # layouts the bound kernels read (counted in the weights)
-                    prepare()
+        bind_ops(self, ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -72,6 +72,18 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) ->
 TORCH_OPS = ModelOps()
 
 
+def bind_ops(root: torch.nn.Module, ops: ModelOps) -> None:
+    """Bind ``ops`` to every module under ``root`` that reads them, and let quantized layers
+    make the layouts those kernels read (``prepare_kernels``: binding the same ops again
+    changes nothing)."""
+    for module in root.modules():
+        if isinstance(getattr(type(module), "ops", None), ModelOps):
+            module.ops = ops
+            prepare = getattr(module, "prepare_kernels", None)
+            if prepare is not None:  # layouts the bound kernels read (counted in the weights)
+                prepare()
+
+
 @functools.lru_cache(maxsize=1)
 def onednn_linear_available() -> bool:
     """Whether torch here has oneDNN's linear and it answers a probe correctly."""

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import QUANTIZATION_MODES
-from .ops import TORCH_OPS, ModelOps
+from .ops import TORCH_OPS, ModelOps, bind_ops
 from .quant_linear import QuantLinearBase as _QuantLinear
 
 log = logging.getLogger("tokenmill.quant")
@@ -953,8 +953,13 @@ def _head_source(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
+def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | None = None) -> QuantReport:
     """Replace the model's linear layers in place per ``config.quantization``.
+
+    ``ops``: the engine's ops, where already chosen: each new layer is bound to them and makes
+    the layouts their kernels read as it is made (``prepare_kernels``), so a layer that moves
+    into those (the int4 and Q6_K tiles) frees its other copy before the next is built rather
+    than every layer holding both until the engine binds its ops.
 
     Validates every layer before touching any, so a bad group size leaves the
     model as it was and says which layer and why.
@@ -1064,6 +1069,8 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any) -> QuantReport:
                 new = Int4Linear(codes, bias)
                 fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
                     ", split" if codes.repeat == 2 else "") + ")"
+        if ops is not None and dev.type == "cpu":
+            bind_ops(new, ops)  # an int4 part inside a K-quant projection too
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)
