@@ -225,13 +225,15 @@ class QueueOrder:
     def victim(self, candidates: Sequence[Request], now: float) -> Request:
         """The running request to preempt among ``candidates`` (in admission order, the
         newest last): the lowest class, then the highest ``priority`` value, then the
-        tenant furthest over its share, then the newest. Protected requests
-        (``protected``) rank above every class and among themselves go newest first,
-        as under FCFS, so the oldest always makes progress."""
+        tenant furthest over its share, then the newest. A request past the starvation
+        bound ranks above every class (as it is admitted: oldest first, whatever its
+        ``priority``), and among such the newest goes first, so an older one is never
+        sent back for a younger; protected requests (``protected``) rank above those
+        too, also newest first, so the oldest always makes progress."""
         def rank(ir: tuple[int, Request]) -> tuple[int, int, float, float]:
             i, r = ir
-            if self.protected(r, now):
-                return -1, 0, 0.0, r.arrival_time
+            if self.overdue(r, now):
+                return -2 if self.protected(r, now) else -1, 0, 0.0, r.arrival_time
             served = self.tenants[r.placement.tenant].virtual if self.fair_share else 0.0
             return r.placement.priority_class, r.placement.priority, served, i
 
