@@ -1,7 +1,8 @@
 """A GGUF token table kept in its blocks (model/block_embedding.py): each lookup widens
-just its rows, to the same values the loader's dense table holds, bit for bit; and a
-``gguf`` engine on an untied file keeps its table and head as the file's blocks (no dense
-copy made) and generates what it generates with the dense table."""
+just its rows, to the same values the loader's dense table holds, bit for bit; a ``gguf``
+engine on an untied file keeps its table and head as the file's blocks (no dense copy made)
+and generates what it generates with the dense table; and one on a tied file keeps its one
+table as the head's blocks, the lookups reading the head's rows."""
 from __future__ import annotations
 
 import random
@@ -64,3 +65,32 @@ def test_gguf_engine_keeps_an_untied_table_and_head_in_blocks(tmp_path) -> None:
     model.embed_tokens = torch.nn.Embedding.from_pretrained(dense_table)
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == want
+
+
+@pytest.mark.parametrize("table_type", ["Q6_K", "Q8_0"])
+def test_gguf_engine_keeps_a_tied_table_once(tmp_path, table_type: str) -> None:
+    """A tied table in blocks (Llama 3.2's Q4_K_M files store it in Q6_K, with no output
+    tensor): the head is built from the blocks and the lookups read the head's rows, so no
+    vocab-sized dense weight is ever made."""
+    from tokenmill.model.quant import QuantizedEmbedding
+
+    cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=True)
+    weights = {k: v for k, v in tiny_weights(cfg, seed=10).items() if k != "lm_head.weight"}
+    path = str(tmp_path / "tied.gguf")
+    write_gguf(path, weights, cfg, eos_token_id=None,
+               qtypes={"embed_tokens": table_type, "v_proj": "Q6_K", "layers.": "Q4_K"})
+    loaded = load_model(path)
+    llm = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
+              kv_cache_dtype="float32", num_blocks=64)
+    model = llm.engine.runner.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and model.quant_report.shared_embedding
+    vocab_sized = [n for n, p in model.named_parameters() if p.shape[0] == cfg.vocab_size]
+    assert not vocab_sized, vocab_sized
+    dense_table = loaded.weights["model.embed_tokens.weight"].float()
+    got_rows = model.embed_tokens(torch.arange(cfg.vocab_size))
+    assert torch.allclose(got_rows, dense_table, rtol=0, atol=float(dense_table.abs().max()) * 2**-20)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(TINY_VOCAB - 1) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in llm.generate(prompts, params))

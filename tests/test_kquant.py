@@ -201,6 +201,30 @@ def test_q6_parts_move_into_their_tiles(lib, types):
     assert torch.equal(layer.dequantized_weight(), table)
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_kquant_rows_read_the_dequantized_weights(lib, type_name):
+    """A one-part K-quant layer looks rows up (a tied token table) as ``dequantize`` widens
+    them, bit for bit: from its blocks, from the Q6_K tiles they moved into, or from the int4
+    layer a Q4_K part becomes; a layer of several parts has no row lookup."""
+    from tokenmill.model.ops import ModelOps
+
+    rows, k = 3 * lib.vector_width, 512
+    rng = np.random.default_rng(14)
+    blocks = random_kquant_blocks(type_name, rows, k, rng)
+    want = torch.from_numpy(kquant.dequantize(type_name, blocks, (rows, k)))
+    ids = torch.tensor([0, rows - 1, 5, 5, lib.vector_width])
+    for as_int4 in (False, True):
+        layer = KQuantLinear([(type_name, blocks, (rows, k))], q4k_as_int4=as_int4)
+        layer.ops = ModelOps(library=lib)
+        layer.prepare_kernels()
+        got = layer.rows(ids)
+        if layer.parts[0].int4:  # the int4 form's zero rounds once in float32
+            assert torch.allclose(got, want[ids], rtol=0, atol=float(want.abs().max()) * 2**-20)
+        else:
+            assert torch.equal(got, want[ids]), (type_name, as_int4)
+    assert _layer(("Q4_K", "Q6_K"), rows, k).rows(ids) is None
+
+
 def _same_bits_with_one_thread_and_two(desc, x: torch.Tensor, lib) -> None:
     threads = torch.get_num_threads()
     try:

@@ -731,22 +731,29 @@ def untile_int4_q8(packed: torch.Tensor, vector_width: int) -> torch.Tensor:
     return steps.permute(0, 3, 1, 2, 4).reshape(t * vector_width, c * 16)
 
 
-def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor,
-                    vector_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor, vector_width: int,
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of :func:`pack_q6_tiles`: its tiles -> (uint8 q [N, K], int8 sc [N, K / 16],
-    float16 d [N, K / 256]), exactly."""
+    float16 d [N, K / 256]), exactly; or those of the rows ``rows`` picks (a row lives in tile
+    r // VW at lane r % VW: only its bytes are read)."""
     vw = vector_width
     t, c = codes.shape[:2]
-    n, k = t * vw, c * 32
-    low = unpack_int4(untile_int4_q8(codes[:, :, :16 * vw], vw))  # [N, K]
-    top = codes[:, :, 16 * vw:].reshape(t, c, 2, vw, 4).permute(0, 3, 1, 2, 4)  # [tile, row, block, half, input]
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 1, 4, 1)
-    high = (top.unsqueeze(4) >> shifts) & 3  # [tile, row, block, half, step, input]
-    q = low | (high.reshape(n, k) << 4)
     s = scales.shape[1]
-    d = scales[:, :, :2 * vw].contiguous().view(torch.float16).permute(0, 2, 1).reshape(n, s)
-    sc = scales[:, :, 2 * vw:].contiguous().view(torch.int8).reshape(t, s * 16, vw).permute(0, 2, 1).reshape(n, s * 16)
-    return q, sc.contiguous(), d.contiguous()
+    low = codes[:, :, :16 * vw].reshape(t, c, 4, vw, 4)  # [tile, block, step, row, input]
+    top = codes[:, :, 16 * vw:].reshape(t, c, 2, vw, 4)  # [tile, block, half, row, input]
+    d = scales[:, :, :2 * vw].contiguous().view(torch.float16)  # [tile, super-block, row]
+    sc = scales[:, :, 2 * vw:].contiguous().view(torch.int8).reshape(t, s, 16, vw)
+    if rows is None:
+        low, top = low.permute(0, 3, 1, 2, 4), top.permute(0, 3, 1, 2, 4)
+        d, sc = d.permute(0, 2, 1), sc.permute(0, 3, 1, 2)
+    else:
+        tile, lane = rows // vw, rows % vw
+        low, top, d, sc = low[tile, :, :, lane], top[tile, :, :, lane], d[tile, :, lane], sc[tile, :, :, lane]
+    n = t * vw if rows is None else rows.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high = (top.reshape(n, c, 2, 1, 4) >> shifts) & 3  # [row, block, half, step, input]
+    q = unpack_int4(low.reshape(n, c * 16)) | (high.reshape(n, c * 32) << 4)
+    return q, sc.reshape(n, s * 16).contiguous(), d.reshape(n, s).contiguous()
 
 
 def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:

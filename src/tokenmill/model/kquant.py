@@ -291,6 +291,25 @@ class KQuantLinear(_QuantLinear):
             self.q6_vw = vector_width
         return tiles
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Float32 rows ``ids`` of a one-part layer (a tied token table looks tokens up here),
+        as ``dequantize`` widens them; None for a layer of several parts."""
+        if len(self.parts) != 1:
+            return None
+        part = self.parts[0]
+        if part.int4:
+            return self.int4_part(part).rows(ids)
+        ids = ids.to("cpu", torch.long)
+        held = self.blocks_held(part)
+        if held is not None:
+            picked = held.cpu()[ids].numpy()
+        else:
+            from .cpu_kernels import unpack_q6_tiles
+
+            q, sc, d = unpack_q6_tiles(*self._tiles(part), self.q6_vw, rows=ids)  # type: ignore[misc]
+            picked = q6_blocks(q.numpy(), sc.numpy(), d.numpy())
+        return torch.from_numpy(dequantize(part.type_name, picked, (ids.shape[0], self.in_features)))
+
     def dequantized_weight(self) -> torch.Tensor:
         return torch.cat([self.int4_part(p).dequantized_weight().cpu() if p.int4 else
                           torch.from_numpy(dequantize(p.type_name, self.blocks(p).cpu().numpy(),

@@ -917,13 +917,20 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     nibble_kernel = _one_process_kernels_have(config, "q4_int8_dot")
     out = {name: sources for name, _, sources in _targets(model, False)
            if all(s in raw for s in sources) and _block_layer_kind({raw[s][0] for s in sources}, device, nibble_kernel)}
-    tied = bool(model.config.tie_word_embeddings) or "lm_head.weight" not in raw and "lm_head.weight" not in (
-        getattr(loaded, "weights", None) or {})
-    if not tied and device.type == "cpu":
-        if _head_keeps_blocks(raw.get("lm_head.weight", ("",))[0], config, model.lm_head.in_features):  # type: ignore[attr-defined]
-            out["lm_head"] = ("lm_head.weight",)
-        if _table_keeps_blocks(raw.get("model.embed_tokens.weight", ("",))[0], config):
-            out["embed_tokens"] = ("model.embed_tokens.weight",)
+    if device.type != "cpu":
+        return out
+    table = "model.embed_tokens.weight"
+    has_head = "lm_head.weight" in raw or "lm_head.weight" in (getattr(loaded, "weights", None) or {})
+    in_features = model.lm_head.in_features  # type: ignore[attr-defined]
+    if bool(model.config.tie_word_embeddings) or not has_head:
+        # one table for both: the head built from its blocks, the lookups reading the head's rows
+        if _head_keeps_blocks(raw.get(table, ("",))[0], config, in_features):
+            out["lm_head"] = out["embed_tokens"] = (table,)
+        return out
+    if _head_keeps_blocks(raw.get("lm_head.weight", ("",))[0], config, in_features):
+        out["lm_head"] = ("lm_head.weight",)
+    if _table_keeps_blocks(raw.get(table, ("",))[0], config):
+        out["embed_tokens"] = (table,)
     return out
 
 
@@ -1077,7 +1084,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | N
         report.quantized[name] = fmt
         if name == "lm_head" and tied:
             probe = torch.zeros(1, dtype=torch.long, device=dev)
-            rows = getattr(new, "rows", None)  # K-quant layers have no row lookup
+            rows = getattr(new, "rows", None)
             if rows is not None and rows(probe) is not None:
                 model.embed_tokens = QuantizedEmbedding(new, embed_dtype)  # type: ignore[arg-type]
                 report.shared_embedding = True
