@@ -86,13 +86,7 @@ def q4_0_codes(n: int, k: int, g: torch.Generator) -> Int4Codes:
 
 def library_from(csrc: Path, isa_flags: tuple[str, ...]) -> cpu_kernels.KernelLibrary:
     """The kernel library built from another tree's ``csrc`` folder (same flags, own cache entry)."""
-    saved = cpu_kernels.SOURCE, cpu_kernels.SOURCES
-    cpu_kernels.SOURCE = csrc / saved[0].name
-    cpu_kernels.SOURCES = tuple(csrc / p.name for p in saved[1])
-    try:
-        return cpu_kernels.build(isa_flags)
-    finally:
-        cpu_kernels.SOURCE, cpu_kernels.SOURCES = saved
+    return cpu_kernels.build(isa_flags, csrc=csrc)
 
 
 def bound(layers: list, lib: cpu_kernels.KernelLibrary) -> list:

@@ -163,22 +163,30 @@ def _compiler() -> str:
     return cc
 
 
-def _library_path(cc: str, flags: tuple[str, ...], directory: Path) -> Path:
+def _sources(csrc: Path | None) -> tuple[Path, tuple[Path, ...]]:
+    """The translation unit compiled and the files the cache key hashes, from this package's
+    ``csrc`` or another folder holding the same files (a benchmark's other tree)."""
+    if csrc is None:
+        return SOURCE, SOURCES
+    return csrc / SOURCE.name, tuple(csrc / p.name for p in SOURCES)
+
+
+def _library_path(cc: str, flags: tuple[str, ...], directory: Path, csrc: Path | None = None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    parts = [src.read_bytes() for src in SOURCES]
+    parts = [src.read_bytes() for src in _sources(csrc)[1]]
     for part in (*parts, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()):
         digest.update(part)
         digest.update(b"\0")
     return directory / f"tokenmill_cpu-{digest.hexdigest()[:20]}.so"
 
 
-def _compile(cc: str, flags: tuple[str, ...], target: Path) -> None:
+def _compile(cc: str, flags: tuple[str, ...], target: Path, csrc: Path | None = None) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, str(_sources(csrc)[0]), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"gcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
@@ -207,16 +215,18 @@ def _without_idle_amx_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for f in flags if f not in NO_AMX)
 
 
-def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = None) -> KernelLibrary:
+def build(extra_flags: tuple[str, ...] = (), options: KernelOptions | None = None,
+          csrc: Path | None = None) -> KernelLibrary:
     """Compile (unless cached) and load the kernel library; raises on failure.
-    ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path."""
+    ``extra_flags`` serve tests, e.g. ``("-mno-avx512f",)`` for the 8-lane path; ``csrc``,
+    benchmarks: another folder of the same C files (another tree's), cached apart."""
     options = options or process_options()
     cc = _compiler()
     flags = CFLAGS + _isa_flags(options.kernel_isa, tuple(extra_flags)) + tuple(extra_flags)
     flags = _without_idle_amx_flags(flags)
-    path = _library_path(cc, flags, options.kernel_cache_dir)
+    path = _library_path(cc, flags, options.kernel_cache_dir, csrc)
     if not path.exists():
-        _compile(cc, flags, path)
+        _compile(cc, flags, path, csrc)
     cdll = ctypes.CDLL(str(path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     args = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, ptr, i64,
