@@ -213,15 +213,17 @@ def test_kquant_rows_read_the_dequantized_weights(lib, type_name):
     blocks = random_kquant_blocks(type_name, rows, k, rng)
     want = torch.from_numpy(kquant.dequantize(type_name, blocks, (rows, k)))
     ids = torch.tensor([0, rows - 1, 5, 5, lib.vector_width])
-    for as_int4 in (False, True):
-        layer = KQuantLinear([(type_name, blocks, (rows, k))], q4k_as_int4=as_int4)
+    from tokenmill.model.quant import _q4k_int4_layer
+
+    for q4k_layer in (None, _q4k_int4_layer):
+        layer = KQuantLinear([(type_name, blocks, (rows, k))], q4k_layer=q4k_layer)
         layer.ops = ModelOps(library=lib)
         layer.prepare_kernels()
         got = layer.rows(ids)
         if layer.parts[0].int4:  # the int4 form's zero rounds once in float32
             assert torch.allclose(got, want[ids], rtol=0, atol=float(want.abs().max()) * 2**-20)
         else:
-            assert torch.equal(got, want[ids]), (type_name, as_int4)
+            assert torch.equal(got, want[ids]), (type_name, q4k_layer)
     assert _layer(("Q4_K", "Q6_K"), rows, k).rows(ids) is None
 
 

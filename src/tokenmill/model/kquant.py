@@ -17,12 +17,14 @@ with ``dequantize`` (numpy, the same arithmetic) and runs a float32 matmul.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from .quant_linear import QuantLinearBase as _QuantLinear
 
@@ -146,12 +148,13 @@ class KQuantPart:
 class KQuantLinear(_QuantLinear):
     """A projection whose weights stay in GGUF K-quant blocks (see the module docstring).
 
-    ``q4k_as_int4``: a Q4_K part of a projection stored in several types (Q4_K_M's q/k beside
-    a Q6_K v) becomes an int4 layer of its own, Q4_K's sub-blocks its groups, as a projection
-    stored in Q4_K alone does (``quant._block_layer_kind``): where the nibble kernel runs."""
+    ``q4k_layer``: where given, what a Q4_K part of a projection stored in several types
+    (Q4_K_M's q/k beside a Q6_K v) becomes, from its blocks and shape: ``quant.py`` gives its
+    int4 layer, Q4_K's sub-blocks its groups, as a projection stored in Q4_K alone becomes
+    (``quant._block_layer_kind``), where the nibble kernel runs."""
 
     def __init__(self, parts: list[tuple[str, Any, tuple[int, ...]]], bias: torch.Tensor | None = None,
-                 q4k_as_int4: bool = False) -> None:
+                 q4k_layer: Callable[[np.ndarray, tuple[int, int]], nn.Module] | None = None) -> None:
         k = parts[0][2][1]
         if k % SUPER_BLOCK or any(shape[1] != k for _, _, shape in parts):
             raise ValueError(f"K-quant rows must be whole {SUPER_BLOCK}-weight super-blocks of one width")
@@ -169,10 +172,8 @@ class KQuantLinear(_QuantLinear):
         self.parts: list[KQuantPart] = []
         for i, (type_name, stacked) in enumerate(runs):
             data = np.concatenate(stacked) if len(stacked) > 1 else stacked[0]
-            if type_name == "Q4_K" and q4k_as_int4:
-                from .quant import Int4Linear, int4_from_gguf
-
-                setattr(self, f"int4_{i}", Int4Linear(int4_from_gguf("Q4_K", data, (data.shape[0], k))))
+            if type_name == "Q4_K" and q4k_layer is not None:
+                setattr(self, f"int4_{i}", q4k_layer(data, (data.shape[0], k)))
                 self.register_buffer(f"blocks{i}", None)
                 self.parts.append(KQuantPart(type_name, data.shape[0], i, int4=True))
                 continue

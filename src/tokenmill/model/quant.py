@@ -934,6 +934,12 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     return out
 
 
+def _q4k_int4_layer(blocks: Any, shape: tuple[int, int]) -> Int4Linear:
+    """The int4 layer a Q4_K part of a K-quant projection becomes (``KQuantLinear``'s
+    ``q4k_layer``)."""
+    return Int4Linear(int4_from_gguf("Q4_K", blocks, shape))
+
+
 def _head_keeps_blocks(head_type: str, config: Any, in_features: int) -> bool:
     """Whether ``gguf`` builds a single-process CPU model's LM head, stored in ``head_type``
     blocks, from those blocks (its dense weight then never made): Q8_0 as int8 groups, Q4_0 /
@@ -1058,7 +1064,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | N
                 from .kquant import KQuantLinear
 
                 new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias,
-                                   q4k_as_int4=nibble_kernel)
+                                   q4k_layer=_q4k_int4_layer if nibble_kernel else None)
                 fmt = f"{new.formats} blocks"
             elif rebuilt_as == "int8 groups":
                 # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
