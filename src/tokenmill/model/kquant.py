@@ -228,7 +228,7 @@ class KQuantLinear(_QuantLinear):
                     self._q6_tiles(part, library.vector_width) is None:
                 continue
             setattr(self, f"blocks{part.index}", None)
-        self._descs = None
+            self._descs = None  # made again, pointing at the tiles alone
 
     def blocks_held(self, part: KQuantPart) -> torch.Tensor | None:
         """The part's blocks as held: None once moved into tiles."""
