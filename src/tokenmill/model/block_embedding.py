@@ -4,9 +4,8 @@ A GGUF file stores the token table in the same 4- to 8-bit blocks as the project
 a step reads only the rows of its tokens. Widened to float32 at load, the table alone
 would take several times the file's share of it (a 128k-token, 4096-wide table: 2 GiB
 where its Q4_K blocks hold 0.3), so ``gguf`` keeps an untied table's blocks and widens
-just the rows each step looks up, with the same arithmetic the loader would have used
-(``loader.dequantize``; ``kquant.dequantize`` for K-quants, bit for bit the same), so the
-embeddings are the dense table's exactly.
+just the rows each step looks up, with the arithmetic the loader would have used
+(``loader.dequantize``), so the embeddings are the dense table's exactly.
 """
 from __future__ import annotations
 
@@ -16,8 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kquant import KQUANT_TYPES
-from .kquant import dequantize as kquant_dequantize
 from .loader import dequantize
 
 
@@ -37,11 +34,7 @@ class BlockEmbedding(nn.Module):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Float32 rows ``ids`` (1-D) of the table."""
         picked = self.blocks[ids.to("cpu", torch.long)].numpy()
-        shape = (picked.shape[0], self.embedding_dim)
-        if self.type_name in KQUANT_TYPES:
-            values = kquant_dequantize(self.type_name, picked, shape)
-        else:
-            values = dequantize(picked, self.type_name, shape)
+        values = dequantize(picked, self.type_name, (picked.shape[0], self.embedding_dim))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

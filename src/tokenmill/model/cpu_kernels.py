@@ -732,12 +732,15 @@ def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
     return codes, torch.cat([d_tiles, sc_tiles], dim=2).contiguous()
 
 
-def untile_int4_q8(packed: torch.Tensor, vector_width: int) -> torch.Tensor:
+def untile_int4_q8(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of :func:`pack_int4_q8`'s reordering: [N / VW, K' / 32, 4, 4 VW] (or
     [N / VW, K' / 32, 16 VW]) bytes -> :func:`pack_int4`'s row-major bytes [N, K' / 2]: a
-    row's bytes are the same in both, in the same order within it."""
+    row's bytes are the same in both, in the same order within it. ``rows``: only those rows
+    (row r lives in tile r // VW at lane r % VW)."""
     t, c = packed.shape[:2]
     steps = packed.reshape(t, c, 4, vector_width, 4)  # [tile, block, step, row, input]
+    if rows is not None:
+        return steps[rows // vector_width, :, :, rows % vector_width].reshape(rows.shape[0], c * 16)
     return steps.permute(0, 3, 1, 2, 4).reshape(t * vector_width, c * 16)
 
 
@@ -749,20 +752,19 @@ def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor, vector_width: int
     vw = vector_width
     t, c = codes.shape[:2]
     s = scales.shape[1]
-    low = codes[:, :, :16 * vw].reshape(t, c, 4, vw, 4)  # [tile, block, step, row, input]
+    low = untile_int4_q8(codes[:, :, :16 * vw], vw, rows)  # the low nibbles, row-major
     top = codes[:, :, 16 * vw:].reshape(t, c, 2, vw, 4)  # [tile, block, half, row, input]
     d = scales[:, :, :2 * vw].contiguous().view(torch.float16)  # [tile, super-block, row]
     sc = scales[:, :, 2 * vw:].contiguous().view(torch.int8).reshape(t, s, 16, vw)
     if rows is None:
-        low, top = low.permute(0, 3, 1, 2, 4), top.permute(0, 3, 1, 2, 4)
-        d, sc = d.permute(0, 2, 1), sc.permute(0, 3, 1, 2)
+        top, d, sc = top.permute(0, 3, 1, 2, 4), d.permute(0, 2, 1), sc.permute(0, 3, 1, 2)
     else:
         tile, lane = rows // vw, rows % vw
-        low, top, d, sc = low[tile, :, :, lane], top[tile, :, :, lane], d[tile, :, lane], sc[tile, :, :, lane]
-    n = t * vw if rows is None else rows.shape[0]
+        top, d, sc = top[tile, :, :, lane], d[tile, :, lane], sc[tile, :, :, lane]
+    n = low.shape[0]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
     high = (top.reshape(n, c, 2, 1, 4) >> shifts) & 3  # [row, block, half, step, input]
-    q = unpack_int4(low.reshape(n, c * 16)) | (high.reshape(n, c * 32) << 4)
+    q = unpack_int4(low) | (high.reshape(n, c * 32) << 4)
     return q, sc.reshape(n, s * 16).contiguous(), d.reshape(n, s).contiguous()
 
 

@@ -7,7 +7,7 @@ compare tensor-for-tensor with ``transformers``.
 GGUF specifics handled here:
 
 * block formats are dequantized (Q8_0, Q4_0 and Q4_1 with our own vectorised
-  numpy; the K-quants and float types through ``gguf.quants``);
+  numpy; the K-quants in ``kquant.py``, the other types through ``gguf.quants``);
 * llama.cpp's converter reorders the rows of ``attn_q``/``attn_k`` of Llama
   models so that each head's rotary pairs sit next to each other (its
   "interleaved" RoPE). Our model uses Hugging Face's ``rotate_half`` RoPE, where
@@ -47,7 +47,7 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
     "Q5_0": (32, 2 + 4 + 16),  # fp16 d, 32 fifth bits, 16 bytes of nibbles
     "Q5_1": (32, 2 + 2 + 4 + 16),  # fp16 d and m, then as Q5_0
 }
-# K-quants keep their blocks too (model/kquant.py); they and Q5_0/Q5_1 are dequantized by gguf.quants
+# K-quants keep their blocks too (model/kquant.py, which also dequantizes them); Q5_0/Q5_1 are dequantized by gguf.quants
 RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -197,6 +197,10 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
         return bits.view(np.float32).reshape(shape)
     if type_name in _OWN_DEQUANT:
         return _OWN_DEQUANT[type_name](data).reshape(shape)
+    if type_name in ("Q4_K", "Q5_K", "Q6_K"):  # numpy of our own, bit for bit gguf.quants' (and faster)
+        from .kquant import dequantize as kquant_dequantize
+
+        return kquant_dequantize(type_name, data, shape)
     if type_name in _GGUF_QUANTS_OK:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize as gguf_dequantize

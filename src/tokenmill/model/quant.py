@@ -712,12 +712,7 @@ class Int4Linear(_QuantLinear):
             return self.packed if ids is None else self.packed[ids]
         from .cpu_kernels import untile_int4_q8
 
-        vw = self.tiles_vw
-        if ids is None:
-            return untile_int4_q8(self.packed, vw)
-        t, c = self.packed.shape[:2]
-        steps = self.packed.view(t, c, 4, vw, 4)  # [tile, block, step, lane, input]
-        return steps[ids // vw, :, :, ids % vw].reshape(ids.shape[0], c * 16)
+        return untile_int4_q8(self.packed, self.tiles_vw, ids)
 
     def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
