@@ -4,9 +4,9 @@ The bundled model is small enough to sit in cache-friendly sizes; a real 1B-8B m
 bound by memory bandwidth instead. This script writes a random-weight GGUF file in a real
 model's shape (``--shape``: TinyLlama-1.1B, a 3B or an 8B Llama shape; ``tiny`` for a quick
 check of the script itself) with the bundled SmolLM2's tokenizer (copied from its GGUF
-metadata, so both engines load the file), in ``--qtype`` blocks (Q4_0, Q8_0, or Q4_K_M:
-Q4_K with Q6_K for the output head and about half the layers' ``attn_v``/``ffn_down``, as
-llama.cpp's mix has them), into
+metadata, so both engines load the file), in ``--qtype`` blocks (Q4_0, Q5_0, Q8_0, Q4_K_M or Q5_K_M:
+Q4_K or Q5_K with Q6_K for the output head and about half the layers' ``attn_v``/``ffn_down``,
+as llama.cpp's mixes have them), into
 a temporary folder that is deleted afterwards.
 
 Rows, on the same file and the same number of threads, measured in rounds (each engine
@@ -80,34 +80,40 @@ SHAPES = {
 }
 
 # bytes per block and elements per block of each type written here
-_BLOCKS = {"Q4_0": (18, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q6_K": (210, 256)}
+_BLOCKS = {"Q4_0": (18, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
+
+
+# the K-quant mixes written here and the block type of their bulk
+_K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
 
 def _qtype_of(gguf_name: str, mix: str, layers: int) -> str:
-    """A tensor's block type in the file. Q4_K_M as llama.cpp's quantizer mixes it: Q6_K for
-    the output head, and for ``attn_v`` and ``ffn_down`` in the layers it gives more bits (the
-    first and last eighth, and every third between), Q4_K for everything else."""
-    if mix != "Q4_K_M":
+    """A tensor's block type in the file. Q4_K_M and Q5_K_M as llama.cpp's quantizer mixes
+    them: Q6_K for the output head, and for ``attn_v`` and ``ffn_down`` in the layers it gives
+    more bits (the first and last eighth, and every third between), the mix's own type (Q4_K,
+    Q5_K) for everything else."""
+    if mix not in _K_MIXES:
         return mix
+    base = _K_MIXES[mix]
     if gguf_name == "output.weight":
         return "Q6_K"
     if gguf_name.endswith(("attn_v.weight", "ffn_down.weight")):
         i = int(gguf_name.split(".")[1])
         more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
-        return "Q6_K" if more_bits else "Q4_K"
-    return "Q4_K"
+        return "Q6_K" if more_bits else base
+    return base
 
 
 def _random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random codes with finite fp16 scales that keep weights near +-0.05, so activations
     stay finite through every layer (the values do not matter for speed, NaNs would)."""
     nbytes, per = _BLOCKS[qtype]
-    if qtype in ("Q4_K", "Q6_K"):
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from gguf_files import random_kquant_blocks
         return random_kquant_blocks(qtype, rows, cols, rng)
     blocks = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-    scale = {"Q4_0": 6e-3, "Q8_0": 4e-4}[qtype]
+    scale = {"Q4_0": 6e-3, "Q5_0": 3e-3, "Q8_0": 4e-4}[qtype]
     d = (scale * rng.uniform(0.5, 1.5, size=(rows, cols // per))).astype(np.float16)
     blocks[..., 0:2] = d[..., None].view(np.uint8).reshape(rows, cols // per, 2)
     return blocks.reshape(rows, -1)
@@ -148,8 +154,8 @@ def write_model(path: str, shape: Shape, mix: str, seed: int = 0, context: int =
     def matrix(name: str, rows: int, cols: int) -> None:
         nonlocal read_per_token
         qtype = _qtype_of(name, mix, shape.layers)
-        if name == "token_embd.weight" and qtype in ("Q4_K", "Q6_K"):
-            qtype = "Q4_K"
+        if name == "token_embd.weight" and qtype in ("Q4_K", "Q5_K", "Q6_K"):
+            qtype = _K_MIXES[mix]
         blocks = _random_blocks(qtype, rows, cols, rng)
         w.add_tensor(name, blocks, raw_dtype=QT[qtype])
         read_per_token += blocks[0].nbytes if name == "token_embd.weight" else blocks.nbytes
@@ -238,7 +244,7 @@ def llama_server_runner(path: str, args: argparse.Namespace) -> tuple[decode_spe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
-    ap.add_argument("--qtype", choices=("Q4_0", "Q4_K_M", "Q8_0"), default="Q4_0")
+    ap.add_argument("--qtype", choices=("Q4_0", "Q5_0", "Q4_K_M", "Q5_K_M", "Q8_0"), default="Q4_0")
     ap.add_argument("--quantizations", default="auto,gguf", help="tokenmill rows, comma-separated")
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="tokenmill's KV pool dtypes, comma-separated (a row for each with each quantization)")

@@ -78,12 +78,15 @@ def test_quantization_auto_keeps_large_q4_files_at_four_bits_on_vnni(monkeypatch
     monkeypatch.setattr(cpu_kernels, "load", lambda options=None: lib)
     big = SimpleNamespace(nbytes=200 * 2**20)
 
-    def q4_file(entry):
+    def q4_file(entry, second="Q4_0"):
         return SimpleNamespace(raw_quantized={"model.layers.0.mlp.down_proj.weight": ("Q4_0", entry, (4, 32)),
-                                              "model.layers.1.mlp.down_proj.weight": ("Q4_0", entry, (4, 32))})
+                                              "model.layers.1.mlp.down_proj.weight": (second, entry, (4, 32))})
 
     name, why = auto.resolve_quantization("auto", q4_file(big), cpu)
     assert name == "gguf" and "400 MiB" in why and "bound by the bytes" in why
+    for five_bit in ("Q5_0", "Q5_1"):  # a nibble and a fifth bit a weight: the same kernel
+        assert auto.resolve_quantization("auto", q4_file(big, five_bit), cpu)[0] == "gguf"
+    assert auto.resolve_quantization("auto", q4_file(big, "Q8_0"), cpu)[0] == "w8a8"  # two nibble passes
     assert auto.resolve_quantization("auto", q4_file(SimpleNamespace(nbytes=2**20)), cpu)[0] == "w8a8"  # cached
     lib.amx = True
     name, why = auto.resolve_quantization("auto", q4_file(big), cpu)

@@ -35,18 +35,20 @@ def test_dequantize_bit_exact_with_gguf(type_name):
     assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_q4k_as_int4_groups_gives_the_blocks_weights():
-    """Q4_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an offset
-    per 32 weights, and the blocks' own factors) gives the blocks' weights: the scale d sc and
-    offset -dmin m are exact in float32, and the int4 form's zero (8 s + o) rounds at most
-    once, in float32."""
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_kquant_as_int4_groups_gives_the_blocks_weights(type_name):
+    """Q4_K and Q5_K as the int4 kernels' groups (``int4_from_gguf``: codes with a scale and an
+    offset per 32 weights, and the blocks' own factors; Q5_K's codes five-bit) give the blocks'
+    weights: the scale d sc and offset -dmin m are exact in float32, and the int4 form's zero
+    (8 s + o) rounds at most once, in float32."""
     from tokenmill.model.quant import int4_from_gguf
 
     rng = np.random.default_rng(3)
-    blocks = random_kquant_blocks("Q4_K", 16, 512, rng)
-    want = torch.from_numpy(kquant.dequantize("Q4_K", blocks, (16, 512)))
-    codes = int4_from_gguf("Q4_K", blocks, (16, 512))
+    blocks = random_kquant_blocks(type_name, 16, 512, rng)
+    want = torch.from_numpy(kquant.dequantize(type_name, blocks, (16, 512)))
+    codes = int4_from_gguf(type_name, blocks, (16, 512))
     assert codes.group_size == 32 and codes.repeat == 1 and codes.kscales is not None
+    assert codes.bits == (5 if type_name == "Q5_K" else 4) and int(codes.codes.max()) == 2 ** codes.bits - 1
     d, dmin, sc, m = (t.float() for t in codes.kscales)
     assert torch.equal(codes.scales, (d.repeat_interleave(8, 1) * sc))
     offset = -(dmin.repeat_interleave(8, 1) * m)
@@ -62,12 +64,13 @@ def lib(request) -> cpu_kernels.KernelLibrary:
     return cpu_kernels.build(cpu_kernels.ISA_FLAGS[request.param])
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 5, 13, 40])
-def test_q4k_factors_in_the_nibble_kernel_match_float32_scales(lib, rows):
-    """A Q4_K layer as int4 groups reads Q4_K's own factors where the nibble kernel runs
-    (``Q4_KSCALES``: fp16 d and dmin a super-block, 6-bit sc and m a group, 4.6 bits a weight)
-    and gives what the same codes with float32 scales and offsets give (6 bits a weight),
-    within float32 rounding, at every pass size of the kernel's row passes."""
+def test_kquant_factors_in_the_nibble_kernel_match_float32_scales(lib, rows, type_name):
+    """A Q4_K (Q5_K) layer as int4 groups reads its own factors where the nibble kernel runs
+    (``Q4_KSCALES``: fp16 d and dmin a super-block, 6-bit sc and m a group, 4.6 (5.6) bits a
+    weight) and gives what the same codes with float32 scales and offsets give (6 (7) bits a
+    weight), within float32 rounding, at every pass size of the kernel's row passes."""
     import dataclasses
 
     from tokenmill.model.ops import ModelOps
@@ -77,12 +80,13 @@ def test_q4k_factors_in_the_nibble_kernel_match_float32_scales(lib, rows):
         pytest.skip("this build has no nibble kernel (the layer runs dequantized tiles)")
     rng = np.random.default_rng(7)
     n, k = 4 * lib.vector_width, 768
-    codes = int4_from_gguf("Q4_K", random_kquant_blocks("Q4_K", n, k, rng), (n, k))
+    codes = int4_from_gguf(type_name, random_kquant_blocks(type_name, n, k, rng), (n, k))
     factored, plain = Int4Linear(codes), Int4Linear(dataclasses.replace(codes, kscales=None))
     for layer in (factored, plain):
         layer.ops = ModelOps(library=lib)
-    assert factored.kernel_description().q4_form == cpu_kernels.Q4_KSCALES
-    assert not plain.kernel_description().q4_form & cpu_kernels.Q4_KSCALES
+    fifth = cpu_kernels.Q4_FIFTH if type_name == "Q5_K" else 0
+    assert factored.kernel_description().q4_form == cpu_kernels.Q4_KSCALES | fifth
+    assert plain.kernel_description().q4_form & (cpu_kernels.Q4_KSCALES | cpu_kernels.Q4_FIFTH) == fifth
     x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
     with torch.inference_mode():
         got, want = factored(x), plain(x)
@@ -213,17 +217,17 @@ def test_kquant_rows_read_the_dequantized_weights(lib, type_name):
     blocks = random_kquant_blocks(type_name, rows, k, rng)
     want = torch.from_numpy(kquant.dequantize(type_name, blocks, (rows, k)))
     ids = torch.tensor([0, rows - 1, 5, 5, lib.vector_width])
-    from tokenmill.model.quant import _q4k_int4_layer
+    from tokenmill.model.quant import _kscales_int4_layer
 
-    for q4k_layer in (None, _q4k_int4_layer):
-        layer = KQuantLinear([(type_name, blocks, (rows, k))], q4k_layer=q4k_layer)
+    for int4_layer in (None, _kscales_int4_layer):
+        layer = KQuantLinear([(type_name, blocks, (rows, k))], int4_layer=int4_layer)
         layer.ops = ModelOps(library=lib)
         layer.prepare_kernels()
         got = layer.rows(ids)
         if layer.parts[0].int4:  # the int4 form's zero rounds once in float32
             assert torch.allclose(got, want[ids], rtol=0, atol=float(want.abs().max()) * 2**-20)
         else:
-            assert torch.equal(got, want[ids]), (type_name, q4k_layer)
+            assert torch.equal(got, want[ids]), (type_name, int4_layer)
     assert _layer(("Q4_K", "Q6_K"), rows, k).rows(ids) is None
 
 
@@ -363,13 +367,14 @@ def test_auto_keeps_kquant_blocks_and_other_types_say_dequantized(tmp_path):
 @pytest.mark.parametrize("qtypes,parts", [
     ({"down_proj": "Q6_K", "o_proj": "Q5_K", "layers.": "Q6_K"}, 1),  # q/k/v stacked into one block matrix
     ({"v_proj": "Q6_K", "down_proj": "Q6_K", "layers.": "Q4_K"}, 2),  # Q4_K_M's q/k Q4_K beside v Q6_K
+    ({"v_proj": "Q6_K", "down_proj": "Q6_K", "layers.": "Q5_K"}, 2),  # Q5_K_M's
 ])
 def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     """A K-quant model runs the fused step (decode rows and prefill chunks) with the eager
     forward's greedy tokens: a q/k/v projection of one block type as one part, one of two
-    types (Q4_K_M's) as two, the second's outputs after the first's (``qkv_tail``). Q4_K
-    projections, and the Q4_K part of a two-type one, become int4 layers where the build has
-    the nibble kernel."""
+    types (Q4_K_M's, Q5_K_M's) as two, the second's outputs after the first's (``qkv_tail``).
+    Q4_K and Q5_K projections, and such a part of a two-type one, become int4 layers where the
+    build has the nibble kernel (Q5_K's five-bit)."""
     from tokenmill.model.quant import Int4Linear
     from tokenmill.options import KernelOptions
 
@@ -385,13 +390,15 @@ def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     layer = fused.engine.runner.model.layers[0]
     qkv = layer.self_attn.qkv_proj
     assert isinstance(qkv, KQuantLinear) and len(qkv.parts) == parts
-    if parts == 2:  # the Q4_K part of q/k/v, and gate/up Q4_K alone: int4 groups where the nibble kernel
-        # runs them, on Q4_K's own factors
+    if parts == 2:  # the Q4_K / Q5_K part of q/k/v, and gate/up alone: int4 groups where the nibble kernel
+        # runs them, on the blocks' own factors
         assert [p.int4 for p in qkv.parts] == [bool(lib.q4_int8_dot), False]
         gate_up = layer.mlp.gate_up_proj
         assert isinstance(gate_up, Int4Linear if lib.q4_int8_dot else KQuantLinear)
         if lib.q4_int8_dot:
-            assert gate_up.tiles_vw == lib.vector_width and gate_up.q4_form == cpu_kernels.Q4_KSCALES
+            fifth = cpu_kernels.Q4_FIFTH if qtypes["layers."] == "Q5_K" else 0
+            assert gate_up.tiles_vw == lib.vector_width and gate_up.q4_form == cpu_kernels.Q4_KSCALES | fifth
+            assert qkv.int4_part(qkv.parts[0]).q4_form == cpu_kernels.Q4_KSCALES | fifth
     assert fused.engine.runner.fused is not None
     eager = LLM(loaded_model=loaded, tokenizer=tiny_tokenizer(), dtype="float32", quantization="gguf",
                 kv_cache_dtype="float32", num_blocks=64, max_num_batched_tokens=16,

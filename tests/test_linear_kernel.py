@@ -465,3 +465,85 @@ def test_int4_q8_form_keeps_zeros_and_float32_where_not_exact() -> None:
     assert form == cpu_kernels.Q4_SYMMETRIC and zeros is None and scales.dtype == torch.float32
     form, _, zeros = cpu_kernels.int4_q8_form(s, torch.full_like(s, 1e6))  # zeros past fp16's range
     assert form == 0 and zeros is not None and zeros.dtype == torch.float32
+
+
+@pytest.mark.parametrize("vector_width", [8, 16])
+def test_five_bit_tiles_read_back_the_codes_exactly(vector_width: int) -> None:
+    """Five-bit codes in the nibble packing with a fifth-bit vector a block (``pack_int4_q8``'s
+    ``fifth``) read back exactly: their nibbles through ``untile_int4_q8``, their fifth bits
+    through ``fifth_bits``, for every row or a selection of rows; the nibbles are the four-bit
+    packing's, byte for byte."""
+    n, k = 3 * vector_width, 96
+    codes = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(vector_width))
+    tiles = cpu_kernels.pack_int4_q8(codes, vector_width, fifth=True)
+    assert tiles is not None and tiles.shape == (3, k // 32, 20 * vector_width)
+    four = cpu_kernels.pack_int4_q8(codes & 15, vector_width)
+    assert torch.equal(tiles[:, :, :16 * vector_width], four.reshape(3, k // 32, 16 * vector_width))
+    low = cpu_kernels.unpack_int4(cpu_kernels.untile_int4_q8(tiles, vector_width))
+    assert torch.equal(low | (cpu_kernels.fifth_bits(tiles, vector_width) << 4), codes)
+    rows = torch.tensor([0, n - 1, vector_width, 5, 5])
+    low = cpu_kernels.unpack_int4(cpu_kernels.untile_int4_q8(tiles, vector_width, rows))
+    assert torch.equal(low | (cpu_kernels.fifth_bits(tiles, vector_width, rows) << 4), codes[rows])
+    # the documented bit: byte 4r + i of block c's fifth vector, bit s (4 + s) for input 4s + i (16 + 4s + i)
+    r, c, s, i = 5, 2, 3, 1
+    byte = int(tiles[r // vector_width, c, 16 * vector_width + 4 * (r % vector_width) + i])
+    assert (byte >> s) & 1 == int(codes[r, 32 * c + 4 * s + i]) >> 4
+    assert (byte >> (4 + s)) & 1 == int(codes[r, 32 * c + 16 + 4 * s + i]) >> 4
+
+
+@pytest.mark.parametrize("isa", ["avx2", "native"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13])  # every pass size of the 4-row (AVX2) and 6-row passes
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K"])
+def test_five_bit_codes_multiply_int8_activations_exactly(isa: str, rows: int, type_name: str) -> None:
+    """GGUF's five-bit types as five-bit int4 layers (``Q4_FIFTH``: Q5_0 symmetric about 16,
+    Q5_1 with fp16 offsets, Q5_K on its own factors) multiply int8 activations in the nibble
+    kernel: against the float64 product of the same quantized activations the error is float
+    rounding only, with codes of 31 against activations all at +127 (AVX2's 16-bit pair sums
+    are widened every two steps: four would overflow) and at -127..127."""
+    import numpy as np
+
+    from gguf import GGMLQuantizationType as QT
+    from gguf.quants import quantize as gguf_quantize
+    from gguf_files import random_kquant_blocks
+    from tokenmill.model.ops import ModelOps
+    from tokenmill.model.quant import Int4Linear, int4_from_gguf
+
+    if not X86 or "avx2" not in cpu_kernels._cpu_flags():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    lib = cpu_kernels.build(cpu_kernels.ISA_FLAGS[isa])
+    if not lib.q4_int8_dot:
+        pytest.skip(f"the {isa} build here has no nibble kernel (no VNNI)")
+    n, k = 3 * lib.vector_width, 512  # 3 tiles: a pair and a lone one
+    rng = np.random.default_rng(rows)
+    if type_name == "Q5_K":
+        blocks = random_kquant_blocks("Q5_K", n, k, rng).reshape(n, 2, 176)
+        blocks[: n // 2, 0, 16:] = 0xFF  # the first super-block's codes all 31 (fifth bits and nibbles)
+    else:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        # codes of 31 after the block's first weight (Q5_0's scale comes from its largest magnitude)
+        w[: n // 2, 0], w[: n // 2, 1:32] = (0.0, 1.0) if type_name == "Q5_1" else (-1.0, 0.9375)
+        blocks = gguf_quantize(w, getattr(QT, type_name))
+    codes = int4_from_gguf(type_name, blocks.reshape(n, -1), (n, k), five_bit=True)
+    assert codes.bits == 5 and bool((codes.codes[: n // 2, 1:32] == 31).all())
+    layer = Int4Linear(codes)
+    wide = codes.dequantize().double()
+    layer.ops = ModelOps(library=lib)
+    form = layer.kernel_description().q4_form
+    assert form & cpu_kernels.Q4_FIFTH
+    assert form == {"Q5_0": cpu_kernels.Q4_FIFTH | cpu_kernels.Q4_SYMMETRIC | cpu_kernels.Q4_F16,
+                    "Q5_1": cpu_kernels.Q4_FIFTH | cpu_kernels.Q4_F16,
+                    "Q5_K": cpu_kernels.Q4_FIFTH | cpu_kernels.Q4_KSCALES}[type_name]
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 11))
+    x[0, :32] = 1.0  # every activation of the block at +127
+    if rows > 1:
+        x[1, :32] = torch.linspace(-1, 1, 32)  # its ends at -127 and +127
+    with torch.inference_mode():
+        got = layer(x).double()
+    want = _q8_blocks(x) @ wide.t()
+    err = float((got - want).norm() / want.norm())
+    assert err < 1e-5, err
+    exact = x.double() @ wide.t()
+    assert 1e-4 < float((got - exact).norm() / exact.norm()) < 5e-2
+    layer.prepare_kernels()  # moved into the tiles: the same products
+    with torch.inference_mode():
+        assert torch.equal(layer(x).double(), got)

@@ -200,7 +200,7 @@ def test_rows_read_back_for_a_tied_embedding() -> None:
     assert _rel(split(x), x @ split.dequantized_weight().t()) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "g64"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "g64", "Q5_K", "Q5_0", "Q5_1"])
 def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     """Where the kernels multiply the nibble packing by int8 activations, prepare_kernels
     moves an int4 layer's codes and factors into the tiles and drops the row-major copy:
@@ -216,12 +216,13 @@ def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     lib = cpu_kernels.load()
     n, k = 64, 512
     w = _weights(n, k, seed=9)
-    if kind == "Q4_K":
-        codes = int4_from_gguf("Q4_K", random_kquant_blocks("Q4_K", n, k, np.random.default_rng(2)), (n, k))
+    if kind in ("Q4_K", "Q5_K"):
+        codes = int4_from_gguf(kind, random_kquant_blocks(kind, n, k, np.random.default_rng(2)), (n, k))
     elif kind == "g64":
         codes = quantize_int4(w, 64)
-    else:
-        codes = int4_from_gguf(kind, gguf_quantize(w.numpy(), getattr(QT, kind)), (n, k))
+    else:  # Q5_0 / Q5_1 as five-bit codes (Q4_FIFTH)
+        codes = int4_from_gguf(kind, gguf_quantize(w.numpy(), getattr(QT, kind)), (n, k), five_bit=True)
+    assert codes.bits == (5 if kind.startswith("Q5") else 4)
     layer = Int4Linear(codes)
     table = layer.dequantized_weight()
     layer.ops = ModelOps(library=lib)
@@ -234,11 +235,14 @@ def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     assert (layer.tiles_vw is not None) == moves
     if not moves:
         return
-    assert layer.scales is None and layer.zeros is None and layer.packed.dim() == 4
+    assert layer.scales is None and layer.zeros is None and layer.fifth is None
+    assert layer.packed.dim() == (3 if codes.bits == 5 else 4)
+    assert bool(layer.q4_form & cpu_kernels.Q4_FIFTH) == (codes.bits == 5)
     held = sum(b.numel() * b.element_size() for b in layer.buffers())
     assert held <= bytes_before
     bits = 8.0 * held / (n * k)
-    assert bits <= {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.63, "Q8_0": 10.0, "g64": 5.0}[kind], bits
+    assert bits <= {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.63, "Q8_0": 10.0, "g64": 5.0, "Q5_K": 5.63, "Q5_0": 5.5,
+                    "Q5_1": 6.0}[kind], bits
     with torch.inference_mode():
         after = [layer(x[:r]) for r in (1, 5)]
     assert all(torch.equal(a, b) for a, b in zip(after, before))

@@ -207,9 +207,14 @@ def test_q5_blocks_keep_their_exact_weights() -> None:
 
 def test_gguf_serves_q5_blocks_on_the_int8_and_int4_kernels(tmp_path) -> None:
     """A file in Gemma 3 270M Q4_K_M's mixture of small-block types: q/k/gate/up Q5_0, v
-    Q8_0, o Q5_1. Q5_0 (with Q8_0 beside it) becomes int8 groups, Q5_1 two int4 planes; none
-    is left dense, and the logits stay as close to the dequantized model as the int8
-    activations allow."""
+    Q8_0, o Q5_1. Q5_0 with Q8_0 beside it becomes int8 groups; Q5_0 and Q5_1 alone become
+    five-bit int4 layers where the build has the nibble kernel (else int8 groups and two int4
+    planes); none is left dense, and the logits stay as close to the dequantized model as the
+    int8 activations allow."""
+    from tokenmill.model import cpu_kernels
+
+    lib = cpu_kernels.load()
+    five = lib is not None and bool(lib.q4_int8_dot)
     cfg = tiny_config()
     path = str(tmp_path / "q5.gguf")
     write_gguf(path, tiny_weights(cfg, seed=8), cfg, qtypes={"v_proj": "Q8_0", "o_proj": "Q5_1", "layers.": "Q5_0"})
@@ -219,9 +224,14 @@ def test_gguf_serves_q5_blocks_on_the_int8_and_int4_kernels(tmp_path) -> None:
     native = _engine(loaded, quantization="gguf")
     report = native.model.quant_report
     assert report.quantized["layers.0.self_attn.qkv_proj"] == "Q5_0+Q8_0 (int8 g32)"
-    assert report.quantized["layers.0.mlp.gate_up_proj"] == "Q5_0 (int8 g32)"
-    assert report.quantized["layers.0.mlp.down_proj"] == "Q5_0 (int8 g32)"
-    assert report.quantized["layers.0.self_attn.o_proj"] == "Q5_1 (int4 g32, split)"
+    for name in ("layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"):
+        assert report.quantized[name] == ("Q5_0 (int4 g32, five-bit)" if five else "Q5_0 (int8 g32)")
+    assert report.quantized["layers.0.self_attn.o_proj"] == ("Q5_1 (int4 g32, " + ("five-bit" if five else "split") + ")")
+    if five:
+        down = native.model.layers[0].mlp.down_proj
+        assert down.bits == 5 and down.q4_form & cpu_kernels.Q4_FIFTH and down.tiles_vw == lib.vector_width
+        assert torch.allclose(down.dequantized_weight(), dense.model.layers[0].mlp.down_proj.weight.float(),
+                              rtol=0, atol=1e-6 * float(down.dequantized_weight().abs().max()))
     assert not report.kept
     qkv = native.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, quant.Int8GroupLinear) and qkv.dynamic

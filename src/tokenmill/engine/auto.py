@@ -18,12 +18,14 @@ what the model file holds:
   pair passed the gate's figures but answered the bundled model's plainest
   question wrongly (docs/quantization.md).
 * except on such a CPU without VNNI (AVX2's 16-bit products), when the file stores its
-  decoder projections in Q4_0 / Q4_1 blocks: ``gguf``, those blocks as they are, multiplied
-  by int8 activations (a scale per 32 inputs) in 8-bit products, whose 4-bit codes let
-  eight products add up in 16 bits (9 multiplies per 256 products, where int8 weights
-  need 16 there); its Q8_0 LM head stays int8 with a scale per 32 inputs, and the KV
-  pool is bf16 as above. The weights are the file's, so it is closer to the float32
-  model than w8a8 (docs/quantization.md).
+  decoder projections in Q4_0 / Q4_1 blocks (or Q5_0 / Q5_1: a nibble and a fifth bit):
+  ``gguf``, those blocks as they are, multiplied by int8 activations (a scale per 32
+  inputs) in 8-bit products, whose 4-bit codes let eight products add up in 16 bits (9
+  multiplies per 256 products, where int8 weights need 16 there); its Q8_0 LM head stays
+  int8 with a scale per 32 inputs, and the KV pool is bf16 as above. The weights are the
+  file's, so it is closer to the float32 model than w8a8 (docs/quantization.md). With
+  VNNI, the same for such a file whose decoder is past the caches (one stream's decode
+  reads the file's 4-5 bits a weight, not int8's 8).
 * dtype: with w8a8 layers, float32 for the rest of the model (bf16 there costs
   next-token agreement); otherwise bfloat16 on CUDA and on CPUs that multiply
   bf16 natively (AVX512-BF16 or AMX), and float32 elsewhere, where bf16
@@ -100,25 +102,26 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
     kquants = sorted({entry[0] for key, entry in raw.items() if ".layers." in key and entry[0].endswith("_K")})
     if kquants and (device is None or device.type == "cpu"):
         return "gguf", (f"the file's decoder projections are {'/'.join(kquants)} blocks: kept as they are (its exact "
-                        "weights at its own size); decode rows multiply their codes by int8 activations (a scale "
-                        "per 32 inputs), prefill chunks widen them to float32")
+                        "weights at its own size), their codes multiplied by int8 activations with a scale per 32 "
+                        "inputs (in tiles of the blocks' own codes and factors where the kernels have integer dot "
+                        "products; elsewhere decode rows do so on the blocks and prefill chunks widen them)")
     if device is not None and int8_compute(name, device, options):
         from ..model.cpu_kernels import load
 
         lib = load(options)
         unit = getattr(lib, "int8_dot_unit", "") or "integer"
         if unit != "VNNI" and getattr(lib, "q8_activations", False) and _layers_in_int4_blocks(raw):
-            return "gguf", ("no VNNI here: the file's Q4 blocks, multiplied by int8 activations in 8-bit products "
-                            "(9 multiplies per 256 products, where int8 weights need 16), are this CPU's fastest "
-                            "kernel; its Q8_0 LM head kept as int8 with a scale per 32 inputs")
+            return "gguf", ("no VNNI here: the file's Q4/Q5 blocks, multiplied by int8 activations in 8-bit products "
+                            "(9 multiplies per 256 products for 4-bit codes, where int8 weights need 16), are this "
+                            "CPU's fastest kernel; its Q8_0 LM head kept as int8 with a scale per 32 inputs")
         layer_bytes = _layer_bytes(raw)
         if (unit == "VNNI" and getattr(lib, "q4_int8_dot", False) and _layers_in_int4_blocks(raw)
                 and layer_bytes >= MEMORY_BOUND_LAYER_BYTES):
             prefill = ("AMX tiles would prefill int8 weights faster, but every decoded token would read twice the "
                        "bytes" if getattr(lib, "amx", False) else "without AMX tiles int8 weights gain little in prefill")
-            return "gguf", (f"the decoder's {layer_bytes / 2**20:.0f} MiB of Q4 blocks are far past the caches, so "
-                            "one stream's decode is bound by the bytes a token reads: kept at 4 bits (int8 would "
-                            f"read twice as many, and requantize the file's weights), multiplied by int8 activations "
+            return "gguf", (f"the decoder's {layer_bytes / 2**20:.0f} MiB of Q4/Q5 blocks are far past the caches, "
+                            "so one stream's decode is bound by the bytes a token reads: kept at 4-5 bits (int8 would "
+                            f"read more, and requantize the file's weights), multiplied by int8 activations "
                             f"with VNNI; {prefill}")
         return "w8a8", (f"int8 x int8 {unit} products are this CPU's fastest kernel for batches and as fast as any "
                         "for one stream; weights requantized to int8 per output channel, LM head int8 with a scale "
@@ -140,10 +143,11 @@ def _layer_bytes(raw: dict[str, Any]) -> int:
 
 
 def _layers_in_int4_blocks(raw: dict[str, Any]) -> bool:
-    """Whether every decoder projection the file stores quantized is in Q4_0 / Q4_1 blocks
-    (the nibble kernel's; Q8_0 layers there would take two passes of it)."""
+    """Whether every decoder projection the file stores quantized is in Q4_0 / Q4_1 / Q5_0 /
+    Q5_1 blocks (the nibble kernel's, the Q5 ones with their fifth bits beside the nibbles;
+    Q8_0 layers there would take two passes of it)."""
     kinds = [entry[0] for key, entry in raw.items() if ".layers." in key]
-    return bool(kinds) and all(kind in ("Q4_0", "Q4_1") for kind in kinds)
+    return bool(kinds) and all(kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1") for kind in kinds)
 
 
 def resolve_kv_cache_dtype(name: str | None, quantization: str, compute: torch.dtype,

@@ -174,8 +174,9 @@ def _linear(mod: nn.Module, keep: list[torch.Tensor], name: str, lib: cpu_kernel
     if isinstance(mod, Int4Linear):
         if not mod.unpack_ok or mod.group_size % 32:
             raise Unsupported(f"{name}: int4 in tinygemm's packing, which the kernel cannot read")
-        if mod.tiles_vw is not None and not mod._tiles_fit(lib):
-            raise Unsupported(f"{name}: int4 tiles of another vector width than these kernels'")
+        if not mod.kernel_takes(lib):
+            raise Unsupported(f"{name}: int4 tiles of another vector width than these kernels', or five-bit codes "
+                              "without the nibble kernel")
         d = mod.kernel_description()  # the layer's own buffers, no copy
         ctypes.pointer(s)[0] = d
         s.bias = _f32(bias, keep) if bias is not None else None

@@ -633,7 +633,7 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 # --------------------------------------------------------------------------- one projection
 
 W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = 0, 1, 2, 3, 4, 5  # TmLinear.kind (W_KQ: csrc/kquant.c)
-Q4_SYMMETRIC, Q4_F16, Q4_KSCALES = 1, 2, 4  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
+Q4_SYMMETRIC, Q4_F16, Q4_KSCALES, Q4_FIFTH = 1, 2, 4, 8  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
 
 
 class TmLinear(ctypes.Structure):
@@ -669,18 +669,44 @@ def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
     return q.reshape(n // vector_width, vector_width, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
-def pack_int4_q8(codes: torch.Tensor, vector_width: int) -> torch.Tensor | None:
+def pack_int4_q8(codes: torch.Tensor, vector_width: int, fifth: bool = False) -> torch.Tensor | None:
     """uint8 int4 codes [N, K'] -> the nibble packing AVX2 and AVX-512 VNNI builds multiply
     against int8 activations (decode_step.c's int4_q8_rows), [N / VW, K' / 32, 4, 4 VW]
     bytes: per output tile and 32-input block, four steps of VW rows x 4 inputs, byte
     4r + i of step s holding input 4s + i of row r (low nibble) and input 16 + 4s + i
-    (high nibble). None when N or K' does not divide."""
+    (high nibble). None when N or K' does not divide.
+
+    ``fifth``: five-bit codes (0..31, the ``Q4_FIFTH`` form), [N / VW, K' / 32, 20 VW]: each
+    block's four steps of low nibbles, then one 4 VW-byte vector of the fifth bits, byte 4r + i
+    holding in bit s the fifth bit of step s's low-nibble input and in bit 4 + s its
+    high-nibble input's."""
     n, kp = codes.shape
-    if n % vector_width or kp % 32:
+    vw = vector_width
+    if n % vw or kp % 32:
         return None
-    c = codes.to(torch.uint8).reshape(n // vector_width, vector_width, kp // 32, 2, 4, 4)
-    both = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [tiles, row, block, step, input]
-    return both.permute(0, 2, 3, 1, 4).reshape(n // vector_width, kp // 32, 4, vector_width * 4).contiguous()
+    c = codes.to(torch.uint8).reshape(n // vw, vw, kp // 32, 2, 4, 4)  # [tile, row, block, half, step, input]
+    low = c & 15
+    both = low[:, :, :, 0] | (low[:, :, :, 1] << 4)  # [tiles, row, block, step, input]
+    nibbles = both.permute(0, 2, 3, 1, 4).reshape(n // vw, kp // 32, 4, vw * 4).contiguous()
+    if not fifth:
+        return nibbles
+    bits = (c >> 4) << torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1)  # bit 4 half + step...
+    bits = bits << torch.arange(4, dtype=torch.uint8).view(4, 1)  # ... + step
+    plane = bits.sum(dim=(3, 4), dtype=torch.uint8)  # [tile, row, block, input]: distinct bits, so the sum is their OR
+    plane = plane.permute(0, 2, 1, 3).reshape(n // vw, kp // 32, 4 * vw)
+    return torch.cat([nibbles.reshape(n // vw, kp // 32, 16 * vw), plane], dim=2).contiguous()
+
+
+def fifth_bits(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Five-bit tiles (``pack_int4_q8(..., fifth=True)``) -> their fifth bits in input order,
+    uint8 [N, K'] of 0 / 1, or those of the rows ``rows`` picks."""
+    vw = vector_width
+    t, c = packed.shape[:2]
+    plane = packed[:, :, 16 * vw:].reshape(t, c, vw, 4)  # [tile, block, row, input]
+    plane = plane.permute(0, 2, 1, 3).reshape(t * vw, c, 4) if rows is None else plane[rows // vw, :, rows % vw]
+    shifts = (torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1) + torch.arange(4, dtype=torch.uint8).view(4, 1))
+    bits = (plane[:, :, None, None, :] >> shifts) & 1  # [row, block, half, step, input]
+    return bits.reshape(plane.shape[0], c * 32)
 
 
 def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
@@ -738,6 +764,8 @@ def untile_int4_q8(packed: torch.Tensor, vector_width: int, rows: torch.Tensor |
     row's bytes are the same in both, in the same order within it. ``rows``: only those rows
     (row r lives in tile r // VW at lane r % VW)."""
     t, c = packed.shape[:2]
+    if packed.dim() == 3 and packed.shape[2] == 20 * vector_width:  # five-bit tiles: their nibbles
+        packed = packed[:, :, :16 * vector_width]
     steps = packed.reshape(t, c, 4, vector_width, 4)  # [tile, block, step, row, input]
     if rows is not None:
         return steps[rows // vector_width, :, :, rows % vector_width].reshape(rows.shape[0], c * 16)
@@ -768,20 +796,25 @@ def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor, vector_width: int
     return q, sc.reshape(n, s * 16).contiguous(), d.reshape(n, s).contiguous()
 
 
-def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor,
+                 bits: int = 4) -> tuple[int, torch.Tensor, torch.Tensor | None]:
     """An int4 layer's nibble-packing scales and kernel zeros (``z - 8 s``, [N, G] each) -> its
     ``q4_form`` and the per-row arrays to tile (:func:`tile_major`): no zeros when every zero is
     ``-8 s`` (``Q4_SYMMETRIC``: GGUF Q4_0, where the kernel takes the -8 on the activations'
     code sums), and fp16 when that holds every value exactly (``Q4_F16``: Q4_0's own ``d``), so
-    a decode step reads the file's 4.5 bits a weight rather than 6."""
-    form, kept = 0, [scales.float()]
-    if bool(torch.equal(zeros.float(), -8.0 * scales.float())):
-        form |= Q4_SYMMETRIC
-    else:
+    a decode step reads the file's 4.5 bits a weight rather than 6. Five-bit codes (``bits`` 5:
+    ``Q4_FIFTH``) are symmetric about 16 (GGUF Q5_0), and only in fp16 (the kernel's cases)."""
+    form, kept = (Q4_FIFTH if bits == 5 else 0), [scales.float()]
+    symmetric = bool(torch.equal(zeros.float(), -(2.0 ** (bits - 1)) * scales.float()))
+    if not symmetric:
         kept.append(zeros.float())
     if all(bool(torch.equal(t.half().float(), t)) for t in kept):
-        form |= Q4_F16
+        form |= Q4_F16 | (Q4_SYMMETRIC if symmetric else 0)
         kept = [t.half() for t in kept]
+    elif symmetric and bits == 5:  # no float32 symmetric five-bit case: zeros kept
+        kept.append(zeros.float())
+    elif symmetric:
+        form |= Q4_SYMMETRIC
     return form, kept[0], kept[1] if len(kept) > 1 else None
 
 

@@ -65,13 +65,14 @@ def _q45_fields(type_name: str, b: np.ndarray) -> tuple[np.ndarray, ...]:
     return q, d, dmin, sc, mn
 
 
-def q4k_fields(blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """Q4_K rows (``shape`` [rows, k]) as the int4 kernels take them (``quant.int4_from_gguf``):
-    codes in input order (uint8 [rows, k], 0..15), d and dmin (float16 [rows, k / 256]) and
-    the 32-weight sub-blocks' sc and m (uint8 [rows, k / 32]); w = d sc q - dmin m."""
+def q45k_fields(type_name: str, blocks: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """Q4_K or Q5_K rows (``shape`` [rows, k]) as the int4 kernels take them
+    (``quant.int4_from_gguf``): codes in input order (uint8 [rows, k], 0..15 or 0..31), d and
+    dmin (float16 [rows, k / 256]) and the 32-weight sub-blocks' sc and m (uint8 [rows, k /
+    32]); w = d sc q - dmin m."""
     rows, k = shape
-    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, KQUANT_TYPES["Q4_K"][1])
-    q, d, dmin, sc, mn = _q45_fields("Q4_K", b)
+    b = np.ascontiguousarray(np.asarray(blocks)).view(np.uint8).reshape(-1, KQUANT_TYPES[type_name][1])
+    q, d, dmin, sc, mn = _q45_fields(type_name, b)
     per_row = k // SUPER_BLOCK
     return (q.reshape(rows, k), d.astype(np.float16).reshape(rows, per_row),
             dmin.astype(np.float16).reshape(rows, per_row), sc.reshape(rows, k // 32), mn.reshape(rows, k // 32))
@@ -148,13 +149,13 @@ class KQuantPart:
 class KQuantLinear(_QuantLinear):
     """A projection whose weights stay in GGUF K-quant blocks (see the module docstring).
 
-    ``q4k_layer``: where given, what a Q4_K part of a projection stored in several types
-    (Q4_K_M's q/k beside a Q6_K v) becomes, from its blocks and shape: ``quant.py`` gives its
-    int4 layer, Q4_K's sub-blocks its groups, as a projection stored in Q4_K alone becomes
-    (``quant._block_layer_kind``), where the nibble kernel runs."""
+    ``int4_layer``: where given, what a Q4_K or Q5_K part of a projection stored in several
+    types (Q4_K_M's q/k beside a Q6_K v) becomes, from its type, blocks and shape: ``quant.py``
+    gives its int4 layer, the sub-blocks its groups, as a projection stored in Q4_K / Q5_K
+    alone becomes (``quant._block_layer_kind``), where the nibble kernel runs."""
 
     def __init__(self, parts: list[tuple[str, Any, tuple[int, ...]]], bias: torch.Tensor | None = None,
-                 q4k_layer: Callable[[np.ndarray, tuple[int, int]], nn.Module] | None = None) -> None:
+                 int4_layer: Callable[[str, np.ndarray, tuple[int, int]], nn.Module] | None = None) -> None:
         k = parts[0][2][1]
         if k % SUPER_BLOCK or any(shape[1] != k for _, _, shape in parts):
             raise ValueError(f"K-quant rows must be whole {SUPER_BLOCK}-weight super-blocks of one width")
@@ -172,8 +173,8 @@ class KQuantLinear(_QuantLinear):
         self.parts: list[KQuantPart] = []
         for i, (type_name, stacked) in enumerate(runs):
             data = np.concatenate(stacked) if len(stacked) > 1 else stacked[0]
-            if type_name == "Q4_K" and q4k_layer is not None:
-                setattr(self, f"int4_{i}", q4k_layer(data, (data.shape[0], k)))
+            if type_name in ("Q4_K", "Q5_K") and int4_layer is not None:
+                setattr(self, f"int4_{i}", int4_layer(type_name, data, (data.shape[0], k)))
                 self.register_buffer(f"blocks{i}", None)
                 self.parts.append(KQuantPart(type_name, data.shape[0], i, int4=True))
                 continue
@@ -190,7 +191,7 @@ class KQuantLinear(_QuantLinear):
         if held is not None:
             return held
         if part.int4:
-            raise ValueError(f"part {part.index} of this layer is an int4 layer; its Q4_K blocks are not kept")
+            raise ValueError(f"part {part.index} of this layer is an int4 layer; its {part.type_name} blocks are not kept")
         from .cpu_kernels import unpack_q6_tiles
 
         q, sc, d = unpack_q6_tiles(*self._tiles(part), self.q6_vw)  # type: ignore[arg-type]

@@ -135,9 +135,11 @@ class Int4Codes:
 
     ``repeat == 2`` is the Q8_0 split: the K columns are ``[hi | lo]`` halves
     of an input that the layer feeds twice; the logical weight is their sum.
+    ``bits == 5``: five-bit codes (0..31, GGUF Q5_0 / Q5_1 / Q5_K), which the nibble kernel
+    reads as a nibble and a fifth bit (``cpu_kernels.Q4_FIFTH``); repeat 1 only.
     """
 
-    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    codes: torch.Tensor  # uint8 [N, K], values 0..15 (0..31 with bits 5)
     scales: torch.Tensor  # float32 [N, K // group]
     zeros: torch.Tensor  # float32 [N, K // group]
     group_size: int
@@ -146,6 +148,7 @@ class Int4Codes:
     # (float16 [N, K // 256] each), per group sc and m (uint8 [N, K // 32] each), scales = d sc
     # and zeros - 8 scales = -dmin m: the nibble kernel reads these, 4.6 bits a weight in all.
     kscales: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
@@ -158,6 +161,8 @@ class Int4Codes:
         """The repeat-2 form: a zero high half in front of these codes."""
         if self.repeat == 2:
             return self
+        if self.bits != 4:
+            raise ValueError("five-bit codes have no split form beside a repeat-2 part")
         hi = torch.full_like(self.codes, 8)
         return Int4Codes(torch.cat([hi, self.codes], 1), torch.cat([torch.ones_like(self.scales), self.scales], 1),
                          torch.cat([torch.zeros_like(self.zeros), self.zeros], 1), self.group_size, 2)
@@ -174,7 +179,7 @@ class Int4Codes:
             kscales = tuple(torch.cat([p.kscales[i] for p in parts]) for i in range(4))  # type: ignore[index]
         return Int4Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
                          torch.cat([p.zeros for p in parts]), parts[0].group_size, parts[0].repeat,
-                         kscales)  # type: ignore[arg-type]
+                         kscales, max(p.bits for p in parts))  # type: ignore[arg-type]  # four-bit codes are five-bit ones
 
 
 def check_int4_group(name: str, in_features: int, group_size: int) -> None:
@@ -242,12 +247,16 @@ def int8g_from_q5_0(blocks: Any, shape: tuple[int, ...]) -> tuple[torch.Tensor, 
     return (codes.to(torch.int16) - 16).to(torch.int8), d
 
 
-def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4Codes:
-    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K rows ``[rows, bytes_per_row]`` -> int4
-    codes, group 32 (5- and 8-bit codes as two nibble planes fed the same input, ``repeat`` 2;
-    Q4_K's 32-weight sub-blocks each with its own scale and offset). The
-    convention: w = sum over planes of (code - 8) * scale + zero."""
+def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...], five_bit: bool = False) -> Int4Codes:
+    """Raw GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K rows ``[rows, bytes_per_row]`` ->
+    int4 codes, group 32 (5- and 8-bit codes as two nibble planes fed the same input, ``repeat``
+    2, or with ``five_bit`` five-bit codes as they are, ``bits`` 5; Q4_K's and Q5_K's 32-weight
+    sub-blocks each with its own scale and offset, Q5_K always five-bit). The convention: w =
+    sum over planes of (code - 8) * scale + zero."""
     rows, k = shape
+    if type_name in ("Q5_0", "Q5_1") and five_bit:  # w = d (q - 16), or d q + m
+        q, d, m = q5_from_gguf(type_name, blocks, shape)
+        return Int4Codes(q, d, -8.0 * d if m is None else m + 8.0 * d, 32, bits=5)
     if type_name in ("Q5_0", "Q5_1"):  # q = 16 hi + lo, hi in {0, 1}
         q, d, m = q5_from_gguf(type_name, blocks, shape)
         hi, lo = q >> 4, q & 15
@@ -263,13 +272,13 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(rows, k)  # low nibbles first
         zero = torch.zeros_like(d) if type_name == "Q4_0" else _f16(b, 2) + 8.0 * d
         return Int4Codes(codes, d, zero, 32)
-    if type_name == "Q4_K":  # w = s q + o per 32 weights, s = d sc and o = -dmin m (exact in float32)
-        from .kquant import q4k_fields
+    if type_name in ("Q4_K", "Q5_K"):  # w = s q + o per 32 weights, s = d sc and o = -dmin m (exact in float32)
+        from .kquant import q45k_fields
 
-        q, d, dmin, sc, m = (torch.from_numpy(a) for a in q4k_fields(blocks, shape))
+        q, d, dmin, sc, m = (torch.from_numpy(a) for a in q45k_fields(type_name, blocks, shape))
         s = d.float().repeat_interleave(8, 1) * sc.float()
         o = -(dmin.float().repeat_interleave(8, 1) * m.float())
-        return Int4Codes(q, s, o + 8.0 * s, 32, kscales=(d, dmin, sc, m))
+        return Int4Codes(q, s, o + 8.0 * s, 32, kscales=(d, dmin, sc, m), bits=5 if type_name == "Q5_K" else 4)
     if type_name == "Q8_0":
         codes, d = int8g_from_gguf(blocks, shape)
         q = codes.view(rows, k // 32, 32).to(torch.int16)
@@ -277,7 +286,7 @@ def int4_from_gguf(type_name: str, blocks: Any, shape: tuple[int, ...]) -> Int4C
         lo = (q & 15).to(torch.uint8).reshape(rows, k)
         return Int4Codes(torch.cat([hi, lo], 1), torch.cat([16.0 * d, d], 1),
                          torch.cat([torch.zeros_like(d), 8.0 * d], 1), 32, 2)
-    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K do)")
+    raise ValueError(f"GGUF type {type_name} has no native kernel (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K do)")
 
 
 # --------------------------------------------------------------------------- layers
@@ -553,6 +562,20 @@ class Int8GroupLinear(_VnniCodes, _QuantLinear):
         return F.linear(x.float(), self.dequantized_weight()).to(x.dtype)
 
 
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 0 / 1 [N, K] (K % 8 == 0) -> [N, K / 8] bytes, bit j of byte i holding column 8 i + j."""
+    n, k = bits.shape
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (bits.reshape(n, k // 8, 8).to(torch.uint8) * weights).sum(2, dtype=torch.uint8).contiguous()
+
+
+def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack_bits`."""
+    n, kb = packed.shape
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, :, None] >> shifts) & 1).reshape(n, kb * 8)
+
+
 class Int4Linear(_QuantLinear):
     """int4 weights with group-wise (scale, zero): ``w = (code - 8) * s + z``.
 
@@ -564,12 +587,18 @@ class Int4Linear(_QuantLinear):
     kernel multiplies int8 activations at every row count, from a second, tile-major copy
     of the codes (``kernel_description``); "tinygemm" on CUDA, torch's
     packed int4 kernel where it agrees with the dequantized weight.
+
+    Five-bit codes (``Int4Codes.bits`` 5: GGUF Q5_0, Q5_1, Q5_K) keep their fifth bits beside
+    the nibbles (``fifth``, a bit a weight) and run on the C kernels only where those multiply
+    the nibble packing by int8 activations (``kernel_takes``); elsewhere they are unpacked.
     """
 
     def __init__(self, codes: Int4Codes, bias: torch.Tensor | None = None) -> None:
         n, kp = codes.codes.shape
         super().__init__(kp // codes.repeat, n, bias)
-        self.group_size, self.repeat = codes.group_size, codes.repeat
+        self.group_size, self.repeat, self.bits = codes.group_size, codes.repeat, codes.bits
+        if self.bits == 5 and (self.repeat != 1 or self.group_size != 32):
+            raise ValueError("five-bit int4 codes take repeat 1 and groups of 32")
         dev = codes.codes.device
         self.register_buffer("scales", codes.scales.float().contiguous())  # [N, K' // group]
         self.register_buffer("zeros", codes.zeros.float().contiguous())
@@ -577,7 +606,7 @@ class Int4Linear(_QuantLinear):
         for name, t in zip(("k_d", "k_dmin", "k_sc", "k_m"), ks or (None,) * 4):
             self.register_buffer(name, None if t is None else t.contiguous())  # Q4_K's factors (Int4Codes.kscales)
         self.layout = "nibbles"
-        if dev.type == "cuda":
+        if dev.type == "cuda" and self.bits == 4:
             packed = self._tinygemm_pack(codes.codes)
             if packed is not None:
                 sz = torch.stack([codes.scales.t(), codes.zeros.t()], -1).to(torch.bfloat16).contiguous()
@@ -591,7 +620,9 @@ class Int4Linear(_QuantLinear):
         if self.unpack_ok:
             from .cpu_kernels import pack_int4
 
-            self.register_buffer("packed", pack_int4(codes.codes))
+            self.register_buffer("packed", pack_int4(codes.codes & 15))
+        # five-bit codes' fifth bits, eight weights a byte in input order (bit j: weight 8 i + j)
+        self.register_buffer("fifth", _pack_bits(codes.codes >> 4) if self.bits == 5 else None)
         self._desc: Any = None  # the C kernel's description of this layer, made on first use
         # Set once prepare_kernels has moved the codes into the kernel's tiles (their vector
         # width): ``packed`` then holds cpu_kernels.pack_int4_q8's layout, ``tile_scales`` and
@@ -636,6 +667,9 @@ class Int4Linear(_QuantLinear):
                 raise RuntimeError(f"this int4 layer's codes are in tiles of {self.tiles_vw} rows; the bound kernels "
                                    "take another width or none")
             return self._desc[0]
+        if not self.kernel_takes(library):
+            raise RuntimeError("this int4 layer's five-bit codes need the kernels that multiply the nibble packing "
+                               "by int8 activations (AVX2, AVX-512 VNNI), in whole tiles")
         many_rows = library is not None and library.q4_int8_dot
         # Made again only when the bound library first wants the nibble copy; a layer whose shape
         # does not pack is not retried on every call.
@@ -649,13 +683,13 @@ class Int4Linear(_QuantLinear):
             keep: tuple[torch.Tensor, ...] = (zero,)  # the derived buffers live as long as the description
             if many_rows:  # AVX2, AVX-512 VNNI: int8 activations at every row count, in the nibble packing
                 vw = library.vector_width
-                packed = cpu_kernels.pack_int4_q8(self._codes(), vw)
+                packed = cpu_kernels.pack_int4_q8(self._codes(), vw, fifth=self.bits == 5)
                 if packed is not None:
-                    if self.k_d is not None:  # Q4_K's own factors: 4.6 bits a weight
-                        form, zeros = cpu_kernels.Q4_KSCALES, None
+                    if self.k_d is not None:  # Q4_K's / Q5_K's own factors: 4.6 / 5.6 bits a weight
+                        form, zeros = cpu_kernels.Q4_KSCALES | (cpu_kernels.Q4_FIFTH if self.bits == 5 else 0), None
                         scales = cpu_kernels.pack_kscales(self.k_d, self.k_dmin, self.k_sc, self.k_m, vw)
                     else:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
-                        form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero)
+                        form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero, self.bits)
                         scales = cpu_kernels.tile_major(scales, vw)
                         zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
                     d.packed, d.packed_scale, d.q4_form = packed.data_ptr(), scales.data_ptr(), form
@@ -683,7 +717,7 @@ class Int4Linear(_QuantLinear):
         self.packed = tiles
         self.register_buffer("tile_scales", scales)
         self.register_buffer("tile_zeros", zeros)
-        for name in ("scales", "zeros", "k_d", "k_dmin", "k_sc", "k_m"):
+        for name in ("scales", "zeros", "k_d", "k_dmin", "k_sc", "k_m", "fifth"):
             setattr(self, name, None)
         self.tiles_vw, self.q4_form = library.vector_width, int(d.q4_form)
         d.w, d.scale, d.zero = None, None, None  # int4_q8_rows reads only the tiles
@@ -693,15 +727,26 @@ class Int4Linear(_QuantLinear):
         """Whether ``library`` runs this layer's tiles (its nibble kernel, at their width)."""
         return library is not None and bool(library.q4_int8_dot) and library.vector_width == self.tiles_vw
 
+    def kernel_takes(self, library: Any) -> bool:
+        """Whether ``library``'s kernels can run this layer (``kernel_description``): its tiles'
+        width where it has moved into them; five-bit codes only through the nibble kernel (the
+        others read four bits a weight), in whole tiles; without a library, the description of the
+        row-major codes every build reads."""
+        if self.tiles_vw is not None:
+            return self._tiles_fit(library)
+        if self.bits == 5:
+            return library is not None and bool(library.q4_int8_dot) and self.out_features % library.vector_width == 0
+        return True
+
     def _kernel_rows(self, rows: int) -> bool:
         """Whether the C kernel multiplies ``rows`` activation rows (else: unpack + dense matmul):
         up to the policy's limit, and at any count where the build multiplies int4 codes by
         int8 activations in the nibble packing (AVX2, AVX-512 VNNI)."""
         lib = self.ops.library
-        if lib is None:
+        if lib is None or not self.kernel_takes(lib):
             return False
-        if self.tiles_vw is not None:
-            return self._tiles_fit(lib)
+        if self.tiles_vw is not None or self.bits == 5:
+            return True
         return rows <= POLICY.int4_kernel_max_rows or bool(lib.q4_int8_dot and self.kernel_description().packed)
 
     def _row_major_bytes(self, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -714,13 +759,21 @@ class Int4Linear(_QuantLinear):
 
         return untile_int4_q8(self.packed, self.tiles_vw, ids)
 
-    def _codes(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 codes [N, K'] back out of the packed buffer (into ``out`` when given)."""
-        from .cpu_kernels import unpack_int4
+    def _codes(self, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 codes [N, K'] (or the rows ``rows`` picks) back out of the packed buffers (into
+        ``out`` when given), five-bit ones with their fifth bits."""
+        from .cpu_kernels import fifth_bits, unpack_int4
 
         if not self.unpack_ok:
             raise RuntimeError("tinygemm's int4 packing cannot be read back")
-        return unpack_int4(self._row_major_bytes(), out)
+        codes = unpack_int4(self._row_major_bytes(rows), out)
+        if self.bits == 5:
+            if self.tiles_vw is not None:
+                high = fifth_bits(self.packed, self.tiles_vw, rows)
+            else:
+                high = _unpack_bits(self.fifth if rows is None else self.fifth[rows])
+            codes |= high << 4
+        return codes
 
     def _factors(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 (scales, zeros) [N, G] of ``w = (code - 8) s + z``, or the rows ``rows``
@@ -750,7 +803,8 @@ class Int4Linear(_QuantLinear):
             o = -per_row((dmin[:, :, None] * m).reshape(t, sb * 8, vw))
             return s, o + 8.0 * s  # as int4_from_gguf computes them
         s = per_row(self.tile_scales).float()
-        kernel_zero = -8.0 * s if self.q4_form & Q4_SYMMETRIC else per_row(self.tile_zeros).float()
+        offset = 16.0 if self.bits == 5 else 8.0  # Q4_SYMMETRIC's codes - offset
+        kernel_zero = -offset * s if self.q4_form & Q4_SYMMETRIC else per_row(self.tile_zeros).float()
         return s, kernel_zero + 8.0 * s
 
     def _dequant(self, codes: torch.Tensor, rows: torch.Tensor | None = None,
@@ -798,9 +852,7 @@ class Int4Linear(_QuantLinear):
         """Dequantized rows for an embedding lookup; None when the packing is opaque."""
         if not self.unpack_ok:
             return None
-        from .cpu_kernels import unpack_int4
-
-        return self._dequant(unpack_int4(self._row_major_bytes(ids)), ids)
+        return self._dequant(self._codes(rows=ids), ids)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -874,27 +926,31 @@ def _targets(model: nn.Module, with_head: bool) -> list[tuple[str, nn.Linear, tu
 
 def _block_layer_kind(kinds: set[str], device: torch.device, nibble_kernel: bool) -> str | None:
     """What ``gguf`` rebuilds a layer stored in ``kinds`` blocks as: "kquant" (the blocks as
-    they are), "int8 groups" (Q5_0, with Q8_0 beside it), "int4" (Q4_0/Q4_1/Q5_1/Q8_0 as
-    nibble planes, and Q4_K alone where the C kernels multiply the nibble packing by int8
-    activations: ``nibble_kernel``); None where it stays a dense layer (K-quants mixed with
-    other types, or K-quants off the CPU).
+    they are), "int8 groups" (Q5_0 with Q8_0 beside it, and Q5_0 alone without the nibble
+    kernel), "int4" (Q4_0/Q4_1/Q5_1/Q8_0 as nibble planes, and Q4_K/Q5_K where the C kernels
+    multiply the nibble packing by int8 activations: ``nibble_kernel``), "int4 five-bit"
+    (Q5_0/Q5_1, alone or beside Q4_0/Q4_1, there: a nibble and a fifth bit a weight, 5.5 or 6
+    bits read where int8 groups read 8.5 and nibble planes 9); None where it stays a dense
+    layer (K-quants mixed with other types, or K-quants off the CPU).
 
-    Q4_K as int4 layers: its 32-weight sub-blocks are the int4 kernels' groups (Q4_K's own
-    factors kept, ``Int4Codes.kscales``: 4.6 bits a weight read where the blocks hold 4.5),
-    which run prefill on int8 products and decode one tile's rows at a time; the blocks as
-    they are (kquant.c) widen tiles for prefill and reduce each row across its lanes in
-    decode (docs/performance.md, "K-quant files at real sizes"). Q5_K would need two nibble
-    planes with float32 factors (12 bits a weight against its 5.5) and Q6_K has a scale per
-    16 weights, no such group: both keep their blocks."""
+    Q4_K and Q5_K as int4 layers: their 32-weight sub-blocks are the int4 kernels' groups
+    (their own factors kept, ``Int4Codes.kscales``: 4.6 / 5.6 bits a weight read where the
+    blocks hold 4.5 / 5.5), which run prefill on int8 products and decode one tile's rows at a
+    time; the blocks as they are (kquant.c) widen tiles for prefill and reduce each row
+    across its lanes in decode (docs/performance.md, "K-quant files at real sizes"). Q6_K has
+    a scale per 16 weights, no such group: it keeps its blocks (and its own tiles)."""
     from .kquant import KQUANT_TYPES
 
-    if kinds == {"Q4_K"} and nibble_kernel and device.type == "cpu":
+    on_cpu = device.type == "cpu"
+    if kinds <= {"Q4_K", "Q5_K"} and nibble_kernel and on_cpu:
         return "int4"
     if kinds <= set(KQUANT_TYPES):
-        return "kquant" if device.type == "cpu" else None
+        return "kquant" if on_cpu else None
     if kinds & set(KQUANT_TYPES):
         return None
-    if "Q5_0" in kinds and kinds <= {"Q5_0", "Q8_0"} and device.type == "cpu":
+    if kinds & {"Q5_0", "Q5_1"} and kinds <= {"Q4_0", "Q4_1", "Q5_0", "Q5_1"} and nibble_kernel and on_cpu:
+        return "int4 five-bit"
+    if "Q5_0" in kinds and kinds <= {"Q5_0", "Q8_0"} and on_cpu:
         return "int8 groups"
     return "int4"
 
@@ -929,10 +985,10 @@ def block_backed_layers(model: nn.Module, loaded: Any, config: Any,
     return out
 
 
-def _q4k_int4_layer(blocks: Any, shape: tuple[int, int]) -> Int4Linear:
-    """The int4 layer a Q4_K part of a K-quant projection becomes (``KQuantLinear``'s
-    ``q4k_layer``)."""
-    return Int4Linear(int4_from_gguf("Q4_K", blocks, shape))
+def _kscales_int4_layer(type_name: str, blocks: Any, shape: tuple[int, int]) -> Int4Linear:
+    """The int4 layer a Q4_K or Q5_K part of a K-quant projection becomes (``KQuantLinear``'s
+    ``int4_layer``)."""
+    return Int4Linear(int4_from_gguf(type_name, blocks, shape))
 
 
 def _head_keeps_blocks(head_type: str, config: Any, in_features: int) -> bool:
@@ -1059,7 +1115,7 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | N
                 from .kquant import KQuantLinear
 
                 new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias,
-                                   q4k_layer=_q4k_int4_layer if nibble_kernel else None)
+                                   int4_layer=_kscales_int4_layer if nibble_kernel else None)
                 fmt = f"{new.formats} blocks"
             elif rebuilt_as == "int8 groups":
                 # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
@@ -1070,13 +1126,15 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | N
                                       torch.cat([d for _, d in groups]).to(dev), bias, dynamic=True)
                 fmt = "+".join(sorted(kinds)) + " (int8 g32)"
             else:
-                parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources]
+                five_bit = rebuilt_as == "int4 five-bit"
+                parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2]), five_bit) for s in sources]
                 codes = Int4Codes.cat_rows(parts)
                 codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat,
-                                  None if codes.kscales is None else tuple(t.to(dev) for t in codes.kscales))
+                                  None if codes.kscales is None else tuple(t.to(dev) for t in codes.kscales),
+                                  codes.bits)
                 new = Int4Linear(codes, bias)
                 fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
-                    ", split" if codes.repeat == 2 else "") + ")"
+                    ", split" if codes.repeat == 2 else ", five-bit" if codes.bits == 5 else "") + ")"
         if ops is not None and dev.type == "cpu":
             bind_ops(new, ops)  # an int4 part inside a K-quant projection too
         parent_name, _, attr = name.rpartition(".")

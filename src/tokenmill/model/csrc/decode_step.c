@@ -78,7 +78,8 @@ typedef struct {
                                 n % VW == 0 and k % 4 == 0 */
     int32_t a16_rows;        /* int8, int8g with packed: from this many rows (below a8_rows), 16-bit activations
                                 as two u8 planes (0: never); w may be NULL when this is 1 */
-    int32_t q4_form;         /* int4 with packed: Q4_SYMMETRIC | Q4_F16 bits (int4_q8_block), fixed at packing */
+    int32_t q4_form;         /* int4 with packed: Q4_SYMMETRIC | Q4_F16 | Q4_KSCALES | Q4_FIFTH bits (int4_q8_block),
+                                fixed at packing */
     const void *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales */
     const void *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows); NULL with Q4_SYMMETRIC */
 } TmLinear;
@@ -120,8 +121,13 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
  * Q4_F16, the packed scales (and zeros) are fp16, exact where the packing chose it;
  * Q4_KSCALES, GGUF Q4_K's own factors (w = d sc q - dmin m, groups of 32): packed_scale holds,
  * per tile and 256-weight super-block, d and dmin (VW fp16 each) and the 8 groups' 6-bit sc
- * and m (VW bytes each), no packed_zero (cpu_kernels.pack_kscales). */
-enum { Q4_SYMMETRIC = 1, Q4_F16 = 2, Q4_KSCALES = 4 };
+ * and m (VW bytes each), no packed_zero (cpu_kernels.pack_kscales);
+ * Q4_FIFTH, five-bit codes (GGUF Q5_0, Q5_1, Q5_K: 0..31): each tile's 32-input block holds,
+ * after its four steps of low nibbles, one 4 VW-byte vector of the fifth bits (byte 4r + i: bit
+ * s for step s's input i of row r in the low nibble, bit 4 + s for the high nibble's), 5.5 bits
+ * a weight where two nibble planes would read 8; Q4_SYMMETRIC then means w = d (q - 16)
+ * (cpu_kernels.pack_int4_q8). */
+enum { Q4_SYMMETRIC = 1, Q4_F16 = 2, Q4_KSCALES = 4, Q4_FIFTH = 8 };
 
 /* One LoRA adapter's update of one fused projection, y += (x A^T) bt: A [r, k], bt B transposed
  * and scaled, [r, n], stored in panels of LORA_PANEL columns (see lora_panel). B is
@@ -901,6 +907,9 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 #endif
 #define Q4K_BYTES (20 * VW) /* Q4_KSCALES bytes per tile and super-block */
+/* code bytes per tile and 32-input block: four steps of nibbles, and with Q4_FIFTH the fifth bits */
+#define Q4_CODE_BYTES(FORM) ((FORM) & Q4_FIFTH ? 20 * VW : 16 * VW)
+#define Q4_CODE_OFFSET(FORM) ((FORM) & Q4_FIFTH ? 16 : 8) /* codes - this: Q4_SYMMETRIC's weights */
 #ifdef TM_Q4_VNNI
 /* Q4_KSCALES: a factor of a tile's super-block sb, the fp16 vector at half_at times the
  * byte vector at bytes_at (d sc, or dmin m). */
@@ -911,33 +920,49 @@ TM_INLINE __m512 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
-    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 256, *w1 = w0 + C * 256;
+    const int64_t CB = Q4_CODE_BYTES(FORM);
+    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
-    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
     __m512 f[2][Q4_ROWS];
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) f[t][b] = _mm512_setzero_ps();
     int64_t group = 0, blocks_left = per;
     for (int64_t c = 0; c < C; c++) {
-        __m512i a[2][Q4_ROWS];
-        /* Q4_SYMMETRIC: codes - 8, exactly, as 8 x the block's activation code sum off each
-         * sum, put there before the products rather than subtracted after: vpdpbusd and the
-         * float multiplies share two pipes on some CPUs (Zen 4), where each op off counts. */
+        __m512i a[2][Q4_ROWS], a2[2][Q4_ROWS], fifth[2];
+        /* five-bit codes with one or two sums a pass (decode): the high codes' products on a chain of
+         * their own, or the block's eight vpdpbusd wait on each other's latency, not on memory */
+        const int CHAINS = (FORM & Q4_FIFTH) && NB * NT <= 2 ? 2 : 1;
+        /* Q4_SYMMETRIC: codes - 8 (- 16 with Q4_FIFTH), exactly, as that x the block's activation
+         * code sum off each sum, put there before the products rather than subtracted after:
+         * vpdpbusd and the float multiplies share two pipes on some CPUs (Zen 4), where each op
+         * off counts. */
         for (int b = 0; b < NB; b++) {
-            const __m512i start = FORM & Q4_SYMMETRIC ? _mm512_set1_epi32(-8 * bsum[b * C + c]) : _mm512_setzero_si512();
-            for (int t = 0; t < NT; t++) a[t][b] = start;
+            const __m512i start = FORM & Q4_SYMMETRIC ? _mm512_set1_epi32(-Q4_CODE_OFFSET(FORM) * bsum[b * C + c])
+                                                      : _mm512_setzero_si512();
+            for (int t = 0; t < NT; t++) a[t][b] = start, a2[t][b] = _mm512_setzero_si512();
         }
+        if (FORM & Q4_FIFTH)
+            for (int t = 0; t < NT; t++) fifth[t] = _mm512_loadu_si512((const void *)((t ? w1 : w0) + c * CB + 16 * VW));
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             __m512i lo[2], hi[2];
             for (int t = 0; t < NT; t++) {
-                const __m512i p = _mm512_loadu_si512((const void *)((t ? w1 : w0) + c * 256 + s * 64));
+                const __m512i p = _mm512_loadu_si512((const void *)((t ? w1 : w0) + c * CB + s * 64));
                 lo[t] = _mm512_and_si512(p, low4);
                 hi[t] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+                if (FORM & Q4_FIFTH) { /* bit s -> bit 4 of the low codes, bit 4 + s of the high ones */
+                    const __m512i fl = s == 0 ? _mm512_slli_epi16(fifth[t], 4) : s == 1 ? _mm512_slli_epi16(fifth[t], 3)
+                                       : s == 2 ? _mm512_slli_epi16(fifth[t], 2) : _mm512_slli_epi16(fifth[t], 1);
+                    const __m512i fh = s == 0 ? fifth[t] : s == 1 ? _mm512_srli_epi16(fifth[t], 1)
+                                       : s == 2 ? _mm512_srli_epi16(fifth[t], 2) : _mm512_srli_epi16(fifth[t], 3);
+                    lo[t] = _mm512_ternarylogic_epi32(lo[t], fl, bit4, 0xF8); /* lo | (fl & bit4) */
+                    hi[t] = _mm512_ternarylogic_epi32(hi[t], fh, bit4, 0xF8);
+                }
             }
             for (int b = 0; b < NB; b++) {
                 const int8_t *xb = xq + b * kp + c * 32 + 4 * s;
@@ -947,10 +972,16 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
                 for (int t = 0; t < NT; t++) {
                     a[t][b] = _mm512_dpbusd_epi32(a[t][b], lo[t], v0);
-                    a[t][b] = _mm512_dpbusd_epi32(a[t][b], hi[t], v1);
+                    if (CHAINS == 2)
+                        a2[t][b] = _mm512_dpbusd_epi32(a2[t][b], hi[t], v1);
+                    else
+                        a[t][b] = _mm512_dpbusd_epi32(a[t][b], hi[t], v1);
                 }
             }
         }
+        if (CHAINS == 2)
+            for (int t = 0; t < NT; t++)
+                for (int b = 0; b < NB; b++) a[t][b] = _mm512_add_epi32(a[t][b], a2[t][b]);
         for (int t = 0; t < NT; t++) {
             const __m512 sv = FORM & Q4_KSCALES ? q4k_factor(kb + (t * (C / 8) + c / 8) * Q4K_BYTES, 0, 4 * VW + c % 8 * VW)
                               : FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
@@ -987,32 +1018,48 @@ TM_INLINE __m256 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
  * activation, and one pass keeps 4 x 2 x 2 accumulators with the codes of a step. Each
  * 16-bit sum is pinned to its register after every add (an empty asm): left free, gcc
  * reassociated the unrolled step loop's adds, computed a block's products first and
- * spilled them to the stack, at two thirds of this loop's rate. */
+ * spilled them to the stack, at two thirds of this loop's rate. Five-bit codes (Q4_FIFTH)
+ * make pair sums of up to 2 x 31 x 127, so two steps' worth (31496 < 32768) are widened into
+ * int32 before the next two are added. */
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
-    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * 128, *w1 = w0 + C * 128;
+    const int64_t CB = Q4_CODE_BYTES(FORM);
+    const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
     __m256 f[2][Q4_ROWS];
     for (int t = 0; t < NT; t++)
         for (int b = 0; b < NB; b++) f[t][b] = _mm256_setzero_ps();
     int64_t group = 0, blocks_left = per; /* the block's weight-scale group, counted (no division a block) */
     for (int64_t c = 0; c < C; c++) {
-        __m256i a[2][Q4_ROWS];
+        __m256i a[2][Q4_ROWS], first[2][Q4_ROWS], fifth[2];
         for (int t = 0; t < NT; t++)
             for (int b = 0; b < NB; b++) a[t][b] = _mm256_setzero_si256();
+        if (FORM & Q4_FIFTH)
+            for (int t = 0; t < NT; t++) fifth[t] = _mm256_loadu_si256((const __m256i *)((t ? w1 : w0) + c * CB + 16 * VW));
 #pragma GCC unroll 4
         for (int s = 0; s < 4; s++) {
             __m256i lo[2], hi[2];
+            if ((FORM & Q4_FIFTH) && s == 2) /* the first two steps' pair sums into int32 */
+                for (int t = 0; t < NT; t++)
+                    for (int b = 0; b < NB; b++) first[t][b] = _mm256_madd_epi16(a[t][b], ones), a[t][b] = _mm256_setzero_si256();
             for (int t = 0; t < NT; t++) {
-                const __m256i p = _mm256_loadu_si256((const __m256i *)((t ? w1 : w0) + c * 128 + s * 32));
+                const __m256i p = _mm256_loadu_si256((const __m256i *)((t ? w1 : w0) + c * CB + s * 32));
                 lo[t] = _mm256_and_si256(p, low4);
                 hi[t] = _mm256_and_si256(_mm256_srli_epi16(p, 4), low4);
+                if (FORM & Q4_FIFTH) { /* bit s -> bit 4 of the low codes, bit 4 + s of the high ones */
+                    const __m256i fl = s == 0 ? _mm256_slli_epi16(fifth[t], 4) : s == 1 ? _mm256_slli_epi16(fifth[t], 3)
+                                       : s == 2 ? _mm256_slli_epi16(fifth[t], 2) : _mm256_slli_epi16(fifth[t], 1);
+                    const __m256i fh = s == 0 ? fifth[t] : s == 1 ? _mm256_srli_epi16(fifth[t], 1)
+                                       : s == 2 ? _mm256_srli_epi16(fifth[t], 2) : _mm256_srli_epi16(fifth[t], 3);
+                    lo[t] = _mm256_or_si256(lo[t], _mm256_and_si256(fl, bit4));
+                    hi[t] = _mm256_or_si256(hi[t], _mm256_and_si256(fh, bit4));
+                }
             }
             for (int b = 0; b < NB; b++) {
                 const int8_t *xb = xq + b * kp + c * 32 + 4 * s;
@@ -1034,8 +1081,9 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                                               : _mm256_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++) {
                 __m256i s32 = _mm256_madd_epi16(a[t][b], ones);
-                if (FORM & Q4_SYMMETRIC) /* codes - 8, exactly: 8 x the block's activation code sum off */
-                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(8 * bsum[b * C + c]));
+                if (FORM & Q4_FIFTH) s32 = _mm256_add_epi32(s32, first[t][b]);
+                if (FORM & Q4_SYMMETRIC) /* codes - 8 (16), exactly: that x the block's activation code sum off */
+                    s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(Q4_CODE_OFFSET(FORM) * bsum[b * C + c]));
                 f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
             }
         }
@@ -1123,7 +1171,20 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
 static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
                          int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
     if (L->q4_form & Q4_KSCALES) {
-        int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES);
+        if (L->q4_form & Q4_FIFTH) /* GGUF Q5_K */
+            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES | Q4_FIFTH);
+        else
+            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES);
+        return;
+    }
+    if (L->q4_form & Q4_FIFTH) { /* GGUF Q5_0 (symmetric, fp16) and Q5_1 (fp16); float32 factors otherwise */
+        switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
+            case Q4_SYMMETRIC | Q4_F16:
+                int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_SYMMETRIC | Q4_F16);
+                break;
+            case Q4_F16: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_F16); break;
+            default: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH); break;
+        }
         return;
     }
     switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
