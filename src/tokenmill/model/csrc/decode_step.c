@@ -934,9 +934,9 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     int64_t group = 0, blocks_left = per;
     for (int64_t c = 0; c < C; c++) {
         __m512i a[2][Q4_ROWS], a2[2][Q4_ROWS], fifth[2];
-        /* five-bit codes with one or two sums a pass (decode): the high codes' products on a chain of
-         * their own, or the block's eight vpdpbusd wait on each other's latency, not on memory */
-        const int CHAINS = (FORM & Q4_FIFTH) && NB * NT <= 2 ? 2 : 1;
+        /* one or two sums a pass (decode): the high codes' products on a chain of their own, or the
+         * block's eight vpdpbusd wait on each other's latency rather than on memory */
+        const int CHAINS = NB * NT <= 2 ? 2 : 1;
         /* Q4_SYMMETRIC: codes - 8 (- 16 with Q4_FIFTH), exactly, as that x the block's activation
          * code sum off each sum, put there before the products rather than subtracted after:
          * vpdpbusd and the float multiplies share two pipes on some CPUs (Zen 4), where each op
