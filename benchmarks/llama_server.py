@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a GGUF file")
     src.add_argument("--shape", choices=["1.1b", "3b", "8b", "tiny"], help="write a random-weight GGUF this shape")
-    ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q4_K_M", "Q8_0"])
+    ap.add_argument("--qtype", default="Q4_0", choices=["Q4_0", "Q5_0", "Q4_K_M", "Q5_K_M", "Q8_0"])  # real_sizes.QTYPES
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--requests", type=int, default=128, help="requests per run (closed loop)")
     ap.add_argument("--input-len", default="128")

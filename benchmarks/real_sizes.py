@@ -83,6 +83,8 @@ SHAPES = {
 _BLOCKS = {"Q4_0": (18, 32), "Q5_0": (22, 32), "Q8_0": (34, 32), "Q4_K": (144, 256), "Q5_K": (176, 256), "Q6_K": (210, 256)}
 
 
+# the block types and mixes write_model takes (--qtype)
+QTYPES = ("Q4_0", "Q5_0", "Q4_K_M", "Q5_K_M", "Q8_0")
 # the K-quant mixes written here and the block type of their bulk
 _K_MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}
 
@@ -244,7 +246,7 @@ def llama_server_runner(path: str, args: argparse.Namespace) -> tuple[decode_spe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.1b")
-    ap.add_argument("--qtype", choices=("Q4_0", "Q5_0", "Q4_K_M", "Q5_K_M", "Q8_0"), default="Q4_0")
+    ap.add_argument("--qtype", choices=QTYPES, default="Q4_0")
     ap.add_argument("--quantizations", default="auto,gguf", help="tokenmill rows, comma-separated")
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="tokenmill's KV pool dtypes, comma-separated (a row for each with each quantization)")
