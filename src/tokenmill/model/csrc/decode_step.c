@@ -1168,23 +1168,33 @@ TM_INLINE void int4_q8_rows_form(const TmLinear *L, const int8_t *xq, const floa
     }
 }
 
-static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
-                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
-    if (L->q4_form & Q4_KSCALES) {
-        if (L->q4_form & Q4_FIFTH) /* GGUF Q5_K */
-            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES | Q4_FIFTH);
-        else
-            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES);
+/* The five-bit forms (Q4_FIFTH), a function of their own: compiled into int4_q8_rows beside the
+ * four-bit ones, the one function grew past what gcc optimizes as well, and the AVX2 build's
+ * four-bit prefill slowed (docs/performance.md, "The judged figures again"). */
+static __attribute__((noinline)) void int5_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd,
+                                                   const float *xsum, int64_t B, int64_t n0, int64_t n1, float *y,
+                                                   int64_t ldy, int accumulate, int64_t y_col0) {
+    if (L->q4_form & Q4_KSCALES) { /* GGUF Q5_K */
+        int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES | Q4_FIFTH);
         return;
     }
-    if (L->q4_form & Q4_FIFTH) { /* GGUF Q5_0 (symmetric, fp16) and Q5_1 (fp16); float32 factors otherwise */
-        switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
-            case Q4_SYMMETRIC | Q4_F16:
-                int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_SYMMETRIC | Q4_F16);
-                break;
-            case Q4_F16: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_F16); break;
-            default: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH); break;
-        }
+    switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) { /* GGUF Q5_0 (symmetric, fp16), Q5_1 (fp16); else float32 */
+        case Q4_SYMMETRIC | Q4_F16:
+            int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_SYMMETRIC | Q4_F16);
+            break;
+        case Q4_F16: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH | Q4_F16); break;
+        default: int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_FIFTH); break;
+    }
+}
+
+static void int4_q8_rows(const TmLinear *L, const int8_t *xq, const float *xd, const float *xsum, int64_t B,
+                         int64_t n0, int64_t n1, float *y, int64_t ldy, int accumulate, int64_t y_col0) {
+    if (L->q4_form & Q4_FIFTH) {
+        int5_q8_rows(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0);
+        return;
+    }
+    if (L->q4_form & Q4_KSCALES) {
+        int4_q8_rows_form(L, xq, xd, xsum, B, n0, n1, y, ldy, accumulate, y_col0, Q4_KSCALES);
         return;
     }
     switch (L->q4_form & (Q4_SYMMETRIC | Q4_F16)) {
