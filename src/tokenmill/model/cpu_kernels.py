@@ -690,11 +690,16 @@ def pack_int4_q8(codes: torch.Tensor, vector_width: int, fifth: bool = False) ->
     nibbles = both.permute(0, 2, 3, 1, 4).reshape(n // vw, kp // 32, 4, vw * 4).contiguous()
     if not fifth:
         return nibbles
-    bits = (c >> 4) << torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1)  # bit 4 half + step...
-    bits = bits << torch.arange(4, dtype=torch.uint8).view(4, 1)  # ... + step
+    bits = (c >> 4) << _fifth_bit_places()
     plane = bits.sum(dim=(3, 4), dtype=torch.uint8)  # [tile, row, block, input]: distinct bits, so the sum is their OR
     plane = plane.permute(0, 2, 1, 3).reshape(n // vw, kp // 32, 4 * vw)
     return torch.cat([nibbles.reshape(n // vw, kp // 32, 16 * vw), plane], dim=2).contiguous()
+
+
+def _fifth_bit_places() -> torch.Tensor:
+    """The bit of a fifth-bit byte that each (half, step) of a block's inputs takes: 4 half + step,
+    [2, 4, 1] to broadcast over [..., half, step, input]."""
+    return (torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1) + torch.arange(4, dtype=torch.uint8).view(4, 1))
 
 
 def fifth_bits(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -704,8 +709,7 @@ def fifth_bits(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | Non
     t, c = packed.shape[:2]
     plane = packed[:, :, 16 * vw:].reshape(t, c, vw, 4)  # [tile, block, row, input]
     plane = plane.permute(0, 2, 1, 3).reshape(t * vw, c, 4) if rows is None else plane[rows // vw, :, rows % vw]
-    shifts = (torch.tensor([0, 4], dtype=torch.uint8).view(2, 1, 1) + torch.arange(4, dtype=torch.uint8).view(4, 1))
-    bits = (plane[:, :, None, None, :] >> shifts) & 1  # [row, block, half, step, input]
+    bits = (plane[:, :, None, None, :] >> _fifth_bit_places()) & 1  # [row, block, half, step, input]
     return bits.reshape(plane.shape[0], c * 32)
 
 
