@@ -241,6 +241,9 @@ def test_plain_streams_are_not_slowed_by_grammar_bombs(server):
     quiet_p99, loud_p99 = statistics.median(quiet_p99s), statistics.median(loud_p99s)
     print(f"inter-token gap p99 (median of rounds): quiet {quiet_p99 * 1e3:.1f} ms, "
           f"with 24 grammar bombs {loud_p99 * 1e3:.1f} ms")
-    # a floor for scheduling noise: a tiny model's step takes a few milliseconds, less than
-    # one time slice of a loaded machine, where any runnable process can add ten
-    assert loud_p99 < 2 * max(quiet_p99, 0.010), (quiet_p99s, loud_p99s)
+    # a floor for scheduling noise: a tiny model's step takes a few milliseconds, less than one
+    # time slice of a loaded machine; on two cores each crashed worker's replacement starts (a
+    # Python process importing the grammar library) beside the engine and takes the core the
+    # stream's step wanted for tens of milliseconds. A bomb compiled on the engine's loop, or a
+    # wait on a worker there, stalls the stream for the compile or the timeout: far past this.
+    assert loud_p99 < 2 * max(quiet_p99, 0.025), (quiet_p99s, loud_p99s)
