@@ -415,9 +415,10 @@ def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: 
 @pytest.mark.parametrize("group,fp16", [(32, True), (32, False), (64, True)])
 def test_symmetric_int4_nibble_packing_reads_no_zeros(isa: str, rows: int, group: int, fp16: bool) -> None:
     """Layers whose zero is -8 x scale (GGUF Q4_0: w = d (q - 8)) are packed without zeros and,
-    where their scales are fp16 values, with fp16 scales (int4_q8_form): the -8 is taken on each
-    activation block's integer code sum. Against the float64 product of the same quantized
-    activations the error is float rounding only, as with the general packing; both ISAs."""
+    where their scales are fp16 values in groups of 32, with fp16 scales after each block's codes
+    (int4_q8_form, inline_factors): the -8 is taken on each activation block's integer code sum.
+    Against the float64 product of the same quantized activations the error is float rounding
+    only, as with the general packing; both ISAs."""
     if not X86 or "avx2" not in cpu_kernels._cpu_flags():
         pytest.skip("needs an x86-64 CPU with AVX2")
     narrow = cpu_kernels.build(cpu_kernels.ISA_FLAGS[isa])
@@ -432,16 +433,25 @@ def test_symmetric_int4_nibble_packing_reads_no_zeros(isa: str, rows: int, group
     scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
     scale = scale.half().float() if fp16 else scale + 1e-9  # 1e-9: not fp16-exact
     zero = -8.0 * scale
-    form, scales, zeros = cpu_kernels.int4_q8_form(scale, zero)
-    assert zeros is None and form == cpu_kernels.Q4_SYMMETRIC | (cpu_kernels.Q4_F16 if fp16 else 0)
-    assert scales.dtype == (torch.float16 if fp16 else torch.float32)
-    packed, scales = cpu_kernels.pack_int4_q8(codes, vw), cpu_kernels.tile_major(scales, vw)
+    form, scales, zeros = cpu_kernels.int4_q8_form(scale, zero, group=group)
+    inline = fp16 and group == 32
+    assert zeros is None and form == cpu_kernels.Q4_SYMMETRIC | (cpu_kernels.Q4_F16 if inline else 0)
+    assert scales.dtype == (torch.float16 if inline else torch.float32)
+    packed = cpu_kernels.pack_int4_q8(codes, vw)
+    if inline:
+        packed, scales = cpu_kernels.inline_factors(packed, scales, None, vw), None
+        assert packed.shape == (n // vw, k // 32, 18 * vw)
+        back, no_zeros = cpu_kernels.inlined_factors(packed, vw, form)
+        assert no_zeros is None and torch.equal(back, cpu_kernels.tile_major(scale.half(), vw))
+    else:
+        scales = cpu_kernels.tile_major(scales, vw)
     bias = torch.randn(n, generator=g)
     d = TmLinear()
     d.kind, d.n, d.k, d.repeat, d.group = cpu_kernels.W_INT4, n, k, 1, group
     wp = pack_int4(codes)
     d.w, d.scale, d.zero, d.bias = wp.data_ptr(), scale.data_ptr(), zero.data_ptr(), bias.data_ptr()
-    d.packed, d.packed_scale, d.packed_zero, d.q4_form = packed.data_ptr(), scales.data_ptr(), None, form
+    d.packed, d.packed_zero, d.q4_form = packed.data_ptr(), None, form
+    d.packed_scale = None if scales is None else scales.data_ptr()
     x = torch.randn(rows, k, generator=g)
     x[0, :32] = torch.linspace(-1, 1, 32)  # a block whose ends quantize to -127 and +127
     got = cpu_kernels.linear(d, x, library=narrow)
@@ -451,6 +461,8 @@ def test_symmetric_int4_nibble_packing_reads_no_zeros(isa: str, rows: int, group
     assert err < 1e-5, err
     # the same layer through the general packing (zeros read) gives the same products within rounding
     full, zfull = cpu_kernels.tile_major(scale, vw), cpu_kernels.tile_major(zero, vw)
+    plain = cpu_kernels.pack_int4_q8(codes, vw)  # the codes alone
+    d.packed = plain.data_ptr()
     d.packed_scale, d.packed_zero, d.q4_form = full.data_ptr(), zfull.data_ptr(), 0
     general = cpu_kernels.linear(d, x, library=narrow)
     assert float((general.double() - want).norm() / want.norm()) < 1e-5
@@ -461,6 +473,8 @@ def test_int4_q8_form_keeps_zeros_and_float32_where_not_exact() -> None:
     s = torch.tensor([[0.5, 0.25]])
     form, scales, zeros = cpu_kernels.int4_q8_form(s, -8.0 * s + torch.tensor([[0.0, 0.125]]))
     assert form == cpu_kernels.Q4_F16 and zeros is not None and zeros.dtype == torch.float16
+    form, scales, zeros = cpu_kernels.int4_q8_form(s, -8.0 * s + torch.tensor([[0.0, 0.125]]), group=128)
+    assert form == 0 and zeros is not None and zeros.dtype == torch.float32  # fp16 in the tiles: groups of 32 only
     form, scales, zeros = cpu_kernels.int4_q8_form(s + 1e-7, -8.0 * (s + 1e-7))
     assert form == cpu_kernels.Q4_SYMMETRIC and zeros is None and scales.dtype == torch.float32
     form, _, zeros = cpu_kernels.int4_q8_form(s, torch.full_like(s, 1e6))  # zeros past fp16's range

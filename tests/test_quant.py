@@ -229,6 +229,7 @@ def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         before = [layer(x[:r]) for r in (1, 5)]
+    assert _rel(before[1], x @ table.t()) < 2e-2  # the kernel's products are the layer's (int8 activations)
     bytes_before = sum(b.numel() * b.element_size() for b in layer.buffers())
     layer.prepare_kernels()
     moves = lib is not None and bool(lib.q4_int8_dot)
@@ -236,7 +237,9 @@ def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     if not moves:
         return
     assert layer.scales is None and layer.zeros is None and layer.fifth is None
-    assert layer.packed.dim() == (3 if codes.bits == 5 else 4)
+    inline = bool(layer.q4_form & cpu_kernels.Q4_F16)  # fp16 factors after each block's codes
+    assert inline == (kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")) and (layer.tile_scales is None) == inline
+    assert layer.packed.dim() == (3 if codes.bits == 5 or inline else 4)
     assert bool(layer.q4_form & cpu_kernels.Q4_FIFTH) == (codes.bits == 5)
     held = sum(b.numel() * b.element_size() for b in layer.buffers())
     assert held <= bytes_before

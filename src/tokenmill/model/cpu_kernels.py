@@ -707,7 +707,7 @@ def fifth_bits(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | Non
     uint8 [N, K'] of 0 / 1, or those of the rows ``rows`` picks."""
     vw = vector_width
     t, c = packed.shape[:2]
-    plane = packed[:, :, 16 * vw:].reshape(t, c, vw, 4)  # [tile, block, row, input]
+    plane = packed.reshape(t, c, -1)[:, :, 16 * vw:20 * vw].reshape(t, c, vw, 4)  # [tile, block, row, input]
     plane = plane.permute(0, 2, 1, 3).reshape(t * vw, c, 4) if rows is None else plane[rows // vw, :, rows % vw]
     bits = (plane[:, :, None, None, :] >> _fifth_bit_places()) & 1  # [row, block, half, step, input]
     return bits.reshape(plane.shape[0], c * 32)
@@ -720,6 +720,31 @@ def tile_major(per_row: torch.Tensor, vector_width: int) -> torch.Tensor:
     n, g = per_row.shape
     keep = per_row if per_row.dtype in (torch.float16, torch.uint8, torch.int8) else per_row.float()
     return keep.reshape(n // vector_width, vector_width, g).permute(0, 2, 1).contiguous()
+
+
+def inline_factors(tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                   vector_width: int) -> torch.Tensor:
+    """``Q4_F16``'s tiles: nibble tiles (:func:`pack_int4_q8`, four- or five-bit) with each 32-input
+    block's fp16 scales (VW values), and its zeros unless symmetric, after its codes: uint8
+    [N / VW, K' / 32, code bytes + 2 VW (+ 2 VW)]. One stream of memory a tile, as a GGUF file's
+    blocks are: the kernel's single-row pass read codes and factors from two places, and the
+    hardware prefetchers kept up with that worse (docs/performance.md, "Factors in the tiles")."""
+    t, c = tiles.shape[:2]
+    parts = [tiles.reshape(t, c, -1)] + [tile_major(f.to(torch.float16), vector_width).view(torch.uint8)
+                                        for f in (scales, zeros) if f is not None]
+    return torch.cat(parts, dim=2).contiguous()
+
+
+def inlined_factors(packed: torch.Tensor, vector_width: int, form: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inverse of :func:`inline_factors`' additions: ``Q4_F16`` tiles -> their fp16 (scales,
+    zeros or None) [N / VW, K' / 32, VW], as :func:`tile_major` orders them."""
+    vw = vector_width
+    at = (20 if form & Q4_FIFTH else 16) * vw
+    t, c = packed.shape[:2]
+    flat = packed.reshape(t, c, -1)
+    scales = flat[:, :, at:at + 2 * vw].contiguous().view(torch.float16)
+    zeros = None if form & Q4_SYMMETRIC else flat[:, :, at + 2 * vw:at + 4 * vw].contiguous().view(torch.float16)
+    return scales, zeros
 
 
 def pack_kscales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
@@ -768,7 +793,7 @@ def untile_int4_q8(packed: torch.Tensor, vector_width: int, rows: torch.Tensor |
     row's bytes are the same in both, in the same order within it. ``rows``: only those rows
     (row r lives in tile r // VW at lane r % VW)."""
     t, c = packed.shape[:2]
-    if packed.dim() == 3 and packed.shape[2] == 20 * vector_width:  # five-bit tiles: their nibbles
+    if packed.dim() == 3:  # five-bit tiles, factors in the tiles: their nibbles
         packed = packed[:, :, :16 * vector_width]
     steps = packed.reshape(t, c, 4, vector_width, 4)  # [tile, block, step, row, input]
     if rows is not None:
@@ -800,19 +825,20 @@ def unpack_q6_tiles(codes: torch.Tensor, scales: torch.Tensor, vector_width: int
     return q, sc.reshape(n, s * 16).contiguous(), d.reshape(n, s).contiguous()
 
 
-def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor,
-                 bits: int = 4) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """An int4 layer's nibble-packing scales and kernel zeros (``z - 8 s``, [N, G] each) -> its
-    ``q4_form`` and the per-row arrays to tile (:func:`tile_major`): no zeros when every zero is
+def int4_q8_form(scales: torch.Tensor, zeros: torch.Tensor, bits: int = 4,
+                 group: int = 32) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """An int4 layer's nibble-packing scales and kernel zeros (``z - 8 s``, [N, G] each, groups of
+    ``group`` inputs) -> its ``q4_form`` and the per-row arrays: no zeros when every zero is
     ``-8 s`` (``Q4_SYMMETRIC``: GGUF Q4_0, where the kernel takes the -8 on the activations'
-    code sums), and fp16 when that holds every value exactly (``Q4_F16``: Q4_0's own ``d``), so
-    a decode step reads the file's 4.5 bits a weight rather than 6. Five-bit codes (``bits`` 5:
-    ``Q4_FIFTH``) are symmetric about 16 (GGUF Q5_0), and only in fp16 (the kernel's cases)."""
+    code sums), and fp16 in groups of 32 when that holds every value exactly (``Q4_F16``: Q4_0's
+    own ``d``; :func:`inline_factors` puts them in the tiles), so a decode step reads the file's
+    4.5 bits a weight rather than 6; else float32 (:func:`tile_major`). Five-bit codes (``bits``
+    5: ``Q4_FIFTH``) are symmetric about 16 (GGUF Q5_0), and only in fp16 (the kernel's cases)."""
     form, kept = (Q4_FIFTH if bits == 5 else 0), [scales.float()]
     symmetric = bool(torch.equal(zeros.float(), -(2.0 ** (bits - 1)) * scales.float()))
     if not symmetric:
         kept.append(zeros.float())
-    if all(bool(torch.equal(t.half().float(), t)) for t in kept):
+    if group == 32 and all(bool(torch.equal(t.half().float(), t)) for t in kept):
         form |= Q4_F16 | (Q4_SYMMETRIC if symmetric else 0)
         kept = [t.half() for t in kept]
     elif symmetric and bits == 5:  # no float32 symmetric five-bit case: zeros kept

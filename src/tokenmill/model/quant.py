@@ -625,8 +625,9 @@ class Int4Linear(_QuantLinear):
         self.register_buffer("fifth", _pack_bits(codes.codes >> 4) if self.bits == 5 else None)
         self._desc: Any = None  # the C kernel's description of this layer, made on first use
         # Set once prepare_kernels has moved the codes into the kernel's tiles (their vector
-        # width): ``packed`` then holds cpu_kernels.pack_int4_q8's layout, ``tile_scales`` and
-        # ``tile_zeros`` the factors as int4_q8_rows reads them (``q4_form``), and the row-major
+        # width): ``packed`` then holds cpu_kernels.pack_int4_q8's layout (with each block's fp16
+        # factors after its codes where ``q4_form`` has Q4_F16), ``tile_scales`` and ``tile_zeros``
+        # the other forms' factors as int4_q8_rows reads them, and the row-major
         # codes, scales and zeros are gone: one copy of the weights.
         self.tiles_vw: int | None = None
         self.q4_form = 0
@@ -689,12 +690,16 @@ class Int4Linear(_QuantLinear):
                         form, zeros = cpu_kernels.Q4_KSCALES | (cpu_kernels.Q4_FIFTH if self.bits == 5 else 0), None
                         scales = cpu_kernels.pack_kscales(self.k_d, self.k_dmin, self.k_sc, self.k_m, vw)
                     else:  # symmetric / fp16 where exact (int4_q8_form): fewer bytes a step
-                        form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero, self.bits)
-                        scales = cpu_kernels.tile_major(scales, vw)
-                        zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
-                    d.packed, d.packed_scale, d.q4_form = packed.data_ptr(), scales.data_ptr(), form
+                        form, scales, zeros = cpu_kernels.int4_q8_form(self.scales, zero, self.bits, self.group_size)
+                        if form & cpu_kernels.Q4_F16:  # in the tiles, after each block's codes
+                            packed, scales, zeros = cpu_kernels.inline_factors(packed, scales, zeros, vw), None, None
+                        else:
+                            scales = cpu_kernels.tile_major(scales, vw)
+                            zeros = None if zeros is None else cpu_kernels.tile_major(zeros, vw)
+                    d.packed, d.q4_form = packed.data_ptr(), form
+                    d.packed_scale = None if scales is None else scales.data_ptr()
                     d.packed_zero = None if zeros is None else zeros.data_ptr()
-                    keep += (packed, scales) + (() if zeros is None else (zeros,))
+                    keep += (packed, scales, zeros)
             self._desc = (d, keep, many_rows)
         return self._desc[0]
 
@@ -712,16 +717,15 @@ class Int4Linear(_QuantLinear):
         if not d.packed:
             return
         _, keep, _ = self._desc
-        tiles, scales = keep[1], keep[2]
-        zeros = keep[3] if len(keep) > 3 else None
+        tiles, scales, zeros = keep[1:4]
         self.packed = tiles
-        self.register_buffer("tile_scales", scales)
+        self.register_buffer("tile_scales", scales)  # None with Q4_F16: the factors are in the tiles
         self.register_buffer("tile_zeros", zeros)
         for name in ("scales", "zeros", "k_d", "k_dmin", "k_sc", "k_m", "fifth"):
             setattr(self, name, None)
         self.tiles_vw, self.q4_form = library.vector_width, int(d.q4_form)
         d.w, d.scale, d.zero = None, None, None  # int4_q8_rows reads only the tiles
-        self._desc = (d, (tiles, scales) + (() if zeros is None else (zeros,)), True)
+        self._desc = (d, (tiles, scales, zeros), True)
 
     def _tiles_fit(self, library: Any) -> bool:
         """Whether ``library`` runs this layer's tiles (its nibble kernel, at their width)."""
@@ -780,7 +784,7 @@ class Int4Linear(_QuantLinear):
         picks: the buffers, or derived from the kernel's tiled factors once they hold them."""
         if self.tiles_vw is None:
             return (self.scales, self.zeros) if rows is None else (self.scales[rows], self.zeros[rows])
-        from .cpu_kernels import Q4_KSCALES, Q4_SYMMETRIC
+        from .cpu_kernels import Q4_F16, Q4_KSCALES, Q4_SYMMETRIC, inlined_factors
 
         vw = self.tiles_vw
 
@@ -802,9 +806,11 @@ class Int4Linear(_QuantLinear):
             s = per_row((d[:, :, None] * sc).reshape(t, sb * 8, vw))
             o = -per_row((dmin[:, :, None] * m).reshape(t, sb * 8, vw))
             return s, o + 8.0 * s  # as int4_from_gguf computes them
-        s = per_row(self.tile_scales).float()
+        scales, zeros = (inlined_factors(self.packed, vw, self.q4_form) if self.q4_form & Q4_F16
+                         else (self.tile_scales, self.tile_zeros))
+        s = per_row(scales).float()
         offset = 16.0 if self.bits == 5 else 8.0  # Q4_SYMMETRIC's codes - offset
-        kernel_zero = -offset * s if self.q4_form & Q4_SYMMETRIC else per_row(self.tile_zeros).float()
+        kernel_zero = -offset * s if self.q4_form & Q4_SYMMETRIC else per_row(zeros).float()
         return s, kernel_zero + 8.0 * s
 
     def _dequant(self, codes: torch.Tensor, rows: torch.Tensor | None = None,

@@ -80,8 +80,9 @@ typedef struct {
                                 as two u8 planes (0: never); w may be NULL when this is 1 */
     int32_t q4_form;         /* int4 with packed: Q4_SYMMETRIC | Q4_F16 | Q4_KSCALES | Q4_FIFTH bits (int4_q8_block),
                                 fixed at packing */
-    const void *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales */
-    const void *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows); NULL with Q4_SYMMETRIC */
+    const void *packed_scale; /* int4 with packed (AVX2, AVX-512 VNNI builds): [n / VW][groups][VW] scales
+                                 (none with Q4_F16: in the tiles) */
+    const void *packed_zero;  /* and z - 8 s in the same order (int4_q8_rows); NULL with Q4_SYMMETRIC, Q4_F16 */
 } TmLinear;
 
 typedef struct {
@@ -118,7 +119,9 @@ enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 /* TmLinear.q4_form: Q4_SYMMETRIC, every zero is -8 x its scale (GGUF Q4_0: w = d (q - 8)),
  * so no zero is read and the -8 is taken on each activation block's code sum in int32;
- * Q4_F16, the packed scales (and zeros) are fp16, exact where the packing chose it;
+ * Q4_F16, groups of 32 with fp16 scales (and zeros), exact where the packing chose it, stored in
+ * the tiles after each block's codes (one stream of memory a tile, as the file's blocks are):
+ * packed_scale and packed_zero are not read;
  * Q4_KSCALES, GGUF Q4_K's own factors (w = d sc q - dmin m, groups of 32): packed_scale holds,
  * per tile and 256-weight super-block, d and dmin (VW fp16 each) and the 8 groups' 6-bit sc
  * and m (VW bytes each), no packed_zero (cpu_kernels.pack_kscales);
@@ -907,8 +910,12 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 #endif
 #define Q4K_BYTES (20 * VW) /* Q4_KSCALES bytes per tile and super-block */
-/* code bytes per tile and 32-input block: four steps of nibbles, and with Q4_FIFTH the fifth bits */
-#define Q4_CODE_BYTES(FORM) ((FORM) & Q4_FIFTH ? 20 * VW : 16 * VW)
+/* bytes per tile and 32-input block: four steps of nibbles, with Q4_FIFTH the fifth bits, and
+ * with Q4_F16 the block's factors after them (Q4_FACTORS_AT: VW fp16 scales, and VW fp16 zeros
+ * unless Q4_SYMMETRIC) */
+#define Q4_FACTORS_AT(FORM) ((FORM) & Q4_FIFTH ? 20 * VW : 16 * VW)
+#define Q4_CODE_BYTES(FORM) \
+    (Q4_FACTORS_AT(FORM) + ((FORM) & Q4_F16 ? ((FORM) & Q4_SYMMETRIC ? 2 * VW : 4 * VW) : 0))
 #define Q4_CODE_OFFSET(FORM) ((FORM) & Q4_FIFTH ? 16 : 8) /* codes - this: Q4_SYMMETRIC's weights */
 #ifdef TM_Q4_VNNI
 /* Q4_KSCALES: a factor of a tile's super-block sb, the fp16 vector at half_at times the
@@ -923,7 +930,6 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     const int64_t CB = Q4_CODE_BYTES(FORM);
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
-    const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
@@ -934,6 +940,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     int64_t group = 0, blocks_left = per;
     for (int64_t c = 0; c < C; c++) {
         __m512i a[2][Q4_ROWS], a2[2][Q4_ROWS], fifth[2];
+        const uint8_t *factors = w0 + c * CB + Q4_FACTORS_AT(FORM); /* Q4_F16; tile 1's C x CB bytes on */
         /* one or two sums a pass (decode): the high codes' products on a chain of their own, or the
          * block's eight vpdpbusd wait on each other's latency rather than on memory */
         const int CHAINS = NB * NT <= 2 ? 2 : 1;
@@ -984,11 +991,15 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 for (int b = 0; b < NB; b++) a[t][b] = _mm512_add_epi32(a[t][b], a2[t][b]);
         for (int t = 0; t < NT; t++) {
             const __m512 sv = FORM & Q4_KSCALES ? q4k_factor(kb + (t * (C / 8) + c / 8) * Q4K_BYTES, 0, 4 * VW + c % 8 * VW)
-                              : FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ph + t * G * VW + group * VW)))
+                              : FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(factors + t * C * CB)))
                                               : _mm512_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++)
                 f[t][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][b]), _mm512_mul_ps(sv, _mm512_set1_ps(xd[b * C + c])),
                                           f[t][b]);
+            if ((FORM & Q4_F16) && !(FORM & Q4_SYMMETRIC)) { /* the block's zeros x its activation sum */
+                const __m512 zv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(factors + t * C * CB + 2 * VW)));
+                for (int b = 0; b < NB; b++) f[t][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(gsum[b * G + c]), f[t][b]);
+            }
         }
         if (--blocks_left == 0) group++, blocks_left = per;
     }
@@ -998,11 +1009,10 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 const __m512 mv = q4k_factor(kb + (t * (C / 8) + j / 8) * Q4K_BYTES, 2 * VW, 12 * VW + j % 8 * VW);
                 for (int b = 0; b < NB; b++) f[t][b] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(gsum[b * G + j]), f[t][b]);
             }
-    else if (!(FORM & Q4_SYMMETRIC))
+    else if (!(FORM & (Q4_SYMMETRIC | Q4_F16)))
         for (int64_t j = 0; j < G; j++)
             for (int t = 0; t < NT; t++) {
-                const __m512 zv = FORM & Q4_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(pzh + t * G * VW + j * VW)))
-                                                : _mm512_loadu_ps(pz + t * G * VW + j * VW);
+                const __m512 zv = _mm512_loadu_ps(pz + t * G * VW + j * VW);
                 for (int b = 0; b < NB; b++) f[t][b] = _mm512_fmadd_ps(zv, _mm512_set1_ps(gsum[b * G + j]), f[t][b]);
             }
     for (int t = 0; t < NT; t++)
@@ -1027,7 +1037,6 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     const int64_t CB = Q4_CODE_BYTES(FORM);
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
-    const uint16_t *ph = (const uint16_t *)L->packed_scale + tile * G * VW, *pzh = (const uint16_t *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
     const float *gsum = (const float *)xsum;
     const int32_t *bsum = (const int32_t *)xsum; /* Q4_SYMMETRIC: [NB][C] block code sums */
@@ -1038,6 +1047,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
     int64_t group = 0, blocks_left = per; /* the block's weight-scale group, counted (no division a block) */
     for (int64_t c = 0; c < C; c++) {
         __m256i a[2][Q4_ROWS], first[2][Q4_ROWS], fifth[2];
+        const uint8_t *factors = w0 + c * CB + Q4_FACTORS_AT(FORM); /* Q4_F16; tile 1's C x CB bytes on */
         for (int t = 0; t < NT; t++)
             for (int b = 0; b < NB; b++) a[t][b] = _mm256_setzero_si256();
         if (FORM & Q4_FIFTH)
@@ -1077,7 +1087,7 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
         }
         for (int t = 0; t < NT; t++) {
             const __m256 sv = FORM & Q4_KSCALES ? q4k_factor(kb + (t * (C / 8) + c / 8) * Q4K_BYTES, 0, 4 * VW + c % 8 * VW)
-                              : FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ph + t * G * VW + group * VW)))
+                              : FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(factors + t * C * CB)))
                                               : _mm256_loadu_ps(ps + t * G * VW + group * VW);
             for (int b = 0; b < NB; b++) {
                 __m256i s32 = _mm256_madd_epi16(a[t][b], ones);
@@ -1085,6 +1095,10 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 if (FORM & Q4_SYMMETRIC) /* codes - 8 (16), exactly: that x the block's activation code sum off */
                     s32 = _mm256_sub_epi32(s32, _mm256_set1_epi32(Q4_CODE_OFFSET(FORM) * bsum[b * C + c]));
                 f[t][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b * C + c])), f[t][b]);
+            }
+            if ((FORM & Q4_F16) && !(FORM & Q4_SYMMETRIC)) { /* the block's zeros x its activation sum */
+                const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(factors + t * C * CB + 2 * VW)));
+                for (int b = 0; b < NB; b++) f[t][b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(gsum[b * G + c]), f[t][b]);
             }
         }
         if (--blocks_left == 0) group++, blocks_left = per;
@@ -1095,11 +1109,10 @@ TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *x
                 const __m256 mv = q4k_factor(kb + (t * (C / 8) + j / 8) * Q4K_BYTES, 2 * VW, 12 * VW + j % 8 * VW);
                 for (int b = 0; b < NB; b++) f[t][b] = _mm256_fnmadd_ps(mv, _mm256_set1_ps(gsum[b * G + j]), f[t][b]);
             }
-    else if (!(FORM & Q4_SYMMETRIC))
+    else if (!(FORM & (Q4_SYMMETRIC | Q4_F16)))
         for (int64_t j = 0; j < G; j++)
             for (int t = 0; t < NT; t++) {
-                const __m256 zv = FORM & Q4_F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(pzh + t * G * VW + j * VW)))
-                                                : _mm256_loadu_ps(pz + t * G * VW + j * VW);
+                const __m256 zv = _mm256_loadu_ps(pz + t * G * VW + j * VW);
                 for (int b = 0; b < NB; b++) f[t][b] = _mm256_fmadd_ps(zv, _mm256_set1_ps(gsum[b * G + j]), f[t][b]);
             }
     for (int t = 0; t < NT; t++)
@@ -1588,8 +1601,8 @@ static void int4_dequant_rows(const TmLinear *L, int64_t r0, int64_t nr, float *
  * nibble packing given) rather than int4_q8_tile, int4_tile or dequantized float32 tiles. */
 TM_INLINE int int4_q8_packed(const TmLinear *L) {
 #ifdef TM_Q4_PACKED
-    return L->kind == W_INT4 && L->packed && L->packed_scale &&
-           (L->packed_zero || (L->q4_form & (Q4_SYMMETRIC | Q4_KSCALES))) &&
+    return L->kind == W_INT4 && L->packed &&
+           ((L->q4_form & Q4_F16) || (L->packed_scale && (L->packed_zero || (L->q4_form & (Q4_SYMMETRIC | Q4_KSCALES))))) &&
            L->n % VW == 0;
 #else
     (void)L;
