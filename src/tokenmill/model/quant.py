@@ -25,7 +25,8 @@ one (scale, zero) pair per group of input columns, ``w = (code - 8) * s + z``.
 Scales are rounded to bf16 *before* the codes are chosen, so a kernel's bf16
 scales are exact. GGUF: Q4_0 is ``s = d, z = 0``, Q4_1 is ``s = d, z = m + 8d``
 (codes kept bit for bit; the CPU packing of a layer whose zeros are all 0, as
-Q4_0's, reads no zeros and keeps fp16 scales: ``cpu_kernels.int4_q8_form``); Q8_0 has a scale per 32 columns, which no int8
+Q4_0's, reads no zeros and keeps fp16 scales, inside the tiles after each block's
+codes: ``cpu_kernels.int4_q8_form``, ``inline_factors``); Q8_0 has a scale per 32 columns, which no int8
 kernel takes, so each code ``q = 16*hi + lo`` is split into two int4 codes and
 the layer multiplies ``[x, x]`` by ``[W_hi | W_lo]`` with the int4 kernel:
 the same 8.5 bits per weight, no re-quantization.
