@@ -6,21 +6,26 @@ Both servers run on loopback with room for ``--concurrency`` sequences (llama-se
 ``--max-num-seqs``). The client is tokenmill's load generator (which takes `vllm bench serve`'s
 command lines) in a closed loop of ``--concurrency`` streams over ``/v1/completions``: random
 prompts of ``--input-len`` tokens that share no prefix, exactly ``--output-len`` new tokens
-(``ignore_eos``, which llama-server honours too), greedy. Each round runs every server once,
-in turn; the figure is each server's output tokens per second summed over rounds, and
-tokenmill's ratio against llama-server's.
+(``ignore_eos``, which llama-server honours too), greedy. With ``--vllm-bench CMD`` the client is
+vLLM's own instead: ``CMD`` (``vllm bench serve``, or a command that runs it) with its random
+dataset at the same lengths, ``--max-concurrency``, ``--ignore-eos`` and temperature 0, the
+file's tokenizer written to a temporary Hugging Face folder for it, and the figures read from
+its ``--save-result`` file. Each round runs every server once, in turn; the figure is each
+server's output tokens per second summed over rounds, and tokenmill's ratio against
+llama-server's.
 
 ``--shape`` writes a random-weight GGUF in a real model's shape (benchmarks/real_sizes.py) into
 a temporary folder and deletes it afterwards; ``--model`` takes a file you have.
 
     .venv/bin/python benchmarks/llama_server.py --llama-server PATH/llama-server --shape 1.1b --qtype Q4_0
         [--concurrency 64] [--requests 128] [--input-len 128] [--output-len 64] [--threads 2] [--rounds 2]
-        [--tokenmill-args "--quantization gguf"]
+        [--tokenmill-args "--quantization gguf"] [--vllm-bench "vllm bench serve"]
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import socket
@@ -106,6 +111,42 @@ async def measure(server: Server, counter, args: argparse.Namespace, seed: int) 
     return s.output_tokens, s.duration
 
 
+def measure_with_vllm(server: Server, args: argparse.Namespace, tokenizer: str, seed: int,
+                      folder: str) -> tuple[int, float, int]:
+    """Output tokens, seconds and failed requests of one run of vLLM's ``vllm bench serve`` against
+    ``server`` (its output throughput: the completed requests' tokens over the run's time)."""
+    model = httpx.get(server.url + "/v1/models", timeout=10.0, trust_env=False).json()["data"][0]["id"]
+    name = f"{server.name}-{seed}.json"
+    cmd = [*shlex.split(args.vllm_bench), "--backend", "openai", "--base-url", server.url, "--endpoint",
+           "/v1/completions", "--model", model, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+           "--temperature", "0", "--seed", str(seed), "--disable-tqdm", "--save-result", "--result-dir", folder,
+           "--result-filename", name]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name} failed:\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-2000:]}")
+    with open(os.path.join(folder, name)) as f:
+        result = json.load(f)
+    failed = int(result.get("failed") or 0)
+    if failed:
+        errors = sorted({e for e in result.get("errors", []) if e})
+        print(f"  {server.name}: {failed} requests failed under vllm bench serve {errors[:3]}; its summary:\n"
+              + "\n".join(done.stdout.splitlines()[-30:]), flush=True)
+    return int(result["total_output_tokens"]), float(result["duration"]), failed
+
+
+def tokenizer_folder(path: str, folder: str) -> str:
+    """The GGUF file's tokenizer as a Hugging Face folder (what vLLM's client loads; no hub here)."""
+    import transformers
+
+    out = os.path.join(folder, "tokenizer")
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tok.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--llama-server", required=True, help="the llama-server binary")
@@ -121,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokenmill-args", default="", help="extra `tokenmill serve` flags")
     ap.add_argument("--llama-server-args", default="", help="extra llama-server flags")
+    ap.add_argument("--vllm-bench", default="", help="drive both servers with vLLM's client: the command that runs "
+                    "`vllm bench serve` (e.g. 'vllm bench serve')")
     args = ap.parse_args(argv)
 
     tmp = tempfile.TemporaryDirectory(prefix="llama-server-bench-")
@@ -131,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
             path = os.path.join(tmp.name, f"{args.shape}-{args.qtype}.gguf")
             write_model(path, SHAPES[args.shape], args.qtype)
-        per_seq = int(args.input_len) + int(args.output_len) + 64
+        # room for a prompt that the server's tokenizer makes longer than the client counted (vLLM's
+        # random prompts are token ids decoded to text)
+        per_seq = 2 * int(args.input_len) + int(args.output_len) + 64
         tm = Server("tokenmill", [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", path,
                                   "--host", "127.0.0.1", "--port", str(_free_port()), "--threads", str(args.threads),
                                   "--max-num-seqs", str(args.concurrency), *shlex.split(args.tokenmill_args)],
@@ -147,15 +192,24 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.start()
         counter = make_counter(None, tm.url, None, None, True)  # tokenmill's /tokenize: the file's tokenizer
+        tokenizer = tokenizer_folder(path, tmp.name) if args.vllm_bench else ""
         totals = {s.name: [0, 0.0] for s in servers}
+        client = "vLLM's `vllm bench serve`" if args.vllm_bench else "tokenmill's load generator"
         print(f"{path}: {args.concurrency} streams, {args.requests} requests of {args.input_len} -> "
-              f"{args.output_len} tokens, {args.threads} threads each, {args.rounds} rounds turn about")
+              f"{args.output_len} tokens, {args.threads} threads each, {args.rounds} rounds turn about; "
+              f"client: {client}")
         for r in range(args.rounds):
             for s in servers:
-                tokens, seconds = asyncio.run(measure(s, counter, args, seed=100 * r))
+                failed = 0
+                if args.vllm_bench:
+                    tokens, seconds, failed = measure_with_vllm(s, args, tokenizer, 100 * r, tmp.name)
+                else:
+                    tokens, seconds = asyncio.run(measure(s, counter, args, seed=100 * r))
                 totals[s.name][0] += tokens
                 totals[s.name][1] += seconds
-                print(f"  round {r + 1} {s.name:>12}: {tokens / seconds:8.1f} output tok/s", flush=True)
+                note = f", {failed} requests failed" if failed else ""
+                print(f"  round {r + 1} {s.name:>12}: {tokens / seconds:8.1f} output tok/s ({tokens} tokens{note})",
+                      flush=True)
         rates = {name: t / sec for name, (t, sec) in totals.items()}
         for name, rate in rates.items():
             print(f"{name:>12}: {rate:8.1f} output tok/s")
