@@ -789,7 +789,8 @@ def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
 
 def untile_int4_q8(packed: torch.Tensor, vector_width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The inverse of :func:`pack_int4_q8`'s reordering: [N / VW, K' / 32, 4, 4 VW] (or
-    [N / VW, K' / 32, 16 VW]) bytes -> :func:`pack_int4`'s row-major bytes [N, K' / 2]: a
+    [N / VW, K' / 32, 16 VW or more]: five-bit tiles, factors in the tiles; their first 16 VW
+    bytes a block) bytes -> :func:`pack_int4`'s row-major bytes [N, K' / 2]: a
     row's bytes are the same in both, in the same order within it. ``rows``: only those rows
     (row r lives in tile r // VW at lane r % VW)."""
     t, c = packed.shape[:2]

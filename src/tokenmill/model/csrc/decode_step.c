@@ -910,11 +910,11 @@ static void int8g_vnni_rows(const TmLinear *L, int bits, const tm_act *xq, const
 #define Q4_ROWS 4 /* activation rows per pass: two tiles' 16-bit and float accumulators each */
 #endif
 #define Q4K_BYTES (20 * VW) /* Q4_KSCALES bytes per tile and super-block */
-/* bytes per tile and 32-input block: four steps of nibbles, with Q4_FIFTH the fifth bits, and
- * with Q4_F16 the block's factors after them (Q4_FACTORS_AT: VW fp16 scales, and VW fp16 zeros
- * unless Q4_SYMMETRIC) */
+/* bytes per tile and 32-input block: four steps of nibbles, with Q4_FIFTH the fifth bits (the
+ * codes' bytes: Q4_FACTORS_AT), and with Q4_F16 the block's factors after them (VW fp16 scales,
+ * and VW fp16 zeros unless Q4_SYMMETRIC) */
 #define Q4_FACTORS_AT(FORM) ((FORM) & Q4_FIFTH ? 20 * VW : 16 * VW)
-#define Q4_CODE_BYTES(FORM) \
+#define Q4_BLOCK_BYTES(FORM) \
     (Q4_FACTORS_AT(FORM) + ((FORM) & Q4_F16 ? ((FORM) & Q4_SYMMETRIC ? 2 * VW : 4 * VW) : 0))
 #define Q4_CODE_OFFSET(FORM) ((FORM) & Q4_FIFTH ? 16 : 8) /* codes - this: Q4_SYMMETRIC's weights */
 #ifdef TM_Q4_VNNI
@@ -927,7 +927,7 @@ TM_INLINE __m512 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
-    const int64_t CB = Q4_CODE_BYTES(FORM);
+    const int64_t CB = Q4_BLOCK_BYTES(FORM);
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
@@ -1034,7 +1034,7 @@ TM_INLINE __m256 q4k_factor(const uint8_t *sb, int half_at, int64_t bytes_at) {
 TM_INLINE void int4_q8_block(const TmLinear *L, const int8_t *xq, const float *xd, const void *xsum, const int NT,
                              const int NB, int64_t tile, vf out[2][Q4_ROWS], const int FORM) {
     const int64_t kp = L->k * L->repeat, C = kp / 32, G = kp / L->group, per = L->group / 32;
-    const int64_t CB = Q4_CODE_BYTES(FORM);
+    const int64_t CB = Q4_BLOCK_BYTES(FORM);
     const uint8_t *w0 = (const uint8_t *)L->packed + tile * C * CB, *w1 = w0 + C * CB;
     const float *ps = (const float *)L->packed_scale + tile * G * VW, *pz = (const float *)L->packed_zero + tile * G * VW;
     const uint8_t *kb = (const uint8_t *)L->packed_scale + tile * (C / 8) * Q4K_BYTES; /* Q4_KSCALES */
