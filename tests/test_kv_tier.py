@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from test_cache_properties import BLOCK, Sim, _arrive, prefixes, request_st
 from tokenmill.engine.kv_tier import BlockIO, DiskTier, TierIdentity
+from tokenmill.engine.tier_files import decode_line
 
 
 class ShadowIO:
@@ -139,8 +140,7 @@ def test_warm_restart_keeps_whole_paths_and_drops_torn_ones(tmp_path):
 
     # A torn slot (its bytes no longer match their checksum) is dropped with everything below it.
     data = np.memmap(tmp_path / "kv_tier.bin", dtype=np.uint8, mode="r+")
-    entries = tier2._read_index(tmp_path / "kv_tier.index")
-    second = next(slot for slot, (e, _) in entries.items() if e.token_ids == tuple(doc[BLOCK:2 * BLOCK]))
+    second = _last_slot_of(tmp_path, identity, doc[BLOCK:2 * BLOCK])
     data[second * BlockIO(caches).block_bytes] ^= 0xFF
     data.flush()
     del data
@@ -154,6 +154,13 @@ def test_warm_restart_keeps_whole_paths_and_drops_torn_ones(tmp_path):
     tier4 = DiskTier(tmp_path, 16 * BlockIO(caches).block_bytes, BlockIO(caches), other)
     assert PrefixCache(BLOCK).attach_tier(tier4) == 0
     tier4.close()
+
+
+def _last_slot_of(folder, identity: TierIdentity, tokens) -> int:
+    """The slot the index last stored ``tokens`` in."""
+    records = [decode_line(identity.key().encode(), line)
+               for line in (folder / "kv_tier.index").read_bytes().splitlines(keepends=True)]
+    return [r["slot"] for r in records if r and r.get("tokens") == list(tokens)][-1]
 
 
 def test_greedy_tokens_are_the_same_from_pool_disk_or_recompute_and_after_a_restart(tmp_path):

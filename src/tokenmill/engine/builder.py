@@ -80,6 +80,8 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     problems = config.grammar_limits.problems()
     if problems:
         raise ValueError("grammar limits: " + "; ".join(problems))
+    if config.cache.kv_offload_bytes and config.cache.enable_prefix_caching:
+        check_disk_tier(config)
     torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
     device = torch.device(config.device)
     dtype_choice = _resolve_before_load(config, device)
@@ -128,6 +130,22 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
         structured=StructuredOutputs(tokenizer, loaded.config.vocab_size, sorted(tokenizer.eos_token_ids),
                                      limits=config.grammar_limits),
         speculator=build_speculator(config, loaded.config.vocab_size, device, max_len, kernels, tokenizer))
+
+
+def check_disk_tier(config: EngineConfig) -> None:
+    """What can be wrong with the disk tier's folder (another process holds it, it is not
+    ours, too little room), said before the model loads; ``attach_disk_tier`` holds it later."""
+    from .tier_files import TierFolder
+
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--kv-offload-bytes is not supported with tensor parallelism yet")
+    if not config.cache.kv_offload_dir:
+        raise ValueError("--kv-offload-bytes needs --kv-offload-dir (a local folder)")
+    folder = TierFolder.open(config.cache.kv_offload_dir)
+    try:
+        folder.check_room(int(config.cache.kv_offload_bytes or 0))
+    finally:
+        folder.close()
 
 
 def attach_disk_tier(config: EngineConfig, prefix_cache: PrefixCache, runner: ModelRunner, parallel: bool,

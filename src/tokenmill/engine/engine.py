@@ -428,7 +428,8 @@ def _tier_snapshot(tier: "DiskTier | None") -> TierSnapshot | None:
         return None
     st = tier.stats
     return TierSnapshot(tier.num_slots, tier.num_slots - len(tier.free_slots), tier.io.block_bytes,
-                        st.stored_blocks, st.restored_blocks, st.restore_seconds, st.dropped_blocks)
+                        st.stored_blocks, st.restored_blocks, st.restore_seconds, st.dropped_blocks,
+                        st.torn_blocks + st.rejected_blocks, st.errors, tier.disabled is not None)
 
 
 def _split_rows(sampled: list[Request]) -> tuple[list[int], list[tuple[Request, int]]]:

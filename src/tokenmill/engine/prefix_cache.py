@@ -252,6 +252,8 @@ class PrefixCache:
     def _take_slot(self) -> int | None:
         """A free disk slot, dropping the least recently used disk leaf if none is free."""
         assert self.tier is not None
+        if self.tier.disabled is not None:
+            return None
         if self.tier.free_slots:
             return self.tier.free_slots.pop()
         while self._disk_heap:
@@ -297,8 +299,9 @@ class PrefixCache:
                 namespace: int = 0) -> list[int]:
         """Continue a prompt's pool match (``have`` blocks, acquired by the caller) through
         nodes on disk: each gets a fresh pool block (ref count 1, the caller's) filled from its
-        slot. Returns those blocks, in order; stops where the pool has no room."""
-        if self.tier is None or have >= max_blocks:
+        slot. Returns those blocks, in order; stops where the pool has no room, and before a
+        slot that fails the tier's check (that node and everything below it leave the tree)."""
+        if self.tier is None or have >= max_blocks or self._tier_gone():
             return []
         node = self.root
         for i in range(have):
@@ -310,6 +313,10 @@ class PrefixCache:
                 break
             path.append(child)
             node = child
+        rows = self.tier.fetch([(n.slot, self._digest(n)) for n in path])
+        if len(rows) < len(path):  # failed its check: never served
+            self._remove(path[len(rows)])
+            path = path[:len(rows)]
         for n in path:  # the most recent now: making room below must not drop them
             n.last_used = next(self._clock)
         blocks: list[int] = []
@@ -329,7 +336,7 @@ class PrefixCache:
             n.parent.pool_children += 1
             self._stored([n])
             blocks.append(block)
-        self.tier.load_many(loads)  # one copy per pool tensor for the whole path
+        self.tier.load(blocks, rows)  # one copy per pool tensor for the whole path
         for slot, _ in loads:
             self.tier.free(slot)
         return blocks
@@ -339,6 +346,20 @@ class PrefixCache:
         them (the scheduler calls this at the end of each step's scheduling)."""
         if self.tier is not None:
             self.tier.flush_reads()
+            self._tier_gone()
+
+    def _tier_gone(self) -> bool:
+        """Whether the tier was turned off (an I/O error); the first call after that drops
+        every node on disk, so the tree holds the pool's blocks alone."""
+        assert self.tier is not None
+        if self.tier.disabled is None:
+            return False
+        self._drop_disk_nodes()
+        return True
+
+    def _drop_disk_nodes(self) -> None:
+        for node in [n for n in self._by_slot.values() if not n.parent.on_disk]:  # type: ignore[union-attr]
+            self._remove(node)
 
     def evict_all_idle(self) -> list[int]:
         """Drop every idle block and everything on disk (``/reset_prefix_cache``); return
@@ -348,8 +369,7 @@ class PrefixCache:
         try:
             while self._idle:
                 freed.append(self.evict_one())
-            for node in [n for n in self._by_slot.values() if not n.parent.on_disk]:  # type: ignore[union-attr]
-                self._remove(node)
+            self._drop_disk_nodes()
         finally:
             self._offload = True
         if self.events is not None and freed and not self._by_block:
@@ -407,7 +427,7 @@ class PrefixCache:
     def offload_all(self, pool: "BlockPool") -> int:
         """Copy every idle pool block to the tier (a clean shutdown: the next process finds
         them); returns how many. The pool blocks stay where they are."""
-        if self.tier is None:
+        if self.tier is None or self._tier_gone():
             return 0
         moved = 0
         while self._idle and self.tier.free_slots:

@@ -37,6 +37,9 @@ class TierSnapshot:
     restored_blocks: int
     restore_seconds: float
     dropped_blocks: int
+    rejected_blocks: int = 0  # entries that failed their check (at start or on restore) and were dropped
+    errors: int = 0  # I/O errors; the first turned the tier off
+    disabled: bool = False
 
 
 @dataclass(frozen=True)

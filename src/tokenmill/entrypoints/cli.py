@@ -58,10 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     from ..model.support import UnsupportedModel
+    from ..unsupported import StartupRefused
 
     try:
         return int(args.func(args) or 0)
-    except UnsupportedModel as exc:  # one line naming what is not supported and what is; no traceback
+    except (UnsupportedModel, StartupRefused) as exc:  # one line naming what is not supported and what is; no traceback
         print(f"tokenmill {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -161,7 +161,14 @@ class _TokenmillOnly(Collector):
                     ("tokenmill:kv_tier_restore_seconds", "Time spent restoring blocks from the disk tier.",
                      t.restore_seconds, CounterMetricFamily),
                     ("tokenmill:kv_tier_dropped_blocks", "Blocks the full disk tier dropped (least recently used).",
-                     t.dropped_blocks, CounterMetricFamily)):
+                     t.dropped_blocks, CounterMetricFamily),
+                    ("tokenmill:kv_tier_rejected_blocks", "Disk tier entries that failed their checksum or path "
+                     "check (at start or on restore) and were dropped, never served.", t.rejected_blocks,
+                     CounterMetricFamily),
+                    ("tokenmill:kv_tier_errors", "I/O errors of the disk tier (the first turns it off).",
+                     t.errors, CounterMetricFamily),
+                    ("tokenmill:kv_tier_disabled", "1 once an I/O error turned the disk tier off (the server "
+                     "goes on without it).", int(t.disabled), GaugeMetricFamily)):
                 m = family(name, doc, labels=["model_name"])
                 m.add_metric([self.model_name], value)
                 yield m

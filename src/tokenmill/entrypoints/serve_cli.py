@@ -121,7 +121,8 @@ def add_engine_arguments(p: Any) -> None:
                         "20G, 20GiB) and restored on a prefix hit instead of recomputed; kept across restarts "
                         "of the same model (default off; needs --kv-offload-dir)")
     p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
-                   help="folder of the disk tier (memory-mapped slots and their index)")
+                   help="folder of the disk tier (preallocated slots and their index): one server at a time "
+                        "(locked; a second is refused), owned by this user and writable by nobody else")
     p.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
                    help="share of memory for the weights and the KV pool together: of the GPU's memory on CUDA; "
                         "on CPU, of the host memory available at start (MemAvailable). The KV pool never "
@@ -236,7 +237,8 @@ def _positive_seconds(value: str) -> float:
 _ONE_MODEL_FLAGS = (("served_model_name", "--served-model-name"), ("enable_lora", "--enable-lora"),
                     ("lora_modules", "--lora-modules"), ("kv_events_config", "--kv-events-config"),
                     ("capture_traffic", "--capture-traffic"), ("speculative_config", "--speculative-config"),
-                    ("tokenizer", "--tokenizer"), ("chat_template", "--chat-template"))
+                    ("tokenizer", "--tokenizer"), ("chat_template", "--chat-template"),
+                    ("kv_offload_dir", "--kv-offload-dir"))  # one process, one model per tier folder
 
 
 def finalize_model_set(args: argparse.Namespace) -> str | None:
