@@ -219,3 +219,14 @@ def test_an_io_error_turns_the_tier_off_and_the_engine_goes_on(tmp_path, monkeyp
     assert 'tokenmill:kv_tier_disabled{model_name="tiny"} 1.0' in text
     assert 'tokenmill:kv_tier_errors_total{model_name="tiny"}' in text
     tiered.engine.close()
+
+
+def test_several_models_cannot_share_one_tier_folder(tmp_path):
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_cli import finalize_serve_args
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    args = build_parser().parse_args(["serve", "--model", str(a), "--model", str(b), "--kv-offload-bytes", "1G",
+                                      "--kv-offload-dir", str(tmp_path / "tier")])
+    assert finalize_serve_args(args).startswith("--kv-offload-dir is for one model")
