@@ -214,18 +214,18 @@ class DiskTier:
     def _open(self) -> list[SlotEntry]:
         """Reserve the data file; return the entries a previous process left that are whole, and
         rewrite the index with just those."""
-        for name in (META_NAME, DATA_NAME, INDEX_NAME):  # links and foreign files refused before any use
-            if self.folder.exists(name):
-                os.close(self.folder.open_file(name, os.O_RDONLY))
-        reuse = self._header_matches()
-        if not reuse:
-            for name in (DATA_NAME, INDEX_NAME):
-                if self.folder.exists(name):
-                    os.unlink(name, dir_fd=self.folder.dir_fd)
-        self._data_fd = self.folder.open_file(DATA_NAME, os.O_RDWR | os.O_CREAT)
-        self.folder.reserve(self._data_fd, self.num_slots * self.io.block_bytes)
-        entries = self._read_index() if reuse else {}
         try:
+            for name in (META_NAME, DATA_NAME, INDEX_NAME):  # links and foreign files refused before any use
+                if self.folder.exists(name):
+                    os.close(self.folder.open_file(name, os.O_RDONLY))
+            reuse = self._header_matches()
+            if not reuse:
+                for name in (DATA_NAME, INDEX_NAME):
+                    if self.folder.exists(name):
+                        os.unlink(name, dir_fd=self.folder.dir_fd)
+            self._data_fd = self.folder.open_file(DATA_NAME, os.O_RDWR | os.O_CREAT)
+            self.folder.reserve(self._data_fd, self.num_slots * self.io.block_bytes)
+            entries = self._read_index() if reuse else {}
             self.folder.replace(META_NAME, [json.dumps({"identity": self._salt.decode(),
                                                         "slot_bytes": self.io.block_bytes,
                                                         "identity_fields": asdict(self.identity)}).encode()])
@@ -299,6 +299,7 @@ class DiskTier:
         self.folder.replace(INDEX_NAME, list(self._lines.values()))
         if self._index_fd >= 0:
             os.close(self._index_fd)
+            self._index_fd = -1
         self._index_fd = self.folder.open_file(INDEX_NAME, os.O_WRONLY | os.O_APPEND)
         self._appended = 0
 
@@ -358,7 +359,8 @@ class DiskTier:
             return pending  # not written yet: this process's own bytes
         row = np.empty(self.io.block_bytes, dtype=np.uint8)
         try:
-            ok = record is not None and record.digest == digest and crc is not None and self._read_slot(slot, row) == crc
+            ok = (record is not None and record.digest == digest and crc is not None
+                  and self._read_slot(slot, row) == crc)
         except OSError as exc:
             self._fail(exc, "reading")
             return None

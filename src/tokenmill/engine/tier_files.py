@@ -89,8 +89,11 @@ class TierFolder:
                               "blocks: give each server its own folder") from None
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        os.ftruncate(self.lock_fd, 0)
-        os.pwrite(self.lock_fd, json.dumps(me).encode(), 0)
+        try:
+            os.ftruncate(self.lock_fd, 0)
+            write_all(self.lock_fd, json.dumps(me).encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds all the same, only its holder goes unnamed
 
     def _holder(self) -> str:
         try:
@@ -134,7 +137,7 @@ class TierFolder:
 
     def replace(self, name: str, chunks: list[bytes]) -> None:
         """Write ``name`` whole: a temporary file, synced, then renamed over it (OSError on failure)."""
-        tmp = f".{name}.{os.getpid()}.tmp"
+        tmp = f".{name}.tmp"  # one writer: the folder is locked
         try:
             os.unlink(tmp, dir_fd=self.dir_fd)  # left by a crash; a link is removed, not followed
         except FileNotFoundError:
