@@ -177,7 +177,10 @@ class TierFolder:
         if os.fstat(fd).st_size > size:
             os.ftruncate(fd, size)
         try:
-            os.posix_fallocate(fd, 0, size)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, size)
+            else:  # macOS: no fallocate; zeros written are allocated all the same
+                _write_zeros(fd, os.fstat(fd).st_size, size)
         except OSError as exc:
             raise TierRefused(f"--kv-offload-bytes: cannot reserve {_mib(size)} in {self.path} "
                               f"({exc.strerror}; {_mib(self.free_bytes())} free)") from None
@@ -196,6 +199,12 @@ def write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _write_zeros(fd: int, start: int, end: int) -> None:
+    zeros = bytes(1 << 20)
+    for offset in range(start, end, len(zeros)):
+        write_all(fd, zeros[:min(len(zeros), end - offset)], offset)
 
 
 def read_into(fd: int, buf: memoryview, offset: int) -> None:
