@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
-from ..engine.fairness import ADMIT_SHARE
+from ..engine.fairness import ADMIT_SHARE, make_queue_order
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..engine.limits import LimitError, RequestLimits
 from ..tracing import CURRENT_SPAN
@@ -217,6 +217,10 @@ class ServerState:
         self.room = WaitingRoom()
         self._shares: tuple[Any, RoomShares] | None = None  # (the tenant table they were made of, shares)
         self.compiles = CompileRoom(self.engine.structured.limits.queue_size)
+        # the scheduler's queue order as admission judges backlogs by (its settings only: the
+        # queues themselves come from the engine's published stats); None under FCFS
+        sched = self.engine.config.scheduler
+        self.queue_order = make_queue_order(sched.scheduling_policy, sched.starvation_bound_s)
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
 
@@ -361,10 +365,13 @@ class ServerState:
         """429 for a request whose queue (its class, and its tenant under fair share) is
         already too long for it to start within the starvation bound (engine/fairness.py:
         ``backlog``): its class is over what the engine serves, and queueing it would only
-        make it, and those behind it, wait past the bound."""
-        order = self.engine.scheduler.order
-        expected = self.engine.scheduler.backlog(placement)
-        if order is None or expected is None:
+        make it, and those behind it, wait past the bound. Reads the queues as the engine
+        last published them (``EngineStats.queue_heads``), not the scheduler itself."""
+        order = self.queue_order
+        if order is None:
+            return
+        expected = order.backlog(self.engine.stats.queue_heads, placement, time.monotonic())
+        if expected is None:
             return
         self.metrics.rejected.labels("class_backlog").inc()
         self.usage.rejected(placement.tenant)
