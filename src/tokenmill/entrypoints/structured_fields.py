@@ -5,7 +5,8 @@ extra fields (``guided_json``/``guided_regex``/``guided_choice``/
 ``guided_grammar`` and the newer ``structured_outputs`` object) all land
 here; at most one may be given. ``check_grammar`` compiles the grammar
 before the request reaches the engine, so a schema the engine cannot
-enforce is a 400 naming the unsupported part, not free text later.
+enforce is a 400 naming the unsupported part, not free text later. It runs
+after the tenant checks (``ServerState.check_admission``), never before.
 """
 from __future__ import annotations
 
