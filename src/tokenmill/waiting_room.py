@@ -65,20 +65,21 @@ class RoomShares:
     capacity: int
     weights: dict[str, float]
     classes: tuple[int, ...]
+    total_weight: float = 0.0
 
     @classmethod
     def of(cls, capacity: int, tenants: Iterable[tuple[str, float, int]]) -> "RoomShares":
         """From (name, weight, priority class) of each tenant."""
         listed = list(tenants)
-        return cls(capacity, {name: weight for name, weight, _ in listed},
-                   tuple(sorted({klass for _, _, klass in listed})))
+        weights = {name: weight for name, weight, _ in listed}
+        return cls(capacity, weights, tuple(sorted({klass for _, _, klass in listed})), sum(weights.values()))
 
     def share(self, tenant: str) -> float:
         """The part of the room reserved for ``tenant``: the reserved half, by weight."""
         weight = self.weights.get(tenant)
         if weight is None:
             return 0.0
-        return RESERVED * self.capacity * weight / sum(self.weights.values())
+        return RESERVED * self.capacity * weight / self.total_weight
 
     def rank(self, priority_class: int) -> int:
         """How many of the tenants' classes are better than ``priority_class``."""

@@ -321,8 +321,7 @@ class ServerState:
         keys file is reloaded)."""
         table = self.tenants.table
         if self._shares is None or self._shares[0] is not table:
-            assert self.settings.max_waiting is not None
-            self._shares = table, RoomShares.of(self.settings.max_waiting, (
+            self._shares = table, RoomShares.of(self.settings.max_waiting or 0, (
                 (t.name, t.weight, t.priority_class) for t in self.tenants.callers()))
         return self._shares[1]
 
