@@ -4,6 +4,7 @@ counters (/metrics, /v1/usage, `tokenmill usage`) equal the responses' usage."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -176,8 +177,10 @@ def test_a_class_whose_queue_is_past_the_bound_gets_429_and_the_others_do_not(ap
     (its class and tenant under fair share) would make a newcomer wait past the bound,
     its request gets 429 ``class_backlog``; the chat tenant's is served."""
     state = app.state.tokenmill
-    scheduler, bound = state.engine.scheduler, state.engine.scheduler.order.starvation_bound_s
-    scheduler.queue_heads = {("batch", 4): QueueHead(time.monotonic() - 0.9 * bound, waiting=3)}
+    engine, bound = state.engine, state.engine.scheduler.order.starvation_bound_s
+    # as the engine would publish it after a step (admission reads the published snapshot)
+    engine.stats = dataclasses.replace(engine.stats, queue_heads={
+        ("batch", 4): QueueHead(time.monotonic() - 0.9 * bound, waiting=3)})
     try:
         refused, = send(app, ("POST", "/v1/completions", completion(), "batch-key"))
         assert refused.status_code == 429, refused.text
@@ -187,7 +190,7 @@ def test_a_class_whose_queue_is_past_the_bound_gets_429_and_the_others_do_not(ap
         served, = send(app, ("POST", "/v1/completions", completion(), "chat-key"))
         assert served.status_code == 200
     finally:
-        scheduler.queue_heads = {}
+        engine.stats = dataclasses.replace(engine.stats, queue_heads={})
 
 
 def test_the_wait_before_the_engine_counts_toward_the_bound(app):

@@ -62,6 +62,18 @@ class TenantGate:
     def admit(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> None:
         """Count ``requests`` engine requests of ``sequences`` sequences that may cost
         ``tokens`` against ``tenant``, or raise TenantLimited (and count nothing)."""
+        load = self.load(tenant.name)
+        bucket = self.check(tenant, requests, sequences, tokens)
+        if bucket is not None:
+            load.bucket = bucket - tokens
+        load.inflight += requests
+        load.queued += sequences
+
+    def check(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> float | None:
+        """Raise TenantLimited when ``admit`` would; count nothing. Also asked before a
+        request's costly preparation (compiling its grammar), with what is known of it
+        then, so a tenant past a limit never takes a place in the shared compile queue.
+        Returns the refilled tokens-per-minute bucket (None: the tenant has no such limit)."""
         limits, load, now = tenant.limits, self.load(tenant.name), self.clock()
         if limits.max_inflight is not None and load.inflight + requests > limits.max_inflight:
             raise TenantLimited("tenant_inflight_limit",
@@ -80,9 +92,8 @@ class TenantGate:
                 raise TenantLimited("tenant_token_rate_limit",
                                     f"tenant {tenant.name!r} is over its {tpm} tokens per minute (this request "
                                     f"may use {tokens}); retry in {wait}s", max(1, wait))
-            load.bucket = bucket - tokens
-        load.inflight += requests
-        load.queued += sequences
+            return bucket
+        return None
 
     def started(self, name: str, sequences: int) -> None:
         """``sequences`` of the tenant produced their first token (or ended before it)."""

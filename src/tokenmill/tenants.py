@@ -203,6 +203,15 @@ class TenantDirectory:
     def tenant(self, name: str) -> Tenant:
         return self.table.tenants.get(name, DEFAULT_TENANT)
 
+    def callers(self) -> list[Tenant]:
+        """The tenants a request can come as: the keys file's, and the default tenant when a
+        plain ``--api-key`` (or no key at all) admits callers as it. The server divides its
+        waiting room between these (waiting_room.py)."""
+        tenants = dict(self.table.tenants)
+        if self._default or not self.enabled:
+            tenants.setdefault(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
+        return list(tenants.values())
+
     def label(self, name: str) -> str:
         """The metric label for tenant ``name``: itself when the file (or the default) holds it."""
         return name if name == DEFAULT_TENANT_NAME or name in self.table.tenants else OTHER_TENANT_LABEL

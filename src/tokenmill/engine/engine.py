@@ -391,7 +391,8 @@ class LLMEngine:
             spec=None if spec is None else SpecSnapshot(
                 spec.stats.num_drafts, spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens,
                 tuple(spec.stats.accepted_per_position)),
-            tier=_tier_snapshot(cache.tier if cache is not None else None))
+            tier=_tier_snapshot(cache.tier if cache is not None else None),
+            queue_heads=self.scheduler.queue_heads)  # replaced whole each step, never changed in place
 
     def close(self) -> None:
         """Stop tensor-parallel workers and grammar compile workers; with a disk tier, copy

@@ -14,7 +14,9 @@ after), which the grammar cache is bounded by.
 
 The queue in front of the workers is bounded (``GrammarBusy`` past it: a
 429) and first come, first served; cached grammars never enter it, and
-plain requests never touch it. Grammars that crashed a worker are
+plain requests never touch it. The server shares it out before submitting
+(waiting_room.py: ``CompileRoom``, per tenant and for the best class), after
+the tenant's limits, so a tenant past them never takes a place in it. Grammars that crashed a worker are
 remembered (by digest) and refused at once afterwards.
 
 Protocol: 4-byte big-endian length + JSON, over the worker's stdin/stdout;

@@ -11,7 +11,10 @@ snapshot, not the engine with all its structures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Mapping, Protocol
+
+if TYPE_CHECKING:
+    from .fairness import QueueHead
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     spec: SpecSnapshot | None = field(default=None)
     tier: TierSnapshot | None = field(default=None)
+    # each waiting queue's oldest request and drain (fairness.py: QueueHead), which the
+    # server's admission judges a class's backlog by; empty under FCFS
+    queue_heads: "Mapping[tuple[str | None, int], QueueHead]" = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:

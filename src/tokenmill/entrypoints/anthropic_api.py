@@ -457,7 +457,7 @@ async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[by
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state = await get_state(request).serving_for(body.model, request.scope)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    job, plan = await prepare_chat(state, to_chat(body), message_id)
+    job, plan = await prepare_chat(state, to_chat(body), message_id, tenant_of(request.scope))
     job.endpoint = "messages"
     state.reserve([job], tenant_of(request.scope))
     spec = _Spec(message_id, body.model or state.model_name, body, plan,

@@ -25,7 +25,7 @@ from .protocol import (ChatCompletionRequest, ChatCompletionResponse, Completion
                        ErrorResponse, _SamplingFields)
 from .request_fields import ignored_headers, judge_extra
 from .serving import Job, ServerState, as_api_error, session_of
-from ..tenants import tenant_of
+from ..tenants import Tenant, tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from .tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
 from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
@@ -238,12 +238,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     headers = ignored_headers(judge_extra(body.model_extra, "completions"))
     request_id = _new_id("cmpl")
     grammar, grammar_param = grammar_spec(body)
+    prompts = body.prompts()
+    tenant = tenant_of(request.scope)
+    # before any tokenizing or compiling: a request its tenant may not send costs nothing
+    state.check_admission(tenant, len(prompts) * body.n, len(prompts), body.priority)
     if grammar is not None:
-        await check_grammar(state, grammar, grammar_param or "response_format")
+        await check_grammar(state, grammar, grammar_param or "response_format", tenant)
     jobs: list[Job] = []
     echo_texts: list[str] = []
-    prompts = body.prompts()
-    state.check_admissible(len(prompts) * body.n)  # before any tokenizing
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             state.check_text_fits(len(prompt), "prompt")
@@ -268,7 +270,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     for job in jobs:
         job.session = session_of(request.headers, body.user)
-    state.reserve(jobs, tenant_of(request.scope))
+    state.reserve(jobs, tenant)
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body))
@@ -281,23 +283,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             state.release(job)
 
 
-async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_id: str) -> tuple[Job, ToolPlan | None]:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_id: str,
+                       tenant: Tenant | None = None) -> tuple[Job, ToolPlan | None]:
     """Tools, grammar, prompt and sampling parameters of a chat request (also the
-    Responses API's, translated to chat): everything checked before the engine sees it."""
+    Responses API's, translated to chat): everything checked before the engine sees it.
+    ``tenant`` (the caller's) is asked about first, before any grammar is compiled."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings, state.tool_parser_hint)
     grammar, grammar_param = grammar_spec(body)
+    state.check_admission(tenant, body.n, 1, body.priority)
     if plan is not None:
         for schema, param in tool_schemas(plan):
-            await check_grammar(state, schema, param)
+            await check_grammar(state, schema, param, tenant)
         if plan.constrained:
             if grammar is not None:
                 raise APIError(400, f"{grammar_param}: cannot be combined with tool_choice {plan.mode!r}",
                                param=grammar_param)
             grammar, grammar_param = plan.grammar(), "tools"
     if grammar is not None:
-        await check_grammar(state, grammar, grammar_param or "response_format")
-    state.check_admissible(body.n)
+        await check_grammar(state, grammar, grammar_param or "response_format", tenant)
     state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
     prompt = await render_chat_async(state, body.messages, chat_render(body, tools))
     ids = truncate_prompt(await encode(state, prompt, body.add_special_tokens), body.truncate_prompt_tokens)
@@ -316,10 +320,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = await get_state(request).serving_for(body.model, request.scope)
     headers = ignored_headers(judge_extra(body.model_extra, "chat.completions") + template_ignored(state, body))
     request_id = _new_id("chatcmpl")
-    job, plan = await prepare_chat(state, body, request_id)
+    tenant = tenant_of(request.scope)
+    job, plan = await prepare_chat(state, body, request_id, tenant)
     job.arrival = arrived
     job.session = session_of(request.headers, body.user)
-    state.reserve([job], tenant_of(request.scope))
+    state.reserve([job], tenant)
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),

@@ -465,7 +465,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = previous.messages
     chat = to_chat(body, history)
     response_id = _new_id("resp")
-    job, plan = await prepare_chat(state, chat, response_id)
+    job, plan = await prepare_chat(state, chat, response_id, tenant_of(request.scope))
     job.endpoint = "responses"
     state.reserve([job], tenant_of(request.scope))
     keep = body.store is not False and store.capacity > 0

@@ -17,12 +17,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from ..cache_misses import MissClassifier
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
-from ..engine.fairness import ADMIT_SHARE
+from ..engine.fairness import ADMIT_SHARE, make_queue_order
 from ..engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ..engine.limits import LimitError, RequestLimits
 from ..tracing import CURRENT_SPAN
@@ -33,6 +33,7 @@ from .response_store import DEFAULT_STORE_BYTES
 from ..tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
 from ..tenants import DEFAULT_TENANT, Tenant, directory_from_args
+from ..waiting_room import CompileRoom, Refusal, RoomShares, WaitingRoom
 
 log = logging.getLogger("tokenmill.server")
 
@@ -211,6 +212,15 @@ class ServerState:
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
         self._cut: set[str] = set()
         self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
+        # --max-waiting divided fairly between tenants and classes, and the grammar-compile
+        # queue likewise (waiting_room.py); both counted here, on the event loop
+        self.room = WaitingRoom()
+        self._shares: tuple[Any, RoomShares] | None = None  # (the tenant table they were made of, shares)
+        self.compiles = CompileRoom(self.engine.structured.limits.queue_size)
+        # the scheduler's queue order as admission judges backlogs by (its settings only: the
+        # queues themselves come from the engine's published stats); None under FCFS
+        sched = self.engine.config.scheduler
+        self.queue_order = make_queue_order(sched.scheduling_policy, sched.starvation_bound_s)
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
 
@@ -251,37 +261,32 @@ class ServerState:
                            f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
                            param="n", code="too_many_sequences")
 
+    def check_admission(self, tenant: Tenant | None, sequences: int, requests: int = 1, priority: int = 0) -> None:
+        """Every refusal ``reserve`` could give this request, counting nothing: asked before
+        its costly preparation (tokenizing, compiling its grammar), so a tenant past its
+        share of the waiting room or one of its limits never takes a place in the shared
+        grammar-compile queue. Its cost in tokens is not known yet: one token stands for it."""
+        self.check_admissible(sequences)
+        tenant = tenant or DEFAULT_TENANT
+        self._admit(tenant, _placement(tenant, priority), requests, sequences, 1, count=False)
+
     def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
         """Admit jobs, or 429 with Retry-After when their sequences would take the
-        waiting queue past ``--max-waiting`` or ``tenant`` past one of its limits
-        (tenant_gate.py; that tenant only).
+        waiting queue past ``--max-waiting``, their tenant past its share of it
+        (waiting_room.py), or ``tenant`` past one of its limits (tenant_gate.py;
+        that tenant only).
 
         A streaming job reaches the engine only when its response starts, so
         admitted jobs count as waiting (``pending``) until ``stream_job``
-        submits them; check and count happen with no await in between, so
-        concurrent handlers cannot all slip past the bound."""
-        new = sum(job.params.n for job in jobs if not job.reserved)
-        limit = self.settings.max_waiting
-        if limit is not None:
-            self.check_admissible(new)
-            waiting = self.num_waiting()
-            if waiting + new > limit:
-                self.metrics.rejected.labels("queue_full").inc()
-                raise APIError(429, f"the server is at capacity ({waiting} sequences waiting, this request "
-                               f"adds {new}, limit {limit}); retry later", code="queue_full",
-                               headers={"Retry-After": str(self.settings.retry_after_s)})
+        submits them, and in the waiting room until their first token; check and
+        count happen with no await in between, so concurrent handlers cannot all
+        slip past the bound."""
         tenant = tenant or DEFAULT_TENANT
         fresh = [job for job in jobs if not job.held and not job.reserved]
         if fresh:
-            self._check_backlog(dataclasses.replace(fresh[0], tenant=tenant).placement)
-            try:
-                self.tenant_gate.admit(tenant, len(fresh), sum(j.params.n for j in fresh),
-                                       sum(_max_cost(j) for j in fresh))
-            except TenantLimited as exc:
-                self.metrics.rejected.labels(exc.code).inc()
-                self.usage.rejected(tenant.name)
-                raise APIError(429, str(exc), code=exc.code,
-                               headers={"Retry-After": str(exc.retry_after_s)}) from None
+            self.check_admissible(sum(j.params.n for j in fresh))
+            self._admit(tenant, dataclasses.replace(fresh[0], tenant=tenant).placement, len(fresh),
+                        sum(j.params.n for j in fresh), sum(_max_cost(j) for j in fresh), count=True)
         for job in fresh:
             job.tenant, job.held = tenant, True
         for job in jobs:
@@ -289,14 +294,83 @@ class ServerState:
                 job.reserved = True
                 self.pending += job.params.n
 
+    def _admit(self, tenant: Tenant, placement: Placement, requests: int, sequences: int, tokens: int,
+               count: bool) -> None:
+        """The one admission path: the waiting room's share, the class backlog, the tenant's
+        limits, in that order; with ``count``, what is admitted is counted in each."""
+        if self.settings.max_waiting is not None:
+            refusal = self.room.decide(self.room_shares(), tenant.name, tenant.priority_class, sequences)
+            if refusal is not None:
+                self._refuse(refusal, tenant)
+        self._check_backlog(placement)
+        try:
+            if count:
+                self.tenant_gate.admit(tenant, requests, sequences, tokens)
+            else:
+                self.tenant_gate.check(tenant, requests, sequences, tokens)
+        except TenantLimited as exc:
+            self.metrics.rejected.labels(exc.code).inc()
+            self.usage.rejected(tenant.name)
+            raise APIError(429, str(exc), code=exc.code,
+                           headers={"Retry-After": str(exc.retry_after_s)}) from None
+        if count:
+            self.room.add(tenant.name, sequences)
+
+    def room_shares(self) -> RoomShares:
+        """How ``--max-waiting`` is divided between the tenants now (made again when the
+        keys file is reloaded)."""
+        table = self.tenants.table
+        if self._shares is None or self._shares[0] is not table:
+            self._shares = table, RoomShares.of(self.settings.max_waiting or 0, (
+                (t.name, t.weight, t.priority_class) for t in self.tenants.callers()))
+        return self._shares[1]
+
+    def _refuse(self, refusal: Refusal, tenant: Tenant) -> None:
+        self.metrics.rejected.labels(refusal.code).inc()
+        if refusal.code.endswith("_share"):
+            self.usage.rejected(tenant.name)
+        headers = {"Retry-After": str(self.settings.retry_after_s)} if refusal.status == 429 else None
+        raise APIError(refusal.status, refusal.message, code=refusal.code, headers=headers,
+                       param="n" if refusal.status == 400 else None)
+
+    def hold_compile(self, tenant: Tenant | None) -> Callable[[], None]:
+        """A place in the grammar-compile queue for one of ``tenant``'s grammars, or a 429
+        when the tenant (or the classes worse than the best) already hold their part of
+        it (waiting_room.py). Returns the release, to call when the compilation is done
+        (idempotent; safe from any thread: it hops to the event loop)."""
+        tenant = tenant or DEFAULT_TENANT
+        shares = self.room_shares()
+        best = shares.rank(tenant.priority_class) == 0
+        refusal = self.compiles.decide(tenant.name, best, several=len(shares.weights) > 1)
+        if refusal is not None:
+            self._refuse(refusal, tenant)
+        self.compiles.add(tenant.name, best)
+        loop = asyncio.get_running_loop()
+        released = False
+
+        def release_here() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.compiles.remove(tenant.name, best)
+
+        def release() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to count
+                loop.call_soon_threadsafe(release_here)
+
+        return release
+
     def _check_backlog(self, placement: Placement) -> None:
         """429 for a request whose queue (its class, and its tenant under fair share) is
         already too long for it to start within the starvation bound (engine/fairness.py:
         ``backlog``): its class is over what the engine serves, and queueing it would only
-        make it, and those behind it, wait past the bound."""
-        order = self.engine.scheduler.order
-        expected = self.engine.scheduler.backlog(placement)
-        if order is None or expected is None:
+        make it, and those behind it, wait past the bound. Reads the queues as the engine
+        last published them (``EngineStats.queue_heads``), not the scheduler itself."""
+        order = self.queue_order
+        if order is None:
+            return
+        expected = order.backlog(self.engine.stats.queue_heads, placement, time.monotonic())
+        if expected is None:
             return
         self.metrics.rejected.labels("class_backlog").inc()
         self.usage.rejected(placement.tenant)
@@ -322,8 +396,15 @@ class ServerState:
         job.held = False
         tenant = job.tenant or DEFAULT_TENANT
         if not started:
-            self.tenant_gate.started(tenant.name, job.params.n)
+            self._started(job)
         self.tenant_gate.finished(tenant, 1, _max_cost(job) - len(job.prompt_ids) - output_tokens)
+
+    def _started(self, job: Job) -> None:
+        """A held job's sequences produced their first token (or it ended before): they
+        leave the tenant's queued count and the waiting room."""
+        name = (job.tenant or DEFAULT_TENANT).name
+        self.tenant_gate.started(name, job.params.n)
+        self.room.remove(name, job.params.n)
 
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
@@ -441,7 +522,7 @@ class ServerState:
                     cached = delta.num_cached_tokens
                     self._classify_miss(job, cached)
                     if job.held:
-                        self.tenant_gate.started((job.tenant or DEFAULT_TENANT).name, n)
+                        self._started(job)
                     self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
                     self.metrics.req_prompt.observe(delta.num_prompt_tokens)
                 else:
@@ -562,6 +643,11 @@ class ServerState:
             self.capture.close()
         if self._owns_shared:
             self.shared.close()
+
+
+def _placement(tenant: Tenant, priority: int) -> Placement:
+    """Where the scheduler would place a request of ``tenant`` (``Job.placement``)."""
+    return Placement(tenant.name, tenant.priority_class, tenant.weight, priority)
 
 
 def _max_cost(job: Job) -> int:

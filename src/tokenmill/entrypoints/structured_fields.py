@@ -5,7 +5,8 @@ extra fields (``guided_json``/``guided_regex``/``guided_choice``/
 ``guided_grammar`` and the newer ``structured_outputs`` object) all land
 here; at most one may be given. ``check_grammar`` compiles the grammar
 before the request reaches the engine, so a schema the engine cannot
-enforce is a 400 naming the unsupported part, not free text later.
+enforce is a 400 naming the unsupported part, not free text later. It runs
+after the tenant checks (``ServerState.check_admission``), never before.
 """
 from __future__ import annotations
 
@@ -123,14 +124,25 @@ _WHAT = {"json": "the JSON schema", "json_object": "JSON output", "regex": "the 
          "grammar": "the grammar"}
 
 
-async def check_grammar(state: Any, spec: GrammarSpec, param: str) -> None:
+async def check_grammar(state: Any, spec: GrammarSpec, param: str, tenant: Any = None) -> None:
     """Compile ``spec`` off the event loop (a worker process first, engine/grammar_worker.py):
     a 400 naming what cannot be enforced or which limit it is over, a 429 when too many
-    grammars already wait to be compiled."""
+    grammars already wait to be compiled, or ``tenant`` already has its part of that queue
+    (``ServerState.hold_compile``; it holds its place until the compilation ends, even
+    when the client leaves first). Handlers ask ``check_admission`` before this, so a
+    request its tenant could not send never enters the queue."""
+    release = state.hold_compile(tenant)
     try:
-        # the size checks and the cache key read the whole schema: off the event loop too
-        pending = await asyncio.to_thread(state.engine.structured.prepare, spec)
-        await asyncio.wrap_future(pending)
+        try:
+            # the size checks and the cache key read the whole schema: off the event loop too
+            pending = await asyncio.to_thread(state.engine.structured.prepare, spec)
+        except BaseException:
+            release()
+            raise
+        pending.add_done_callback(lambda _: release())
+        # a client that leaves does not cancel the compilation under way (it still takes a
+        # worker): shielded, the place is given back when the compilation ends
+        await asyncio.shield(asyncio.wrap_future(pending))
     except GrammarBusy as exc:
         raise APIError(429, f"{param}: {exc}", param=param, code="grammar_queue_full",
                        headers={"Retry-After": "1"}) from None
