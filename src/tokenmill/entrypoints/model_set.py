@@ -362,15 +362,18 @@ class ModelSetState:
         self.shared.close()
 
 
-def model_cards(models: ModelSet) -> Iterator[dict[str, Any]]:
+def model_cards(models: ModelSet, show_errors: bool = True) -> Iterator[dict[str, Any]]:
     """``/v1/models`` entries of a model set: every configured model and whether it is in memory
-    (llama.cpp's ``status`` field)."""
+    (llama.cpp's ``status`` field). ``root`` is the model's name, not its file: the cards show
+    no server path; a failed load's reason (which may name one) only with ``show_errors``
+    (the operator's cards)."""
     for entry in models.entries():
-        card: dict[str, Any] = {"id": entry.spec.name, "root": entry.spec.path,
+        card: dict[str, Any] = {"id": entry.spec.name, "root": entry.spec.name,
                                 "max_model_len": entry.max_model_len, "status": {"value": entry.status}}
         if entry.error and entry.status == UNLOADED:
             card["status"]["failed"] = True
-            card["status"]["error"] = entry.error
+            if show_errors:
+                card["status"]["error"] = entry.error
         yield card
 
 
