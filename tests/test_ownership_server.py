@@ -245,3 +245,20 @@ def test_metrics_name_no_tenant_by_default(world):
     text = client.get("/metrics").text
     assert "tokenmill:tenant_output_tokens_total" in text
     assert not any(name in text for name in ("alice", "bob", "carol"))
+
+
+def test_tokenmill_usage_reads_every_tenant_with_the_operator_key(world, capsys):
+    import argparse
+
+    from tokenmill.bench.usage import usage_main
+
+    client = world["client"]
+    assert complete(client, "bob-key", "tiny").status_code == 200
+    url = str(client.base_url).rstrip("/")
+    args = argparse.Namespace(metrics=url, capture=None, baseline=None, cost_per_hour=2.0, duration=60.0,
+                              json=True, api_key=OP)
+    assert usage_main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {"alice", "bob", "carol", "default"} <= {t["tenant"] for t in report["tenants"]}
+    # without the key, /metrics alone has no tenant to bill
+    assert usage_main(argparse.Namespace(**{**vars(args), "api_key": None})) == 1
