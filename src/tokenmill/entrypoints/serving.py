@@ -645,6 +645,9 @@ def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     for name, path in settings.lora_modules:
         if name in settings.served_model_names:
             raise ValueError(f"--lora-modules: {name!r} is the base model's name")
-        manager.register_now(name, path)
+        try:
+            manager.register_now(name, path)
+        except ValueError as exc:  # LoraError: its message names no folder, the operator's flag does
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
         log.info("LoRA adapter %r registered from %s", name, path)
     return manager
