@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 from .errors import APIError
 from .heap import trim_heap
 from .serving import ServerSettings, ServerShared, ServerState, model_not_found
+from ..tenants import is_operator, tenant_of
 
 log = logging.getLogger("tokenmill.server")
 
@@ -345,7 +346,14 @@ class ModelSetState:
         leases = scope.get(LEASES_KEY) if scope is not None else None
         if leases is None:
             raise RuntimeError("a model lease needs the app's GateMiddleware to end it")
-        state = await self.models.acquire(name)
+        try:
+            state = await self.models.acquire(name)
+        except APIError as exc:
+            if exc.code == "model_load_failed" and not is_operator(tenant_of(scope)):
+                # the reason may name a server path: the operator's to read (its /v1/models shows it)
+                raise APIError(500, f"model `{name}` failed to load", param="model",
+                               code="model_load_failed") from None
+            raise
         leases.append(lambda: self.models.release(name))
         return state
 
