@@ -268,6 +268,7 @@ def test_router_routes_to_a_replica_listing_an_unloaded_model():
     assert ids == {"alpha", "beta"} and not adapters  # an unloaded model is still served there
 
 
+@pytest.mark.slow
 def test_a_tenant_sees_no_server_path_of_a_model_set(model_dir, tmp_path):
     """/v1/models' root is a name, and a failed load's reason (which names the folder) is the
     operator's to read: a tenant gets the failure without it."""
