@@ -225,13 +225,14 @@ def test_response_store_is_lru():
     store = ResponseStore(2)
     for name in "abc"[:2]:
         store.put(name, StoredResponse({"id": name}, []))
-    assert store.get("a") is not None  # a is now the most recent
+    assert store.get("a", caller=None) is not None  # a is now the most recent
     store.put("c", StoredResponse({"id": "c"}, []))
-    assert store.get("b") is None and store.get("a") is not None and len(store) == 2 and store.evicted == 1
-    assert store.delete("a") and not store.delete("a")
+    assert store.get("b", caller=None) is None and store.get("a", caller=None) is not None
+    assert len(store) == 2 and store.evicted == 1
+    assert store.delete("a", caller=None) and not store.delete("a", caller=None)
     empty = ResponseStore(0)
     empty.put("x", StoredResponse({}, []))
-    assert empty.get("x") is None
+    assert empty.get("x", caller=None) is None
 
 
 def test_a_response_larger_than_the_store_is_not_kept():
@@ -266,11 +267,13 @@ def test_response_store_is_bounded_in_bytes():
         assert store.put(name, _sized(name, 1000))
     assert store.bytes == 3 * one and len(store) == 3
     assert store.put("d", _sized("d", 1000))  # a fourth pushes out the least recently used
-    assert store.get("a") is None and len(store) == 3 and store.evicted == 1
-    assert not store.put("huge", _sized("huge", 10 * one)) and store.get("huge") is None and store.refused == 1
+    assert store.get("a", caller=None) is None and len(store) == 3 and store.evicted == 1
+    assert not store.put("huge", _sized("huge", 10 * one))
+    assert store.get("huge", caller=None) is None and store.refused == 1
     assert len(store) == 3  # refusing it evicted nothing
     assert store.put("b", _sized("b", 2000))  # replacing an entry counts its new size only; c goes
-    assert store.get("c") is None and store.bytes == entry_bytes(_sized("d", 1000)) + entry_bytes(_sized("b", 2000))
+    assert store.get("c", caller=None) is None
+    assert store.bytes == entry_bytes(_sized("d", 1000)) + entry_bytes(_sized("b", 2000))
 
 
 @settings(max_examples=60, deadline=None)
@@ -291,9 +294,9 @@ def test_response_store_bounds_hold_after_any_operations(ops, capacity, max_byte
                 model[name] = entry_bytes(_sized(name, size))
             assert stored == (capacity > 0 and entry_bytes(_sized(name, size)) <= max_bytes)
         elif op == "get":
-            assert (store.get(name) is not None) == (name in model and name in store._entries)
+            assert (store.get(name, caller=None) is not None) == (name in model and name in store._entries)
         else:
-            store.delete(name)
+            store.delete(name, caller=None)
             model.pop(name, None)
         model = {k: v for k, v in model.items() if k in store._entries}  # what eviction took
         assert store.bytes == sum(v for _, v in store._entries.values()) == sum(model.values())

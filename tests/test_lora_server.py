@@ -55,7 +55,7 @@ def test_models_lists_adapters_with_parent(app, made):
     by_id = {m["id"]: m for m in data}
     assert by_id["tiny"].get("parent") is None
     for name in ("a", "b", "c"):
-        assert by_id[name]["parent"] == "tiny" and by_id[name]["root"] == made[name][0]
+        assert by_id[name]["parent"] == "tiny" and by_id[name]["root"] == name  # a name, never the folder
     assert call(app, "GET", "/v1/models/b").json()["parent"] == "tiny"
 
 

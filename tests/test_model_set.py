@@ -266,3 +266,33 @@ def test_router_routes_to_a_replica_listing_an_unloaded_model():
                      {"id": "beta", "status": {"value": "unloaded"}}]}
     ids, adapters = parse_models(body)
     assert ids == {"alpha", "beta"} and not adapters  # an unloaded model is still served there
+
+
+@pytest.mark.slow
+def test_a_tenant_sees_no_server_path_of_a_model_set(model_dir, tmp_path):
+    """/v1/models' root is a name, and a failed load's reason (which names the folder) is the
+    operator's to read: a tenant gets the failure without it."""
+    from tokenmill.tenants import hash_key
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"tenants": {"team": {}}, "keys": [{"sha256": "%s", "tenant": "team"}]}' % hash_key("team-key"))
+    app = set_app("--model", str(model_dir / "alpha"), "--model", str(broken), "--api-key", "op-key",
+                  "--api-keys-file", str(keys))
+    team, op = {"Authorization": "Bearer team-key"}, {"Authorization": "Bearer op-key"}
+    try:
+        with ThreadServer(app) as srv:
+            failed = httpx.post(srv.url + "/v1/completions", json={**GREEDY, "model": "broken"}, headers=team,
+                                timeout=60)
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "model_load_failed"
+            assert str(tmp_path) not in failed.text
+            listed = httpx.get(srv.url + "/v1/models", headers=team, timeout=10)
+            assert listed.status_code == 200 and str(tmp_path) not in listed.text
+            assert str(model_dir) not in listed.text
+            assert {c["root"] for c in listed.json()["data"]} == {"alpha", "broken"}
+            cards = {c["id"]: c for c in httpx.get(srv.url + "/v1/models", headers=op, timeout=10).json()["data"]}
+            assert cards["broken"]["status"]["failed"] and cards["broken"]["status"]["error"]
+    finally:
+        app.state.tokenmill.close()

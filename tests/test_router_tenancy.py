@@ -123,3 +123,20 @@ def test_objectives_and_estimates():
     tenancy = RouterTenancy(None, table)
     caller = tenancy.caller({"x-gateway-inference-fairness-id": "team-a"}, "any")
     assert caller.tenant is None and caller.fairness_id == "team-a"  # no keys file: passed through
+
+
+@pytest.mark.timeout(30)
+def test_a_stored_response_is_asked_for_as_the_callers_tenant(tmp_path):
+    """GET / DELETE /v1/responses/{id} reach the replica with the router's key: the replica
+    must hear whose request it is (its owner check), and not whom the caller claims to be."""
+    replicas = Replicas()
+    replicas.gate.set()
+
+    async def body(client):
+        claim = {"Authorization": "Bearer chat-key", "x-gateway-inference-fairness-id": "batch"}
+        await client.get("/v1/responses/resp_1", headers=claim)
+        await client.delete("/v1/responses/resp_1", headers={"Authorization": "Bearer batch-key"})
+
+    asyncio.run(_with_router(tmp_path, replicas, body))
+    seen = [h.get("x-gateway-inference-fairness-id") for _, h in replicas.seen]
+    assert seen == ["chat", "batch"]  # each answered by the first replica asked

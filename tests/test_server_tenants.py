@@ -32,7 +32,7 @@ def app(tmp_path_factory):
         "  batch: {priority_class: batch, tokens_per_minute: 120, max_inflight: 4}\n"
         "keys:\n" + "".join(f"  - {{sha256: {hash_key(k)}, tenant: {t}}}\n" for k, t in KEYS.items()))
     app = make_tiny_app({"scheduling_policy": "fair", "max_num_seqs": 4}, api_key="operator",
-                        api_keys_file=str(path))
+                        api_keys_file=str(path), metrics_tenant_labels=True)
     mount_console(app, ui=False)
     yield app
     app.state.tokenmill.aengine.shutdown()

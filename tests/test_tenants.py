@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -25,7 +26,9 @@ def test_keys_map_to_tenants_and_plain_api_keys_to_the_default(tmp_path):
     chat = directory.lookup("k-chat")
     assert chat == Tenant("chat", 1, 4.0, TenantLimits(tokens_per_minute=1000))
     assert directory.lookup("k-batch").priority_class == 4
-    assert directory.lookup("operator") == DEFAULT_TENANT
+    # an --api-key key is the default tenant, marked as the operator; a keys-file key never is
+    assert directory.lookup("operator") == replace(DEFAULT_TENANT, operator=True)
+    assert not chat.operator
     assert directory.lookup("wrong") is None and directory.lookup("") is None
     assert directory.names() == ["default", "batch", "chat"]
     assert directory.label("chat") == "chat" and directory.label("made-up") == "other"
@@ -100,7 +103,8 @@ def test_tokens_per_minute_bucket_refills_and_refunds_unused_output():
 
 
 def test_usage_labels_are_bounded_and_exposed():
-    usage = TenantUsage(lambda name: name if name in ("default", "a") else "other", lambda: ["default", "a"])
+    usage = TenantUsage(lambda name: name if name in ("default", "a") else "other", lambda: ["default", "a"],
+                        labelled=True)
     usage.record("a", 10, 4, 7, 0.5, False)
     usage.record("intruder-1", 3, 0, 1, 0.0, True)
     usage.record("intruder-2", 3, 0, 1, 0.0, False)
@@ -113,3 +117,15 @@ def test_usage_labels_are_bounded_and_exposed():
     samples = {s.labels["tenant"]: s.value for s in families["tokenmill:tenant_output_tokens"].samples
                if s.name.endswith("_total")}
     assert samples == {"default": 0, "a": 7, "other": 2}
+
+
+def test_usage_series_name_no_tenant_unless_labelled():
+    """/metrics needs no key: by default its usage series are one sum per counter, no tenant names."""
+    usage = TenantUsage(lambda name: name, lambda: ["default", "secret-team"])
+    usage.record("secret-team", 10, 4, 7, 0.5, False)
+    usage.record("default", 3, 0, 1, 0.0, True)
+    families = {f.name: f for f in usage.collect()}
+    samples = [s for s in families["tokenmill:tenant_output_tokens"].samples if s.name.endswith("_total")]
+    assert [(s.labels, s.value) for s in samples] == [({}, 8)]
+    assert all("tenant" not in s.labels for f in families.values() for s in f.samples)
+    assert set(usage.snapshot()) == {"default", "secret-team"}  # /v1/usage still has them by name

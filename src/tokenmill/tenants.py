@@ -25,6 +25,12 @@ counts as one), ``tokens_per_minute`` (prompt plus ``max_tokens`` held at
 admission, the unused output given back at the end, a bucket refilled
 continuously) and ``max_queued`` sequences not yet producing tokens.
 
+``adapter_dirs: [/srv/adapters/chat]`` lets a tenant load LoRA adapters over
+HTTP from inside those folders (and nowhere else); without it a tenant loads
+none. Administration beyond that (every other path, unloading what others
+loaded, flushing caches, everyone's usage) is the operator's: whoever holds an
+``--api-key`` key (``is_operator`` below).
+
 Metric labels come from this file only (its tenants plus ``default``), so a
 caller cannot grow the label set.
 """
@@ -68,11 +74,32 @@ class Tenant:
     priority_class: int = 2  # priority_classes.PRIORITY_CLASSES["normal"]
     weight: float = 1.0
     limits: TenantLimits = field(default_factory=TenantLimits)
+    # folders (absolute) this tenant may load LoRA adapters from; empty: it may load none
+    adapter_dirs: tuple[str, ...] = ()
+    # whether the caller holds an ``--api-key`` key (or the console's session made from one):
+    # set by ``TenantDirectory.lookup`` only, never by the keys file, so no tenant entry can claim it
+    operator: bool = False
 
 
 DEFAULT_TENANT = Tenant(DEFAULT_TENANT_NAME)
 
-_TENANT_KEYS = {"priority_class", "class", "weight", "max_inflight", "tokens_per_minute", "max_queued"}
+_TENANT_KEYS = {"priority_class", "class", "weight", "max_inflight", "tokens_per_minute", "max_queued",
+                "adapter_dirs"}
+
+
+def _adapter_dirs(name: str, value: Any) -> tuple[str, ...]:
+    """``adapter_dirs``: absolute folder paths (a relative one would depend on the server's
+    working directory, which the keys file's author cannot see)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(d, str) and d for d in value):
+        raise ValueError(f"tenant {name!r}: adapter_dirs must be a list of folder paths")
+    relative = [d for d in value if not os.path.isabs(d)]
+    if relative:
+        raise ValueError(f"tenant {name!r}: adapter_dirs must be absolute paths, got {relative[0]!r}")
+    return tuple(os.path.normpath(d) for d in value)
 
 
 def hash_key(key: str) -> str:
@@ -90,7 +117,8 @@ def parse_tenant(name: str, spec: dict[str, Any] | None) -> Tenant:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise ValueError(f"tenant {name!r}: weight must be a positive number, got {weight!r}")
     limits = TenantLimits(spec.get("max_inflight"), spec.get("tokens_per_minute"), spec.get("max_queued"))
-    return Tenant(name, parse_priority_class(spec.get("priority_class", spec.get("class"))), float(weight), limits)
+    return Tenant(name, parse_priority_class(spec.get("priority_class", spec.get("class"))), float(weight), limits,
+                  _adapter_dirs(name, spec.get("adapter_dirs")))
 
 
 @dataclass(frozen=True)
@@ -177,7 +205,7 @@ class TenantDirectory:
         if name is not None:
             return table.tenants.get(name, DEFAULT_TENANT)
         if any(hmac.compare_digest(digest, d) for d in self._default):
-            return table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
+            return replace(table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT), operator=True)
         return None
 
     def delegated(self, caller: Tenant | None, headers: Mapping[bytes, bytes]) -> Tenant | None:
@@ -185,8 +213,12 @@ class TenantDirectory:
         router or gateway in front of the server) is sent for: the keys-file tenant its
         ``x-gateway-inference-fairness-id`` names, with the class its
         ``x-gateway-inference-objective`` names when that is a class name or number.
-        Anyone else's headers change nothing (a tenant cannot claim to be another)."""
-        if caller is None or caller.name != DEFAULT_TENANT_NAME:
+        Anyone else's headers change nothing (a tenant cannot claim to be another).
+
+        A request sent for a tenant is that tenant's in every respect, ownership included: it
+        is not the operator's, so a router holding the operator key and naming each caller's
+        tenant reaches only that tenant's stored objects."""
+        if caller is None or not caller.operator:
             return caller
         tenant = caller
         fairness = headers.get(FAIRNESS_HEADER)
@@ -227,6 +259,44 @@ TENANT_SCOPE_KEY = "tokenmill.tenant"  # where the auth middleware leaves the ca
 def tenant_of(scope: Any) -> Tenant | None:
     """The caller's tenant, as the auth middleware found it (None: no key checked)."""
     return scope.get(TENANT_SCOPE_KEY)
+
+
+# ---- the operator and ownership ----------------------------------------------------
+#
+# The operator is whoever holds an ``--api-key`` key: the Bearer key itself, or the web
+# console's session (console_auth.py), which only such a key opens. A server started with no
+# key at all checks nobody, and every caller is the operator, as every caller could already do
+# anything. Keys-file keys are tenants, even one naming the ``default`` tenant; an operator
+# request that names a tenant in ``x-gateway-inference-fairness-id`` is that tenant's.
+#
+# Every stored object (a stored Response, an adapter loaded over HTTP) records an owner:
+# ``owner_of(caller)``, None for the operator. ``may_access`` is the one check every route that
+# reads, continues or removes such an object asks; a caller it refuses gets the 404 an unknown
+# id gets, word for word, so an id of someone else's cannot be told from one never made.
+
+def is_operator(tenant: Tenant | None) -> bool:
+    """Whether the caller (``tenant_of(scope)``) is the operator: None means no key was checked
+    (a server without keys, or the console's session, which only the operator's key opens)."""
+    return tenant is None or tenant.operator
+
+
+def owner_of(tenant: Tenant | None) -> str | None:
+    """The owner recorded on what ``tenant`` makes: its name, or None for the operator."""
+    return None if is_operator(tenant) else tenant.name  # type: ignore[union-attr]
+
+
+def may_access(caller: Tenant | None, owner: str | None) -> bool:
+    """Whether ``caller`` may read, continue or remove an object ``owner`` made: the operator
+    everything, a tenant only its own (an operator's object, owner None, is no tenant's)."""
+    if is_operator(caller):
+        return True
+    return owner is not None and caller is not None and caller.name == owner
+
+
+def may_use(caller: Tenant | None, owner: str | None) -> bool:
+    """Whether ``caller`` may see and use a shared resource (a LoRA adapter) ``owner`` made:
+    the operator's are there for everyone to use; a tenant's are ``may_access``'s."""
+    return owner is None or may_access(caller, owner)
 
 
 def directory_from_args(path: str | None, api_keys: str | list[str] | None) -> TenantDirectory:

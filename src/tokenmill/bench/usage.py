@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
@@ -139,6 +140,30 @@ def render(report: UsageReport) -> str:
     return "\n".join(lines)
 
 
+def _usage_api(source: str, key: str) -> dict[str, dict[str, float]]:
+    """Tenant -> counters from a server's ``/v1/usage`` (every tenant's with the operator's key;
+    the default /metrics sums them without names)."""
+    import httpx
+
+    base = source.rstrip("/").removesuffix("/metrics")
+    try:
+        response = httpx.get(base + "/v1/usage", headers={"Authorization": f"Bearer {key}"}, timeout=10.0)
+        response.raise_for_status()
+        tenants = response.json().get("tenants")
+    except httpx.HTTPError as exc:
+        raise ValueError(f"{base}/v1/usage: {exc}") from None
+    if not isinstance(tenants, dict):
+        raise ValueError(f"{base}/v1/usage: no 'tenants' in the answer")
+    return {str(t): {f: float(c.get(f, 0)) for f in FIELDS} for t, c in tenants.items()}
+
+
+def _counters(source: str, key: str | None) -> dict[str, dict[str, float]]:
+    """Tenant -> counters from a server (its /v1/usage when a key is given) or a saved scrape."""
+    if key and source.startswith(("http://", "https://")):
+        return _usage_api(source, key)
+    return parse_metrics(_read(source))
+
+
 def _read(source: str) -> str:
     if source.startswith(("http://", "https://")):
         import httpx
@@ -160,9 +185,10 @@ def usage_main(args: argparse.Namespace) -> int:
             duration = args.duration if args.duration is not None else span
             source = args.capture
         else:
-            usage = parse_metrics(_read(args.metrics))
+            key = getattr(args, "api_key", None) or os.environ.get("TOKENMILL_API_KEY") or None
+            usage = _counters(args.metrics, key)
             if args.baseline:
-                before = parse_metrics(_read(args.baseline))
+                before = _counters(args.baseline, key)
                 usage = {t: {f: v - before.get(t, {}).get(f, 0.0) for f, v in c.items()} for t, c in usage.items()}
             duration, source = args.duration, args.metrics
     except (OSError, ValueError) as exc:
@@ -183,6 +209,10 @@ def add_usage_parser(subparsers: Any) -> None:
     src.add_argument("--metrics", metavar="URL_OR_FILE", help="a server (http://host:port) or a saved /metrics scrape")
     src.add_argument("--capture", metavar="FILE", help="a traffic capture (serve --capture-traffic)")
     p.add_argument("--baseline", metavar="URL_OR_FILE", help="an earlier scrape to subtract (usage over a period)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help="the server's operator key (default: TOKENMILL_API_KEY): a server URL is then read "
+                        "through /v1/usage, every tenant by name; /metrics alone names tenants only when the "
+                        "server runs with --metrics-tenant-labels")
     p.add_argument("--cost-per-hour", type=float, default=None, help="dollars per hour for the deployment")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds the usage covers (metrics: required for cost; capture: default its span)")

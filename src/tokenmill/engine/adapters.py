@@ -74,6 +74,7 @@ class Adapter:
     running: int = 0  # of those, the ones the engine has started (their first output arrived)
     removed: bool = False  # unloaded by name; its tensors go when its last request ends
     requests: int = 0  # served so far
+    owner: str | None = None  # the tenant that loaded it over HTTP (tenants.owner_of; None: the operator)
 
     @property
     def in_use(self) -> bool:
@@ -120,13 +121,13 @@ class AdapterManager:
         self.adapters[name] = self._by_id[adapter.adapter_id] = adapter
         return adapter
 
-    async def load(self, name: str, path: str) -> Adapter:
+    async def load(self, name: str, path: str, owner: str | None = None) -> Adapter:
         """Hot load: read and check it off the event loop, then install it (evicting an
         idle adapter if the resident set is full; when none is idle it stays registered
         and is loaded on first use). ``LoraError`` for a bad adapter."""
         if name in self.adapters:
             raise LoraError(f"an adapter named {name!r} is already loaded; unload it first")
-        adapter = Adapter(name, path, next(self._ids))
+        adapter = Adapter(name, path, next(self._ids), owner=owner)
         weights = await asyncio.to_thread(read_adapter, self.state, name, path, adapter.adapter_id)
         if name in self.adapters:  # a concurrent load of the same name won
             raise LoraError(f"an adapter named {name!r} is already loaded; unload it first")

@@ -37,7 +37,7 @@ from ..request_guard import BodyGuard, default_body_limit
 from .heap import trim_heap
 from .model_set import LEASES_KEY, ModelSet, ModelSetState, model_cards
 from .serving import ServerSettings, ServerShared, ServerState, model_not_found
-from ..tenants import DEFAULT_TENANT_NAME, tenant_of
+from ..tenants import is_operator, tenant_of
 
 _ALWAYS_OPEN = ("/health", "/metrics", "/docs", "/openapi.json", "/ping")  # answered while draining
 
@@ -141,34 +141,28 @@ def _assemble(state: Any, settings: ServerSettings) -> FastAPI:
 def _misc_routes(app: FastAPI) -> None:
     errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (400, 401, 404)}
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def list_models(request: Request) -> ModelList:
-        state = get_state(request)
+    def cards(request: Request) -> list[dict[str, Any]]:
+        """The cards the caller may see. ``root`` is a name, never the folder or file a model
+        or adapter was read from: a card shows a tenant nothing of the server's disk."""
+        state, caller = get_state(request), tenant_of(request.scope)
         if isinstance(state, ModelSetState):
-            return ModelList(data=[ModelCard(**card) for card in model_cards(state.models)])
-        root = state.settings.model_path
+            return list(model_cards(state.models, show_errors=is_operator(caller)))
         from .adapter_routes import adapter_cards
 
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=state.max_model_len)
-                               for name in state.settings.served_model_names]
-                         + [ModelCard(**card) for card in adapter_cards(state)])
+        return [{"id": name, "root": name, "max_model_len": state.max_model_len}
+                for name in state.settings.served_model_names] + adapter_cards(state, caller)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(request: Request) -> ModelList:
+        return ModelList(data=[ModelCard(**card) for card in cards(request)])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
     async def get_model(model_id: str, request: Request) -> ModelCard:
-        state = get_state(request)
-        if isinstance(state, ModelSetState):
-            for card in model_cards(state.models):
-                if card["id"] == model_id:
-                    return ModelCard(**card)
-            raise model_not_found(model_id, state.models.names())
-        from .adapter_routes import adapter_cards
-
-        for card in adapter_cards(state):
+        known = cards(request)
+        for card in known:
             if card["id"] == model_id:
                 return ModelCard(**card)
-        if model_id not in state.settings.served_model_names:
-            raise model_not_found(model_id, state.settings.served_model_names)
-        return ModelCard(id=model_id, root=state.settings.model_path, max_model_len=state.max_model_len)
+        raise model_not_found(model_id, [card["id"] for card in known])
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
@@ -192,11 +186,11 @@ def _misc_routes(app: FastAPI) -> None:
 
     @app.get("/v1/usage")
     async def usage(request: Request) -> JSONResponse:
-        """Usage per tenant (tenant_usage.py): a keys-file tenant sees its own, the
-        default tenant (the operator's --api-key, or no key at all) every tenant's."""
+        """Usage per tenant (tenant_usage.py): a tenant sees its own, the operator
+        (tenants.is_operator: an --api-key key, or a server without keys) every tenant's."""
         state = get_state(request)
         tenant = tenant_of(request.scope)
-        only = None if tenant is None or tenant.name == DEFAULT_TENANT_NAME else tenant.name
+        only = None if is_operator(tenant) else tenant.name  # type: ignore[union-attr]
         return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
 
     @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)

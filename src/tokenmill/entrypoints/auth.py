@@ -17,7 +17,8 @@ and, if it carries an identity, a field of ``Presented``: a Bearer key is
 looked up in the tenant directory (tenants.py: the keys file's hashed keys and
 the ``--api-key`` keys, the latter the ``default`` tenant), and the tenant it
 names rides in the scope (``tenants.TENANT_SCOPE_KEY``) to the handlers; a
-console session is the default tenant.
+console session is the default tenant. Routes in ``OPERATOR_ROUTES`` answer 403
+to any caller but the operator (``tenants.is_operator``).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .console_auth import _SAFE_METHODS, ConsoleSessions, bearer_token, same_origin
 from .errors import error_body
-from ..tenants import TENANT_SCOPE_KEY, Tenant, TenantDirectory
+from ..tenants import TENANT_SCOPE_KEY, Tenant, TenantDirectory, is_operator
 
 # Routes served without a credential: liveness and metrics for probes and scrapers, the API's
 # schema pages, and the console's sign-in page and form (the page itself shows the form to a
@@ -40,8 +41,15 @@ OPEN_ROUTES: frozenset[str] = frozenset({
     "/", "/ui/login", "/ui/logout",
 })
 
+# Routes only the operator may call (tenants.is_operator: an ``--api-key`` key or the console's
+# session); a tenant's valid key gets 403. Flushing a cache every tenant shares and the console's
+# stats (every tenant's usage and place) are the operator's. Adapter loading is not listed: a tenant
+# may load from its own ``adapter_dirs`` (adapter_routes.py decides), and the usage route answers a
+# tenant with its own counters only.
+OPERATOR_ROUTES: frozenset[str] = frozenset({"/reset_prefix_cache", "/v1/engine/stats"})
+
 CredentialKind = Literal["bearer", "cookie", "none"]
-Verdict = Literal["open", "ok", "unauthorized", "cross_origin"]
+Verdict = Literal["open", "ok", "unauthorized", "cross_origin", "forbidden"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,8 @@ def judge(scope: Scope, sessions: ConsoleSessions,
         return "unauthorized", None
     if presented.kind == "cookie" and scope.get("method", "GET") not in _SAFE_METHODS and not same_origin(scope):
         return "cross_origin", None  # a browser sends the cookie on other sites' forms too
+    if route_path(scope) in OPERATOR_ROUTES and not is_operator(presented.tenant):
+        return "forbidden", presented.tenant
     return "ok", presented.tenant
 
 
@@ -138,6 +148,9 @@ class AuthMiddleware:
         if verdict == "unauthorized":
             await _reject(send, 401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                           "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+        elif verdict == "forbidden":
+            await _reject(send, 403, "this route needs the operator's API key (an --api-key key); "
+                          "a tenant's key cannot call it", "operator_only", [])
         else:
             await _reject(send, 403, "cross-origin request with the console's session cookie refused "
                           "(send 'Authorization: Bearer KEY')", "cross_origin", [])

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterator
 from .errors import APIError
 from .heap import trim_heap
 from .serving import ServerSettings, ServerShared, ServerState, model_not_found
+from ..tenants import is_operator, tenant_of
 
 log = logging.getLogger("tokenmill.server")
 
@@ -345,7 +346,14 @@ class ModelSetState:
         leases = scope.get(LEASES_KEY) if scope is not None else None
         if leases is None:
             raise RuntimeError("a model lease needs the app's GateMiddleware to end it")
-        state = await self.models.acquire(name)
+        try:
+            state = await self.models.acquire(name)
+        except APIError as exc:
+            if exc.code == "model_load_failed" and not is_operator(tenant_of(scope)):
+                # the reason may name a server path: the operator's to read (its /v1/models shows it)
+                raise APIError(500, f"model `{name}` failed to load", param="model",
+                               code="model_load_failed") from None
+            raise
         leases.append(lambda: self.models.release(name))
         return state
 
@@ -362,15 +370,18 @@ class ModelSetState:
         self.shared.close()
 
 
-def model_cards(models: ModelSet) -> Iterator[dict[str, Any]]:
+def model_cards(models: ModelSet, show_errors: bool = True) -> Iterator[dict[str, Any]]:
     """``/v1/models`` entries of a model set: every configured model and whether it is in memory
-    (llama.cpp's ``status`` field)."""
+    (llama.cpp's ``status`` field). ``root`` is the model's name, not its file: the cards show
+    no server path; a failed load's reason (which may name one) only with ``show_errors``
+    (the operator's cards)."""
     for entry in models.entries():
-        card: dict[str, Any] = {"id": entry.spec.name, "root": entry.spec.path,
+        card: dict[str, Any] = {"id": entry.spec.name, "root": entry.spec.name,
                                 "max_model_len": entry.max_model_len, "status": {"value": entry.status}}
         if entry.error and entry.status == UNLOADED:
             card["status"]["failed"] = True
-            card["status"]["error"] = entry.error
+            if show_errors:
+                card["status"]["error"] = entry.error
         yield card
 
 

@@ -19,6 +19,12 @@ renders that conversation plus its own input, so its prompt begins with the
 previous prompt and answer and the prefix cache serves those tokens. Message
 dicts are shared between entries, never copied: a chain of N turns costs N
 lists of pointers, not N copies of the text.
+
+Each entry also records its owner, the tenant whose request made it
+(``tenants.owner_of``). ``get`` and ``delete`` take the caller and ask
+``tenants.may_access``, the one ownership check: to anyone but its owner and
+the operator an entry does not exist (None, the same as an unknown id), and
+their lookups do not count as use.
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from ..tenants import Tenant, may_access
+
 DEFAULT_STORE_BYTES = 64 * 1024 * 1024
 
 
@@ -34,6 +42,7 @@ DEFAULT_STORE_BYTES = 64 * 1024 * 1024
 class StoredResponse:
     body: dict[str, Any]  # the response object, as GET returns it
     messages: list[dict[str, Any]]  # the conversation through this response's answer, in chat form
+    owner: str | None = None  # the tenant that made it (tenants.owner_of; None: the operator)
 
 
 def entry_bytes(entry: StoredResponse) -> int:
@@ -61,7 +70,7 @@ class ResponseStore:
     def put(self, response_id: str, entry: StoredResponse) -> bool:
         """Store ``entry`` as the most recent, evicting the least recently used until both
         bounds hold; False (and nothing stored under the id) when it alone exceeds them."""
-        self.delete(response_id)
+        self._drop(response_id)
         if self.capacity == 0:
             return False
         size = entry_bytes(entry)
@@ -76,14 +85,24 @@ class ResponseStore:
             self.evicted += 1
         return True
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def _visible(self, response_id: str, caller: Tenant | None) -> StoredResponse | None:
         held = self._entries.get(response_id)
-        if held is None:
+        if held is None or not may_access(caller, held[0].owner):
             return None
-        self._entries.move_to_end(response_id)
         return held[0]
 
-    def delete(self, response_id: str) -> bool:
+    def get(self, response_id: str, *, caller: Tenant | None) -> StoredResponse | None:
+        """The entry, when ``caller`` may see it (``tenants.may_access``), as the most recent."""
+        entry = self._visible(response_id, caller)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str, *, caller: Tenant | None) -> bool:
+        """Remove the entry; False when there is none ``caller`` may see."""
+        return self._visible(response_id, caller) is not None and self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
         held = self._entries.pop(response_id, None)
         if held is None:
             return False

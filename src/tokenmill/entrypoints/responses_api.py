@@ -14,6 +14,9 @@ State (response_store.py): a response is stored unless the request says
 conversation, then the new input, so the prompt extends the previous prompt
 and answer and hits the prefix cache); ``GET`` and ``DELETE
 /v1/responses/{id}`` read and remove one; an id not in the store is a 404.
+A stored response is its tenant's: to other tenants every route (these, the
+input items, ``previous_response_id``) answers the 404 of an unknown id; the
+operator reaches all (tenants.may_access, asked by the store).
 With ``--reasoning-parser`` the thinking comes first as a ``reasoning`` item.
 """
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, sp
 from .request_fields import ignored_headers, judge_extra
 from .response_store import ResponseStore, StoredResponse
 from .serving import Job, ServerState
-from ..tenants import tenant_of
+from ..tenants import owner_of, tenant_of
 from .streaming import SSEResponse, _error_event, _streams, _Tally
 from .tool_calls import ToolPlan, ToolStream, extract, new_call_id
 
@@ -194,6 +197,7 @@ class _Spec:
     plan: ToolPlan | None
     created: int = field(default_factory=lambda: int(time.time()))
     store: ResponseStore | None = None  # where the finished response goes (None: not stored)
+    owner: str | None = None  # whose it is (tenants.owner_of): only they and the operator reach it
     history: list[dict[str, Any]] = field(default_factory=list)  # the conversation before this input
     reasoning: ReasoningParser | None = None
     prompt_text: str | None = None
@@ -215,7 +219,7 @@ class _Spec:
             answer["tool_calls"] = calls
         elif answer["content"] is None:
             answer["content"] = ""
-        stored = StoredResponse(response, self.history + input_messages(self.body) + [answer])
+        stored = StoredResponse(response, self.history + input_messages(self.body) + [answer], self.owner)
         if not self.store.put(self.response_id, stored) and self.store.capacity:
             log.warning("response %s not stored: its conversation is larger than --responses-store-bytes (%d); "
                         "previous_response_id to it will get 404", self.response_id, self.store.max_bytes)
@@ -457,12 +461,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store = response_store(request)
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
-        previous = store.get(body.previous_response_id)
-        if previous is None:
-            raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} (never "
-                           f"stored, deleted, or evicted: this server keeps the last {store.capacity})",
-                           param="previous_response_id", code="response_not_found")
-        history = previous.messages
+        history = _stored(request, body.previous_response_id, "previous_response_id").messages
     chat = to_chat(body, history)
     response_id = _new_id("resp")
     job, plan = await prepare_chat(state, chat, response_id, tenant_of(request.scope))
@@ -470,7 +469,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state.reserve([job], tenant_of(request.scope))
     keep = body.store is not False and store.capacity > 0
     spec = _Spec(response_id, body.model or state.model_name, body, plan, store=store if keep else None,
-                 history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
+                 owner=owner_of(tenant_of(request.scope)), history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
                  prompt_text=job.prompt_text, count_tokens=lambda text: len(state.tokenizer.encode(text, False)))
     if body.stream:
         response = SSEResponse(_stream(state, spec, job), state, [job])
@@ -486,10 +485,21 @@ def response_store(request: Request) -> ResponseStore:
     return request.app.state.response_store
 
 
-def _stored(request: Request, response_id: str) -> StoredResponse:
-    entry = response_store(request).get(response_id)
+def _not_found(request: Request, response_id: str, param: str) -> APIError:
+    """The one 404 for an id the caller cannot reach: never stored, deleted, evicted, or another
+    tenant's (the store answers those alike, so the message cannot tell them apart)."""
+    store = response_store(request)
+    where = "previous_response_id: " if param == "previous_response_id" else ""
+    return APIError(404, f"{where}no stored response {response_id!r} (never stored, deleted, or evicted: "
+                    f"this server keeps the last {store.capacity})", param=param, code="response_not_found")
+
+
+def _stored(request: Request, response_id: str, param: str = "response_id") -> StoredResponse:
+    """The stored response ``response_id`` as the caller may see it (response_store.py asks
+    tenants.may_access), else the 404 an unknown id gets."""
+    entry = response_store(request).get(response_id, caller=tenant_of(request.scope))
     if entry is None:
-        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+        raise _not_found(request, response_id, param)
     return entry
 
 
@@ -512,6 +522,6 @@ async def get_input_items(response_id: str, request: Request) -> JSONResponse:
 
 @router.delete("/v1/responses/{response_id}", responses=_ERRORS)
 async def delete_response(response_id: str, request: Request) -> JSONResponse:
-    if not response_store(request).delete(response_id):
-        raise APIError(404, f"no stored response {response_id!r}", param="response_id", code="response_not_found")
+    if not response_store(request).delete(response_id, caller=tenant_of(request.scope)):
+        raise _not_found(request, response_id, "response_id")
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -172,6 +172,10 @@ def add_server_arguments(p: Any) -> None:
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
+    p.add_argument("--metrics-tenant-labels", action="store_true",
+                   help="label /metrics' per-tenant usage series with tenant names (default: summed over "
+                        "tenants, no names, since /metrics needs no key); /v1/usage gives the operator's key "
+                        "every tenant's usage either way")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces of each request (HTTP, engine queue, prefill, decode) to this "
                         "OTLP/HTTP collector, e.g. http://127.0.0.1:4318; needs pip install 'tokenmill[tracing]' "

@@ -149,6 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
         api_keys_file=getattr(args, "api_keys_file", None),
+        metrics_tenant_labels=getattr(args, "metrics_tenant_labels", False),
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,
         capture_path=args.capture_traffic, capture_text=args.capture_text,

@@ -32,7 +32,7 @@ from .errors import APIError
 from .response_store import DEFAULT_STORE_BYTES
 from ..tenant_gate import TenantGate, TenantLimited
 from .tenant_usage import TenantUsage
-from ..tenants import DEFAULT_TENANT, Tenant, directory_from_args
+from ..tenants import DEFAULT_TENANT, Tenant, directory_from_args, tenant_of
 from ..waiting_room import CompileRoom, Refusal, RoomShares, WaitingRoom
 
 log = logging.getLogger("tokenmill.server")
@@ -46,6 +46,7 @@ class ServerSettings:
     model_path: str | None = None
     api_key: str | list[str] | None = None  # several: any of them opens the API
     api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
+    metrics_tenant_labels: bool = False  # /metrics' usage per tenant name (off: summed, no names; tenant_usage.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tracing.py); None: off
     max_waiting: int | None = None
     max_output_tokens: int | None = None
@@ -138,7 +139,8 @@ class ServerShared:
         from ..tracing import make_tracing
 
         tenants = directory_from_args(settings.api_keys_file, settings.api_key)
-        return cls(tenants, TenantGate(settings.retry_after_s), TenantUsage(tenants.label, tenants.names),
+        usage = TenantUsage(tenants.label, tenants.names, settings.metrics_tenant_labels)
+        return cls(tenants, TenantGate(settings.retry_after_s), usage,
                    make_tracing(settings.otlp_traces_endpoint, "tokenmill-server"))
 
     def close(self) -> None:
@@ -417,20 +419,24 @@ class ServerState:
         """The state that serves a request for model ``name``: this one (the one model of this
         server, or one of its LoRA adapters), else the 404 every endpoint gives. A server of
         several models answers the same question by loading the model (model_set.py)."""
-        self.check_model(name)
+        self.check_model(name, tenant_of(scope) if scope is not None else None)
         return self
 
     def loaded_states(self) -> list["ServerState"]:
         """The models this server holds in memory now: its one."""
         return [self]
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, caller: Tenant | None = None) -> None:
         """404 for a model this server does not serve (the one wording every endpoint uses);
-        a LoRA adapter's name is served."""
-        if name and name not in self.settings.served_model_names and not (
-                self.adapters is not None and name in self.adapters):
-            raise model_not_found(name, self.settings.served_model_names
-                                  + (self.adapters.names() if self.adapters is not None else []))
+        a LoRA adapter's name is served to those who may use it (adapter_routes.py:
+        another tenant's adapter is a model that does not exist, and is not listed)."""
+        if not name or name in self.settings.served_model_names:
+            return
+        from .adapter_routes import visible_adapters
+
+        usable = [a.name for a in visible_adapters(self, caller)]
+        if name not in usable:
+            raise model_not_found(name, self.settings.served_model_names + usable)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -725,6 +731,9 @@ def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
     for name, path in settings.lora_modules:
         if name in settings.served_model_names:
             raise ValueError(f"--lora-modules: {name!r} is the base model's name")
-        manager.register_now(name, path)
+        try:
+            manager.register_now(name, path)
+        except ValueError as exc:  # LoraError: its message names no folder, the operator's flag does
+            raise ValueError(f"--lora-modules {name}={path}: {exc}") from None
         log.info("LoRA adapter %r registered from %s", name, path)
     return manager

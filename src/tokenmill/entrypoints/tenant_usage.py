@@ -10,6 +10,12 @@ usage`` prices them (bench/cost.py's model).
 
 Labels are bounded: a tenant name the keys file does not hold is counted under
 ``other`` (tenants.py: ``TenantDirectory.label``).
+
+``/metrics`` needs no key (scrapers and probes), so by default its usage series
+are summed over tenants and carry no tenant label: who the tenants are and what
+each used is the operator's to see (``/v1/usage`` with the operator's key, or
+``tokenmill usage --api-key``). ``--metrics-tenant-labels`` labels them with the
+tenant names again, for a deployment whose /metrics only its operator reaches.
 """
 from __future__ import annotations
 
@@ -46,9 +52,10 @@ class TenantCounters:
 class TenantUsage(Collector):
     """The counters, keyed by metric label; a Prometheus collector of them."""
 
-    def __init__(self, label: Callable[[str], str], names: Callable[[], list[str]]) -> None:
+    def __init__(self, label: Callable[[str], str], names: Callable[[], list[str]], labelled: bool = False) -> None:
         self.label = label  # tenant name -> bounded label
         self.names = names  # labels always shown (zero until used)
+        self.labelled = labelled  # /metrics: one series per tenant (True) or one summed series
         self.counters: dict[str, TenantCounters] = {}
 
     def of(self, tenant: str) -> TenantCounters:
@@ -75,6 +82,11 @@ class TenantUsage(Collector):
     def collect(self) -> Iterable[Metric]:
         snap = self.snapshot()
         for field_name, (metric, doc) in USAGE_METRICS.items():
+            if not self.labelled:
+                summed = CounterMetricFamily(metric, doc.replace(", by tenant.", ", all tenants."), labels=[])
+                summed.add_metric([], sum(values[field_name] for values in snap.values()))
+                yield summed
+                continue
             family = CounterMetricFamily(metric, doc, labels=["tenant"])
             for tenant, values in snap.items():
                 family.add_metric([tenant], values[field_name])

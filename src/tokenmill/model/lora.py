@@ -107,20 +107,67 @@ class LoraWeights:
                    for layer in self.layers for d in layer.values())
 
 
+# An adapter_config.json is a few hundred bytes nesting two or three levels; these bounds are far
+# above any real one and far below what could exhaust memory or the parser's recursion.
+CONFIG_MAX_BYTES = 1 << 20
+CONFIG_MAX_DEPTH = 32
+
+
+def nesting_depth(text: str) -> int:
+    """How deep the arrays and objects of JSON ``text`` nest (brackets inside strings not
+    counted): measured before parsing, since the parser recurses once per level."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_config(raw: bytes) -> dict:
+    """``adapter_config.json``'s bytes as a dict, size and depth bounded before parsing;
+    ``LoraError`` for anything else (messages name the file, never the folder it is in)."""
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise LoraError(f"{CONFIG_FILE}: larger than {CONFIG_MAX_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise LoraError(f"{CONFIG_FILE}: not UTF-8 text") from None
+    if nesting_depth(text) > CONFIG_MAX_DEPTH:
+        raise LoraError(f"{CONFIG_FILE}: nested deeper than {CONFIG_MAX_DEPTH} levels")
+    try:
+        config = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise LoraError(f"{CONFIG_FILE}: not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"{CONFIG_FILE}: not a JSON object")
+    return config
+
+
 def _read_config(folder: str) -> dict:
     path = os.path.join(folder, CONFIG_FILE)
     if not os.path.isdir(folder):
-        raise LoraError(f"adapter path {folder!r} is not a folder")
+        raise LoraError("the adapter path is not a folder (nor a GGUF file)")
     if not os.path.isfile(path):
-        raise LoraError(f"adapter path {folder!r} has no {CONFIG_FILE}")
+        raise LoraError(f"the adapter folder has no {CONFIG_FILE}")
     try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise LoraError(f"{path}: not readable JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise LoraError(f"{path}: not a JSON object")
-    return config
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as exc:
+        raise LoraError(f"{CONFIG_FILE}: cannot be read ({exc.strerror})") from None
+    return parse_config(raw)
 
 
 def _read_tensors(folder: str) -> dict[str, torch.Tensor]:
@@ -135,8 +182,8 @@ def _read_tensors(folder: str) -> dict[str, torch.Tensor]:
                 return load_file(path)
             return torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - a damaged file is the adapter's fault
-            raise LoraError(f"{path}: cannot be read ({exc})") from None
-    raise LoraError(f"adapter path {folder!r} has none of {', '.join(WEIGHTS_FILES)}")
+            raise LoraError(f"{name}: cannot be read ({type(exc).__name__})") from None
+    raise LoraError(f"the adapter folder has none of {', '.join(WEIGHTS_FILES)}")
 
 
 def _target_names(config: dict) -> set[str] | None:
@@ -212,6 +259,8 @@ def build_weights(name: str, adapter_id: int, shape: ModelShape, rank: int, scal
         fused, part = TARGETS[proj]
         in_features, outs = shape.parts(fused)
         a, b = ab["A"], ab["B"]
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoraError(f"adapter {name!r}: layers.{layer}.{proj} has NaN or infinite weights")
         if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (outs[part], rank):
             raise LoraError(f"adapter {name!r}: layers.{layer}.{proj} has A {tuple(a.shape)} and B "
                             f"{tuple(b.shape)}; this model needs A ({rank}, {in_features}) and B "

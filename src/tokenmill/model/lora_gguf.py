@@ -12,6 +12,7 @@ those rows are put back the way the base loader puts back the weights'.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -39,10 +40,10 @@ def load_gguf_lora(path: str, name: str, adapter_id: int, shape: ModelShape, max
     try:
         gguf = read_gguf(path)
     except Exception as exc:  # noqa: BLE001 - a damaged file is the adapter's fault
-        raise LoraError(f"{path}: not a readable GGUF file ({exc})") from None
+        raise LoraError(f"{os.path.basename(path)}: not a readable GGUF file ({type(exc).__name__})") from None
     meta = gguf.metadata
     if meta.get("general.type") != "adapter" or str(meta.get("adapter.type", "")).lower() != "lora":
-        raise LoraError(f"adapter {name!r}: {path} is a GGUF file but not a LoRA adapter "
+        raise LoraError(f"adapter {name!r}: {os.path.basename(path)} is a GGUF file but not a LoRA adapter "
                         f"(general.type={meta.get('general.type')!r}, adapter.type={meta.get('adapter.type')!r})")
     arch = str(meta.get("general.architecture", "llama"))
     alpha = float(meta.get("adapter.lora.alpha", 0.0) or 0.0)
@@ -68,7 +69,7 @@ def load_gguf_lora(path: str, name: str, adapter_id: int, shape: ModelShape, max
             values = values[unpermute_rows(values.shape[0], heads)]
         pairs.setdefault((layer, proj), {})[which] = torch.from_numpy(values.copy())
     if not pairs:
-        raise LoraError(f"adapter {name!r}: no LoRA weights found in {path}")
+        raise LoraError(f"adapter {name!r}: no LoRA weights found in {os.path.basename(path)}")
     ranks = {int(ab["A"].shape[0]) for ab in pairs.values() if "A" in ab}
     if len(ranks) != 1:
         raise LoraError(f"adapter {name!r}: its lora_a tensors have ranks {sorted(ranks)}; one rank is served")

@@ -48,7 +48,7 @@ from ..request_guard import BodyGuard
 from .backend import Backend
 from .core import NoBackendError, Router, ShedError
 from .sessions import response_id_in, session_key
-from .tenancy import FAIRNESS_HEADER, TenantLimited
+from .tenancy import FAIRNESS_HEADER, Caller, TenantLimited
 
 log = logging.getLogger("tokenmill.router")
 
@@ -175,6 +175,13 @@ class Proxy:
             return self._answer(Response(r.content, r.status_code, self._response_headers(r, b)))
         return self._answer(error(503, "no ready backend", code="no_backend"))
 
+    def _caller(self, request: Request) -> Caller:
+        """Who sends the request (router/tenancy.py): the tenant of its key, or the fairness id it carries."""
+        got = bearer_token(request.headers.get("authorization"))
+        if got is None and "x-api-key" in request.headers:
+            got = request.headers["x-api-key"].encode("latin-1")
+        return self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
+
     async def stored_response(self, request: Request) -> Response:
         """GET / DELETE /v1/responses/{id}: to the replica that produced it (learned from the
         responses relayed); when unknown (another router, a restart), each ready replica in turn
@@ -183,6 +190,12 @@ class Proxy:
             return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
         rid = request.path_params["response_id"]
         headers = self._forward_headers(request)
+        # the replica sees the router's key: it must learn whose request this is, as generate's
+        # requests tell it, or the caller would reach every tenant's stored responses
+        headers.pop(FAIRNESS_HEADER, None)
+        fairness_id = self._caller(request).fairness_id
+        if fairness_id:
+            headers[FAIRNESS_HEADER] = fairness_id
         home = self.router.sessions.home("response:" + rid)
         order = sorted(self.router.candidates(), key=lambda b: b.url != home)
         last: Response | None = None
@@ -228,10 +241,7 @@ class Proxy:
         """The tenant's limits and the trace around the routing and its attempts."""
         path = request.url.path
         headers = self._forward_headers(request)
-        got = bearer_token(request.headers.get("authorization"))
-        if got is None and "x-api-key" in request.headers:
-            got = request.headers["x-api-key"].encode("latin-1")
-        caller = self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
+        caller = self._caller(request)
         try:
             self.router.tenancy.admit(caller, path, body)
         except TenantLimited as exc:
