@@ -45,6 +45,7 @@ class ServerSettings:
     model_path: str | None = None
     api_key: str | list[str] | None = None  # several: any of them opens the API
     api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
+    router_api_key: list[str] | None = None  # routers' keys: trusted to name a request's tenant (tenants.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tracing.py); None: off
     max_waiting: int | None = None
     max_output_tokens: int | None = None
@@ -136,8 +137,9 @@ class ServerShared:
     def from_settings(cls, settings: ServerSettings) -> "ServerShared":
         from ..tracing import make_tracing
 
-        tenants = directory_from_args(settings.api_keys_file, settings.api_key)
-        return cls(tenants, TenantGate(settings.retry_after_s), TenantUsage(tenants.label, tenants.names),
+        tenants = directory_from_args(settings.api_keys_file, settings.api_key, settings.router_api_key)
+        usage = TenantUsage(tenants.label, tenants.names, reload_failures=lambda: tenants.reload_failures)
+        return cls(tenants, TenantGate(settings.retry_after_s), usage,
                    make_tracing(settings.otlp_traces_endpoint, "tokenmill-server"))
 
     def close(self) -> None:
