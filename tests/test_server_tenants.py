@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from test_server_support import make_tiny_app, metric
+from test_server_support import make_tiny_app, metric, placements
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
 from tokenmill.engine.fairness import QueueHead
@@ -146,19 +146,6 @@ def test_usage_counters_equal_the_responses_usage(app, tmp_path, capsys):
     assert usage_main(args) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["total_cost"] == pytest.approx(2.0) and {t["tenant"] for t in printed["tenants"]} >= {"chat"}
-
-
-def placements(monkeypatch, state) -> list:
-    """Where each request the server hands the engine is placed (tenant, class), as it goes."""
-    seen: list = []
-    generate = state.aengine.generate
-
-    def recording(request_id, prompt, params, placement=None, *args, **kwargs):
-        seen.append((placement.tenant, placement.priority_class))
-        return generate(request_id, prompt, params, placement, *args, **kwargs)
-
-    monkeypatch.setattr(state.aengine, "generate", recording)
-    return seen
 
 
 def test_only_a_router_key_speaks_for_a_tenant_and_never_above_its_class(app, monkeypatch):
