@@ -37,11 +37,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
-    p.add_argument("--backend-api-key", default=None, help="key sent to backends (default: forward the client's)")
+    p.add_argument("--backend-api-key", default=None,
+                   help="key sent to backends (default: forward the client's); give the replicas' "
+                        "--router-api-key, the one key whose tenant headers they trust")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="the servers' tenants file: its keys open the router, each tenant's max_inflight and "
-                        "tokens_per_minute hold across all replicas, the tenant goes to the replica in "
-                        "x-gateway-inference-fairness-id; reloaded on SIGHUP (docs/tenants.md)")
+                        "tokens_per_minute hold across all replicas, the key's tenant and class go to the replica "
+                        "in x-gateway-inference-fairness-id and -objective (the client's own are dropped); "
+                        "reloaded on SIGHUP, a bad file kept out and counted (docs/tenants.md)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces of each proxied request to this OTLP/HTTP collector; the "
                         "trace goes on to the replica in traceparent (needs tokenmill[tracing]; default off)")
