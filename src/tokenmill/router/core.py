@@ -150,14 +150,17 @@ class Router:
         ConversationUnavailable when that replica is out of rotation). ``priority``: its
         objective's (tenancy.py); one of zero or more is never shed."""
         pinned = self.conversation_home(body)
-        cands = [pinned] if pinned is not None else self.candidates(exclude, subset)
-        if not cands:
+        cands = self.candidates(exclude, subset)
+        if not cands and pinned is None:
             raise NoBackendError("no ready backend")
         c = self.config
         sheddable = priority is None or priority < 0
-        if sheddable and c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in cands):
+        everyone = cands or [pinned]  # shed when every ready replica is saturated, as for any request
+        if sheddable and c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in everyone):
             self.metrics.decisions.labels("shed").inc()
             raise ShedError("all backends are saturated")
+        if pinned is not None:
+            cands = [pinned]
         keys = await self.block_keys(path, body, cands) if self.policy.name == "prefix" else []
         # Health may have changed while tokenizing remotely.
         if pinned is not None:
@@ -169,7 +172,7 @@ class Router:
                 raise NoBackendError("no ready backend")
             decision = self._choose(body, cands, session, keys)
         if session is not None:
-            self.sessions.settle(session, decision.backend.url, kept=decision.reason == "session")
+            self.sessions.settle(session, decision.backend.url, kept=decision.reason in ("session", "conversation"))
         self.acquire(decision, keys)
         return decision
 
