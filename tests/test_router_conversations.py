@@ -110,3 +110,17 @@ def test_the_id_is_found_however_the_stream_is_split_and_the_table_is_bounded():
     for i in range(5):  # sessions do not evict conversations
         table.settle(f"session:{i}", "http://other", kept=False)
     assert table.response_home("r2") == "http://replica"
+
+
+@pytest.mark.timeout(60)
+def test_an_id_the_router_never_saw_is_found_by_asking_each_replica_then_remembered(two_replicas):
+    router, fakes = two_replicas
+    url, fake = next(iter(fakes.items()))
+    with httpx.Client() as client:
+        made = respond(client, url)  # straight to one replica: the router never saw it
+        rid = made.json()["id"]
+        assert router.call(router.router.sessions.response_home, rid) is None
+        found = client.get(router.url + f"/v1/responses/{rid}", timeout=30)
+        assert found.status_code == 200 and found.headers["x-fake-backend"] == fake.name
+        assert router.call(router.router.sessions.response_home, rid) == url
+        assert client.get(router.url + "/v1/responses/resp_nobody", timeout=30).status_code == 404

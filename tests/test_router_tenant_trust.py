@@ -16,6 +16,8 @@ from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
 from tokenmill.tenants import hash_key
 
+pytestmark = pytest.mark.slow  # a real server and a real router on loopback
+
 KEYS = {"oncall-key": "oncall", "bulk-key": "bulk"}
 CRITICAL_AS_ONCALL = {"x-gateway-inference-objective": "critical", "x-gateway-inference-fairness-id": "oncall"}
 

@@ -222,6 +222,8 @@ class Proxy:
                 continue
             last = Response(r.content, r.status_code, self._response_headers(r, b))
             if r.status_code != 404:
+                if home is None and r.status_code == 200 and request.method == "GET":
+                    self.router.sessions.learn_response(rid, b.url)  # found: its continuation goes there
                 return self._answer(last)
         if last is not None:
             return self._answer(last)
