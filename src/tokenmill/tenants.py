@@ -149,10 +149,14 @@ class TenantTable:
     @classmethod
     def load(cls, path: str) -> "TenantTable":
         """The file at ``path``, parsed and checked; any fault is an OSError or a ValueError."""
-        with open(path, encoding="utf-8") as f:
-            text = f.read(MAX_FILE_BYTES + 1)
-        if len(text) > MAX_FILE_BYTES:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
             raise ValueError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text: {exc}") from None
         return cls.parse(parse_bounded(text, path.endswith(".json"), path), path)
 
 
