@@ -78,6 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shed-load", type=float, default=0.0,
                    help="answer 429 when every ready backend's load is at least this (default 0: never)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
+    p.add_argument("--conversation-capacity", type=human_int, default=100_000, metavar="N",
+                   help="Responses API ids remembered with the replica that produced each, least recently used "
+                        "dropped (about 100 bytes each); a continuation goes to its replica (default 100000)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
     p.add_argument("--max-request-bytes", type=human_int, default=8 << 20, metavar="BYTES",
                    help="refuse client bodies larger than this with 413 (default 8M)")
@@ -112,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
         api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, conversation_capacity=args.conversation_capacity,
     )
 
 

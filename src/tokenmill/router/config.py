@@ -150,4 +150,4 @@ class RouterConfig:
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")
         if self.conversation_capacity < 1:
-            raise ValueError("conversation_capacity must be positive")
+            raise ValueError("--conversation-capacity must be positive")
