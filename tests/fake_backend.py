@@ -12,6 +12,9 @@ It simulates what matters to a router and nothing else:
   `vllm:prefix_cache_hits_total` in tokens, `vllm:cache_config_info`);
 - SSE streaming in OpenAI's wire format, `/tokenize`, `/reset_prefix_cache`,
   `/health` (which `POST /admin/health {"healthy": false}` can fail);
+- the Responses API's conversation store: `POST /v1/responses` (plain or
+  streamed as typed events, `response.created` first), `previous_response_id`
+  answered 404 unless this server produced it, `GET /v1/responses/{id}`;
 - a request whose prompt contains ``CRASH_WORD`` kills the process (SIGKILL),
   as a request that crashes a real server would.
 
@@ -205,6 +208,55 @@ def make_app(cfg: FakeConfig) -> FastAPI:
             ch = {"index": 0, "text": text_out, "finish_reason": "length"}
         return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
                              "model": cfg.model, "choices": [ch], "usage": usage}, headers=headers)
+
+    stored: dict[str, dict] = {}  # this server's Responses API responses: a conversation lives here only
+
+    def not_found(what: str) -> JSONResponse:
+        return JSONResponse({"error": {"message": f"no stored response {what!r}", "type": "invalid_request_error",
+                                       "param": "previous_response_id", "code": "response_not_found"}},
+                            status_code=404, headers={"x-fake-backend": cfg.name})
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        body = await request.json()
+        prev = body.get("previous_response_id")
+        if prev is not None and prev not in stored:
+            return not_found(prev)
+        text = (stored[prev]["_text"] if prev else "") + " " + str(body.get("input", ""))
+        rid = f"resp_{cfg.name}{time.monotonic_ns()}"
+        gen = engine().run(tokenize(text), int(body.get("max_output_tokens") or cfg.default_max_tokens))
+        await gen.__anext__()
+        headers = {"x-fake-backend": cfg.name}
+
+        def response(status: str, out: str) -> dict:
+            return {"id": rid, "object": "response", "status": status, "model": cfg.model,
+                    "previous_response_id": prev, "output": [{"type": "message", "content": [
+                        {"type": "output_text", "text": out}]}]}
+
+        def keep(out: str) -> dict:
+            final = response("completed", out)
+            stored[rid] = {**final, "_text": text + out}
+            return final
+
+        if body.get("stream"):
+            async def events():
+                def ev(kind: str, **payload) -> str:
+                    return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload})}\n\n"
+                yield ev("response.created", response=response("in_progress", ""))
+                out = ""
+                async for piece in gen:
+                    out += piece
+                    yield ev("response.output_text.delta", delta=piece)
+                yield ev("response.completed", response=keep(out))
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        return JSONResponse(keep("".join([p async for p in gen])), headers=headers)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        if response_id not in stored:
+            return not_found(response_id)
+        return JSONResponse({k: v for k, v in stored[response_id].items() if k != "_text"},
+                            headers={"x-fake-backend": cfg.name})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -224,15 +224,18 @@ def test_kv_events_config_is_vllms_and_refuses_unknown_keys():
 # -- session affinity -------------------------------------------------------------------------
 
 def test_session_keys_and_response_ids():
-    from tokenmill.router.sessions import response_id_in, session_key
+    from tokenmill.router.sessions import ResponseIdSniffer, response_id_of_body, session_key
 
     assert session_key({"x-session-id": "abc"}, {"user": "u"}) == "session:abc"
     assert session_key({}, {"previous_response_id": "resp_1", "user": "u"}) == "response:resp_1"
     assert session_key({}, {"user": "u"}) == "user:u"
     assert session_key({}, {"prompt": "x"}) is None and session_key({}, None) is None
-    assert response_id_in(b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_9f"') \
-        == "resp_9f"
-    assert response_id_in(b'{"id": "chatcmpl-1"}') is None
+    sniffer = ResponseIdSniffer()  # the id once its event's line is whole, however the chunks split it
+    assert sniffer.feed(b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_9f"') \
+        is None
+    assert sniffer.feed(b',"object":"response"}}\n\n') == "resp_9f"
+    assert response_id_of_body(b'{"id": "resp_1", "object": "response"}') == "resp_1"
+    assert response_id_of_body(b'{"id": "chatcmpl-1", "object": "chat.completion"}') is None
 
 
 def _router(urls):

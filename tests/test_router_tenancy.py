@@ -140,3 +140,29 @@ def test_a_stored_response_is_asked_for_as_the_callers_tenant(tmp_path):
     asyncio.run(_with_router(tmp_path, replicas, body))
     seen = [h.get("x-gateway-inference-fairness-id") for _, h in replicas.seen]
     assert seen == ["chat", "batch"]  # each answered by the first replica asked
+
+
+def test_the_replica_is_told_the_tenant_and_class_of_the_key_not_what_the_client_claims(tmp_path):
+    replicas = Replicas()
+    replicas.gate.set()
+    claims = {"x-gateway-inference-fairness-id": "chat", "x-gateway-inference-objective": "critical"}
+
+    async def body(client):
+        return [await post(client, "batch-key", claims),
+                await post(client, "batch-key", {"x-gateway-inference-objective": "batch"}),
+                await post(client, "chat-key"), await post(client, "operator", claims)]
+
+    answers = asyncio.run(_with_router(tmp_path, replicas, body))
+    assert all(r.status_code == 200 for r in answers)
+    told = [(h.get("x-gateway-inference-fairness-id"), h.get("x-gateway-inference-objective"))
+            for _, h in replicas.seen]
+    assert told == [("batch", "normal"), ("batch", "batch"), ("chat", "normal"), ("default", "normal")]
+
+
+def test_a_tenant_may_lower_its_priority_never_raise_it(tmp_path):
+    tenancy = RouterTenancy(keys_file(tmp_path), {"premium": 100, "bulk": -10})
+    low = tenancy.caller({"x-gateway-inference-objective": "premium"}, "batch-key")
+    assert low.priority == 0 and low.objective == "normal"  # batch's class here is normal (2): priority 0
+    shed = tenancy.caller({"x-gateway-inference-objective": "bulk"}, "batch-key")
+    assert shed.priority == -10 and shed.objective == "12"  # lower than any named class: its number
+    assert tenancy.caller({}, "chat-key").priority is None  # no objective: sheddable, as before

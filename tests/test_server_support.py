@@ -1,6 +1,7 @@
-"""Helpers for the server tests (no tests here): tiny in-process apps, a uvicorn
-thread, real `tokenmill serve` subprocesses (one or several side by side), a
-Prometheus text reader, a /health prober and a started SSE stream."""
+"""Helpers for the server tests (no tests here): tiny in-process apps, the placements
+(tenant, class) a server hands its engine, a uvicorn thread, real `tokenmill serve`
+subprocesses (one or several side by side), a Prometheus text reader, a /health prober
+and a started SSE stream."""
 from __future__ import annotations
 
 import os
@@ -45,6 +46,19 @@ def metric(text: str, name: str, **labels: str) -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def placements(monkeypatch, state) -> list:
+    """Where each request the server hands the engine is placed (tenant, class), as it goes."""
+    seen: list = []
+    generate = state.aengine.generate
+
+    def recording(request_id, prompt, params, placement=None, *args, **kwargs):
+        seen.append((placement.tenant, placement.priority_class))
+        return generate(request_id, prompt, params, placement, *args, **kwargs)
+
+    monkeypatch.setattr(state.aengine, "generate", recording)
+    return seen
 
 
 class ThreadServer:

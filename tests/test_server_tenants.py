@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from test_server_support import make_tiny_app, metric
+from test_server_support import make_tiny_app, metric, placements
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
 from tokenmill.engine.fairness import QueueHead
@@ -32,7 +32,8 @@ def app(tmp_path_factory):
         "  batch: {priority_class: batch, tokens_per_minute: 120, max_inflight: 4}\n"
         "keys:\n" + "".join(f"  - {{sha256: {hash_key(k)}, tenant: {t}}}\n" for k, t in KEYS.items()))
     app = make_tiny_app({"scheduling_policy": "fair", "max_num_seqs": 4}, api_key="operator",
-                        api_keys_file=str(path), metrics_tenant_labels=True)
+                        api_keys_file=str(path), metrics_tenant_labels=True,
+                        router_api_key=["router-key"])
     mount_console(app, ui=False)
     yield app
     app.state.tokenmill.aengine.shutdown()
@@ -149,27 +150,33 @@ def test_usage_counters_equal_the_responses_usage(app, tmp_path, capsys):
     assert printed["total_cost"] == pytest.approx(2.0) and {t["tenant"] for t in printed["tenants"]} >= {"chat"}
 
 
-def test_the_operator_may_speak_for_a_tenant_and_a_tenant_only_for_itself(app):
+def test_only_a_router_key_speaks_for_a_tenant_and_never_above_its_class(app, monkeypatch):
+    """The operator's key and a tenant's key with class headers are themselves; the router key
+    is the tenant it names, in that tenant's class or a lower one it asks for, and a name the
+    file does not hold is the default tenant."""
     state = app.state.tokenmill
+    seen = placements(monkeypatch, state)
     before = parse_metrics(state.metrics.render().decode())
-    as_chat = {"x-gateway-inference-fairness-id": "chat"}
-    as_batch = {"x-gateway-inference-fairness-id": "batch"}
+    critical = {"x-gateway-inference-objective": "critical"}
+    calls = [("operator", {"x-gateway-inference-fairness-id": "chat", **critical}),
+             ("chat-key", {"x-gateway-inference-fairness-id": "batch", **critical}),
+             ("router-key", {"x-gateway-inference-fairness-id": "batch", **critical}),
+             ("router-key", {"x-gateway-inference-fairness-id": "chat", "x-gateway-inference-objective": "low"}),
+             ("router-key", {"x-gateway-inference-fairness-id": "ghost", **critical}),
+             ("router-key", {})]
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                      timeout=60) as client:
-            one = await client.post("/v1/completions", json=completion(3),
-                                    headers={"Authorization": "Bearer operator", **as_chat})
-            two = await client.post("/v1/completions", json=completion(3),
-                                    headers={"Authorization": "Bearer chat-key", **as_batch})
-            return one, two
+            return [await client.post("/v1/completions", json=completion(3),
+                                      headers={"Authorization": f"Bearer {key}", **headers})
+                    for key, headers in calls]
 
-    one, two = asyncio.run(go())
-    assert one.status_code == 200 and two.status_code == 200
+    assert all(r.status_code == 200 for r in asyncio.run(go()))
+    assert seen == [("default", 2), ("chat", 1), ("batch", 4), ("chat", 3), ("default", 2), ("default", 2)]
     after = parse_metrics(state.metrics.render().decode())
-    assert after["chat"]["requests"] - before["chat"]["requests"] == 2  # both counted as chat
-    assert after["batch"]["requests"] == before["batch"]["requests"]
-    assert after["default"]["requests"] == before["default"]["requests"]
+    assert {t: after[t]["requests"] - before[t]["requests"] for t in ("default", "chat", "batch")} == \
+        {"default": 3, "chat": 2, "batch": 1}
 
 
 def test_a_class_whose_queue_is_past_the_bound_gets_429_and_the_others_do_not(app):

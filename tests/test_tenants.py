@@ -129,3 +129,53 @@ def test_usage_series_name_no_tenant_unless_labelled():
     assert [(s.labels, s.value) for s in samples] == [({}, 8)]
     assert all("tenant" not in s.labels for f in families.values() for s in f.samples)
     assert set(usage.snapshot()) == {"default", "secret-team"}  # /v1/usage still has them by name
+
+
+DEEP_JSON = '{"tenants": {"a": {}}, "keys": ' + "[" * 100000 + "]" * 100000 + "}"
+DEEP_YAML = "tenants: {a: {}}\nkeys: " + "[" * 100000 + "]" * 100000 + "\n"
+DEEP_BLOCK_YAML = "tenants: {a: {}}\nkeys:\n" + "".join("  " * i + "-\n" for i in range(2000))
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "tenants: *i\n"
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("keys.json", DEEP_JSON, "nested deeper"),
+    ("keys.yaml", DEEP_YAML, "nested deeper|nesting depth"),  # libyaml may refuse it first
+    ("keys.yaml", DEEP_BLOCK_YAML, "nested deeper"),
+    ("keys.yaml", ALIAS_BOMB, "aliases"),
+    ("keys.yaml", "tenants: [\n", "not valid YAML"),
+    ("keys.json", "[1, 2", "not valid JSON"),
+    ("keys.yaml", "tenants: {a: {weight: !!python/name:os.system}}\n", "not valid YAML"),
+    ("keys.yaml", "- just\n- a list\n", "expected a mapping"),
+    ("keys.json", '{"tenants": {"a": {"max_inflight": ' + "9" * 5000 + "}}}", "not valid JSON"),
+])
+def test_a_hostile_or_broken_file_is_a_value_error_and_a_reload_keeps_the_old_table(tmp_path, name, text, match):
+    path = keys_file(tmp_path, {"a": {}}, {"k1": "a"}, name=name)
+    directory = TenantDirectory(path)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        TenantTable.load(path)
+    assert not directory.reload() and directory.reload_failures == 1
+    assert directory.lookup("k1").name == "a"
+
+
+def test_a_file_past_the_size_bound_is_refused_unread(tmp_path, monkeypatch):
+    import tokenmill.tenants as tenants
+
+    path = keys_file(tmp_path, {"a": {}}, {"k1": "a"})
+    monkeypatch.setattr(tenants, "MAX_FILE_BYTES", 64)
+    with pytest.raises(ValueError, match="larger than 64 bytes"):
+        TenantTable.load(path)
+
+
+def test_a_router_key_is_neither_an_operator_key_nor_a_tenant_key(tmp_path):
+    path = keys_file(tmp_path, {"a": {}}, {"k1": "a"})
+    with pytest.raises(ValueError, match="differ from every --api-key"):
+        TenantDirectory(path, ["same"], ["same"])
+    with pytest.raises(ValueError, match="tenant's key"):
+        TenantDirectory(path, ["operator"], ["k1"])
+    directory = TenantDirectory(path, ["operator"], ["router"])
+    assert directory.lookup("router") == DEFAULT_TENANT and directory.is_router("router")
+    assert not directory.is_router("operator") and not directory.is_router("k1")
+    keys_file(tmp_path, {"a": {}}, {"router": "a"})  # a reload cannot make the router key a tenant's
+    assert not directory.reload() and directory.is_router("router") and directory.lookup("k1").name == "a"

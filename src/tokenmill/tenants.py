@@ -18,6 +18,18 @@ A key's line comes from ``printf %s "$KEY" | sha256sum`` (or
 working as the ``default`` tenant (class normal, weight 1, no limits); with
 neither flag nothing is checked and everyone is ``default``.
 
+A ``--router-api-key`` (the key ``tokenmill route --backend-api-key`` or a
+gateway sends) is the one credential whose request may name the tenant it is
+sent for (``x-gateway-inference-fairness-id``) and that tenant's class
+(``x-gateway-inference-objective``), never a better class than the file gives
+the tenant (``delegated``). The operator's ``--api-key`` and tenants' keys
+cannot: their headers change nothing.
+
+The file is bounded before it is parsed (``MAX_FILE_BYTES``, ``MAX_DEPTH``, no
+YAML anchors or aliases), so a file nested or aliased past reason is refused
+with a ValueError like any other bad file, never a RecursionError or an
+exhausted memory: at startup a clear error, on SIGHUP the old table kept.
+
 Limits (``TenantLimits``, each optional) are enforced by ``TenantGate``
 (tenant_gate.py) with a 429 and ``Retry-After`` for that tenant only:
 ``max_inflight`` requests (engine requests: a prompt of a completions batch
@@ -41,6 +53,7 @@ import hmac
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
@@ -53,6 +66,11 @@ DEFAULT_TENANT_NAME = "default"
 FAIRNESS_HEADER = b"x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = b"x-gateway-inference-objective"
 OTHER_TENANT_LABEL = "other"  # metric label for a name the label set does not hold
+# A keys file's own shape is three levels deep and a few bytes per key: these bounds are far
+# past any real file and keep a hostile or broken one from exhausting the parser.
+MAX_FILE_BYTES = 8 << 20
+MAX_DEPTH = 16
+_JSON_TOKENS = re.compile(r'[\[\]{}"\\]')
 
 
 @dataclass(frozen=True)
@@ -158,40 +176,119 @@ class TenantTable:
 
     @classmethod
     def load(cls, path: str) -> "TenantTable":
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        import yaml
-
+        """The file at ``path``, parsed and checked; any fault is an OSError or a ValueError."""
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        if len(raw) > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
         try:
-            data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-        except (ValueError, yaml.YAMLError) as exc:
-            raise ValueError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
-        return cls.parse(data, path)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text: {exc}") from None
+        return cls.parse(parse_bounded(text, path.endswith(".json"), path), path)
+
+
+def parse_bounded(text: str, is_json: bool, source: str) -> Any:
+    """JSON or YAML ``text``, its nesting checked before the parser sees it (MAX_DEPTH) and YAML's
+    anchors and aliases refused (an alias repeats a node without its bytes, so the file's size
+    would bound nothing). Every failure is a ValueError naming ``source``."""
+    import yaml
+
+    kind = "JSON" if is_json else "YAML"
+    try:
+        _check_json_depth(text) if is_json else _check_yaml_events(text)
+        return json.loads(text) if is_json else yaml.load(text, Loader=_yaml_loader())
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ValueError(f"{source}: not valid {kind}: {exc}") from None
+    except (RecursionError, MemoryError) as exc:  # the bounds above should come first; never crash past them
+        raise ValueError(f"{source}: not valid {kind}: {type(exc).__name__}") from None
+
+
+def _check_json_depth(text: str) -> None:
+    """Refuse JSON nested deeper than MAX_DEPTH; brackets inside strings do not count."""
+    depth, in_string, escaped_at = 0, False, -1
+    for m in _JSON_TOKENS.finditer(text):
+        ch, at = m.group(), m.start()
+        if in_string:
+            if at == escaped_at:
+                continue
+            if ch == "\\":
+                escaped_at = at + 1
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+
+
+def _yaml_loader() -> Any:
+    import yaml
+
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_yaml_events(text: str) -> None:
+    """Refuse YAML nested deeper than MAX_DEPTH, or with an anchor or alias, from the parser's
+    event stream (iterative, stops at the first fault), before anything is built."""
+    import yaml
+
+    depth = 0
+    for event in yaml.parse(text, Loader=_yaml_loader()):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise ValueError("anchors and aliases (&name, *name) are not allowed in a keys file")
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
 
 
 class TenantDirectory:
-    """Who a key belongs to: the keys file's tenants and the plain ``--api-key`` keys
-    (the default tenant). ``reload`` swaps the table in one assignment, so a lookup
-    on the event loop sees the old table or the new one, never half of each."""
+    """Who a key belongs to: the keys file's tenants, the plain ``--api-key`` keys (the
+    default tenant) and the ``--router-api-key`` keys (the default tenant too, and the only
+    keys whose requests may speak for another tenant: ``delegated``). ``reload`` swaps the
+    table in one assignment, so a lookup on the event loop sees the old table or the new one,
+    never half of each."""
 
-    def __init__(self, path: str | None = None, default_keys: Iterable[str] = ()) -> None:
+    def __init__(self, path: str | None = None, default_keys: Iterable[str] = (),
+                 router_keys: Iterable[str] = ()) -> None:
         self.path = path
         self._default = [hashlib.sha256(k.encode()).digest() for k in default_keys]
-        self.table = TenantTable.load(path) if path else TenantTable({}, {})
+        self._router = [hashlib.sha256(k.encode()).digest() for k in router_keys]
+        if set(self._router) & set(self._default):
+            raise ValueError("a --router-api-key must differ from every --api-key: the operator's key "
+                             "cannot speak for tenants")
+        self.reload_failures = 0  # reloads refused (the old table kept), for /metrics
+        self.table = self._checked(TenantTable.load(path), path) if path else TenantTable({}, {})
+
+    def _checked(self, table: TenantTable, source: str) -> TenantTable:
+        """``table``, unless it gives a router key to a tenant (that key would be both)."""
+        if any(d in table.digests for d in self._router):
+            raise ValueError(f"{source}: a --router-api-key is listed as a tenant's key; give the router "
+                             "its own key")
+        return table
 
     @property
     def enabled(self) -> bool:
         """Whether any key is required."""
-        return bool(self._default or self.table.digests)
+        return bool(self._default or self._router or self.table.digests)
 
     def reload(self) -> bool:
-        """Read the keys file again; a bad file is logged and the old table kept."""
+        """Read the keys file again; a bad file is logged, counted and the old table kept."""
         if not self.path:
             return False
         try:
-            table = TenantTable.load(self.path)
-        except (OSError, ValueError) as exc:
-            log.error("keys file %s not reloaded, keeping the previous one: %s", self.path, exc)
+            table = self._checked(TenantTable.load(self.path), self.path)
+        except Exception as exc:  # noqa: BLE001 - it runs in a signal handler, where anything raised ends the process
+            self.reload_failures += 1
+            log.error("keys file %s not reloaded, keeping the previous one: %s", self.path,
+                      exc if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}")
             return False
         self.table = table
         log.info("keys file %s reloaded: %d tenants, %d keys", self.path, len(table.tenants), len(table.digests))
@@ -206,30 +303,37 @@ class TenantDirectory:
             return table.tenants.get(name, DEFAULT_TENANT)
         if any(hmac.compare_digest(digest, d) for d in self._default):
             return replace(table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT), operator=True)
+        if any(hmac.compare_digest(digest, d) for d in self._router):
+            return table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
         return None
 
-    def delegated(self, caller: Tenant | None, headers: Mapping[bytes, bytes]) -> Tenant | None:
-        """The tenant a request from the default tenant (an ``--api-key``: the operator, or a
-        router or gateway in front of the server) is sent for: the keys-file tenant its
-        ``x-gateway-inference-fairness-id`` names, with the class its
-        ``x-gateway-inference-objective`` names when that is a class name or number.
-        Anyone else's headers change nothing (a tenant cannot claim to be another).
+    def is_router(self, key: str) -> bool:
+        """Whether ``key`` is a ``--router-api-key`` (its requests may name their tenant)."""
+        digest = hashlib.sha256(key.encode()).digest()
+        return any(hmac.compare_digest(digest, d) for d in self._router)
 
-        A request sent for a tenant is that tenant's in every respect, ownership included: it
-        is not the operator's, so a router holding the operator key and naming each caller's
-        tenant reaches only that tenant's stored objects."""
-        if caller is None or not caller.operator:
-            return caller
-        tenant = caller
+    def delegated(self, headers: Mapping[bytes, bytes]) -> Tenant:
+        """The tenant a router key's request is sent for: the keys-file tenant its
+        ``x-gateway-inference-fairness-id`` names (a name the file does not hold, or none: the
+        default tenant), in the class its ``x-gateway-inference-objective`` names when that is
+        a class name or number no better than the tenant's own (a router may lower a class,
+        never raise it: a tenant's class is the keys file's, not the request's).
+
+        A request sent for a tenant is that tenant's in every respect, ownership included: it is
+        never the operator's, so a router naming each caller's tenant reaches only that tenant's
+        stored objects."""
         fairness = headers.get(FAIRNESS_HEADER)
-        if fairness is not None:
-            tenant = self.table.tenants.get(fairness.decode("latin-1").strip(), tenant)
+        name = fairness.decode("latin-1").strip() if fairness is not None else DEFAULT_TENANT_NAME
+        table = self.table
+        tenant = table.tenants.get(name) or table.tenants.get(DEFAULT_TENANT_NAME, DEFAULT_TENANT)
         objective = headers.get(OBJECTIVE_HEADER)
         if objective is not None:
             try:
-                tenant = replace(tenant, priority_class=parse_priority_class(objective.decode("latin-1")))
+                asked = parse_priority_class(objective.decode("latin-1"))
             except ValueError:
-                pass  # an InferenceObjective name this server does not know: the tenant's own class
+                return tenant  # an InferenceObjective name this server does not know: the tenant's own class
+            if asked > tenant.priority_class:
+                tenant = replace(tenant, priority_class=asked)
         return tenant
 
     def tenant(self, name: str) -> Tenant:
@@ -299,8 +403,9 @@ def may_use(caller: Tenant | None, owner: str | None) -> bool:
     return owner is None or may_access(caller, owner)
 
 
-def directory_from_args(path: str | None, api_keys: str | list[str] | None) -> TenantDirectory:
+def directory_from_args(path: str | None, api_keys: str | list[str] | None,
+                        router_keys: list[str] | None = None) -> TenantDirectory:
     keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or [])
     if path is not None and not os.path.exists(path):
         raise ValueError(f"--api-keys-file {path}: no such file")
-    return TenantDirectory(path, keys)
+    return TenantDirectory(path, keys, router_keys or [])

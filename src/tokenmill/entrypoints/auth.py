@@ -18,7 +18,10 @@ looked up in the tenant directory (tenants.py: the keys file's hashed keys and
 the ``--api-key`` keys, the latter the ``default`` tenant), and the tenant it
 names rides in the scope (``tenants.TENANT_SCOPE_KEY``) to the handlers; a
 console session is the default tenant. Routes in ``OPERATOR_ROUTES`` answer 403
-to any caller but the operator (``tenants.is_operator``).
+to any caller but the operator (``tenants.is_operator``). A ``--router-api-key``
+is the one credential trusted to name the tenant a request is sent for (and a
+class no better than that tenant's): ``judge`` asks ``TenantDirectory.delegated``;
+any other caller's tenant headers change nothing.
 """
 from __future__ import annotations
 
@@ -59,6 +62,7 @@ class Presented:
     kind: CredentialKind
     valid: bool
     tenant: Tenant | None = None  # whose key it is (Bearer keys looked up in the tenant directory)
+    router: bool = False  # a --router-api-key: the request may name the tenant it is sent for
 
 
 def route_path(scope: Scope) -> str:
@@ -90,7 +94,7 @@ def identify(scope: Scope, sessions: ConsoleSessions, tenants: TenantDirectory |
         key = given.decode("latin-1")
         if tenants is not None:
             tenant = tenants.lookup(key)
-            return Presented("bearer", tenant is not None, tenant)
+            return Presented("bearer", tenant is not None, tenant, tenant is not None and tenants.is_router(key))
         return Presented("bearer", sessions.key_matches(key))
     token = sessions.token_of(scope)
     if token is not None:
@@ -105,7 +109,8 @@ def decide(scope: Scope, sessions: ConsoleSessions, tenants: TenantDirectory | N
 
 def judge(scope: Scope, sessions: ConsoleSessions,
           tenants: TenantDirectory | None = None) -> tuple[Verdict, Tenant | None]:
-    """``decide``'s verdict and the caller's tenant (None: no key checked, or a console session)."""
+    """``decide``'s verdict and the tenant the request acts for (None: no key checked, or a console
+    session): the key's own, or for a router key the tenant its headers name (``delegated``)."""
     enabled = sessions.enabled or (tenants is not None and tenants.enabled)
     if not enabled or route_path(scope) in OPEN_ROUTES:
         return "open", None
@@ -114,9 +119,12 @@ def judge(scope: Scope, sessions: ConsoleSessions,
         return "unauthorized", None
     if presented.kind == "cookie" and scope.get("method", "GET") not in _SAFE_METHODS and not same_origin(scope):
         return "cross_origin", None  # a browser sends the cookie on other sites' forms too
-    if route_path(scope) in OPERATOR_ROUTES and not is_operator(presented.tenant):
-        return "forbidden", presented.tenant
-    return "ok", presented.tenant
+    tenant = presented.tenant
+    if presented.router and tenants is not None:
+        tenant = tenants.delegated({k.lower(): v for k, v in scope.get("headers") or []})
+    if route_path(scope) in OPERATOR_ROUTES and not is_operator(tenant):
+        return "forbidden", tenant
+    return "ok", tenant
 
 
 class AuthMiddleware:
@@ -135,8 +143,6 @@ class AuthMiddleware:
             return
         verdict, tenant = judge(scope, self.sessions, self.tenants)
         if verdict in ("open", "ok"):
-            if tenant is not None and self.tenants is not None:  # the operator may speak for a tenant
-                tenant = self.tenants.delegated(tenant, {k.lower(): v for k, v in scope.get("headers") or []})
             if tenant is not None:
                 scope[TENANT_SCOPE_KEY] = tenant
             await self.app(scope, receive, send)

@@ -169,6 +169,12 @@ def add_server_arguments(p: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/*; several keys: any of them "
                         "(also read from TOKENMILL_API_KEY or VLLM_API_KEY); the web console then asks for "
                         "it on a sign-in page and keeps a session cookie")
+    p.add_argument("--router-api-key", nargs="+", default=None, metavar="KEY",
+                   help="keys of the routers (tokenmill route --backend-api-key) or gateways in front: the only "
+                        "callers whose x-gateway-inference-fairness-id and -objective headers name the tenant and "
+                        "class a request is sent for, never a better class than --api-keys-file gives that "
+                        "tenant; must differ from every --api-key (also read from TOKENMILL_ROUTER_API_KEY); "
+                        "see docs/tenants.md")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="tenants (priority class, fair-share weight, limits) and their keys, stored as SHA-256 "
                         "hashes, in YAML or JSON; reloaded on SIGHUP; see docs/tenants.md")
@@ -468,13 +474,16 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
-    if getattr(args, "api_keys_file", None):
-        from ..tenants import TenantTable
+    if getattr(args, "api_keys_file", None) or getattr(args, "router_api_key", None):
+        from ..tenants import TenantDirectory
+        from .serve_config import api_keys_from_args, router_keys_from_args
 
+        api_keys = api_keys_from_args(args)
         try:
-            TenantTable.load(args.api_keys_file)
+            TenantDirectory(getattr(args, "api_keys_file", None),
+                            [api_keys] if isinstance(api_keys, str) else api_keys or [], router_keys_from_args(args))
         except (OSError, ValueError) as exc:
-            return f"--api-keys-file: {exc}"
+            return str(exc) if str(exc).startswith("a --router") else f"--api-keys-file: {exc}"
     if getattr(args, "otlp_traces_endpoint", None):
         try:
             import opentelemetry.exporter.otlp.proto.http  # noqa: F401

@@ -136,6 +136,12 @@ def api_keys_from_args(args: argparse.Namespace) -> str | list[str] | None:
     return keys[0] if len(keys) == 1 else list(keys)
 
 
+def router_keys_from_args(args: argparse.Namespace) -> list[str]:
+    """--router-api-key, else TOKENMILL_ROUTER_API_KEY."""
+    keys = getattr(args, "router_api_key", None) or [os.environ.get("TOKENMILL_ROUTER_API_KEY", "")]
+    return [k for k in keys if k]
+
+
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """The HTTP side of `tokenmill serve`: names, keys, limits, capture, sampling defaults."""
     from .serving import ServerSettings
@@ -148,7 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         model_path = default_model_path()
     return ServerSettings(
         served_model_names=list(names), model_path=model_path, api_key=api_keys_from_args(args),
-        api_keys_file=getattr(args, "api_keys_file", None),
+        api_keys_file=getattr(args, "api_keys_file", None), router_api_key=router_keys_from_args(args),
         metrics_tenant_labels=getattr(args, "metrics_tenant_labels", False),
         otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None),
         max_waiting=args.max_waiting, max_output_tokens=args.max_output_tokens, log_requests=args.log_requests,

@@ -47,6 +47,7 @@ class ServerSettings:
     api_key: str | list[str] | None = None  # several: any of them opens the API
     api_keys_file: str | None = None  # tenants and their hashed keys (tenants.py); reloaded on SIGHUP
     metrics_tenant_labels: bool = False  # /metrics' usage per tenant name (off: summed, no names; tenant_usage.py)
+    router_api_key: list[str] | None = None  # routers' keys: trusted to name a request's tenant (tenants.py)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tracing.py); None: off
     max_waiting: int | None = None
     max_output_tokens: int | None = None
@@ -138,8 +139,9 @@ class ServerShared:
     def from_settings(cls, settings: ServerSettings) -> "ServerShared":
         from ..tracing import make_tracing
 
-        tenants = directory_from_args(settings.api_keys_file, settings.api_key)
-        usage = TenantUsage(tenants.label, tenants.names, settings.metrics_tenant_labels)
+        tenants = directory_from_args(settings.api_keys_file, settings.api_key, settings.router_api_key)
+        usage = TenantUsage(tenants.label, tenants.names, settings.metrics_tenant_labels,
+                            reload_failures=lambda: tenants.reload_failures)
         return cls(tenants, TenantGate(settings.retry_after_s), usage,
                    make_tracing(settings.otlp_traces_endpoint, "tokenmill-server"))
 

@@ -52,11 +52,13 @@ class TenantCounters:
 class TenantUsage(Collector):
     """The counters, keyed by metric label; a Prometheus collector of them."""
 
-    def __init__(self, label: Callable[[str], str], names: Callable[[], list[str]], labelled: bool = False) -> None:
+    def __init__(self, label: Callable[[str], str], names: Callable[[], list[str]], labelled: bool = False,
+                 reload_failures: Callable[[], int] | None = None) -> None:
         self.label = label  # tenant name -> bounded label
         self.names = names  # labels always shown (zero until used)
         self.labelled = labelled  # /metrics: one series per tenant (True) or one summed series
         self.counters: dict[str, TenantCounters] = {}
+        self.reload_failures = reload_failures  # the keys file's refused reloads (tenants.py), if it has one
 
     def of(self, tenant: str) -> TenantCounters:
         return self.counters.setdefault(self.label(tenant), TenantCounters())
@@ -91,3 +93,8 @@ class TenantUsage(Collector):
             for tenant, values in snap.items():
                 family.add_metric([tenant], values[field_name])
             yield family
+        if self.reload_failures is not None:
+            yield CounterMetricFamily("tokenmill:keys_file_reload_failures",
+                                      "Keys file reloads refused (unreadable, malformed, nested or sized past the "
+                                      "bounds, invalid); the previous keys stay in force.",
+                                      value=self.reload_failures())

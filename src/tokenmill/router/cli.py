@@ -37,11 +37,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' from clients")
-    p.add_argument("--backend-api-key", default=None, help="key sent to backends (default: forward the client's)")
+    p.add_argument("--backend-api-key", default=None,
+                   help="key sent to backends (default: forward the client's); give the replicas' "
+                        "--router-api-key, the one key whose tenant headers they trust")
     p.add_argument("--api-keys-file", default=None, metavar="FILE",
                    help="the servers' tenants file: its keys open the router, each tenant's max_inflight and "
-                        "tokens_per_minute hold across all replicas, the tenant goes to the replica in "
-                        "x-gateway-inference-fairness-id; reloaded on SIGHUP (docs/tenants.md)")
+                        "tokens_per_minute hold across all replicas, the key's tenant and class go to the replica "
+                        "in x-gateway-inference-fairness-id and -objective (the client's own are dropped); "
+                        "reloaded on SIGHUP, a bad file kept out and counted (docs/tenants.md)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
                    help="send OpenTelemetry traces of each proxied request to this OTLP/HTTP collector; the "
                         "trace goes on to the replica in traceparent (needs tokenmill[tracing]; default off)")
@@ -75,6 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shed-load", type=float, default=0.0,
                    help="answer 429 when every ready backend's load is at least this (default 0: never)")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks (default 2)")
+    p.add_argument("--conversation-capacity", type=human_int, default=100_000, metavar="N",
+                   help="Responses API ids remembered with the replica that produced each, least recently used "
+                        "dropped (about 100 bytes each); a continuation goes to its replica (default 100000)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
     p.add_argument("--max-request-bytes", type=human_int, default=8 << 20, metavar="BYTES",
                    help="refuse client bodies larger than this with 413 (default 8M)")
@@ -109,7 +115,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
         api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, conversation_capacity=args.conversation_capacity,
     )
 
 

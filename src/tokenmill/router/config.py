@@ -53,7 +53,12 @@ class RouterConfig:
     api_keys_file: str | None = None
     objectives: dict[str, int] = field(default_factory=dict)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces over OTLP (tokenmill/tracing.py); None: off
-    backend_api_key: str | None = None  # sent to backends instead of the client's
+    # Sent to backends instead of the client's: their --router-api-key, the one key whose requests may
+    # name the tenant and class (tenancy.py).
+    backend_api_key: str | None = None
+    # Responses API ids remembered with the replica that produced each (an LRU): a conversation's
+    # next turn goes there (sessions.py). One entry is about a hundred bytes.
+    conversation_capacity: int = 100_000
 
     # Tokenization: a local tokenizer.json, else a backend's POST /tokenize,
     # else fixed-size character chunks.
@@ -115,7 +120,7 @@ class RouterConfig:
 
             try:
                 TenantTable.load(self.api_keys_file)
-            except OSError as exc:
+            except (OSError, ValueError) as exc:
                 raise ValueError(f"--api-keys-file: {exc}") from None
         if self.canary is not None:
             self.canary.validate()
@@ -144,3 +149,5 @@ class RouterConfig:
             raise ValueError("--max-request-bytes and --request-read-timeout must be positive")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")
+        if self.conversation_capacity < 1:
+            raise ValueError("--conversation-capacity must be positive")

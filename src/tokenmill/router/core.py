@@ -20,7 +20,7 @@ from .metrics import RouterMetrics
 from .policy import Decision, PrefixAware, make_policy
 from .pool import BackendPool
 from .prefix_index import block_hashes
-from .sessions import SessionTable
+from .sessions import SessionTable, previous_response_of
 from .tokenize import CharChunker, LocalTokenizer, RemoteTokenizer, Tokenizer, prompt_of
 
 log = logging.getLogger("tokenmill.router")
@@ -32,6 +32,17 @@ class NoBackendError(Exception):
 
 class ShedError(Exception):
     """Every ready backend is past the shedding threshold (HTTP 429)."""
+
+
+class ConversationUnavailable(Exception):
+    """The replica that holds a conversation (``previous_response_id``) is not in rotation:
+    no other replica could continue it (HTTP 502)."""
+
+    def __init__(self, response_id: str, url: str) -> None:
+        super().__init__(f"previous_response_id {response_id!r} was produced by the replica {url}, which is "
+                         "not in rotation (down or removed); no other replica holds the conversation")
+        self.response_id = response_id
+        self.url = url
 
 
 def make_client(config: RouterConfig) -> httpx.AsyncClient:
@@ -54,10 +65,11 @@ class Router:
         self._listeners: list[Callable[[], None]] = []
         self.pool = BackendPool(config, self.client, on_health_change=self._health_changed)
         self.policy = make_policy(config)
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(responses=config.conversation_capacity)
         from .tenancy import RouterTenancy
 
-        self.tenancy = RouterTenancy(config.api_keys_file, config.objectives, config.api_key)
+        self.tenancy = RouterTenancy(config.api_keys_file, config.objectives, config.api_key,
+                                     on_reload_failure=self.metrics.keys_reload_failures.inc)
         from ..tracing import make_tracing
 
         self.tracing = make_tracing(config.otlp_traces_endpoint, "tokenmill-router")
@@ -133,32 +145,59 @@ class Router:
                     priority: int | None = None) -> Decision:
         """Pick a backend and count the request in flight there (call ``release``). A request
         of a known ``session`` (sessions.session_key) goes to its home replica while that one
-        is ready and not overloaded. ``priority``: its objective's (tenancy.py); one of zero
-        or more is never shed."""
+        is ready and not overloaded; one continuing a known Responses API conversation goes to
+        the replica holding it, however loaded (reason ``conversation``; raises
+        ConversationUnavailable when that replica is out of rotation). ``priority``: its
+        objective's (tenancy.py); one of zero or more is never shed."""
+        pinned = self.conversation_home(body)
         cands = self.candidates(exclude, subset)
-        if not cands:
+        if not cands and pinned is None:
             raise NoBackendError("no ready backend")
         c = self.config
         sheddable = priority is None or priority < 0
-        if sheddable and c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in cands):
+        everyone = cands or [pinned]  # shed when every ready replica is saturated, as for any request
+        if sheddable and c.shed_load > 0 and all(b.load(c.kv_usage_weight) >= c.shed_load for b in everyone):
             self.metrics.decisions.labels("shed").inc()
             raise ShedError("all backends are saturated")
+        if pinned is not None:
+            cands = [pinned]
         keys = await self.block_keys(path, body, cands) if self.policy.name == "prefix" else []
         # Health may have changed while tokenizing remotely.
-        cands = [b for b in cands if b.healthy] or self.candidates(exclude, subset)
-        if not cands:
-            raise NoBackendError("no ready backend")
-        # the replicas that serve the request's model, those with its LoRA adapter resident first
-        w = c.kv_usage_weight
+        if pinned is not None:
+            self.conversation_home(body)  # raises if the conversation's replica left meanwhile
+            decision = Decision(pinned, "conversation", pinned.index.match(keys), len(keys))
+        else:
+            cands = [b for b in cands if b.healthy] or self.candidates(exclude, subset)
+            if not cands:
+                raise NoBackendError("no ready backend")
+            decision = self._choose(body, cands, session, keys)
+        if session is not None:
+            self.sessions.settle(session, decision.backend.url, kept=decision.reason in ("session", "conversation"))
+        self.acquire(decision, keys)
+        return decision
+
+    def _choose(self, body: Any, cands: list[Backend], session: str | None, keys: list[bytes]) -> Decision:
+        """The policy's pick among the replicas that serve the request's model (those with its
+        LoRA adapter resident first), a session's home first."""
+        c, w = self.config, self.config.kv_usage_weight
         cands, why = models.select(cands, models.model_of(body),
                                    lambda b, low: PrefixAware(c).overloaded(b.load(w), low), lambda b: b.load(w))
         if why != "any":
             self.metrics.model_routing.labels(why).inc()
-        decision = self._session_home(session, cands, keys) or self.policy.choose(cands, keys)
-        if session is not None:
-            self.sessions.settle(session, decision.backend.url, kept=decision.reason == "session")
-        self.acquire(decision, keys)
-        return decision
+        return self._session_home(session, cands, keys) or self.policy.choose(cands, keys)
+
+    def conversation_home(self, body: Any) -> Backend | None:
+        """The replica holding the conversation ``body`` continues (``previous_response_id``),
+        None when the request continues none the router knows of. Raises ConversationUnavailable
+        when that replica is out of rotation: sending the request elsewhere could only get 404."""
+        rid = previous_response_of(body)
+        url = self.sessions.response_home(rid) if rid is not None else None
+        if url is None:
+            return None
+        home = self.pool.backends.get(url)
+        if home is None or not home.healthy:
+            raise ConversationUnavailable(rid, url)
+        return home
 
     def _session_home(self, session: str | None, cands: list[Backend], keys: list[bytes]) -> Decision | None:
         url = self.sessions.home(session) if session is not None else None

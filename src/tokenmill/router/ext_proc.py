@@ -53,7 +53,7 @@ from google.protobuf import json_format, struct_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from .backend import Backend
-from .core import NoBackendError, Router, ShedError
+from .core import ConversationUnavailable, NoBackendError, Router, ShedError
 from .sessions import session_key
 from .tenancy import OBJECTIVE_HEADER, objective_priority
 
@@ -156,6 +156,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             priority = objective_priority(st.headers.get(OBJECTIVE_HEADER), self.router.tenancy.objectives)
             decision = await self.router.route(path, body, subset=st.subset, session=session_key(st.headers, body),
                                                priority=priority)
+        except ConversationUnavailable as exc:
+            self.router.metrics.responses.labels("502").inc()
+            return immediate(502, str(exc), "conversation_replica_unavailable")
         except NoBackendError:
             self.router.metrics.responses.labels("503").inc()
             return immediate(503, "no ready endpoint", "no_backend")
@@ -164,7 +167,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return immediate(429, "all endpoints are saturated; retry later", "overloaded")
         st.backend = decision.backend
         log.debug("picked %s for %s (%s)", decision.backend.endpoint, path, decision.reason)
-        fallbacks = self.router.fallbacks(decision.backend, self.router.config.fallback_endpoints, st.subset)
+        # a conversation's continuation has no fallback: another endpoint could only answer 404
+        n = 0 if decision.reason == "conversation" else self.router.config.fallback_endpoints
+        fallbacks = self.router.fallbacks(decision.backend, n, st.subset)
         return ",".join([decision.backend.endpoint] + [b.endpoint for b in fallbacks])
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],

@@ -48,6 +48,10 @@ class RouterMetrics:
             "tokenmill_router_prefix_match_ratio",
             "Share of a request's blocks the chosen backend was estimated to hold.",
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.keys_reload_failures = Counter(
+            "tokenmill_router_keys_file_reload_failures",
+            "Keys file reloads refused (unreadable, malformed, nested or sized past the bounds, invalid); "
+            "the previous keys stay in force.", registry=r)
         self.tokenizer = Gauge(
             "tokenmill_router_tokenizer_info", "How the router tokenizes prompts (1 for the mode in use).",
             ["mode"], registry=r)

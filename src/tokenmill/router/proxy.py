@@ -20,7 +20,16 @@ can tolerate:
   event and the stream ends (no hang, no silent truncation);
 - non-streaming responses are read whole before answering, so any failure
   there counts as "before the first byte"; a client that hangs up meanwhile
-  cancels the backend request (its connection closes, so the backend aborts).
+  cancels the backend request (its connection closes, so the backend aborts);
+- a request continuing a Responses API conversation (``previous_response_id``)
+  the router has seen is sent to the replica that holds it and nowhere else:
+  a busy replica queues it, a failing one's answer is passed through, and a
+  replica out of rotation is a 502 that says so (another replica could only
+  answer 404).
+
+The tenant headers (``x-gateway-inference-fairness-id``, ``-objective``) the
+replica sees are the ones tenancy.py decides, never the client's own when the
+router has a keys file.
 
 Bodies are read whole first, within ``max_request_bytes`` (413) and
 ``request_read_timeout`` (408), as the server does (request_guard.py); every
@@ -46,14 +55,16 @@ from starlette.routing import Route
 from ..credentials import bearer_token
 from ..request_guard import BodyGuard
 from .backend import Backend
-from .core import NoBackendError, Router, ShedError
-from .sessions import response_id_in, session_key
-from .tenancy import FAIRNESS_HEADER, Caller, TenantLimited
+from .core import ConversationUnavailable, NoBackendError, Router, ShedError
+from .sessions import ResponseIdSniffer, previous_response_of, response_id_of_body, session_key
+from .tenancy import FAIRNESS_HEADER, OBJECTIVE_HEADER, Caller, TenantLimited
 
 log = logging.getLogger("tokenmill.router")
 
 _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
         "proxy-authorization", "proxy-connection", "accept-encoding", "trailer"}
+# set by the router from the caller (tenancy.py), never copied from the client's request
+_TENANT_HEADERS = {FAIRNESS_HEADER, OBJECTIVE_HEADER}
 _RESP_DROP = {"content-length", "connection", "keep-alive", "transfer-encoding", "content-encoding",
               "date", "server", "trailer"}
 # A replica that is shedding (429) or failing (502-504) before any byte is
@@ -106,22 +117,34 @@ class Proxy:
         self.canary = router.canary  # None unless --variant groups are configured
 
     # -- helpers ----------------------------------------------------------
+    @staticmethod
+    def _presented_key(request: Request) -> str | None:
+        """The key the client sent: Bearer (the scheme in any letter case), else x-api-key
+        (where Anthropic's clients send it)."""
+        got = bearer_token(request.headers.get("authorization"))
+        if got is None and "x-api-key" in request.headers:
+            got = request.headers["x-api-key"].encode("latin-1")
+        return got.decode("latin-1") if got is not None else None
+
     def _authorized(self, request: Request) -> bool:
         key = self.router.config.api_key
         tenancy = self.router.tenancy
         if not key and tenancy.directory is None:
             return True
-        got = bearer_token(request.headers.get("authorization"))  # the scheme in any letter case
-        if got is None and "x-api-key" in request.headers:  # Anthropic's clients send the key here
-            got = request.headers["x-api-key"].encode("latin-1")
+        got = self._presented_key(request)
         if got is None:
             return False
-        if key and hmac.compare_digest(hashlib.sha256(got).digest(), hashlib.sha256(key.encode()).digest()):
+        if key and hmac.compare_digest(hashlib.sha256(got.encode("latin-1")).digest(),
+                                       hashlib.sha256(key.encode()).digest()):
             return True
-        return tenancy.key_opens(got.decode("latin-1"))
+        return tenancy.key_opens(got)
 
-    def _forward_headers(self, request: Request) -> dict[str, str]:
-        out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    def _caller(self, request: Request) -> Caller:
+        return self.router.tenancy.caller(request.headers, self._presented_key(request))
+
+    def _forward_headers(self, request: Request, caller: Caller) -> dict[str, str]:
+        out = {k: v for k, v in request.headers.items() if k.lower() not in _HOP and k.lower() not in _TENANT_HEADERS}
+        out.update(caller.headers())
         out["accept-encoding"] = "identity"
         bkey = self.router.config.backend_api_key
         if bkey:
@@ -159,7 +182,7 @@ class Proxy:
     async def models(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
-        headers = self._forward_headers(request)
+        headers = self._forward_headers(request, self._caller(request))
         tried: set[str] = set()
         for _ in range(2):
             cands = self.router.candidates(exclude=tried)
@@ -175,38 +198,32 @@ class Proxy:
             return self._answer(Response(r.content, r.status_code, self._response_headers(r, b)))
         return self._answer(error(503, "no ready backend", code="no_backend"))
 
-    def _caller(self, request: Request) -> Caller:
-        """Who sends the request (router/tenancy.py): the tenant of its key, or the fairness id it carries."""
-        got = bearer_token(request.headers.get("authorization"))
-        if got is None and "x-api-key" in request.headers:
-            got = request.headers["x-api-key"].encode("latin-1")
-        return self.router.tenancy.caller(request.headers, got.decode("latin-1") if got is not None else None)
-
     async def stored_response(self, request: Request) -> Response:
         """GET / DELETE /v1/responses/{id}: to the replica that produced it (learned from the
-        responses relayed); when unknown (another router, a restart), each ready replica in turn
-        until one has it."""
+        responses relayed), and only there; when unknown (another router, a restart), each
+        ready replica in turn until one has it."""
         if not self._authorized(request):
             return self._answer(error(401, "invalid API key", "authentication_error", "invalid_api_key"))
         rid = request.path_params["response_id"]
-        headers = self._forward_headers(request)
-        # the replica sees the router's key: it must learn whose request this is, as generate's
-        # requests tell it, or the caller would reach every tenant's stored responses
-        headers.pop(FAIRNESS_HEADER, None)
-        fairness_id = self._caller(request).fairness_id
-        if fairness_id:
-            headers[FAIRNESS_HEADER] = fairness_id
-        home = self.router.sessions.home("response:" + rid)
-        order = sorted(self.router.candidates(), key=lambda b: b.url != home)
+        headers = self._forward_headers(request, self._caller(request))
+        try:
+            home = self.router.conversation_home({"previous_response_id": rid})
+        except ConversationUnavailable as exc:
+            return self._answer(error(502, str(exc), code="conversation_replica_unavailable"))
         last: Response | None = None
-        for b in order:
+        for b in [home] if home is not None else self.router.candidates():
             try:
                 r = await self.router.client.request(request.method, b.url + request.url.path, headers=headers)
             except httpx.TransportError as exc:
                 self.router.pool.report_failure(b, f"{type(exc).__name__} on {request.method} response")
+                if home is not None:
+                    return self._answer(error(502, f"the replica holding response {rid!r} ({b.endpoint}) failed: "
+                                                   f"{type(exc).__name__}", code="conversation_replica_unavailable"))
                 continue
             last = Response(r.content, r.status_code, self._response_headers(r, b))
             if r.status_code != 404:
+                if home is None and r.status_code == 200 and request.method == "GET":
+                    self.router.sessions.learn_response(rid, b.url)  # found: its continuation goes there
                 return self._answer(last)
         if last is not None:
             return self._answer(last)
@@ -240,16 +257,14 @@ class Proxy:
     async def _admitted(self, request: Request, raw: bytes, body: dict) -> Response:
         """The tenant's limits and the trace around the routing and its attempts."""
         path = request.url.path
-        headers = self._forward_headers(request)
         caller = self._caller(request)
+        headers = self._forward_headers(request, caller)
         try:
             self.router.tenancy.admit(caller, path, body)
         except TenantLimited as exc:
             response = error(429, str(exc), "rate_limit_error", exc.code)
             response.headers["Retry-After"] = str(exc.retry_after_s)
             return self._answer(response)
-        if caller.fairness_id:
-            headers[FAIRNESS_HEADER] = caller.fairness_id
         tracing, span = self.router.tracing, None
         if tracing is not None:  # the caller's trace continues here and on to the replica
             span = tracing.start(f"route {request.method} {path}", tracing.extract(request.headers),
@@ -285,6 +300,8 @@ class Proxy:
             try:
                 decision = await self.router.route(path, body, exclude=tried, subset=subset,
                                                    session=session_key(request.headers, body), priority=priority)
+            except ConversationUnavailable as exc:
+                return self._answer(error(502, str(exc), code="conversation_replica_unavailable"))
             except NoBackendError:
                 if last_error:
                     return self._answer(error(502, f"backend failed before responding: {last_error}",
@@ -294,11 +311,12 @@ class Proxy:
                 return self._answer(error(429, "all backends are saturated; retry later",
                                           "rate_limit_error", "overloaded"))
             b = decision.backend
+            pinned = decision.reason == "conversation"  # no other replica holds it: never tried elsewhere
             tried.add(b.url)
             if attempt:
                 self.metrics.retries.inc()
             try:
-                result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1)
+                result = await self._attempt(b, path, raw, headers, stream, last_try=attempt == 1 or pinned)
             except Poisoned as exc:
                 self.metrics.poisoned.inc()
                 log.warning("request refused, not retried: %s", exc)
@@ -308,6 +326,11 @@ class Proxy:
                 if self.canary is not None:
                     result.headers["x-tokenmill-variant"] = self.canary.variant_of(b.endpoint) or ""
                 return self._answer(result)
+            if pinned:
+                return self._answer(error(502, f"the replica holding previous_response_id "
+                                               f"{previous_response_of(body)!r} failed before responding: {result}; "
+                                               "no other replica holds the conversation",
+                                          code="conversation_replica_unavailable"))
             last_error = result
         return self._answer(error(502, f"backend failed before responding: {last_error}",
                                   code="backend_unavailable"))
@@ -352,7 +375,10 @@ class Proxy:
             self.router.release(b)
             if self.canary is not None:
                 self.canary.observe_response(b.endpoint, resp.status_code, content, started)
-            self._learn_response(path, resp.status_code, content, b)
+            if self._responses_api(path, resp.status_code):
+                rid = response_id_of_body(content)
+                if rid is not None:
+                    self.router.sessions.learn_response(rid, b.url)
             return Response(content, resp.status_code, self._response_headers(resp, b))
         chunks = resp.aiter_raw()
         try:
@@ -368,9 +394,9 @@ class Proxy:
             await resp.aclose()
             self.router.release(b)
             raise
-        self._learn_response(path, resp.status_code, first, b)  # response.created comes first
         meter = self.canary.meter(b.endpoint, started) if self.canary is not None else None
-        return StreamingResponse(self._relay(b, resp, first, chunks, meter), resp.status_code,
+        sniffer = ResponseIdSniffer() if self._responses_api(path, resp.status_code) else None
+        return StreamingResponse(self._relay(b, resp, first, chunks, meter, sniffer), resp.status_code,
                                  self._response_headers(resp, b))
 
     async def _failed(self, b: Backend, exc: httpx.TransportError, when: str) -> str:
@@ -388,31 +414,35 @@ class Proxy:
                            f"({type(exc).__name__} {when})")
         return what + " (the backend is alive)"
 
-    def _learn_response(self, path: str, status: int, content: bytes, b: Backend) -> None:
-        """Remember which replica produced a Responses API id: its continuation
-        (``previous_response_id``) and its GET/DELETE go there."""
-        if status == 200 and path.endswith("/responses"):
-            rid = response_id_in(content)
-            if rid is not None:
-                self.router.sessions.learn_response(rid, b.url)
+    @staticmethod
+    def _responses_api(path: str, status: int) -> bool:
+        """Whether an answer may name a stored Responses API response (its id is learned)."""
+        return status == 200 and path.endswith("/responses")
 
     def _observe_failure(self, b: Backend) -> None:
         if self.canary is not None:
             self.canary.observe_failure(b.endpoint)
 
-    async def _relay(self, b: Backend, resp: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes], meter=None) -> AsyncIterator[bytes]:
+    async def _relay(self, b: Backend, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                     meter=None, sniffer: ResponseIdSniffer | None = None) -> AsyncIterator[bytes]:
+        """The stream, chunk by chunk; a Responses API stream's id is learned from the chunk
+        that completes its event, before that chunk reaches the client."""
+        def seen(chunk: bytes) -> None:
+            if meter is not None:
+                meter.feed(chunk)
+            rid = sniffer.feed(chunk) if sniffer is not None else None
+            if rid is not None:
+                self.router.sessions.learn_response(rid, b.url)
+
         last = first
         broken = False
         try:
             if first:
-                if meter is not None:
-                    meter.feed(first)
+                seen(first)
                 yield first
             async for chunk in chunks:
                 last = chunk
-                if meter is not None:
-                    meter.feed(chunk)
+                seen(chunk)
                 yield chunk
         except httpx.HTTPError as exc:
             broken = True
@@ -457,6 +487,7 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
         Route("/v1/chat/completions", proxy.generate, methods=["POST"]),
         Route("/v1/responses", proxy.generate, methods=["POST"]),
         Route("/v1/responses/{response_id}", proxy.stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/input_items", proxy.stored_response, methods=["GET"]),
         Route("/v1/messages", proxy.generate, methods=["POST"]),
         Route("/v1/messages/count_tokens", proxy.generate, methods=["POST"]),
         Route("/v1/models", proxy.models, methods=["GET"]),

@@ -15,10 +15,17 @@ With ``--api-keys-file`` (the servers' file, tenants.py) the router knows the
 tenant from the key, enforces the tenant's ``max_inflight`` and
 ``tokens_per_minute`` over all replicas together (the servers each see only
 their share, so without this one tenant could take every replica), and tells the
-replica who the tenant is with the fairness-id header; a replica honours that
-header only from a caller holding an ``--api-key`` (the router's
-``--backend-api-key``). Without a keys file, the fairness-id header the client
-or gateway sent passes through unchanged.
+replica who the tenant is and its class in the two headers, which it sets itself:
+what the client sent in them is dropped. A client's objective may lower its
+request below its tenant's class (a sheddable batch job), never raise it: the
+class is the key's, not the request's. A replica honours the headers only from a
+caller holding its ``--router-api-key`` (the router's ``--backend-api-key``), and
+then never above the tenant's class in its own keys file.
+
+Without a keys file the router cannot tell who sends a request: the objective
+still sets its priority here (shedding), and both headers pass to the replica as
+the client or gateway sent them (the replica decides whether the router's key is
+trusted to name tenants).
 
 Tokens per minute are estimated at the router, which does not always tokenize:
 a prompt's characters / 4, plus ``n x max_tokens`` (16 when not given); the
@@ -33,7 +40,7 @@ before, every request may be shed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..tenant_gate import TenantGate, TenantLimited
 from ..tenants import DEFAULT_TENANT, Tenant, TenantDirectory
@@ -44,7 +51,10 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 # Priority of a keys-file class name used as an objective: the Inference Extension's
 # sense (higher first, negative sheddable), from the class's place (0 first).
-_CLASS_PRIORITY = {name: 2 - value for name, value in PRIORITY_CLASSES.items()}
+_NORMAL = PRIORITY_CLASSES["normal"]
+_CLASS_PRIORITY = {name: _NORMAL - value for name, value in PRIORITY_CLASSES.items()}
+# The name a class goes to the replica under (the first of its names), else its number.
+_CLASS_NAME = {value: name for name, value in reversed(PRIORITY_CLASSES.items())}
 
 
 def parse_objectives(items: list[str]) -> dict[str, int]:
@@ -78,11 +88,25 @@ def objective_priority(value: str | None, table: Mapping[str, int]) -> int | Non
 
 @dataclass(frozen=True)
 class Caller:
-    """What the router knows of a request's sender."""
+    """What the router knows of a request's sender, and what it tells the replica."""
 
-    tenant: Tenant | None  # from the keys file (None: no keys file, or the operator's key)
-    fairness_id: str | None  # what goes to the replica in the fairness header
-    priority: int | None  # the objective's priority (None: no objective header)
+    tenant: Tenant | None  # from the keys file (None: no keys file)
+    fairness_id: str | None  # what goes to the replica in the fairness header (None: none)
+    objective: str | None  # what goes to the replica in the objective header (None: none)
+    priority: int | None  # the objective's priority here (None: no objective header)
+
+    def headers(self) -> dict[str, str]:
+        """The tenant headers for the replica (the client's own are dropped before these go in)."""
+        out = {FAIRNESS_HEADER: self.fairness_id, OBJECTIVE_HEADER: self.objective}
+        return {name: value for name, value in out.items() if value is not None}
+
+
+def keyed_caller(tenant: Tenant, asked: int | None) -> Caller:
+    """A keys-file tenant's caller: its own name, and its class, or the lower one its objective
+    asks for (priority ``asked``); the priority here never above what its class gives."""
+    klass = tenant.priority_class if asked is None else max(tenant.priority_class, _NORMAL - asked)
+    return Caller(tenant, tenant.name, _CLASS_NAME.get(klass, str(klass)),
+                  None if asked is None else _NORMAL - klass)
 
 
 def estimate_tokens(path: str, body: Any) -> int:
@@ -97,23 +121,35 @@ def estimate_tokens(path: str, body: Any) -> int:
 class RouterTenancy:
     """The router's tenant directory, objective table and tenant gate."""
 
-    def __init__(self, keys_file: str | None, objectives: Mapping[str, int], api_key: str | None = None) -> None:
+    def __init__(self, keys_file: str | None, objectives: Mapping[str, int], api_key: str | None = None,
+                 on_reload_failure: Callable[[], None] = lambda: None) -> None:
         self.directory = TenantDirectory(keys_file, [api_key] if api_key else []) if keys_file else None
         self.objectives = dict(objectives)
         self.gate = TenantGate()
+        self.on_reload_failure = on_reload_failure
 
     def reload(self) -> bool:
-        return self.directory.reload() if self.directory is not None else False
+        """Read the keys file again (SIGHUP); a bad file is logged and counted, the old one kept."""
+        if self.directory is None:
+            return False
+        ok = self.directory.reload()
+        if not ok:
+            self.on_reload_failure()
+        return ok
 
     def key_opens(self, key: str) -> bool:
         return self.directory is not None and self.directory.lookup(key) is not None
 
     def caller(self, headers: Mapping[str, str], key: str | None) -> Caller:
-        priority = objective_priority(headers.get(OBJECTIVE_HEADER), self.objectives)
-        tenant = self.directory.lookup(key) if self.directory is not None and key is not None else None
-        if tenant is not None and tenant.name != DEFAULT_TENANT.name:
-            return Caller(tenant, tenant.name, priority)
-        return Caller(None, headers.get(FAIRNESS_HEADER), priority)
+        """Who sends the request (``key``: the credential it presented) and what the replica is
+        told. With a keys file the tenant comes from the key (the router's ``--api-key`` is the
+        default tenant); without one, the client's headers are all there is."""
+        asked = headers.get(OBJECTIVE_HEADER)
+        priority = objective_priority(asked, self.objectives)
+        if self.directory is None:
+            return Caller(None, headers.get(FAIRNESS_HEADER), asked, priority)
+        tenant = self.directory.lookup(key) if key is not None else None
+        return keyed_caller(tenant or DEFAULT_TENANT, priority)
 
     def admit(self, caller: Caller, path: str, body: Any) -> int:
         """Count the request against its tenant's limits across replicas; returns the
@@ -130,4 +166,4 @@ class RouterTenancy:
 
 
 __all__ = ["Caller", "FAIRNESS_HEADER", "OBJECTIVE_HEADER", "RouterTenancy", "TenantLimited",
-           "estimate_tokens", "objective_priority", "parse_objectives"]
+           "estimate_tokens", "keyed_caller", "objective_priority", "parse_objectives"]
