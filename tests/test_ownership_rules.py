@@ -34,20 +34,19 @@ def test_one_owner_check(caller_name, owner_name, caller_is_operator):
     assert may_access(None, owner) and is_operator(None) and owner_of(None) is None and owner_of(OPERATOR) is None
 
 
-def test_the_operator_is_an_api_key_and_speaking_for_a_tenant_is_being_it(tmp_path):
+def test_the_operator_is_an_api_key_and_a_router_speaking_for_a_tenant_is_that_tenant(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"tenants": {"alice": {}}, "keys": [
         {"sha256": hash_key("k-alice"), "tenant": "alice"}, {"sha256": hash_key("k-default"), "tenant": "default"}]}))
-    directory = TenantDirectory(str(path), ["op"])
+    directory = TenantDirectory(str(path), ["op"], ["router"])
     op, alice, keyed_default = directory.lookup("op"), directory.lookup("k-alice"), directory.lookup("k-default")
     assert is_operator(op) and not is_operator(alice) and not is_operator(keyed_default)
-    as_alice = {FAIRNESS_HEADER: b"alice"}
-    spoken = directory.delegated(op, as_alice)
-    assert spoken is not None and spoken.name == "alice" and not is_operator(spoken)
-    assert is_operator(directory.delegated(op, {}))  # the operator speaking for nobody stays it
-    # a keys-file key of the default tenant is no operator: it cannot speak for another
-    assert directory.delegated(keyed_default, as_alice) is keyed_default
-    assert directory.delegated(alice, {FAIRNESS_HEADER: b"default"}) is alice
+    # only the router key names a tenant, and the tenant it names is never the operator
+    assert not any(directory.is_router(k) for k in ("op", "k-alice", "k-default"))
+    assert not is_operator(directory.lookup("router"))
+    spoken = directory.delegated({FAIRNESS_HEADER: b"alice"})
+    assert spoken.name == "alice" and not is_operator(spoken)
+    assert not is_operator(directory.delegated({}))  # a router speaking for nobody is the default tenant
 
 
 def test_the_store_hides_entries_from_all_but_their_owner_and_the_operator():

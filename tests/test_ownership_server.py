@@ -24,6 +24,7 @@ from tokenmill.tenants import hash_key
 pytestmark = pytest.mark.slow
 
 OP = "operator-key"
+ROUTER = "router-key"
 KEYS = {"alice-key": "alice", "bob-key": "bob", "carol-key": "carol"}
 TENANT_KEYS = list(KEYS)
 ALL_KEYS = [OP, *TENANT_KEYS]
@@ -73,7 +74,7 @@ def world(hf_tiny, tmp_path_factory) -> Iterator[dict[str, Any]]:
                     "carol": {}},
         "keys": [{"sha256": hash_key(k), "tenant": t} for k, t in KEYS.items()]}))
     app = make_tiny_app({"enable_lora": True, "max_loras": 2, "max_lora_rank": 16, "num_threads": 1},
-                        chat_template=TERSE_TEMPLATE, api_key=OP, api_keys_file=str(keys),
+                        chat_template=TERSE_TEMPLATE, api_key=OP, api_keys_file=str(keys), router_api_key=[ROUTER],
                         model_path=str(root / "models" / "tiny"),  # a server path /v1/models must not show
                         lora_modules=[("shared", made["shared"][0])])
     mount_console(app, ui=False)
@@ -123,13 +124,15 @@ def test_stored_responses_are_their_tenants(world):
     assert follow.status_code == 200
     assert client.get(f"/v1/responses/{follow.json()['id']}", headers=auth("bob-key")).status_code == 404
     assert respond(client, OP, "more", previous_response_id=made["bob-key"]).status_code == 200
-    # the operator's key speaking for a tenant (a router in front) reaches that tenant's only
-    as_alice = auth(OP, **{"x-gateway-inference-fairness-id": "alice"})
+    # a router's key speaking for a tenant reaches that tenant's only
+    as_alice = auth(ROUTER, **{"x-gateway-inference-fairness-id": "alice"})
     assert client.get(f"/v1/responses/{made['alice-key']}", headers=as_alice).status_code == 200
     assert client.get(f"/v1/responses/{made['bob-key']}", headers=as_alice).status_code == 404
-    # a tenant's key cannot speak for another
+    # neither the operator's key nor a tenant's can speak for another
     as_bob = auth("carol-key", **{"x-gateway-inference-fairness-id": "bob"})
     assert client.get(f"/v1/responses/{made['bob-key']}", headers=as_bob).status_code == 404
+    op_as_bob = auth(OP, **{"x-gateway-inference-fairness-id": "bob"})
+    assert client.get(f"/v1/responses/{made['alice-key']}", headers=op_as_bob).status_code == 200  # still the operator
     # the operator deletes anyone's
     assert client.delete(f"/v1/responses/{made['bob-key']}", headers=auth(OP)).status_code == 200
     assert client.get(f"/v1/responses/{made['bob-key']}", headers=auth("bob-key")).status_code == 404

@@ -29,7 +29,7 @@ def stack(tmp_path_factory):
                                             "bulk": {"priority_class": "low"}},
                                 "keys": [{"sha256": hash_key(k), "tenant": t} for k, t in KEYS.items()]}))
     app = make_tiny_app({"scheduling_policy": "fair", "max_num_seqs": 4}, api_key="operator",
-                        api_keys_file=str(path), router_api_key=["router-key"])
+                        api_keys_file=str(path), router_api_key=["router-key"], metrics_tenant_labels=True)
     try:
         with ThreadServer(app) as server:
             router = RouterServer(RouterConfig(backends=[server.url], port=0, api_keys_file=str(path),
