@@ -8,7 +8,8 @@ struct's trailing fields left at their default are omitted). The events:
 - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium, lora_name]``: consecutive full blocks of one path, the
   first one's parent given by hash (``None``: the path starts at the root);
-  ``token_ids`` holds ``block_size`` ids per block.
+  ``token_ids`` holds ``block_size`` ids per block, or nothing when the
+  publisher keeps prompts private (tokenmill's default: see below).
 - ``["BlockRemoved", block_hashes, medium]``
 - ``["AllBlocksCleared"]``
 
@@ -18,10 +19,13 @@ with ``seq`` an 8-byte big-endian counter; a replay socket answers a request
 ``(b"", start_seq)`` with every buffered ``(seq, payload)`` from there on and
 an end marker ``seq = -1``.
 
-Block hashes only *name* blocks to subscribers: the engine's own prefix cache
-compares token ids, and the router keys what a replica holds by the token ids
-the events carry, never by a hash it would have to recompute. That is why any
-publisher's hashes (vLLM's SHA-256 bytes, tokenmill's 64-bit chain) work.
+Token ids are the prompts themselves, so a tokenmill replica publishes them
+only when asked (``include_token_ids``); by default a block is only named by
+its hash. The router keys what a replica holds by the token ids an event
+carries when it carries them (any publisher's hashes then work: vLLM's
+SHA-256 bytes, tokenmill's 64-bit chain), and otherwise by the hash itself:
+tokenmill's hash is ``chain_digest``, the same chained key the router computes
+for a request's blocks, so it needs no token ids to line the two up.
 
 This module is a base module: it imports nothing else of tokenmill, so the
 engine (which publishes) and the router (which subscribes) share it.
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
 BlockHash = Union[int, bytes]
@@ -75,12 +79,37 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """A block's name: BLAKE2b-64 of its parent's name and its tokens, as a signed int64."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<q", parent if parent is not None else 0))
+# The parent digest of a path's first block.
+ROOT_DIGEST = bytes(8)
+
+
+def chain_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """A block's 8-byte key: BLAKE2b-64 of its parent's key (``ROOT_DIGEST``, or ``b""``, at
+    the root) and its tokens. The engine names blocks by it and the router keys requests by
+    it, so a tokenmill replica's block hashes are the router's keys."""
+    h = hashlib.blake2b(parent or ROOT_DIGEST, digest_size=8)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return struct.unpack("<q", h.digest())[0]
+    return h.digest()
+
+
+def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """A block's name in events: its ``chain_digest`` as a signed int64."""
+    return hash_of_digest(chain_digest(digest_of_hash(parent) if parent is not None else ROOT_DIGEST, token_ids))
+
+
+def digest_of_hash(block_hash: int) -> bytes:
+    """The 8-byte key a tokenmill block hash stands for."""
+    return struct.pack("<q", block_hash)
+
+
+def hash_of_digest(digest: bytes) -> int:
+    return struct.unpack("<q", digest)[0]
+
+
+def without_token_ids(batch: EventBatch) -> EventBatch:
+    """The batch with every ``BlockStored`` naming its blocks by hash only (no prompt text)."""
+    events = [replace(e, token_ids=[]) if isinstance(e, BlockStored) else e for e in batch.events]
+    return EventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 def _event_to_wire(event: KVEvent) -> list[Any]:

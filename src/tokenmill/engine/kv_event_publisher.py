@@ -7,12 +7,17 @@ keeps the last ``buffer_steps`` batches so a subscriber that missed some can
 ask a ROUTER socket to replay them from a sequence number. Nothing is recorded
 or sent unless events are configured (``--kv-events-config``).
 
+What is sent is private by default (``KVEventsConfig``): loopback endpoints,
+no wildcard bind unless allowed, block hashes without the prompts' token ids
+unless asked.
+
 The PUB and replay endpoints are always bound here (the replica is the stable
 side; routers connect), so a subscriber started before or after the replica
 works the same.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import queue
@@ -20,16 +25,27 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, get_type_hints
 
-from ..kv_events import END_SEQ, EventBatch, encode_batch
+from ..kv_events import END_SEQ, EventBatch, encode_batch, without_token_ids
 
 log = logging.getLogger("tokenmill.kv_events")
 
 
+_FLAG = "--kv-events-config"
+# Hosts that bind every interface of the machine.
+_WILDCARD_HOSTS = ("", "*")
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
-    """vLLM's ``--kv-events-config`` keys; unknown keys are refused."""
+    """vLLM's ``--kv-events-config`` keys plus tokenmill's privacy keys; unknown keys are
+    refused and every value must have its JSON type (``"false"`` is not a boolean).
+
+    Events describe prompts, and the ZeroMQ sockets take any subscriber that can reach
+    them, so by default they stay private: the endpoints bind loopback, a wildcard bind
+    needs ``allow_wildcard_bind``, and blocks are named by hash without their token ids
+    unless ``include_token_ids``."""
 
     enable_kv_cache_events: bool = False
     publisher: str = "zmq"  # zmq | null
@@ -39,29 +55,75 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    include_token_ids: bool = False  # publish the prompts' token ids (vLLM does; a privacy cost)
+    allow_wildcard_bind: bool = False  # let an endpoint bind every interface (tcp://*, 0.0.0.0, [::])
 
     @classmethod
     def parse(cls, text: str | dict | None) -> "KVEventsConfig | None":
-        """The config from JSON text (or a dict); None when events are off. Raises ValueError."""
+        """The config from JSON text (or a dict); None when events are off. Raises ValueError
+        whose message starts with the flag's name and names the offending key."""
         if text is None:
             return None
         raw = json.loads(text) if isinstance(text, str) else dict(text)
         if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config: expected a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"{_FLAG}: expected a JSON object")
+        _check_types(raw)
         config = cls(**raw)
         if config.publisher not in ("zmq", "null"):
-            raise ValueError("--kv-events-config: publisher must be 'zmq' or 'null'")
+            raise ValueError(f"{_FLAG}: publisher must be 'zmq' or 'null'")
         for name in ("buffer_steps", "hwm", "max_queue_size"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"--kv-events-config: {name} must be a positive integer")
-        if not isinstance(config.endpoint, str) or not config.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError("--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// address")
+            if getattr(config, name) < 1:
+                raise ValueError(f"{_FLAG}: {name} must be a positive integer")
+        for name in ("endpoint", "replay_endpoint"):
+            _check_endpoint(name, getattr(config, name), config.allow_wildcard_bind)
         return config if config.enable_kv_cache_events and config.publisher != "null" else None
+
+
+def _check_types(raw: dict) -> None:
+    """Every key known, every value of its field's JSON type."""
+    hints = get_type_hints(KVEventsConfig)
+    known = {f.name for f in fields(KVEventsConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{_FLAG}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    for name, value in raw.items():
+        kind = hints[name]
+        if kind is bool:
+            ok, what = isinstance(value, bool), "a JSON boolean (true or false)"
+        elif kind is int:
+            ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+        elif kind is str:
+            ok, what = isinstance(value, str), "a string"
+        else:  # str | None
+            ok, what = value is None or isinstance(value, str), "a string or null"
+        if not ok:
+            raise ValueError(f"{_FLAG}: {name} must be {what}, got {json.dumps(value)}")
+
+
+def _check_endpoint(name: str, endpoint: str | None, allow_wildcard: bool) -> None:
+    if endpoint is None:
+        return
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"{_FLAG}: {name} must be a tcp://, ipc:// or inproc:// address")
+    if endpoint.startswith("tcp://") and not allow_wildcard and is_wildcard_host(endpoint[len("tcp://"):]):
+        raise ValueError(f"{_FLAG}: {name} {endpoint} binds every interface, so anyone who can reach this "
+                         "machine can subscribe to the events; bind 127.0.0.1 or one private address, or "
+                         'set "allow_wildcard_bind": true')
+
+
+def is_wildcard_host(address: str) -> bool:
+    """Whether a ZeroMQ tcp bind address (``host:port``) binds every interface: ``*``, an empty
+    host, or an unspecified IP (``0.0.0.0``, ``::``, bracketed or not)."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if host in _WILDCARD_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # an interface name or a host name: one interface
 
 
 class ZmqEventPublisher:
@@ -120,7 +182,7 @@ class ZmqEventPublisher:
                 continue
             if batch is None:
                 break
-            payload = encode_batch(batch)
+            payload = encode_batch(batch if self.config.include_token_ids else without_token_ids(batch))
             seq = self._next_seq
             self._next_seq += 1
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
