@@ -506,6 +506,19 @@ _GRAMMAR_FLAGS = {"max_bytes": "--grammar-max-bytes", "max_rules": "--grammar-ma
                   "queue_size": "--grammar-queue-size", "cache_bytes": "--grammar-cache-bytes"}
 
 
+def _draft_model_problems(path: str) -> list[str]:
+    """The draft model must be a model (checked from its header) before the target loads."""
+    from ..model.loader import check_model_path
+
+    if not os.path.exists(path):
+        return [f"--speculative-config: model {path!r}: no such file or folder"]
+    try:
+        check_model_path(path)
+    except (OSError, ValueError) as exc:
+        return [f"--speculative-config: model {path!r} is not a model tokenmill can load: {exc}"]
+    return []
+
+
 def config_problems(args: argparse.Namespace) -> list[str]:
     """Every problem of the flags that can be found before the model loads, one line each."""
     from ..engine.speculative import SpeculativeConfig
@@ -518,8 +531,8 @@ def config_problems(args: argparse.Namespace) -> list[str]:
         out += found
         if not found:
             draft = SpeculativeConfig.parse(spec)
-            if draft is not None and draft.model and not os.path.exists(draft.model):
-                out.append(f"--speculative-config: model {draft.model!r}: no such file or folder")
+            if draft is not None and draft.model:
+                out += _draft_model_problems(draft.model)
     for problem in grammar_limits_from_args(args).problems():  # named by their flags
         field = problem.split(" ", 1)[0]
         out.append(problem.replace(field, _GRAMMAR_FLAGS.get(field, field), 1))
