@@ -153,6 +153,15 @@ _SAMPLING_KEEP = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_pe
                   "frequency_penalty", "repetition_penalty")
 
 
+def read_trace(path: str | list[str]) -> list[dict[str, Any]]:
+    """The records of a capture or a Mooncake trace, by arrival; ValueError naming the file and
+    line of a record whose fields are malformed (so a run can refuse it before it starts)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    if paths and is_mooncake(paths[0]):
+        return [r for p in paths for r in read_mooncake(p)]
+    return read_capture(paths)
+
+
 def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilder, salt: str,
                n: int | None = None, speed: float = 1.0,
                target_rate: float | None = None) -> list[RequestSpec]:
@@ -166,11 +175,7 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
     turn whole, each later turn as the words it adds to the previous prompt and
     answer (its prompt tokens less theirs), with the think time the capture saw
     between the previous answer's end and its arrival (or the trace's delay)."""
-    paths = [path] if isinstance(path, str) else list(path)
-    if paths and is_mooncake(paths[0]):
-        records = [r for p in paths for r in read_mooncake(p)]
-    else:
-        records = read_capture(paths)
+    records = read_trace(path)
     if n is not None:
         records = records[:n]
     if not records:
