@@ -116,3 +116,115 @@ def test_serve_refuses_a_bad_events_config_in_one_line(config, needle):
     proc = _serve(config)
     assert proc.returncode != 0
     assert needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# -- subscribers admitted by CURVE key ------------------------------------------------------
+
+@pytest.fixture
+def curve_files(tmp_path):
+    """Certificates of a replica, a router it admits and a stranger it does not."""
+    import zmq
+    import zmq.auth
+
+    if not zmq.has("curve"):
+        pytest.skip("this pyzmq has no CURVE")
+    made = {name: zmq.auth.create_certificates(tmp_path, name) for name in ("replica", "router", "stranger")}
+    admitted = tmp_path / "admitted"
+    admitted.mkdir()
+    (admitted / "router.key").write_bytes(open(made["router"][0], "rb").read())
+    return {"replica_secret": made["replica"][1], "replica_public": made["replica"][0],
+            "router_secret": made["router"][1], "stranger_secret": made["stranger"][1], "admitted": str(admitted)}
+
+
+def _sub(endpoint: str, keys=None):
+    import zmq
+
+    from tokenmill.kv_events import curve_client
+
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if keys is not None:
+        curve_client(sock, keys)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_with_curve_keys_only_admitted_subscribers_read_the_stream(curve_files):
+    from tokenmill.kv_events import CurveKeys, load_curve_pair, load_curve_public
+    from tokenmill.router.kv_index import EventIndex, EventSubscriber, RoutingIndex
+    from tokenmill.router.prefix_index import PrefixIndex, block_hashes
+
+    endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    config = KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,
+                                   "curve_secret_key_file": curve_files["replica_secret"],
+                                   "curve_authorized_keys_dir": curve_files["admitted"]})
+    server = load_curve_public(curve_files["replica_public"], "replica")
+    router_pair = load_curve_pair(curve_files["router_secret"], "router")
+    stranger_pair = load_curve_pair(curve_files["stranger_secret"], "stranger")
+    publisher = ZmqEventPublisher(config)
+    index = RoutingIndex(PrefixIndex(1024), EventIndex(block_size=BLOCK))
+    plain = _sub(endpoint)
+    stranger = _sub(endpoint, CurveKeys(stranger_pair.public, stranger_pair.secret, server))
+    first = chain_hash(None, PROMPT[:BLOCK])
+    try:
+        # published before the router subscribes: only the (authenticated) replay socket brings it back
+        publisher.publish(EventBatch(0.0, [BlockStored([first], None, PROMPT[:BLOCK], BLOCK)]))
+        time.sleep(0.3)
+        sub = EventSubscriber(index, endpoint, replay,
+                              curve=CurveKeys(router_pair.public, router_pair.secret, server)).start()
+        keys = block_hashes(PROMPT, BLOCK)
+        try:
+            deadline = time.monotonic() + 20
+            while index.events.match(keys, now=0.0) < 2 and time.monotonic() < deadline:
+                publisher.publish(EventBatch(0.0, [BlockStored([chain_hash(first, PROMPT[BLOCK:])], first,
+                                                               PROMPT[BLOCK:], BLOCK)]))
+                time.sleep(0.2)
+            assert index.events.match(keys, now=0.0) == 2, (sub.gaps, sub.last_seq)
+            assert sub.gaps >= 1  # the first batch came through the replay socket
+        finally:
+            sub.stop()
+        for _ in range(5):  # still publishing: the others have had every chance to connect
+            publisher.publish(EventBatch(0.0, []))
+            time.sleep(0.1)
+        assert not plain.poll(500) and not stranger.poll(500)
+    finally:
+        plain.close()
+        stranger.close()
+        publisher.close()
+
+
+def test_curve_settings_are_checked_before_anything_starts(curve_files, tmp_path):
+    base = {"enable_kv_cache_events": True}
+    with pytest.raises(ValueError, match="go together"):
+        KVEventsConfig.parse({**base, "curve_secret_key_file": curve_files["replica_secret"]})
+    with pytest.raises(ValueError, match="no such folder"):
+        KVEventsConfig.parse({**base, "curve_secret_key_file": curve_files["replica_secret"],
+                              "curve_authorized_keys_dir": str(tmp_path / "none")})
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no subscriber's public certificate"):
+        KVEventsConfig.parse({**base, "curve_secret_key_file": curve_files["replica_secret"],
+                              "curve_authorized_keys_dir": str(empty)})
+    with pytest.raises(ValueError, match="holds no secret key"):
+        KVEventsConfig.parse({**base, "curve_secret_key_file": curve_files["replica_public"],
+                              "curve_authorized_keys_dir": curve_files["admitted"]})
+    junk = tmp_path / "junk.key_secret"
+    junk.write_text("not a certificate")
+    with pytest.raises(ValueError, match="not a ZeroMQ certificate"):
+        KVEventsConfig.parse({**base, "curve_secret_key_file": str(junk),
+                              "curve_authorized_keys_dir": curve_files["admitted"]})
+
+
+def test_the_router_needs_both_curve_files(curve_files):
+    from tokenmill.router.config import RouterConfig
+
+    cfg = RouterConfig(backends=["http://127.0.0.1:1"], prefix_source="events",
+                       kv_events={"http://127.0.0.1:1": ("tcp://127.0.0.1:2", None)},
+                       kv_events_client_key=curve_files["router_secret"])
+    with pytest.raises(ValueError, match="go together"):
+        cfg.validate()
+    cfg.kv_events_server_key = curve_files["replica_public"]
+    cfg.validate()
+    keys = cfg.kv_events_curve()
+    assert keys is not None and keys.server_public and keys.secret

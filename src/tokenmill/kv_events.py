@@ -178,3 +178,55 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(events, list):
         raise ValueError("a KV event batch's events must be a list")
     return EventBatch(float(ts), [_event_from_wire(e) for e in events], rank)
+
+
+# -- who may subscribe: ZeroMQ CURVE ------------------------------------------------------
+# A PUB socket serves anyone who connects. With CURVE the replica holds a key pair, each
+# subscriber holds its own, and the replica's authenticator admits only the public keys in
+# its folder of allowed subscribers; everything on the wire is encrypted. Keys are ZeroMQ
+# certificate files (``zmq.auth.create_certificates``): ``NAME.key`` holds the public key,
+# ``NAME.key_secret`` both.
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One side's CURVE keys: its own pair and, for a subscriber, the replica's public key."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+
+def load_curve_pair(path: str, what: str) -> CurveKeys:
+    """A key pair from a ``.key_secret`` certificate; ValueError in one line naming ``what``."""
+    public, secret = _load_certificate(path, what)
+    if secret is None:
+        raise ValueError(f"{what} {path}: holds no secret key (give the .key_secret file)")
+    return CurveKeys(public, secret)
+
+
+def load_curve_public(path: str, what: str) -> bytes:
+    """A public key from a ``.key`` (or ``.key_secret``) certificate."""
+    return _load_certificate(path, what)[0]
+
+
+def _load_certificate(path: str, what: str) -> tuple[bytes, bytes | None]:
+    import zmq
+    import zmq.auth
+
+    if not zmq.has("curve"):
+        raise ValueError(f"{what}: this pyzmq's libzmq has no CURVE support (install a pyzmq wheel)")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what} {path}: not a ZeroMQ certificate ({exc})") from None
+    if not public:
+        raise ValueError(f"{what} {path}: not a ZeroMQ certificate (no public-key)")
+    return public, secret
+
+
+def curve_client(socket: Any, keys: CurveKeys) -> None:
+    """Make ``socket`` a CURVE client of the replica whose public key ``keys`` names."""
+    socket.curve_publickey = keys.public
+    socket.curve_secretkey = keys.secret
+    socket.curve_serverkey = keys.server_public

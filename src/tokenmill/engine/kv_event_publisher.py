@@ -17,9 +17,11 @@ works the same.
 """
 from __future__ import annotations
 
+import glob
 import ipaddress
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -27,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from ..kv_events import END_SEQ, EventBatch, encode_batch, without_token_ids
+from ..kv_events import END_SEQ, CurveKeys, EventBatch, encode_batch, load_curve_pair, without_token_ids
 
 log = logging.getLogger("tokenmill.kv_events")
 
@@ -57,6 +59,10 @@ class KVEventsConfig:
     topic: str = ""
     include_token_ids: bool = False  # publish the prompts' token ids (vLLM does; a privacy cost)
     allow_wildcard_bind: bool = False  # let an endpoint bind every interface (tcp://*, 0.0.0.0, [::])
+    # CURVE (kv_events.py): this replica's .key_secret certificate and the folder of the public
+    # certificates of the subscribers it admits; both or neither.
+    curve_secret_key_file: str | None = None
+    curve_authorized_keys_dir: str | None = None
 
     @classmethod
     def parse(cls, text: str | dict | None) -> "KVEventsConfig | None":
@@ -76,7 +82,24 @@ class KVEventsConfig:
                 raise ValueError(f"{_FLAG}: {name} must be a positive integer")
         for name in ("endpoint", "replay_endpoint"):
             _check_endpoint(name, getattr(config, name), config.allow_wildcard_bind)
+        config.curve_keys()
         return config if config.enable_kv_cache_events and config.publisher != "null" else None
+
+
+    def curve_keys(self) -> "CurveKeys | None":
+        """The replica's key pair when subscribers must authenticate (None: anyone who can
+        reach the endpoints may subscribe). Raises ValueError on a half or bad setting."""
+        secret, folder = self.curve_secret_key_file, self.curve_authorized_keys_dir
+        if secret is None and folder is None:
+            return None
+        if secret is None or folder is None:
+            raise ValueError(f"{_FLAG}: curve_secret_key_file and curve_authorized_keys_dir go together")
+        if not os.path.isdir(folder):
+            raise ValueError(f"{_FLAG}: curve_authorized_keys_dir {folder}: no such folder")
+        if not glob.glob(os.path.join(folder, "*.key")):
+            raise ValueError(f"{_FLAG}: curve_authorized_keys_dir {folder}: no subscriber's public "
+                             "certificate (*.key) in it")
+        return load_curve_pair(secret, f"{_FLAG}: curve_secret_key_file")
 
 
 def _check_types(raw: dict) -> None:
@@ -136,14 +159,21 @@ class ZmqEventPublisher:
         self.data_parallel_rank = data_parallel_rank
         self._queue: "queue.Queue[EventBatch | None]" = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self._ctx = zmq.Context.instance()
+        keys = config.curve_keys()
+        # A context of its own: its authenticator then vets this publisher's sockets only.
+        self._ctx = zmq.Context()
+        self._auth = _start_authenticator(self._ctx, config) if keys is not None else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
+        _serve_curve(self._pub, keys)
         self._pub.bind(config.endpoint)
         self._replay = None
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            _serve_curve(self._replay, keys)
             self._replay.bind(config.replay_endpoint)
+        if keys is None:
+            _warn_if_reachable(config)
         self._topic = config.topic.encode()
         self._next_seq = 0
         self.dropped_batches = 0
@@ -210,6 +240,44 @@ class ZmqEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if not self._thread.is_alive():  # a thread still sending would block the context's end
+            self._ctx.term()
+
+
+def _start_authenticator(ctx: Any, config: KVEventsConfig) -> Any:
+    """ZeroMQ's authenticator on ``ctx``: CURVE clients whose public key is in the folder."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx, log=log)
+    auth.start()
+    auth.configure_curve(domain="*", location=config.curve_authorized_keys_dir)
+    return auth
+
+
+def _serve_curve(socket: Any, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        socket.curve_secretkey = keys.secret
+        socket.curve_publickey = keys.public
+        socket.curve_server = True
+
+
+def _warn_if_reachable(config: KVEventsConfig) -> None:
+    """Say so when events without authentication leave this machine's loopback."""
+    for endpoint in filter(None, (config.endpoint, config.replay_endpoint)):
+        if endpoint.startswith("tcp://") and not _is_loopback(endpoint[len("tcp://"):]):
+            log.warning("KV events on %s: any host that reaches it can subscribe (no CURVE keys; see "
+                        "docs/routing.md)%s", endpoint,
+                        "; token ids included: subscribers read the prompts" if config.include_token_ids else "")
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def attach_kv_events(async_engine: Any, config: KVEventsConfig) -> ZmqEventPublisher:

@@ -27,7 +27,9 @@ sizes disagree, or before the first batch arrives.
 follows sequence numbers: a gap asks the replica's replay socket for the
 missed batches (or, without one, clears the index: it no longer knows); a
 sequence number that goes back means the replica restarted, and its index is
-cleared before the new stream is applied.
+cleared before the new stream is applied. A replica that admits subscribers by
+CURVE key is followed with the router's key pair and the replica's public key
+(``--kv-events-client-key``, ``--kv-events-server-key``).
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, MEDIUM_POOL, decode_batch,
-                         digest_of_hash)
+from ..kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, CurveKeys, EventBatch, MEDIUM_POOL,
+                         curve_client, decode_batch, digest_of_hash)
 from .prefix_index import PrefixIndex, chain_key
 
 log = logging.getLogger("tokenmill.router")
@@ -225,10 +227,11 @@ class EventSubscriber:
     """Follows one replica's KV event stream into its RoutingIndex (its own thread)."""
 
     def __init__(self, index: RoutingIndex, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "") -> None:
+                 topic: str = "", curve: CurveKeys | None = None) -> None:
         self.index = index
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.curve = curve  # the router's keys and the replica's public key, when it admits by key
         self.topic = topic.encode()
         self.last_seq: int | None = None
         self.restarts = 0  # times the sequence went back (the replica restarted)
@@ -279,6 +282,8 @@ class EventSubscriber:
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            curve_client(sock, self.curve)
         got = set()
         try:
             sock.connect(self.replay_endpoint)
@@ -305,6 +310,8 @@ class EventSubscriber:
 
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            curve_client(sock, self.curve)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.endpoint)
         try:
