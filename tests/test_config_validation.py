@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from conftest import save_tiny_hf_folder
 from tokenmill.engine.speculative import SpeculativeConfig
 
 
@@ -66,13 +67,15 @@ def test_the_cli_refuses_bad_fields_before_loading_with_status_2():
 
 @pytest.mark.parametrize("spec, want", [
     ("{}", "say which method"),
+    ('{"method": "draft_model", "model": "TINY"}', "the draft model's vocabulary (256 tokens) differs from the target's"),
     ('{"method": "draft_model", "model": "NOTAMODEL"}', "is not a model tokenmill can load: "),
     ('{"method": "draft_model", "model": "FOLDER"}', "no config.json"),
     ('{"method": "draft_model", "model": "/nonexistent/draft.gguf"}', "no such file or folder")])
 def test_the_cli_refuses_a_draft_that_is_not_a_model_before_loading(tmp_path, spec, want):
     not_a_model = tmp_path / "draft.gguf"
     not_a_model.write_text("these are not weights\n")
-    spec = spec.replace("NOTAMODEL", str(not_a_model)).replace("FOLDER", str(tmp_path))
+    tiny = save_tiny_hf_folder(tmp_path / "tiny", vocab_size=256)  # the bundled model's vocabulary is larger
+    spec = spec.replace("NOTAMODEL", str(not_a_model)).replace("FOLDER", str(tmp_path)).replace("TINY", tiny)
     started = time.monotonic()
     done = _serve("--speculative-config", spec)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -89,3 +92,13 @@ def test_the_offline_engine_refuses_a_bad_speculative_config_before_loading():
                                        model="/nonexistent")
     with pytest.raises(ValueError, match="num_speculative_tokens"):  # not "no such model": checked first
         LLMEngine(config)
+
+
+def test_a_draft_with_the_targets_vocabulary_passes_the_header_check():
+    from tokenmill.bundled import default_model_path
+    from tokenmill.entrypoints.serve_cli import _draft_model_problems
+    from tokenmill.model.loader import check_model_path
+
+    bundled = default_model_path()
+    assert check_model_path(bundled) == 49152  # SmolLM2's vocabulary, from the header alone
+    assert _draft_model_problems(bundled, None) == []

@@ -646,11 +646,12 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedMo
     return load_gguf(path, dtype)
 
 
-def check_model_path(path: str, read_header: bool = True) -> None:
+def check_model_path(path: str, read_header: bool = True) -> int | None:
     """Whether ``path`` is a model tokenmill can load, from its header alone (no weights read):
     a GGUF file of a supported architecture, or a Hugging Face folder with a supported
-    config.json and safetensors. Raises FileNotFoundError or ValueError (UnsupportedModel)
-    with one line, so a command can refuse a wrong path before loading anything else."""
+    config.json and safetensors. Returns its vocabulary size (None without ``read_header``).
+    Raises FileNotFoundError or ValueError (UnsupportedModel) with one line, so a command can
+    refuse a wrong path before loading anything else."""
     path = os.fspath(path)
     if os.path.isdir(path):
         config_path = Path(path) / "config.json"
@@ -662,20 +663,28 @@ def check_model_path(path: str, read_header: bool = True) -> None:
             raise ValueError(f"{config_path}: not readable JSON ({exc})") from None
         if not isinstance(cfg, dict):
             raise ValueError(f"{config_path}: not a JSON object")
-        hf_config(cfg)
+        try:
+            vocab = hf_config(cfg).vocab_size
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{config_path}: not a model config ({exc!r})") from None
         if not any(Path(path).glob("*.safetensors")):
             raise ValueError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
-        return
+        return vocab
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model path {path!r} does not exist (no hub downloads: give a local path)")
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {magic!r}); give a .gguf file or an HF folder")
-    if read_header:
-        try:
-            metadata = read_gguf(path, with_tensors=False).metadata
-        except (ValueError, IndexError, KeyError, OverflowError, MemoryError, struct.error) as exc:
-            raise ValueError(f"{path}: a damaged GGUF header ({exc})") from None
-        arch = metadata.get("general.architecture")
-        check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture", f" in {path}")
+    if not read_header:
+        return None
+    try:
+        gguf_file = read_gguf(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, struct.error) as exc:
+        raise ValueError(f"{path}: a damaged GGUF file ({exc})") from None
+    arch = gguf_file.metadata.get("general.architecture")
+    check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture", f" in {path}")
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ValueError(f"{path}: no token_embd.weight tensor; not a decoder-only language model")
+    return int(embedding.shape[0])
