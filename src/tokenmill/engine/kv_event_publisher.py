@@ -85,7 +85,6 @@ class KVEventsConfig:
         config.curve_keys()
         return config if config.enable_kv_cache_events and config.publisher != "null" else None
 
-
     def curve_keys(self) -> "CurveKeys | None":
         """The replica's key pair when subscribers must authenticate (None: anyone who can
         reach the endpoints may subscribe). Raises ValueError on a half or bad setting."""
@@ -120,7 +119,7 @@ def _check_types(raw: dict) -> None:
         else:  # str | None
             ok, what = value is None or isinstance(value, str), "a string or null"
         if not ok:
-            raise ValueError(f"{_FLAG}: {name} must be {what}, got {json.dumps(value)}")
+            raise ValueError(f"{_FLAG}: {name} must be {what}, got {json.dumps(value)[:60]}")
 
 
 def _check_endpoint(name: str, endpoint: str | None, allow_wildcard: bool) -> None:
