@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 
 import pytest
@@ -156,3 +157,16 @@ def test_replayed_prompts_keep_their_length_whatever_word_comes_first(real_token
         salt = make_salt(random.Random(seed))
         specs = load_trace(str(path), counter, builder, salt)
         assert [counter.count(s.prompt) for s in specs] == wanted, salt
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ({"conversations": "hello"}, "'conversations' must be a list"),
+    ({"conversations": ["hello"]}, "each of 'conversations' must be an object"),
+    ({"messages": 5}, "'messages' must be a list"),
+    ({"prompt": "hi", "output_len": [4]}, "'output_len' must be a whole number"),
+    ({"prompt": "hi", "max_tokens": "four"}, "'max_tokens' must be a whole number")])
+def test_a_malformed_dataset_entry_is_named(tmp_path, entry, needle):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps(entry) + "\n")
+    with pytest.raises(ValueError, match=f"entry 2: {re.escape(needle)}"):
+        load_dataset(str(path), 2, WordCounter(), "", random.Random(0), parse_length("9"))

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from test_cache_properties import BLOCK, Sim, prefixes, request_st
 from tokenmill.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, chain_hash, decode_batch,
-                                 encode_batch)
+                                 encode_batch, without_token_ids)
 from tokenmill.router.kv_index import EventIndex, EventSubscriber, RoutingIndex
 from tokenmill.router.prefix_index import PrefixIndex, block_hashes
 
@@ -36,9 +36,10 @@ def _cached_paths(cache) -> set[bytes]:
     return keys
 
 
-def _replay(index: EventIndex, events) -> None:
+def _replay(index: EventIndex, events, token_ids: bool = True) -> None:
     if events:  # through the wire format, as a subscriber gets them
-        index.apply(decode_batch(encode_batch(EventBatch(time.time(), events))))
+        batch = EventBatch(time.time(), events)
+        index.apply(decode_batch(encode_batch(batch if token_ids else without_token_ids(batch))))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,6 +50,7 @@ def test_replayed_events_hold_exactly_the_cached_blocks(shared, requests, num_bl
     sim = Sim(num_blocks, caching=True, budget=budget, max_seqs=max_seqs)
     sim.cache.enable_events()
     index = EventIndex(block_size=BLOCK)
+    by_hash = EventIndex(block_size=BLOCK)  # the same stream with blocks named by hash alone
     pending = sorted(enumerate(requests), key=lambda r: r[1][3])
     for step in range(60):
         for i, (which, suffix, max_tokens, arrive, _) in list(pending):
@@ -65,8 +67,11 @@ def test_replayed_events_hold_exactly_the_cached_blocks(shared, requests, num_bl
         if reset_at == step:
             for block in sim.cache.evict_all_idle():
                 sim.pool.return_evicted(block)
-        _replay(index, sim.cache.drain_events())
+        events = sim.cache.drain_events()
+        _replay(index, events)
+        _replay(by_hash, events, token_ids=False)
         assert set(index._held) == _cached_paths(sim.cache), f"step {step}: the index and the cache differ"
+        assert set(by_hash._held) == _cached_paths(sim.cache), f"step {step}: hashes alone differ"
         if not pending and not sim.sched.has_work():
             break
 
@@ -187,15 +192,16 @@ def test_zmq_publisher_to_subscriber_with_replay_of_missed_batches():
     index = RoutingIndex(PrefixIndex(1024), EventIndex(block_size=BLOCK))
     try:
         chains = [list(range(10 * i, 10 * i + BLOCK)) for i in range(3)]
+        names = [chain_hash(None, toks) for toks in chains]  # the default stream names blocks by these alone
         # Published before anyone subscribes: only the replay socket can bring these back.
         for i, toks in enumerate(chains[:2]):
-            publisher.publish(EventBatch(0.0, [BlockStored([i + 1], None, toks, BLOCK)]))
+            publisher.publish(EventBatch(0.0, [BlockStored([names[i]], None, toks, BLOCK)]))
         time.sleep(0.3)
         sub = EventSubscriber(index, pub_ep, replay_ep).start()
         try:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                publisher.publish(EventBatch(0.0, [BlockStored([3], None, chains[2], BLOCK)]))
+                publisher.publish(EventBatch(0.0, [BlockStored([names[2]], None, chains[2], BLOCK)]))
                 time.sleep(0.2)
                 if all(index.events.match(block_hashes(t, BLOCK)) == 1 for t in chains):
                     break

@@ -71,6 +71,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import sys
@@ -336,7 +337,9 @@ def read_capture(paths: Sequence[str | os.PathLike[str]],
 
     Lines that are not records (torn by a crash, corrupted, not JSON) are left
     out; pass ``problems`` to learn which: one ``(path, line number, reason)``
-    each, numbered from 1."""
+    each, numbered from 1. A record whose fields have the wrong types
+    (``record_problem``) is no torn line but a file no capture wrote: ValueError
+    naming its path and line."""
     records: list[dict[str, Any]] = []
     for p in paths:
         with open(p, encoding="utf-8", errors="replace") as fh:
@@ -353,9 +356,54 @@ def read_capture(paths: Sequence[str | os.PathLike[str]],
                     continue
                 if isinstance(rec, dict) and isinstance(rec.get("prompt_tokens"), int) \
                         and isinstance(rec.get("arrival_time"), (int, float)):
+                    problem = record_problem(rec)
+                    if problem:  # written whole, but not by a capture: refuse, do not guess
+                        raise ValueError(f"{os.fspath(p)} line {number}: {problem}")
                     records.append(rec)
                 elif problems is not None:
                     problems.append((os.fspath(p), number, "JSON, but not a capture record "
                                      "(no prompt_tokens or arrival_time)"))
     records.sort(key=lambda r: r.get("arrival_time") or 0.0)
     return records
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _seconds(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _strings(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(h, str) for h in x)
+
+
+# field -> (check of a present, non-null value, what it must be); see the record schema above
+_FIELD_CHECKS: dict[str, tuple[Any, str]] = {
+    "arrival_time": (_seconds, "a finite number of seconds"),
+    "prompt_tokens": (_count, "a whole number >= 0"),
+    "cached_tokens": (_count, "a whole number >= 0"),
+    "output_tokens": (_count, "a whole number >= 0"),
+    "ttft": (_seconds, "a finite number of seconds >= 0"),
+    "e2e": (_seconds, "a finite number of seconds >= 0"),
+    "block_size": (lambda x: _count(x) and x > 0, "a whole number >= 1"),
+    "block_hashes": (_strings, "a list of strings"),
+    "block_content_hashes": (_strings, "a list of strings"),
+    "sampling": (lambda x: isinstance(x, dict), "an object"),
+    "prompt_text": (lambda x: isinstance(x, str), "a string"),
+    "session": (lambda x: isinstance(x, str), "a string"),
+    "key_id": (lambda x: isinstance(x, str), "a string"),
+    "miss_reason": (lambda x: isinstance(x, str), "a string"),
+    "miss_offset": (_count, "a whole number >= 0"),
+}
+
+
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """What is wrong with a capture record's fields (the first bad one), or None. Readers
+    (trace analysis, export, replay) rely on these types, so a record is checked once here."""
+    for name, (ok, what) in _FIELD_CHECKS.items():
+        value = rec.get(name)
+        if value is not None and not ok(value):
+            return f"{name!r} must be {what}, got {json.dumps(value)[:60]}"
+    return None

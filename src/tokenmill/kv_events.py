@@ -8,7 +8,8 @@ struct's trailing fields left at their default are omitted). The events:
 - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium, lora_name]``: consecutive full blocks of one path, the
   first one's parent given by hash (``None``: the path starts at the root);
-  ``token_ids`` holds ``block_size`` ids per block.
+  ``token_ids`` holds ``block_size`` ids per block, or nothing when the
+  publisher keeps prompts private (tokenmill's default: see below).
 - ``["BlockRemoved", block_hashes, medium]``
 - ``["AllBlocksCleared"]``
 
@@ -18,10 +19,13 @@ with ``seq`` an 8-byte big-endian counter; a replay socket answers a request
 ``(b"", start_seq)`` with every buffered ``(seq, payload)`` from there on and
 an end marker ``seq = -1``.
 
-Block hashes only *name* blocks to subscribers: the engine's own prefix cache
-compares token ids, and the router keys what a replica holds by the token ids
-the events carry, never by a hash it would have to recompute. That is why any
-publisher's hashes (vLLM's SHA-256 bytes, tokenmill's 64-bit chain) work.
+Token ids are the prompts themselves, so a tokenmill replica publishes them
+only when asked (``include_token_ids``); by default a block is only named by
+its hash. The router keys what a replica holds by the token ids an event
+carries when it carries them (any publisher's hashes then work: vLLM's
+SHA-256 bytes, tokenmill's 64-bit chain), and otherwise by the hash itself:
+tokenmill's hash is ``chain_digest``, the same chained key the router computes
+for a request's blocks, so it needs no token ids to line the two up.
 
 This module is a base module: it imports nothing else of tokenmill, so the
 engine (which publishes) and the router (which subscribes) share it.
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence, Union
 
 BlockHash = Union[int, bytes]
@@ -75,12 +79,37 @@ class EventBatch:
     data_parallel_rank: int | None = None
 
 
-def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """A block's name: BLAKE2b-64 of its parent's name and its tokens, as a signed int64."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<q", parent if parent is not None else 0))
+# The parent digest of a path's first block.
+ROOT_DIGEST = bytes(8)
+
+
+def chain_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """A block's 8-byte key: BLAKE2b-64 of its parent's key (``ROOT_DIGEST``, or ``b""``, at
+    the root) and its tokens. The engine names blocks by it and the router keys requests by
+    it, so a tokenmill replica's block hashes are the router's keys."""
+    h = hashlib.blake2b(parent or ROOT_DIGEST, digest_size=8)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return struct.unpack("<q", h.digest())[0]
+    return h.digest()
+
+
+def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """A block's name in events: its ``chain_digest`` as a signed int64."""
+    return hash_of_digest(chain_digest(digest_of_hash(parent) if parent is not None else ROOT_DIGEST, token_ids))
+
+
+def digest_of_hash(block_hash: int) -> bytes:
+    """The 8-byte key a tokenmill block hash stands for."""
+    return struct.pack("<q", block_hash)
+
+
+def hash_of_digest(digest: bytes) -> int:
+    return struct.unpack("<q", digest)[0]
+
+
+def without_token_ids(batch: EventBatch) -> EventBatch:
+    """The batch with every ``BlockStored`` naming its blocks by hash only (no prompt text)."""
+    events = [replace(e, token_ids=[]) if isinstance(e, BlockStored) else e for e in batch.events]
+    return EventBatch(batch.ts, events, batch.data_parallel_rank)
 
 
 def _event_to_wire(event: KVEvent) -> list[Any]:
@@ -149,3 +178,55 @@ def decode_batch(payload: bytes) -> EventBatch:
     if not isinstance(events, list):
         raise ValueError("a KV event batch's events must be a list")
     return EventBatch(float(ts), [_event_from_wire(e) for e in events], rank)
+
+
+# -- who may subscribe: ZeroMQ CURVE ------------------------------------------------------
+# A PUB socket serves anyone who connects. With CURVE the replica holds a key pair, each
+# subscriber holds its own, and the replica's authenticator admits only the public keys in
+# its folder of allowed subscribers; everything on the wire is encrypted. Keys are ZeroMQ
+# certificate files (``zmq.auth.create_certificates``): ``NAME.key`` holds the public key,
+# ``NAME.key_secret`` both.
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One side's CURVE keys: its own pair and, for a subscriber, the replica's public key."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+
+def load_curve_pair(path: str, what: str) -> CurveKeys:
+    """A key pair from a ``.key_secret`` certificate; ValueError in one line naming ``what``."""
+    public, secret = _load_certificate(path, what)
+    if secret is None:
+        raise ValueError(f"{what} {path}: holds no secret key (give the .key_secret file)")
+    return CurveKeys(public, secret)
+
+
+def load_curve_public(path: str, what: str) -> bytes:
+    """A public key from a ``.key`` (or ``.key_secret``) certificate."""
+    return _load_certificate(path, what)[0]
+
+
+def _load_certificate(path: str, what: str) -> tuple[bytes, bytes | None]:
+    import zmq
+    import zmq.auth
+
+    if not zmq.has("curve"):
+        raise ValueError(f"{what}: this pyzmq's libzmq has no CURVE support (install a pyzmq wheel)")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{what} {path}: not a ZeroMQ certificate ({exc})") from None
+    if not public:
+        raise ValueError(f"{what} {path}: not a ZeroMQ certificate (no public-key)")
+    return public, secret
+
+
+def curve_client(socket: Any, keys: CurveKeys) -> None:
+    """Make ``socket`` a CURVE client of the replica whose public key ``keys`` names."""
+    socket.curve_publickey = keys.public
+    socket.curve_secretkey = keys.secret
+    socket.curve_serverkey = keys.server_public

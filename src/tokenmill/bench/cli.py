@@ -267,9 +267,16 @@ def add_trace_parser(sub: Any) -> None:
     e.add_argument("files", nargs="+", help="capture JSONL files (rotated parts: FILE.1, ...)")
     e.add_argument("--output", required=True, help="the Mooncake JSONL to write")
     e.add_argument("--format", default="mooncake", choices=["mooncake"], help="trace format (mooncake)")
-    e.add_argument("--block-size", type=int, default=512,
+    e.add_argument("--block-size", type=_positive_int, default=512,
                    help="tokens per hash id, a multiple of the capture's 16 (default 512, Mooncake's)")
     e.set_defaults(func=trace_export_main)
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return n
 
 
 def register(subparsers: Any) -> None:
@@ -335,7 +342,11 @@ def bench_main(args: argparse.Namespace) -> int:
         for path in (args.dataset, args.trace):
             if path and not os.path.exists(path):
                 raise ValueError(f"{path}: no such file")
-    except ValueError as exc:
+        if args.trace:  # a malformed trace is refused before any server is contacted
+            from tokenmill.bench.workloads import read_trace
+
+            read_trace(args.trace)
+    except (OSError, ValueError) as exc:
         return _fail(str(exc), 2)
     base = normalize_base_url(args.url)
     # A duration-bound closed loop needs enough prompts to last: a generous cap.

@@ -52,7 +52,11 @@ def read_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK) -> list[di
     records: list[dict[str, Any]] = []
     last_arrival: dict[str, float] = {}
     clock = 0.0
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -62,13 +66,11 @@ def read_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK) -> list[di
             raise ValueError(f"{where}: not JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: each line must be a JSON object")
-        text = obj.get("text_input")
-        length = obj.get("input_length")
-        if text is None and not (isinstance(length, int) and length > 0):
-            raise ValueError(f"{where}: needs a positive 'input_length' or a 'text_input'")
+        problem = _line_problem(obj)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        text, length = obj.get("text_input"), obj.get("input_length")
         hashes = obj.get("hash_ids") or []
-        if not (isinstance(hashes, list) and all(isinstance(h, int) for h in hashes)):
-            raise ValueError(f"{where}: 'hash_ids' must be a list of integers")
         session = obj.get("session_id")
         session = None if session is None else str(session)
         rec: dict[str, Any] = {
@@ -92,6 +94,36 @@ def read_mooncake(path: str | Path, block_size: int = MOONCAKE_BLOCK) -> list[di
     if not records:
         raise ValueError(f"{path}: no Mooncake records")
     return records
+
+
+def _whole(x: Any, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _millis(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _line_problem(obj: dict[str, Any]) -> str | None:
+    """What is wrong with one Mooncake line's fields, or None; checked before any is used."""
+    text, length = obj.get("text_input"), obj.get("input_length")
+    if text is not None and not isinstance(text, str):
+        return "'text_input' must be a string"
+    if text is None and not _whole(length, 1):
+        return "needs a positive 'input_length' or a 'text_input'"
+    if length is not None and not _whole(length, 0):
+        return "'input_length' must be a whole number"
+    if obj.get("output_length") is not None and not _whole(obj["output_length"], 0):
+        return "'output_length' must be a whole number >= 0"
+    hashes = obj.get("hash_ids")
+    if hashes is not None and not (isinstance(hashes, list) and all(_whole(h, -2**63) for h in hashes)):
+        return "'hash_ids' must be a list of integers"
+    for name in ("timestamp", "delay"):
+        if obj.get(name) is not None and not _millis(obj[name]):
+            return f"'{name}' must be a finite number of milliseconds >= 0"
+    if obj.get("session_id") is not None and not isinstance(obj["session_id"], (str, int)):
+        return "'session_id' must be a string or an integer"
+    return None
 
 
 def to_mooncake(records: Iterable[dict[str, Any]], block_size: int = MOONCAKE_BLOCK) -> list[dict[str, Any]]:

@@ -519,20 +519,33 @@ async def plan_candidate(cand: Candidate, target_template: Target, tokenizer: st
             url = cand.url.rstrip("/")
         target = Target(url, target_template.model, target_template.endpoint, target_template.api_key,
                         ignore_eos=target_template.ignore_eos, temperature=target_template.temperature)
-        if not target.model:
-            async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            if not target.model:
                 target.model = await resolve_model(client, url, target.api_key)
+            else:
+                await _reachable(client, url)
         counter = await asyncio.to_thread(make_counter, tokenizer, url, target.model, target.api_key, True)
         try:
             await search(target, counter, workload, settings, plan, log, started)
         finally:
             counter.close()
+        if plan.probes and all(p.errors >= 1.0 for p in plan.probes):
+            plan.error = (f"every request failed at every rate probed: is {url} serving model "
+                          f"{target.model!r}? (see the probes above)")
     except (RuntimeError, OSError, ValueError, httpx.HTTPError) as exc:
         plan.error = str(exc)
     finally:
         if served is not None:
             served.stop()
     return plan
+
+
+async def _reachable(client: httpx.AsyncClient, url: str) -> None:
+    """A server that does not answer at all is an error, not a plan with no sustainable rate."""
+    try:
+        await client.get(url + "/v1/models", timeout=15.0)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot reach {url}: {exc or type(exc).__name__}") from None
 
 
 def apply_eval(plans: list[CandidatePlan], eval_path: str) -> None:
@@ -708,6 +721,9 @@ def plan_main(args: Any) -> int:
         except (OSError, ValueError) as exc:
             print(f"tokenmill plan: --eval-result: {exc}", file=sys.stderr)
     print(table(plans, settings))
+    for p in plans:
+        if p.error:
+            print(f"tokenmill plan: error: {p.name}: {p.error}", file=sys.stderr)
     doc = to_dict(plans, settings)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:

@@ -82,6 +82,32 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
                    "system": "system", "chatgpt": "assistant", "bard": "assistant"}
 
 
+def _entry_problem(obj: Any) -> str | None:
+    """What is wrong with one dataset entry's shape, or None (an entry with nothing usable is
+    skipped, not wrong)."""
+    if not isinstance(obj, dict):
+        return None
+    for name in ("conversations", "messages"):
+        value = obj.get(name)
+        if value is not None and not isinstance(value, list):
+            return f"'{name}' must be a list"
+    if not all(isinstance(t, dict) for t in obj.get("conversations") or []):
+        return "each of 'conversations' must be an object"
+    for name in ("output_len", "max_tokens", "output_tokens"):
+        value = obj.get(name)
+        if value is not None and not _whole_number(value):
+            return f"'{name}' must be a whole number >= 0"
+    return None
+
+
+def _whole_number(value: Any) -> bool:
+    """An output length as datasets write it: 128, 128.0 or "128"."""
+    try:
+        return not isinstance(value, bool) and int(value) >= 0
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _dataset_entry(obj: Any, counter: TokenCounter
                    ) -> tuple[list[dict] | None, str | None, int | None]:
     """(messages, prompt, output_len) from one ShareGPT / messages / prompt entry."""
@@ -121,7 +147,10 @@ def load_dataset(path: str, n: int, counter: TokenCounter, salt: str, rng: rando
     except json.JSONDecodeError:
         entries = [json.loads(line) for line in raw.splitlines() if line.strip()]
     pool: list[RequestSpec] = []
-    for obj in entries:
+    for number, obj in enumerate(entries, 1):
+        problem = _entry_problem(obj)
+        if problem:
+            raise ValueError(f"{path}: entry {number}: {problem}")
         msgs, prompt, out_len = _dataset_entry(obj, counter)
         if not msgs and not prompt:
             continue
@@ -153,6 +182,15 @@ _SAMPLING_KEEP = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_pe
                   "frequency_penalty", "repetition_penalty")
 
 
+def read_trace(path: str | list[str]) -> list[dict[str, Any]]:
+    """The records of a capture or a Mooncake trace, by arrival; ValueError naming the file and
+    line of a record whose fields are malformed (so a run can refuse it before it starts)."""
+    paths = [path] if isinstance(path, str) else list(path)
+    if paths and is_mooncake(paths[0]):
+        return [r for p in paths for r in read_mooncake(p)]
+    return read_capture(paths)
+
+
 def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilder, salt: str,
                n: int | None = None, speed: float = 1.0,
                target_rate: float | None = None) -> list[RequestSpec]:
@@ -166,11 +204,7 @@ def load_trace(path: str | list[str], counter: TokenCounter, builder: TextBuilde
     turn whole, each later turn as the words it adds to the previous prompt and
     answer (its prompt tokens less theirs), with the think time the capture saw
     between the previous answer's end and its arrival (or the trace's delay)."""
-    paths = [path] if isinstance(path, str) else list(path)
-    if paths and is_mooncake(paths[0]):
-        records = [r for p in paths for r in read_mooncake(p)]
-    else:
-        records = read_capture(paths)
+    records = read_trace(path)
     if n is not None:
         records = records[:n]
     if not records:

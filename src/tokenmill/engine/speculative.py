@@ -133,6 +133,9 @@ class SpeculativeConfig:
             return [f"--speculative-config: unknown keys {', '.join(map(repr, unknown))} "
                     f"(known: {', '.join(sorted(known))})"]
         fields = cls._fields_of(value)
+        if "method" not in fields:  # as vLLM: no silent default method
+            return ['--speculative-config: say which method: "method": "ngram" (with num_speculative_tokens) '
+                    'or "draft_model" (with "model": a draft model path)']
         probe = object.__new__(cls)  # the fields as given, checked without __post_init__ raising
         for name, default in ((f, cls.__dataclass_fields__[f].default) for f in known):
             object.__setattr__(probe, name, fields.get(name, default))

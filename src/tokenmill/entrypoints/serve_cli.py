@@ -521,6 +521,28 @@ _GRAMMAR_FLAGS = {"max_bytes": "--grammar-max-bytes", "max_rules": "--grammar-ma
                   "queue_size": "--grammar-queue-size", "cache_bytes": "--grammar-cache-bytes"}
 
 
+def _draft_model_problems(path: str, target: str | None) -> list[str]:
+    """The draft must be a model with the target's vocabulary, both read from their headers
+    before the target loads. A target that cannot be read is left to its own load to report."""
+    from ..bundled import default_model_path
+    from ..model.loader import check_model_path
+
+    if not os.path.exists(path):
+        return [f"--speculative-config: model {path!r}: no such file or folder"]
+    try:
+        vocab = check_model_path(path)
+    except (OSError, ValueError) as exc:
+        return [f"--speculative-config: model {path!r} is not a model tokenmill can load: {exc}"]
+    try:
+        target_vocab = check_model_path(target or default_model_path())
+    except (OSError, ValueError):
+        return []
+    if vocab != target_vocab:
+        return [f"--speculative-config: the draft model's vocabulary ({vocab} tokens) differs from the target's "
+                f"({target_vocab}); a draft must share the target's tokenizer"]
+    return []
+
+
 def config_problems(args: argparse.Namespace) -> list[str]:
     """Every problem of the flags that can be found before the model loads, one line each."""
     from ..engine.speculative import SpeculativeConfig
@@ -533,8 +555,8 @@ def config_problems(args: argparse.Namespace) -> list[str]:
         out += found
         if not found:
             draft = SpeculativeConfig.parse(spec)
-            if draft is not None and draft.model and not os.path.exists(draft.model):
-                out.append(f"--speculative-config: model {draft.model!r}: no such file or folder")
+            if draft is not None and draft.model:
+                out += _draft_model_problems(draft.model, args.model)
     for problem in grammar_limits_from_args(args).problems():  # named by their flags
         field = problem.split(" ", 1)[0]
         out.append(problem.replace(field, _GRAMMAR_FLAGS.get(field, field), 1))

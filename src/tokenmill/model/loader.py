@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -641,10 +642,49 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedMo
     path = os.fspath(path)
     if os.path.isdir(path):
         return load_hf_folder(path, dtype)
+    check_model_path(path, read_header=False)
+    return load_gguf(path, dtype)
+
+
+def check_model_path(path: str, read_header: bool = True) -> int | None:
+    """Whether ``path`` is a model tokenmill can load, from its header alone (no weights read):
+    a GGUF file of a supported architecture, or a Hugging Face folder with a supported
+    config.json and safetensors. Returns its vocabulary size (None without ``read_header``).
+    Raises FileNotFoundError or ValueError (UnsupportedModel) with one line, so a command can
+    refuse a wrong path before loading anything else."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        config_path = Path(path) / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"{path}: not a Hugging Face model folder (no config.json)")
+        try:
+            cfg = json.loads(config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{config_path}: not readable JSON ({exc})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{config_path}: not a JSON object")
+        try:
+            vocab = hf_config(cfg).vocab_size
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"{config_path}: not a model config ({exc!r})") from None
+        if not any(Path(path).glob("*.safetensors")):
+            raise ValueError(f"{path}: no *.safetensors files (PyTorch .bin checkpoints are not supported)")
+        return vocab
     if not os.path.isfile(path):
         raise FileNotFoundError(f"model path {path!r} does not exist (no hub downloads: give a local path)")
     with open(path, "rb") as fh:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (magic {magic!r}); give a .gguf file or an HF folder")
-    return load_gguf(path, dtype)
+    if not read_header:
+        return None
+    try:
+        gguf_file = read_gguf(path)
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, struct.error) as exc:
+        raise ValueError(f"{path}: a damaged GGUF file ({exc})") from None
+    arch = gguf_file.metadata.get("general.architecture")
+    check_architecture(_GGUF_ARCHITECTURES.get(arch, arch), "GGUF architecture", f" in {path}")
+    embedding = next((t for t in gguf_file.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ValueError(f"{path}: no token_embd.weight tensor; not a decoder-only language model")
+    return int(embedding.shape[0])

@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
                    help="a backend's KV event stream, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557,"
                         "tcp://10.0.0.5:5558 (tokenmill serve or vllm serve with --kv-events-config); repeat per backend")
+    p.add_argument("--kv-events-client-key", default=None, metavar="FILE",
+                   help="for replicas that admit subscribers by CURVE key: this router's .key_secret "
+                        "certificate (its public .key in their curve_authorized_keys_dir)")
+    p.add_argument("--kv-events-server-key", default=None, metavar="FILE",
+                   help="for replicas that admit subscribers by CURVE key: their public .key certificate")
     p.add_argument("--index-capacity", type=int, default=4096, metavar="BLOCKS",
                    help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
     p.add_argument("--min-match-ratio", type=float, default=0.1,
@@ -114,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),
+        kv_events_client_key=args.kv_events_client_key, kv_events_server_key=args.kv_events_server_key,
         api_keys_file=args.api_keys_file, objectives=parse_objectives(args.objective),
         otlp_traces_endpoint=args.otlp_traces_endpoint, conversation_capacity=args.conversation_capacity,
     )

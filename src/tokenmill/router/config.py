@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kv_events import CurveKeys
+
 POLICIES = ("prefix", "least-load", "round-robin")
 PREFIX_SOURCES = ("approximate", "events")
 
@@ -83,6 +85,10 @@ class RouterConfig:
     prefix_source: str = "approximate"
     kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     events_stale_after: float = 10.0  # seconds of silence, with requests sent, before falling back
+    # Replicas that admit subscribers by CURVE key: the router's .key_secret certificate and
+    # the replicas' public certificate (kv_events.py); both or neither.
+    kv_events_client_key: str | None = None
+    kv_events_server_key: str | None = None
 
     # Load balance: a backend is overloaded when its load exceeds the least
     # loaded healthy backend's by more than ``imbalance_abs`` requests AND by
@@ -114,6 +120,19 @@ class RouterConfig:
     # Canary rollout (router/canary.py): variants, split, SLO guard. None: one group.
     canary: Any = None
 
+    def kv_events_curve(self) -> "CurveKeys | None":
+        """The keys to follow event streams with (None: plain subscriptions); ValueError when
+        only one of the two is given or a file is not a certificate."""
+        from ..kv_events import load_curve_pair, load_curve_public
+
+        client, server = self.kv_events_client_key, self.kv_events_server_key
+        if client is None and server is None:
+            return None
+        if client is None or server is None:
+            raise ValueError("--kv-events-client-key and --kv-events-server-key go together")
+        pair = load_curve_pair(client, "--kv-events-client-key")
+        return CurveKeys(pair.public, pair.secret, load_curve_public(server, "--kv-events-server-key"))
+
     def validate(self) -> None:
         if self.api_keys_file:
             from ..tenants import TenantTable
@@ -135,6 +154,7 @@ class RouterConfig:
                              f"{', '.join(PREFIX_SOURCES)}")
         if self.prefix_source == "events" and not self.kv_events:
             raise ValueError("--prefix-source events needs --kv-events URL=ENDPOINT for the backends that publish")
+        self.kv_events_curve()
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not self.backends and not self.backend_dns and not self.pool_name:

@@ -5,10 +5,15 @@ it cannot see evictions, restarts or traffic that bypassed the router. A
 replica that publishes KV events (tokenmill with ``--kv-events-config``, or a
 vLLM pod with ``--kv-events-config``) says exactly which blocks it stored and
 removed. ``EventIndex`` replays those events into the same chained block keys
-the router computes for a request (``prefix_index.chain_key`` over the token
-ids the events carry), so a match is a lookup per block, as before. The
-replica's own block hashes only name blocks for later removals: no publisher's
-hash function has to be reproduced here.
+the router computes for a request, so a match is a lookup per block, as
+before. An event that carries token ids (vLLM's always do; tokenmill's only
+with ``include_token_ids``) is keyed by ``prefix_index.chain_key`` over them,
+and the replica's hashes only name blocks for later removals: no publisher's
+hash function has to be reproduced. An event without token ids (tokenmill's
+default, which keeps prompts off the wire) is keyed by its 64-bit hash, which
+is tokenmill's ``chain_digest``, the router's own key; a bytes hash without
+token ids (another publisher's) cannot be placed and is counted in
+``unkeyed``.
 
 Two things events cannot say are kept beside them: blocks of requests routed
 there in the last few seconds (their prefill has not stored them yet, and a
@@ -22,7 +27,9 @@ sizes disagree, or before the first batch arrives.
 follows sequence numbers: a gap asks the replica's replay socket for the
 missed batches (or, without one, clears the index: it no longer knows); a
 sequence number that goes back means the replica restarted, and its index is
-cleared before the new stream is applied.
+cleared before the new stream is applied. A replica that admits subscribers by
+CURVE key is followed with the router's key pair and the replica's public key
+(``--kv-events-client-key``, ``--kv-events-server-key``).
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, MEDIUM_POOL, decode_batch
+from ..kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, CurveKeys, EventBatch, MEDIUM_POOL,
+                         curve_client, decode_batch, digest_of_hash)
 from .prefix_index import PrefixIndex, chain_key
 
 log = logging.getLogger("tokenmill.router")
@@ -52,6 +60,7 @@ class EventIndex:
     _recent: dict[bytes, float] = field(default_factory=dict)  # key -> expiry
     batches: int = 0
     orphans: int = 0  # stored blocks whose parent was unknown (dropped)
+    unkeyed: int = 0  # stored blocks named only by a hash that is not tokenmill's chain (dropped)
     mismatched_block_size: int | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -84,6 +93,9 @@ class EventIndex:
             self.mismatched_block_size = event.block_size
             return
         medium = event.medium or MEDIUM_POOL
+        if not event.token_ids:
+            self._stored_by_hash(event.block_hashes, medium)
+            return
         if event.parent_block_hash is None:
             parent = b""
         else:
@@ -101,8 +113,19 @@ class EventIndex:
             if len(chunk) != bs:
                 break
             parent = chain_key(parent, chunk)
-            self._by_hash[(_hashable(h), medium)] = parent
-            self._held.setdefault(parent, set()).add(medium)
+            self._hold(h, medium, parent)
+
+    def _stored_by_hash(self, block_hashes: Sequence[object], medium: str) -> None:
+        """Blocks named by hash alone: a tokenmill hash is the block's chained key already."""
+        for h in block_hashes:
+            if not isinstance(h, int) or isinstance(h, bool) or not -2**63 <= h < 2**63:
+                self.unkeyed += 1
+                continue
+            self._hold(h, medium, digest_of_hash(h))
+
+    def _hold(self, block_hash: object, medium: str, key: bytes) -> None:
+        self._by_hash[(_hashable(block_hash), medium)] = key
+        self._held.setdefault(key, set()).add(medium)
 
     def _clear(self) -> None:
         self._held.clear()
@@ -204,10 +227,11 @@ class EventSubscriber:
     """Follows one replica's KV event stream into its RoutingIndex (its own thread)."""
 
     def __init__(self, index: RoutingIndex, endpoint: str, replay_endpoint: str | None = None,
-                 topic: str = "") -> None:
+                 topic: str = "", curve: CurveKeys | None = None) -> None:
         self.index = index
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
+        self.curve = curve  # the router's keys and the replica's public key, when it admits by key
         self.topic = topic.encode()
         self.last_seq: int | None = None
         self.restarts = 0  # times the sequence went back (the replica restarted)
@@ -258,6 +282,8 @@ class EventSubscriber:
 
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            curve_client(sock, self.curve)
         got = set()
         try:
             sock.connect(self.replay_endpoint)
@@ -284,6 +310,8 @@ class EventSubscriber:
 
         sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None:
+            curve_client(sock, self.curve)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)
         sock.connect(self.endpoint)
         try:

@@ -95,7 +95,8 @@ class BackendPool:
                 log.warning("backend %s has no --kv-events stream: routing to it on the approximate index", url)
             return approx
         index = RoutingIndex(approx, EventIndex(self.config.block_size), self.config.events_stale_after)
-        self.subscribers.append(EventSubscriber(index, stream[0], stream[1]).start())
+        self.subscribers.append(EventSubscriber(index, stream[0], stream[1],
+                                                curve=self.config.kv_events_curve()).start())
         return index
 
     def healthy(self) -> list[Backend]:

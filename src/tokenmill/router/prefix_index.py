@@ -8,7 +8,7 @@ block granularity). Only full blocks count, as only full blocks are shared by
 the backends.
 
 A wrong guess costs a slower request, never a wrong answer, so a 64-bit
-BLAKE2b digest is plenty here (the backends themselves compare token ids).
+BLAKE2b digest (``kv_events.chain_digest``) is plenty here (the backends themselves compare token ids).
 
 Capacity and LRU aging keep the index close to what the backend can really
 hold: when a backend has ``num_gpu_blocks`` blocks, the index forgets the
@@ -18,18 +18,18 @@ backend's own radix-tree eviction would.
 """
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from ..kv_events import chain_digest
+
 
 def chain_key(parent: bytes, chunk: Sequence[int]) -> bytes:
-    """The key of one block: its tokens chained to its parent's key (``b""`` at the root)."""
-    h = hashlib.blake2b(parent, digest_size=8)
-    h.update(struct.pack(f"<{len(chunk)}q", *chunk))
-    return h.digest()
+    """The key of one block: its tokens chained to its parent's key (``b""`` at the root).
+    It is ``kv_events.chain_digest``, the name a tokenmill replica gives the block in its KV
+    events, so events that name blocks by hash alone line up with these keys."""
+    return chain_digest(parent, chunk)
 
 
 def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
