@@ -201,3 +201,27 @@ def test_server_closes_a_half_sent_header_with_408(tmp_path):
         keep_alive_outlives_the_deadline(port, "/health")
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
         assert 'tokenmill:requests_rejected_total{reason="header_timeout"}' in metrics
+
+
+def test_the_flags_are_checked():
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.serve_cli import config_problems, finalize_serve_args
+    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.router.cli import config_from_args
+
+    args = build_parser().parse_args(["serve", "--header-read-timeout", "2.5", "--max-pending-connections", "7"])
+    assert finalize_serve_args(args) is None and config_problems(args) == []
+    settings = settings_from_args(args)
+    assert (settings.header_read_timeout_s, settings.max_pending_connections) == (2.5, 7)
+    bad = build_parser().parse_args(["serve", "--header-read-timeout", "0"])
+    assert any("--header-read-timeout must be a positive" in p for p in config_problems(bad))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-pending-connections", "0"])
+    route = build_parser().parse_args(["route", "--backend", "http://127.0.0.1:1", "--header-read-timeout", "3",
+                                       "--max-pending-connections", "9"])
+    config = config_from_args(route)
+    assert (config.header_read_timeout, config.max_pending_connections) == (3.0, 9)
+    config.validate()
+    for field, value in (("header_read_timeout", 0.0), ("max_pending_connections", 0)):
+        with pytest.raises(ValueError, match="--header-read-timeout and --max-pending-connections"):
+            RouterConfig(backends=["http://127.0.0.1:1"], **{field: value}).validate()
