@@ -228,32 +228,34 @@ class Soak:
         while self.running():
             await asyncio.sleep(self.args.probe_every)
             for tenant in TENANTS:
-                for owner in TENANTS:
-                    if owner != tenant and self.stored.ids[owner]:
-                        await self.probe(tenant, owner, self.stored.ids[owner][-1])
+                for owner in (o for o in TENANTS if o != tenant):
+                    # the newest id at the server, the one before at the router: a DELETE that works
+                    # at one entry must not hide what the other would have let through
+                    newest = list(self.stored.ids[owner])[-2:][::-1]
+                    for entry, rid in zip(("server", "router"), newest):
+                        await self.probe(tenant, owner, rid, entry)
 
-    async def probe(self, tenant: str, owner: str, rid: str) -> None:
+    async def probe(self, tenant: str, owner: str, rid: str, entry: str) -> None:
         tries = [("GET", f"/v1/responses/{rid}", None), ("GET", f"/v1/responses/{rid}/input_items", None),
                  ("POST", "/v1/responses", {"model": self.args.served_name, "input": "and then?",
                                             "max_output_tokens": 4, "previous_response_id": rid}),
                  ("DELETE", f"/v1/responses/{rid}", None)]
-        for entry in ("router", "server"):
-            async with self.client(tenant, entry, 2) as client:
-                for method, path, body in tries:
-                    if entry == "router" and path.endswith("input_items"):
-                        continue  # the router relays GET and DELETE of a stored response, not its items
-                    try:
-                        resp = await client.request(method, path, json=body)
-                        status = str(resp.status_code)
-                    except httpx.HTTPError as exc:
-                        status = type(exc).__name__
-                    self.tally.probes[tenant][status] += 1
-                    if status.startswith("2"):
-                        what = "input_items" if path.endswith("input_items") else \
-                            "previous_response_id" if method == "POST" else "response"
-                        self.tally.cross_kinds[f"{entry} {method} {what}"] += 1
-                        self.tally.cross_reads.append(f"{tenant} read {owner}'s {rid}: {method} {path} at the "
-                                                      f"{entry} -> {status}")
+        async with self.client(tenant, entry, 2) as client:
+            for method, path, body in tries:
+                if entry == "router" and path.endswith("input_items"):
+                    continue  # the router relays GET and DELETE of a stored response, not its items
+                try:
+                    resp = await client.request(method, path, json=body)
+                    status = str(resp.status_code)
+                except httpx.HTTPError as exc:
+                    status = type(exc).__name__
+                self.tally.probes[tenant][status] += 1
+                if status.startswith("2"):
+                    what = "input_items" if path.endswith("input_items") else \
+                        "previous_response_id" if method == "POST" else "response"
+                    self.tally.cross_kinds[f"{entry} {method} {what}"] += 1
+                    self.tally.cross_reads.append(f"{tenant} read {owner}'s {rid}: {method} {path} at the "
+                                                  f"{entry} -> {status}")
 
     async def sampler(self) -> None:
         warm_at = self.t0 + self.args.warmup_minutes * 60
