@@ -9,11 +9,16 @@ process's RSS (``/proc/PID/status``):
 2. after a request for the first model (it loads);
 3. after a request for the second (both loaded);
 4. once both are idle past the timeout and unloaded;
-5. after the first is loaded again (memory is reused, not leaked).
+5. after the first is loaded again (memory is reused, not leaked);
+6. with ``--swaps N``: N requests alternating between the two models, each a
+   completion and a JSON-schema-constrained chat (so each model compiles a
+   grammar and fills masks on its own threads), RSS and the process's thread
+   count every tenth; with ``--max-loaded-models 1`` each request swaps them.
 
 Usage (extra flags go to `tokenmill serve`):
 
     python benchmarks/model_set_memory.py --kv-cache-memory 64MiB
+    python benchmarks/model_set_memory.py --swaps 110 --kv-cache-memory 64MiB --max-loaded-models 1
 
 It starts and stops the server itself and binds loopback only. Prints one
 line per step and a JSON summary.
@@ -65,6 +70,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--idle", type=float, default=30.0, help="--idle-unload-seconds of the server")
     p.add_argument("--settle", type=float, default=1.0, help="seconds to wait before each reading")
+    p.add_argument("--swaps", type=int, default=0, help="then this many requests alternating between the models")
     args, serve_flags = p.parse_known_args()
     sys.path.insert(0, str(ROOT / "src"))
     from tokenmill.bundled import default_model_path
@@ -103,11 +109,30 @@ def main() -> int:
             read("both unloaded (idle)")
             ask(names[0])
             read(f"{names[0]} loaded again")
+            for i in range(args.swaps):
+                name = names[(i + 1) % 2]
+                ask(name)
+                constrained(url, name)
+                if i % 10 == 9 or i == args.swaps - 1:
+                    read(f"swap {i + 1} (threads {threads(proc.pid)})")
         finally:
             proc.terminate()
             proc.wait(60)
     print(json.dumps({"rss_mib": readings, "serve_flags": serve_flags}, indent=1))
     return 0
+
+
+def constrained(url: str, model: str) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+        "model": model, "messages": [{"role": "user", "content": "a number"}], "max_tokens": 6,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    r.raise_for_status()
+
+
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("Threads:"))
 
 
 def _healthy(url: str) -> bool:

@@ -191,6 +191,51 @@ def test_idle_model_unloads_after_its_timeout(model_dir):
         app.state.tokenmill.close()
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+def test_swapping_models_leaves_nothing_behind(model_dir):
+    """Each swap loads one model and unloads the other, both after a constrained request (a
+    grammar compiled, masks filled on their threads): once a model is unloaded, its engine,
+    its structured-output state and its tokenizer are gone, the thread count stays where it
+    was after warm-up, and the process's resident memory grows by little over the swaps."""
+    app = set_app("--model", str(model_dir / "alpha"), "--model", str(model_dir / "beta"),
+                  "--max-loaded-models", "1")
+    models = app.state.tokenmill.models
+    constrained = {"max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "a number"}],
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                       "type": "object", "properties": {"n": {"type": "integer"}}}}}}
+
+    def swap(i: int) -> list[weakref.ref]:
+        name = ("alpha", "beta")[i % 2]
+        for path, body in (("/v1/chat/completions", constrained), ("/v1/completions", GREEDY)):
+            r = httpx.post(srv.url + path, json={**body, "model": name}, timeout=120)
+            assert r.status_code == 200, r.text
+        engine = models.loaded()[0].engine
+        return [weakref.ref(engine), weakref.ref(engine.structured), weakref.ref(engine.tokenizer)]
+
+    try:
+        with ThreadServer(app) as srv:
+            for i in range(4):  # warm-up: both models loaded twice, allocator arenas grown
+                swap(i)
+            gc.collect()
+            threads, rss = threading.active_count(), _rss_mib()
+            previous = swap(4)
+            for i in range(5, 17):
+                current = swap(i)  # loading this one unloaded the previous one
+                gc.collect()
+                alive = [type(ref()).__name__ for ref in previous if ref() is not None]
+                assert alive == [], f"swap {i}: the unloaded model's {alive} are still in memory"
+                previous = current
+            gc.collect()
+            assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]
+            assert _rss_mib() < rss * 1.15, (rss, _rss_mib())  # generous: the check above is the exact one
+    finally:
+        app.state.tokenmill.close()
+
+
 def test_requests_waiting_for_a_loading_model_succeed(model_dir):
     app = set_app("--models-dir", str(model_dir), slow_load_s=1.0)
     try:

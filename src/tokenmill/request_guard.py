@@ -26,13 +26,33 @@ thread (0.4 s for a 50 MB string, seconds for millions of token ids). The
 limit is what keeps parsing short. What does release the GIL, tokenizing
 long text, runs in a worker thread (``openai_routes.encode``), and text that
 cannot fit the context is refused before it is tokenized at all.
+
+The request line and headers come before any of that, inside the HTTP server
+(uvicorn), which on its own waits for them forever: a client that opens a
+connection and sends half a header, or nothing, holds it (and a file
+descriptor) for good, and enough such clients take every descriptor there is.
+``header_guarded_protocol`` gives both servers (``tokenmill serve`` and the
+router) uvicorn's HTTP/1.1 protocol with a deadline on that phase:
+
+- ``header_read_timeout_s``: from the moment a connection opens, or the first
+  byte of the next request on a kept-alive one, the whole request line and
+  headers must arrive within it; else the connection is closed, with a 408 when
+  part of a request had come. A request being answered (a long stream, say) is
+  past this phase and never timed out here; an idle kept-alive connection is
+  uvicorn's own keep-alive timeout's.
+- ``max_pending_connections``: at most this many connections may wait for their
+  headers at once; one more closes the one that has waited longest, so a flood
+  of stalled connections costs each of them its place, not the clients that
+  send a request at once.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Callable
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -54,10 +74,14 @@ def default_body_limit(max_model_len: int) -> int:
 _ERROR_TYPES = {408: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
-async def _reject(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+def _error_body(status: int, message: str, code: str) -> bytes:
     error = {"message": message, "type": _ERROR_TYPES.get(status, "invalid_request_error"), "param": None,
              "code": code}
-    body = json.dumps({"error": error}).encode()
+    return json.dumps({"error": error}).encode()
+
+
+async def _reject(send: Send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = _error_body(status, message, code)
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
            (b"connection", b"close")]
     raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -190,3 +214,79 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+# ---- the request line and headers --------------------------------------------------------
+
+DEFAULT_HEADER_READ_TIMEOUT_S = 20.0
+DEFAULT_MAX_PENDING_CONNECTIONS = 512
+
+
+@dataclass
+class HeaderDeadline:
+    """What the connections of one server share: the deadline for a request's line and headers
+    (``timeout()``, read as each wait starts, so a setting changed after start-up counts), the
+    bound on connections waiting for theirs, and those connections, longest waiting first."""
+
+    timeout: Callable[[], float]
+    max_pending: int = DEFAULT_MAX_PENDING_CONNECTIONS
+    on_reject: Callable[[str], None] = lambda reason: None
+    pending: "OrderedDict[Any, None]" = field(default_factory=OrderedDict)
+
+
+def header_guarded_protocol(deadline: HeaderDeadline) -> type:
+    """uvicorn's h11 HTTP/1.1 protocol, with ``deadline`` on each request's line and headers.
+
+    A class for ``uvicorn.Config(http=...)``. h11 rather than httptools even where httptools
+    is installed: one parser, whose state says whether a request's headers are still to come
+    (``their_state`` is IDLE until they have all arrived)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderGuardedProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._await_headers()
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self.conn.their_state is h11.IDLE:
+                self._await_headers()  # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._headers_done()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._headers_done()
+            super().connection_lost(exc)
+
+        def _await_headers(self) -> None:
+            self._header_timer = self.loop.call_later(deadline.timeout(), self._give_up, "header_timeout")
+            deadline.pending[self] = None
+            while len(deadline.pending) > deadline.max_pending:
+                oldest = next(iter(deadline.pending))
+                oldest._give_up("too_many_pending")
+
+        def _headers_done(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            deadline.pending.pop(self, None)
+
+        def _give_up(self, reason: str) -> None:
+            """Close a connection whose headers did not come in time (or that lost its place):
+            with a 408 when part of a request had come, quietly when nothing had."""
+            self._headers_done()
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            deadline.on_reject(reason)
+            if self.conn.trailing_data[0]:
+                message = (f"the request headers did not arrive within {deadline.timeout():g} s"
+                           if reason == "header_timeout" else "too many connections are waiting to send a request")
+                body = _error_body(408, message, "request_timeout")
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+            self.transport.close()
+
+    return HeaderGuardedProtocol

@@ -227,9 +227,27 @@ class StructuredOutputs:
         self.prepare(spec).result()
 
     def close(self) -> None:
-        """Stops the worker processes (they also end with this process: their stdin closes)."""
-        if self._workers is not None:
-            self._workers.close()
+        """Stops the worker processes (they also end with this process: their stdin closes),
+        the compile thread and the mask thread, and lets go of the compiled templates and the
+        grammar library's tokenizer and executor.
+
+        Why all of it: a server of several models closes an engine each time it unloads one,
+        and whatever a thread still holds outlives the engine. An idle compile thread kept the
+        last grammar it compiled, and with it this object, its tokenizer and its cache, so
+        every load and unload left one more set (and two more threads) behind. Idempotent."""
+        with self._lock:
+            workers, compiler, pool = self._workers, self._compiler, self._pool
+            self._workers = self._compiler = self._pool = None
+        if workers is not None:
+            workers.close()
+        if compiler is not None:
+            compiler.stop()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            self._templates.clear()
+            self.cache_bytes = 0
+            self._ll_tokenizer = self._executor = None
 
     # -- masks --------------------------------------------------------------
     def fill(self, matchers: Sequence[Any]) -> torch.Tensor:
@@ -311,7 +329,7 @@ class _CompileThread:
     size is in force then; this one is made once with its own."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[tuple[Callable[[], Any], Future[Any]]]" = queue.Queue()
+        self._jobs: "queue.Queue[tuple[Callable[[], Any], Future[Any]] | None]" = queue.Queue()
         with _STACK_LOCK:
             previous = threading.stack_size(COMPILE_STACK_BYTES)
             try:
@@ -325,19 +343,29 @@ class _CompileThread:
         self._jobs.put((fn, future))
         return future
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread once the jobs already submitted are done."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
     def _run(self) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
         except (OSError, AttributeError):
             pass
         while True:
-            fn, future = self._jobs.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                future.set_exception(exc)
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            del job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                    future.set_exception(exc)
+            # an idle thread holds nothing: the job's closure reaches the whole StructuredOutputs
+            del fn, future
 
 
 _STACK_LOCK = threading.Lock()

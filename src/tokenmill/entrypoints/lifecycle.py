@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..engine.async_engine import AsyncEngine
 from ..engine.kv_event_publisher import KVEventsConfig, attach_kv_events
+from ..request_guard import HeaderDeadline, header_guarded_protocol
 from .app import add_cors, build_app, build_model_set_app
 from .heap import HeapTrimmer, bound_onednn_caches, trim_heap
 from .serve_config import engine_config_from_args, settings_from_args, tokenizer_from_args
@@ -120,12 +121,22 @@ def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
     # (--forwarded-allow-ips); otherwise any client could pick its own address, and with it
     # its own row in the console's sign-in throttle. uvicorn would trust loopback by default.
     trusted = getattr(args, "forwarded_allow_ips", None)
-    return uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=level, http=_http_protocol(app),
                           timeout_graceful_shutdown=1, access_log=level in ("info", "debug", "trace"),
                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
                           root_path=getattr(args, "root_path", "") or "",
                           ssl_keyfile=getattr(args, "ssl_keyfile", None),
                           ssl_certfile=getattr(args, "ssl_certfile", None))
+
+
+def _http_protocol(app: Any) -> type:
+    """HTTP/1.1 with a deadline on each request's line and headers (request_guard.py): what
+    --header-read-timeout and --max-pending-connections set; refusals count in the same
+    ``tokenmill:requests_rejected`` series as the body guard's."""
+    state = app.state.tokenmill
+    return header_guarded_protocol(HeaderDeadline(
+        timeout=lambda: state.settings.header_read_timeout_s, max_pending=state.settings.max_pending_connections,
+        on_reject=lambda reason: state.metrics.rejected.labels(reason).inc()))
 
 
 def model_loader(args: argparse.Namespace, settings: ServerSettings, shared: ServerShared,

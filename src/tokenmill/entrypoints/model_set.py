@@ -18,9 +18,12 @@ with. ``ModelSet`` owns which of them are in memory:
 - a request holds a lease on its model from the moment its model is looked up
   until its response (streamed or not) has been sent (``app.GateMiddleware``
   gives each lease back), and a model with leases is never unloaded;
-- unloading stops the model's engine thread, drops every reference to its
-  engine and pool, then collects garbage and returns freed heap to the system
-  (``heap.trim_heap``), so the process's resident memory drops.
+- unloading stops the model's engine thread and its grammar threads
+  (``StructuredOutputs.close``: a thread left running keeps what it last
+  touched, and with it the model's grammar state and tokenizer), drops every
+  reference to its engine and pool, then collects garbage and returns freed
+  heap to the system (``heap.trim_heap``), so the process's resident memory
+  drops, and stays flat over any number of loads and unloads.
 
 ``ModelSetState`` is what such a server's routes and middleware see in place
 of a one-model ``ServerState``: the server-wide parts (tenants, usage, tracing,

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ..cli_args import human_int
+from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from .response_store import DEFAULT_STORE_BYTES
 from .serve_config import template_path
 
@@ -215,6 +216,13 @@ def add_server_arguments(p: Any) -> None:
                         "context, at least 1 MiB)")
     p.add_argument("--request-read-timeout", type=float, default=30.0,
                    help="seconds a client has to send a whole request body (default 30)")
+    p.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S,
+                   help="seconds a client has, from connecting (or from the first byte of its next request), to "
+                        f"send a request's line and headers; else the connection is closed (default "
+                        f"{DEFAULT_HEADER_READ_TIMEOUT_S:g})")
+    p.add_argument("--max-pending-connections", type=_positive, default=DEFAULT_MAX_PENDING_CONNECTIONS,
+                   help="connections that may wait for their request headers at once; one more closes the one "
+                        f"waiting longest (default {DEFAULT_MAX_PENDING_CONNECTIONS})")
     p.add_argument("--no-ui", action="store_true", help="do not serve the web console")
 
 
@@ -563,6 +571,9 @@ def config_problems(args: argparse.Namespace) -> list[str]:
     timeout = getattr(args, "request_read_timeout", 30.0)
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         out.append(f"--request-read-timeout must be a positive number of seconds (got {timeout!r})")
+    timeout = getattr(args, "header_read_timeout", DEFAULT_HEADER_READ_TIMEOUT_S)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        out.append(f"--header-read-timeout must be a positive number of seconds (got {timeout!r})")
     grace = getattr(args, "shutdown_grace", 30.0)
     if not (isinstance(grace, (int, float)) and grace >= 0):
         out.append(f"--shutdown-grace must be a number of seconds >= 0 (got {grace!r})")

@@ -15,6 +15,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from .response_store import DEFAULT_STORE_BYTES
 
 if TYPE_CHECKING:
@@ -162,6 +163,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         capture_key=getattr(args, "capture_key", None) or os.environ.get("TOKENMILL_CAPTURE_KEY") or None,
         grace_period_s=args.shutdown_grace, max_request_bytes=getattr(args, "max_request_bytes", None),
         request_read_timeout_s=getattr(args, "request_read_timeout", 30.0),
+        header_read_timeout_s=getattr(args, "header_read_timeout", DEFAULT_HEADER_READ_TIMEOUT_S),
+        max_pending_connections=getattr(args, "max_pending_connections", DEFAULT_MAX_PENDING_CONNECTIONS),
         sampling_defaults=generation_defaults(getattr(args, "generation_config", "vllm"), model_path),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from ..cache_misses import MissClassifier
+from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from ..engine.async_engine import AsyncEngine, EngineDeadError
 from ..engine.engine import SequenceDelta
 from ..engine.fairness import ADMIT_SHARE, make_queue_order
@@ -59,6 +60,8 @@ class ServerSettings:
     grace_period_s: float = 30.0  # SIGTERM: how long running requests may finish
     max_request_bytes: int | None = None  # request body limit (None: request_guard.default_body_limit)
     request_read_timeout_s: float = 30.0  # the whole body must arrive within this
+    header_read_timeout_s: float = DEFAULT_HEADER_READ_TIMEOUT_S  # and the request line and headers within this
+    max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # connections waiting for their headers
     retry_after_s: int = 1
     # sampling defaults for what a request leaves unset (--generation-config), SamplingParams' names
     sampling_defaults: dict[str, Any] = field(default_factory=dict)

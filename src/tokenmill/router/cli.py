@@ -10,6 +10,7 @@ import logging
 import signal
 
 from ..cli_args import human_int
+from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from .config import POLICIES, PREFIX_SOURCES, RouterConfig, parse_kv_events
 from .tenancy import parse_objectives
 
@@ -91,6 +92,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="refuse client bodies larger than this with 413 (default 8M)")
     p.add_argument("--request-read-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="seconds a client has to send a whole request body; else 408 (default 30)")
+    p.add_argument("--header-read-timeout", type=float, default=DEFAULT_HEADER_READ_TIMEOUT_S, metavar="SECONDS",
+                   help="seconds a client has, from connecting (or from the first byte of its next request), to "
+                        "send a request's line and headers; else the connection is closed, with 408 when part "
+                        f"had come (default {DEFAULT_HEADER_READ_TIMEOUT_S:g})")
+    p.add_argument("--max-pending-connections", type=int, default=DEFAULT_MAX_PENDING_CONNECTIONS, metavar="N",
+                   help="connections that may wait for their request headers at once; one more closes the one "
+                        f"waiting longest (default {DEFAULT_MAX_PENDING_CONNECTIONS})")
     p.add_argument("--endpoint-picker", action="store_true",
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
@@ -116,6 +124,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         imbalance_abs=args.imbalance_abs, imbalance_rel=args.imbalance_rel, shed_load=args.shed_load,
         health_interval=args.health_interval, request_timeout=args.request_timeout,
         max_request_bytes=args.max_request_bytes, request_read_timeout=args.request_read_timeout,
+        header_read_timeout=args.header_read_timeout, max_pending_connections=args.max_pending_connections,
         endpoint_picker=args.endpoint_picker, grpc_port=args.grpc_port, grpc_host=args.grpc_host,
         fallback_endpoints=args.fallback_endpoints,
         prefix_source=args.prefix_source, kv_events=parse_kv_events(args.kv_events),

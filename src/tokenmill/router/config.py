@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..kv_events import CurveKeys
+from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 
 POLICIES = ("prefix", "least-load", "round-robin")
 PREFIX_SOURCES = ("approximate", "events")
@@ -110,6 +111,9 @@ class RouterConfig:
     # Client bodies: refused with 413 past this size, 408 when not all sent within the deadline.
     max_request_bytes: int = 8 << 20  # what a backend drains before its 413 (request_guard.DRAIN_BYTES)
     request_read_timeout: float = 30.0
+    # The request line and headers: the connection is closed past this (408 when part had come).
+    header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT_S
+    max_pending_connections: int = DEFAULT_MAX_PENDING_CONNECTIONS  # waiting for their headers at once
 
     # Endpoint-picker (Envoy ext_proc) mode.
     endpoint_picker: bool = False
@@ -167,6 +171,8 @@ class RouterConfig:
             raise ValueError("--fallback-endpoints must be >= 0")
         if self.max_request_bytes < 1 or not self.request_read_timeout > 0:
             raise ValueError("--max-request-bytes and --request-read-timeout must be positive")
+        if not self.header_read_timeout > 0 or self.max_pending_connections < 1:
+            raise ValueError("--header-read-timeout and --max-pending-connections must be positive")
         if self.health_interval <= 0:
             raise ValueError("--health-interval must be positive")
         if self.conversation_capacity < 1:

@@ -13,6 +13,7 @@ import time
 
 import uvicorn
 
+from ..request_guard import HeaderDeadline, header_guarded_protocol
 from .config import RouterConfig
 from .core import Router
 from .proxy import build_app
@@ -43,7 +44,11 @@ class RouterServer:
                 self._grpc, _, self.grpc_port = await start_grpc(self.router, c.grpc_host or c.host, c.grpc_port)
                 log.info("endpoint picker (ext_proc) on %s:%d", c.grpc_host or c.host, self.grpc_port)
             app = build_app(self.router, manage_router=False)
-            uconf = uvicorn.Config(app, host=c.host, port=c.port, log_level=self.log_level,
+            # a deadline on each request's line and headers (request_guard.py), counted as the body guard's
+            http = header_guarded_protocol(HeaderDeadline(
+                timeout=lambda: c.header_read_timeout, max_pending=c.max_pending_connections,
+                on_reject=lambda reason: self.router.metrics.responses.labels(reason).inc()))
+            uconf = uvicorn.Config(app, host=c.host, port=c.port, log_level=self.log_level, http=http,
                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5)
             self._uvicorn = uvicorn.Server(uconf)
             watcher = asyncio.create_task(self._mark_started())
