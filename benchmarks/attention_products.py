@@ -43,8 +43,8 @@ from typing import Callable
 import torch
 
 from tokenmill import LLM
-from tokenmill.engine.executors import FusedDecodeExecutor
-from tokenmill.model import cpu_kernels
+from tokenmill.engine.step.executors import FusedDecodeExecutor
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import kv_cache_shape
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30

@@ -36,9 +36,9 @@ from int8_products import best_of
 from memory_bandwidth import compile_probe
 from real_sizes import SHAPES
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.ops import ModelOps
-from tokenmill.model.quant import Int4Codes, Int4Linear, Int8GroupLinear, Int8Linear
+from tokenmill.model.quant.quant import Int4Codes, Int4Linear, Int8GroupLinear, Int8Linear
 
 _PIPES = r"""
 #include <immintrin.h>

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import kv_cache_shape
 
 BLOCK = 16

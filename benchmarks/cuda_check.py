@@ -159,11 +159,11 @@ class Context:
         a = self.args
         if a.model:
             from tokenmill.model.loader import load_model
-            from tokenmill.tokenizer import Tokenizer
+            from tokenmill.files.tokenizer import Tokenizer
 
             path = a.model
             if path == "bundled":
-                from tokenmill.bundled import default_model_path
+                from tokenmill.files.bundled import default_model_path
 
                 path = default_model_path()
             self.path = path
@@ -198,7 +198,7 @@ class Context:
                        device=self.args.device, **options)
         if graphs is None:
             return LLM(**options)
-        from tokenmill.engine import cuda_graphs
+        from tokenmill.engine.step import cuda_graphs
 
         saved = os.environ.get("TOKENMILL_CUDA_GRAPHS"), cuda_graphs.default_backend
         os.environ["TOKENMILL_CUDA_GRAPHS"] = "1" if graphs else "0"

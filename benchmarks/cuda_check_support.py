@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.settings.config import ModelConfig
 from tokenmill.model.loader import LoadedModel
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.files.tokenizer import Tokenizer
 
 # SmolLM2-135M(-Instruct)'s config.json, in ModelConfig's (Hugging Face's) names.
 SMOLLM2_135M = dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import CpuKernelAttention, StepAttention, StepLayout, TorchPagedAttention, kv_cache_shape
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16

@@ -58,10 +58,10 @@ OMP_WAIT_POLICY_GIVEN = os.environ.get("OMP_WAIT_POLICY")
 
 import torch  # noqa: E402
 
-from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.settings.config import EngineConfig  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
 from tokenmill.engine.request import SamplingParams  # noqa: E402
-from tokenmill.options import KernelOptions  # noqa: E402
+from tokenmill.settings.options import KernelOptions  # noqa: E402
 
 
 THREADS = 0
@@ -190,7 +190,7 @@ def llamacpp_runner(args: argparse.Namespace, threads: int, model_path: str | No
         from llama_cpp import Llama  # type: ignore[import-not-found]
     except ImportError:
         return "llama-cpp-python is not installed (pip install llama-cpp-python; it builds from source)"
-    from tokenmill.bundled import default_model_path
+    from tokenmill.files.bundled import default_model_path
 
     if args.llamacpp_no_extra_bufts:
         without_extra_bufts()
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs.split(","):
         runners.append((f"tokenmill {config}", tokenmill_runner(config, args)))
     if args.llama_bench:
-        from tokenmill.bundled import default_model_path
+        from tokenmill.files.bundled import default_model_path
 
         args.threads = threads
         lc: Runner | str = llama_bench_runner(args.model or default_model_path(), args)

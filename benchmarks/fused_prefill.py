@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import make_prompts  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.engine.executors import FusedPrefillExecutor  # noqa: E402
-from tokenmill.engine.runner import ModelRunner  # noqa: E402
-from tokenmill.options import KernelOptions  # noqa: E402
-from tokenmill.tokenizer import Tokenizer  # noqa: E402
+from tokenmill.engine.step.executors import FusedPrefillExecutor  # noqa: E402
+from tokenmill.engine.step.runner import ModelRunner  # noqa: E402
+from tokenmill.settings.options import KernelOptions  # noqa: E402
+from tokenmill.files.tokenizer import Tokenizer  # noqa: E402
 
 
 def engine(args: argparse.Namespace, fused: bool) -> LLM:

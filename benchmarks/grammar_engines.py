@@ -97,7 +97,7 @@ def bench_xgrammar(tok: Any, ids: list[int]) -> dict[str, Any]:
 
 
 def main() -> None:
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     tok = Tokenizer.from_model_path(None)
     ids = tok.encode(json.dumps(ANSWER, separators=(",", ":")), add_special_tokens=False)

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.ops import ModelOps
-from tokenmill.model.quant import Int8GroupLinear
+from tokenmill.model.quant.quant import Int8GroupLinear
 
 VOCAB, HIDDEN = 49152, 576
 

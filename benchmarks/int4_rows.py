@@ -25,9 +25,9 @@ import dataclasses
 import torch
 from int8_products import SHAPES, best_of  # the same layer shapes and timing
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.ops import ModelOps
-from tokenmill.model.quant import Int4Linear
+from tokenmill.model.quant.quant import Int4Linear
 
 
 def main() -> None:

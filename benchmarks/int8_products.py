@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from tokenmill.model import cpu_kernels
-from tokenmill.model.cpu_kernels import TmLinear
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.kernels.cpu_kernels import TmLinear
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (out, in) of one layer's projections
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 import torch
 
-from tokenmill.model import cpu_kernels
-from tokenmill.model.kquant import KQuantLinear, weight_bits
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.quant.kquant import KQuantLinear, weight_bits
 
 
 def random_blocks(type_name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -25,7 +25,7 @@ import random
 import statistics
 import time
 
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import SamplingParams
 

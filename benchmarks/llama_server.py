@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         # room for a prompt that the server's tokenizer makes longer than the client counted (vLLM's
         # random prompts are token ids decoded to text)
         per_seq = 2 * int(args.input_len) + int(args.output_len) + 64
-        tm = Server("tokenmill", [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", path,
+        tm = Server("tokenmill", [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--model", path,
                                   "--host", "127.0.0.1", "--port", str(_free_port()), "--threads", str(args.threads),
                                   "--max-num-seqs", str(args.concurrency), *shlex.split(args.tokenmill_args)],
                     0)

@@ -7,7 +7,7 @@ One engine with ``enable_lora``; random adapters in the PEFT format (every proje
 written to a temporary folder). Two runs in the same process, interleaved ``--rounds`` times: 64
 streams on the base model, then 64 streams with stream i on adapter i mod 8 (so each step mixes
 all 8 adapters). Figures: output tokens per second of each, and their ratio (adapters / base).
-Steps with adapter rows run in the fused CPU step like the base's (engine/fused_lora.py); with
+Steps with adapter rows run in the fused CPU step like the base's (engine/step/fused_lora.py); with
 TOKENMILL_FUSED_DECODE=0 both run on the eager path.
 """
 from __future__ import annotations

@@ -73,7 +73,7 @@ def main() -> int:
     p.add_argument("--swaps", type=int, default=0, help="then this many requests alternating between the models")
     args, serve_flags = p.parse_known_args()
     sys.path.insert(0, str(ROOT / "src"))
-    from tokenmill.bundled import default_model_path
+    from tokenmill.files.bundled import default_model_path
 
     bundled = default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
@@ -82,7 +82,7 @@ def main() -> int:
             os.symlink(bundled, os.path.join(tmp, name + ".gguf"))
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port",
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host", "127.0.0.1", "--port",
                str(port), "--models-dir", tmp, "--idle-unload-seconds", str(args.idle), *serve_flags]
         env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

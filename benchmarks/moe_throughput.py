@@ -53,7 +53,7 @@ def main() -> None:
     from tokenizers import Tokenizer as FastTokenizer
     from tokenizers import models
 
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(FastTokenizer(models.WordLevel({f"t{i}": i for i in range(8192)}, unk_token="t0")),
                           bos_token_id=None, eos_token_id=None, vocab_size=8192)

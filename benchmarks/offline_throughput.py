@@ -18,9 +18,9 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.bundled import default_model_path
+from tokenmill.files.bundled import default_model_path
 from tokenmill.model.loader import load_model
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.files.tokenizer import Tokenizer
 
 WORDS = ("river stone lantern harbor winter orchard signal copper meadow engine valley "
          "thunder paper garden market silver bridge forest candle window").split()

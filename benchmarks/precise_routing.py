@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from tokenmill.router.config import RouterConfig  # noqa: E402
-from tokenmill.router.prefix_index import PrefixIndex, block_hashes  # noqa: E402
+from tokenmill.router.cache.prefix_index import PrefixIndex, block_hashes  # noqa: E402
 from tokenmill.router.server import RouterServer  # noqa: E402
 from tokenmill.router.workload import one_request, shared_prefix_workload  # noqa: E402
 
@@ -62,7 +62,7 @@ class Replica:
 
     def start(self) -> None:
         config = {"enable_kv_cache_events": True, "endpoint": self.events, "replay_endpoint": self.replay}
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--num-blocks", str(self.cache_blocks), "--dtype", "float32",
                "--kv-events-config", json.dumps(config)]
         if self.tier_dir:

@@ -7,7 +7,7 @@ scheduling or sampling. Two measurements per case:
 
 * wall time per step: best of repeated steps, no profiler attached, through
   the eager torch model and through the fused native decode step
-  (engine/fused_decode.py; measured here at every batch size, whatever the
+  (engine/step/fused_decode.py; measured here at every batch size, whatever the
   engine's ``TOKENMILL_FUSED_DECODE_MAX_BATCH`` cut-off);
 * a torch.profiler breakdown of the eager step by part (labels inserted
   around the model's pieces), as shares of the profiled step, and the number
@@ -33,10 +33,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.executors import FusedDecodeExecutor
+from tokenmill.engine.step.executors import FusedDecodeExecutor
 from tokenmill.model import attention as attention_mod
 from tokenmill.model.ops import ModelOps
 

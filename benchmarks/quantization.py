@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tokenmill.model.loader import load_model
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     specs = [CandidateSpec.parse(c) for c in args.configs.split(",") if c.strip()]
     opts = EvalOptions(model=args.model, dtype=args.dtype, window=args.window, stride=args.stride,

@@ -56,8 +56,8 @@ import decode_speed  # noqa: E402  (its OpenMP note and measure())
 import memory_bandwidth  # noqa: E402
 import torch  # noqa: E402
 
-from tokenmill.bundled import default_model_path  # noqa: E402
-from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.files.bundled import default_model_path  # noqa: E402
+from tokenmill.settings.config import EngineConfig  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
 
 

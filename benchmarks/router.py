@@ -46,11 +46,11 @@ def _free_port() -> int:
 def _tokenmill_cmd() -> list[str] | None:
     """How to run `tokenmill serve` here, or None when the server is not available."""
     try:
-        import tokenmill.entrypoints.serve_cli  # noqa: F401
+        import tokenmill.entrypoints.cli.serve_cli  # noqa: F401
     except ModuleNotFoundError:
         return None
     exe = shutil.which("tokenmill") or str(Path(sys.executable).with_name("tokenmill"))
-    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "tokenmill.entrypoints.cli"]
+    return [exe] if os.path.exists(exe) else [sys.executable, "-m", "tokenmill.entrypoints.cli.main"]
 
 
 class Replicas:

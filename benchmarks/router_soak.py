@@ -9,7 +9,7 @@ Responses API, a replica with n-gram speculation, clients that hang up
 - responses by status, and every 5xx (the goal: none);
 - each replica's resident memory after warm-up and at the end (goal: growth
   under 5%). The server hands freed heap back to the OS every half minute
-  (entrypoints/heap.py), so one reading swings by about 4% with the moment it
+  (entrypoints/server/heap.py), so one reading swings by about 4% with the moment it
   is taken; each end is therefore the highest of the readings taken every
   5 seconds over its first and last minute of traffic (the working set's
   high-water mark at each end, whatever the trim's phase). The single readings
@@ -221,7 +221,7 @@ def main() -> int:
     try:
         for args in extra:
             port = free_port()
-            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host",
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host",
                                      "127.0.0.1", "--port", str(port), *common, *args],
                                     stdout=subprocess.DEVNULL, stderr=open(work / f"serve-{port}.log", "w"),
                                     env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))

@@ -145,7 +145,7 @@ def launch_server(serve_flags: list[str], timeout: float = 300) -> tuple[subproc
     The server's output is dropped unless ``TOKENMILL_BENCH_SERVER_LOG`` names a file
     to append it to (how a failed start shows its traceback)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
            *serve_flags]
     log_path = os.environ.get("TOKENMILL_BENCH_SERVER_LOG")
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
@@ -243,7 +243,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="alternate server/offline runs this many times")
     args = ap.parse_args()
 
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     prompts = make_prompts(Tokenizer.from_model_path(args.model), args.num_requests, args.input_len)
     servers, offlines = [], []

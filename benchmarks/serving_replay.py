@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serving import make_prompts  # noqa: E402
 
 import tokenmill.model.attention as attention_mod  # noqa: E402
-import tokenmill.model.cpu_kernels as kernels_mod  # noqa: E402
-import tokenmill.model.llama as llama_mod  # noqa: E402
-from tokenmill.config import EngineConfig  # noqa: E402
+import tokenmill.model.kernels.cpu_kernels as kernels_mod  # noqa: E402
+import tokenmill.model.models.llama as llama_mod  # noqa: E402
+from tokenmill.settings.config import EngineConfig  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
 from tokenmill.engine.request import SamplingParams  # noqa: E402
 

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
 
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(args.model)
     if args.against_reference:

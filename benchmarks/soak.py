@@ -244,7 +244,7 @@ def main() -> int:
             p.error("--url needs --pid")
     else:
         port = free_port()
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host", "127.0.0.1",
                "--port", str(port), *serve_flags]
         log = open(args.server_log, "ab") if args.server_log else subprocess.DEVNULL
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

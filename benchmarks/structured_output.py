@@ -129,11 +129,11 @@ def main() -> int:
 
     from test_server_support import ThreadServer
 
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serving import ServerSettings
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.server.serving import ServerSettings
 
     engine = LLMEngine(EngineConfig.from_options(model=args.model, kv_cache_memory="512MiB", max_model_len=2048))
     app = build_app(AsyncEngine(engine), ServerSettings(served_model_names=["bench"]))

@@ -290,7 +290,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def _cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "tokenmill.entrypoints.cli", *argv]
+    return [sys.executable, "-m", "tokenmill.entrypoints.cli.main", *argv]
 
 
 def start_processes(args: argparse.Namespace, keys: Keys, folder: str, serve_flags: list[str]

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.stats import percentile
-from tokenmill.engine.fairness import make_queue_order
+from tokenmill.engine.sched.fairness import make_queue_order
 from tokenmill.engine.request import Placement
 
 

@@ -60,7 +60,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.config import ModelConfig  # noqa: E402
+from tokenmill.settings.config import ModelConfig  # noqa: E402
 from tokenmill.model import parallel  # noqa: E402
 
 SHAPE = dict(architecture="llama", vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
@@ -402,7 +402,7 @@ def prepare_model(args: argparse.Namespace) -> str:
     ``--model`` given: a GGUF file, an HF folder, or ``bundled``)."""
     model = getattr(args, "model", None)
     if model == "bundled":
-        from tokenmill.bundled import default_model_path
+        from tokenmill.files.bundled import default_model_path
 
         return default_model_path()
     if model:

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import tensor_parallel as tpb  # noqa: E402
 
-from tokenmill.model import cpu_kernels  # noqa: E402
+from tokenmill.model.kernels import cpu_kernels  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -32,8 +32,8 @@ import time
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.executors import FusedDecodeExecutor
-from tokenmill.model import cpu_kernels
+from tokenmill.engine.step.executors import FusedDecodeExecutor
+from tokenmill.model.kernels import cpu_kernels
 
 BUSY_LOOP = """
 import sys, time

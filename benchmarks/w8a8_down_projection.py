@@ -21,11 +21,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_step import make_batch  # noqa: E402
 
-from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.settings.config import EngineConfig  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
-from tokenmill.engine.executors import FusedDecodeExecutor  # noqa: E402
+from tokenmill.engine.step.executors import FusedDecodeExecutor  # noqa: E402
 from tokenmill.engine.request import Request, SamplingParams  # noqa: E402
-from tokenmill.model import quant  # noqa: E402
+from tokenmill.model.quant.quant import quant  # noqa: E402
 
 
 def build(grouped: bool) -> LLMEngine:

@@ -19,7 +19,7 @@ try:
 except ImportError:  # the router's and the load tester's tests also run where torch is not installed
     torch = None
 else:
-    from tokenmill.config import ModelConfig
+    from tokenmill.settings.config import ModelConfig
     from tokenmill.model.loader import LoadedModel
 
 TINY_VOCAB = 257
@@ -32,7 +32,7 @@ def tiny_tokenizer():
     from tokenizers import Tokenizer as FastTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: ord(ch))
     vocab = {ch: i for i, ch in enumerate(alphabet)}
@@ -145,7 +145,7 @@ def tiny_llm_factory():
 
 @pytest.fixture(scope="session")
 def bundled_model_path() -> str:
-    from tokenmill.bundled import default_model_path
+    from tokenmill.files.bundled import default_model_path
 
     return default_model_path()
 
@@ -160,7 +160,7 @@ def real_loaded(bundled_model_path):
 
 @pytest.fixture(scope="session")
 def real_tokenizer(bundled_model_path):
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(bundled_model_path)
 

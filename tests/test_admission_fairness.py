@@ -15,8 +15,8 @@ import pytest
 from test_grammar_safety import wide_schema
 from test_server_support import ThreadServer, make_tiny_app
 
-from tokenmill.grammar_limits import GrammarLimits
-from tokenmill.tenants import hash_key
+from tokenmill.settings.grammar_limits import GrammarLimits
+from tokenmill.gateway.tenants import hash_key
 
 KEYS = {"flood-key": "flood", "quiet-key": "quiet", "crit-key": "crit", "limited-key": "limited"}
 TENANTS = ("tenants:\n"

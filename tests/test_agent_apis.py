@@ -220,7 +220,7 @@ def test_responses_store_false_streaming_and_eviction(app):
 
 
 def test_response_store_is_lru():
-    from tokenmill.entrypoints.response_store import ResponseStore, StoredResponse
+    from tokenmill.entrypoints.openai.response_store import ResponseStore, StoredResponse
 
     store = ResponseStore(2)
     for name in "abc"[:2]:
@@ -251,7 +251,7 @@ def test_a_response_larger_than_the_store_is_not_kept():
 
 
 def _sized(name: str, text_bytes: int):
-    from tokenmill.entrypoints.response_store import StoredResponse
+    from tokenmill.entrypoints.openai.response_store import StoredResponse
 
     return StoredResponse({"id": name}, [{"role": "user", "content": "x" * text_bytes}])
 
@@ -259,7 +259,7 @@ def _sized(name: str, text_bytes: int):
 def test_response_store_is_bounded_in_bytes():
     """Huge conversations are evicted by size, not only by count; one larger than the whole
     bound is not stored (a later previous_response_id to it is a 404)."""
-    from tokenmill.entrypoints.response_store import ResponseStore, entry_bytes
+    from tokenmill.entrypoints.openai.response_store import ResponseStore, entry_bytes
 
     one = entry_bytes(_sized("a", 1000))
     store = ResponseStore(100, max_bytes=3 * one)
@@ -281,7 +281,7 @@ def test_response_store_is_bounded_in_bytes():
                           st.integers(0, 3000)), max_size=60),
        st.integers(0, 5), st.integers(0, 8000))
 def test_response_store_bounds_hold_after_any_operations(ops, capacity, max_bytes):
-    from tokenmill.entrypoints.response_store import ResponseStore, entry_bytes
+    from tokenmill.entrypoints.openai.response_store import ResponseStore, entry_bytes
 
     store = ResponseStore(capacity, max_bytes=max_bytes)
     model: dict[str, int] = {}  # what it should hold: id -> size
@@ -319,7 +319,7 @@ SPLITS = [  # parser, prompt, output, (reasoning, answer)
 
 @pytest.mark.parametrize("name,prompt,output,expected", SPLITS)
 def test_reasoning_split_whole_and_in_any_pieces(name, prompt, output, expected):
-    from tokenmill.entrypoints.reasoning import PARSERS, ReasoningSplit, split_reasoning
+    from tokenmill.entrypoints.parsers.reasoning import PARSERS, ReasoningSplit, split_reasoning
 
     assert split_reasoning(PARSERS[name], output, prompt) == expected
     rng = random.Random(0)
@@ -402,7 +402,7 @@ def test_grammar_waits_for_the_end_of_the_reasoning(tiny_llm_factory):
     """The engine applies a request's grammar only after ``structured_after`` appears in its
     output: here a piece of the model's own greedy text stands in for ``</think>``."""
     from tokenmill import SamplingParams
-    from tokenmill.engine.structured import GrammarSpec
+    from tokenmill.engine.grammar.structured import GrammarSpec
 
     llm = tiny_llm_factory()
     prompt = "user: is it raining?\nassistant: "
@@ -424,8 +424,8 @@ def test_grammar_waits_for_the_end_of_the_reasoning(tiny_llm_factory):
 def test_structured_request_under_a_reasoning_parser_sets_the_end_tag():
     from types import SimpleNamespace
 
-    from tokenmill.engine.structured import GrammarSpec
-    from tokenmill.entrypoints.reasoning import reasoning_for_grammar
+    from tokenmill.engine.grammar.structured import GrammarSpec
+    from tokenmill.entrypoints.parsers.reasoning import reasoning_for_grammar
 
     grammar = SimpleNamespace(structured=GrammarSpec("json_object"))
     plain = SimpleNamespace(structured=None)
@@ -439,8 +439,8 @@ def test_structured_request_under_a_reasoning_parser_sets_the_end_tag():
 
 
 def test_serve_flags_reach_the_settings():
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_config import settings_from_args
 
     args = build_parser().parse_args(["serve", "--reasoning-parser", "qwen3", "--responses-store-size", "7",
                                       "--responses-store-bytes", "2MiB"])
@@ -466,7 +466,7 @@ def test_structured_output_applies_to_the_answer_after_the_reasoning(reasoning_a
     """Through the server: the random model never writes ``</think>``, so its whole output is
     reasoning, unconstrained; with an end tag taken from its own text, the reasoning runs up to
     the tag and the answer after it is one of the choices."""
-    from tokenmill.entrypoints import reasoning
+    from tokenmill.entrypoints.parsers import reasoning
 
     ask = {"messages": [{"role": "user", "content": "rain?"}], "max_tokens": 30, "temperature": 0}
     free = call(reasoning_app, "POST", "/v1/chat/completions", ask).json()["choices"][0]

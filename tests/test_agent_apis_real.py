@@ -24,11 +24,11 @@ ASK = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server():
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serving import ServerSettings
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.server.serving import ServerSettings
 
     engine = LLMEngine(EngineConfig.from_options(kv_cache_memory="256MiB", max_model_len=2048))
     app = build_app(AsyncEngine(engine), ServerSettings(

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 
@@ -67,7 +67,7 @@ def test_int8_layer_on_tiles_equals_vnni(lib, rows: int, n: int, k: int, bits: i
 @pytest.mark.parametrize("dynamic", [False, True], ids=["a16", "a8g32"])
 def test_grouped_int8_layer_on_tiles_equals_vnni(lib, rows: int, n: int, dynamic: bool) -> None:
     from tokenmill.model.ops import ModelOps
-    from tokenmill.model.quant import Int8GroupLinear
+    from tokenmill.model.quant.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, 160, generator=g) * 0.05

@@ -40,7 +40,7 @@ def model(client):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     return Tokenizer.from_model_path(None)
 

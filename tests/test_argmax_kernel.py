@@ -1,4 +1,4 @@
-"""Greedy sampling's C argmax (model/csrc/argmax.c) against torch.argmax.
+"""Greedy sampling's C argmax (model/kernels/csrc/argmax.c) against torch.argmax.
 
 The kernel must give exactly torch's indices, or greedy output would change:
 first index among equal maxima, NaN larger than everything (first NaN wins),
@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.model import cpu_kernels, sampler
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model import sampler
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

@@ -13,14 +13,14 @@ import random
 import pytest
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention, kv_cache_shape,
                                        paged_attention_reference, torch_paged)
 from tokenmill.model.attention.torch_paged import (batched_prefill_attention, batched_prefill_fits, padded_prefill,
                                                    prefill_attention, write_kv)
-from tokenmill.model.llama import RotaryEmbedding, _rotate
-from tokenmill.config import ModelConfig
-from tokenmill.options import KernelOptions
+from tokenmill.model.models.llama import RotaryEmbedding, _rotate
+from tokenmill.settings.config import ModelConfig
+from tokenmill.settings.options import KernelOptions
 
 BS = 4  # small blocks: many block boundaries inside short contexts
 

@@ -17,8 +17,8 @@ import pytest
 
 from fake_backend import free_port
 from test_server_support import make_tiny_app
-from tokenmill.entrypoints.auth import OPEN_ROUTES, route_path
-from tokenmill.entrypoints.console import mount_console
+from tokenmill.entrypoints.server.auth import OPEN_ROUTES, route_path
+from tokenmill.entrypoints.console.console import mount_console
 
 KEY = "matrix-key"
 CREDENTIALS = {"none": {}, "wrong": {"Authorization": "Bearer not-the-key"},

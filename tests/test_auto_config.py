@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import bundled_quality, tiny_loaded, tiny_tokenizer
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine import auto
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 
 
 def test_dtype_auto_follows_native_bf16(monkeypatch) -> None:

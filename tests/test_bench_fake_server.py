@@ -311,7 +311,7 @@ def test_load_tester_never_imports_torch_or_the_engine():
     import subprocess
 
     code = ("import sys, tokenmill.bench.cli, tokenmill.bench.runner, tokenmill.bench.plot, "
-            "tokenmill.bench.trace_analysis, tokenmill.capture; "
+            "tokenmill.bench.traces.trace_analysis, tokenmill.traffic.capture; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('tokenmill.engine')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

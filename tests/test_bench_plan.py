@@ -29,7 +29,7 @@ def test_plan_finds_the_rate_a_one_slot_server_holds(tmp_path, capsys) -> None:
     """One request at a time, 20 tokens in 0.115 s: about 8.7 req/s at most, which the closed-loop
     run measures and the search starts from; a TTFT SLO of 0.3 s holds somewhat below that
     (queueing grows near saturation) and fails well above; the chosen rate is then held longer."""
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     out, plot = tmp_path / "plan.json", tmp_path / "plan.png"
     with FakeServer(FakeConfig(ttft=0.02, itl=0.005, slots=1)) as srv:
@@ -110,7 +110,7 @@ def _plan_tiny(tmp_path, engine_options: dict, args: list[str]) -> dict:
     """`tokenmill plan` against a real server over the tiny model; the candidate's report."""
     from test_server_support import ThreadServer, make_tiny_app
 
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     out = tmp_path / "plan.json"
     app = make_tiny_app(engine_options)

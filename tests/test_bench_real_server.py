@@ -20,9 +20,9 @@ from tokenmill.bench.lengths import parse_length
 from tokenmill.bench.loadgen import LoadShape
 from tokenmill.bench.runner import BenchConfig, BenchResult, run_bench
 from tokenmill.bench.tokens import make_counter
-from tokenmill.bench.trace_analysis import analyze
+from tokenmill.bench.traces.trace_analysis import analyze
 from tokenmill.bench.workloads import SyntheticConfig
-from tokenmill.capture import read_capture
+from tokenmill.traffic.capture import read_capture
 
 pytestmark = pytest.mark.slow
 

@@ -14,13 +14,13 @@ from fake_openai_server import FakeConfig, FakeServer  # noqa: E402
 
 from tokenmill.bench.client import Target  # noqa: E402
 from tokenmill.bench.loadgen import LoadShape  # noqa: E402
-from tokenmill.bench.mooncake import is_mooncake, read_mooncake, to_mooncake  # noqa: E402
+from tokenmill.bench.traces.mooncake import is_mooncake, read_mooncake, to_mooncake  # noqa: E402
 from tokenmill.bench.runner import BenchConfig, BenchResult, run_bench  # noqa: E402
-from tokenmill.bench.sessions import chains  # noqa: E402
+from tokenmill.bench.traces.sessions import chains  # noqa: E402
 from tokenmill.bench.tokens import TextBuilder, TokenCounter  # noqa: E402
 from tokenmill.bench.types import RequestSpec  # noqa: E402
 from tokenmill.bench.workloads import load_trace  # noqa: E402
-from tokenmill.capture import TrafficCapture, read_capture  # noqa: E402
+from tokenmill.traffic.capture import TrafficCapture, read_capture  # noqa: E402
 
 
 class WordCounter(TokenCounter):
@@ -155,7 +155,7 @@ def test_mooncake_round_trip_keeps_the_prefix_structure(real_tokenizer, tmp_path
 
 
 def test_export_cli_and_sessions(tmp_path, capsys) -> None:
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     path = tmp_path / "cap.jsonl"
     with TrafficCapture(path, hash_key=b"") as cap:

@@ -10,10 +10,10 @@ import pytest
 from fake_openai_server import FakeConfig, FakeServer
 from tokenmill.bench.cli import register
 from tokenmill.bench.success import columns, parse_variant_costs
-from tokenmill.router.canary import CanaryConfig
+from tokenmill.router.canary.canary import CanaryConfig
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
-from tokenmill.router.variants import parse_variant
+from tokenmill.router.canary.variants import parse_variant
 
 
 def cli(*argv: str) -> int:

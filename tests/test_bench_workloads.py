@@ -21,7 +21,7 @@ from tokenmill.bench.tokens import (LocalTokenizer, TextBuilder, TokenCounter,  
                                     corpus_words)
 from tokenmill.bench.workloads import (SyntheticConfig, load_dataset, make_salt,  # noqa: E402
                                        synthetic)
-from tokenmill.capture import TrafficCapture  # noqa: E402
+from tokenmill.traffic.capture import TrafficCapture  # noqa: E402
 
 
 class WordCounter(TokenCounter):

@@ -1,4 +1,4 @@
-"""A GGUF token table kept in its blocks (model/block_embedding.py): each lookup widens
+"""A GGUF token table kept in its blocks (model/quant/block_embedding.py): each lookup widens
 just its rows, to the same values the loader's dense table holds, bit for bit; a ``gguf``
 engine on an untied file keeps its table and head as the file's blocks (no dense copy made)
 and generates what it generates with the dense table; and one on a tied file keeps its one
@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_VOCAB, tiny_config, tiny_tokenizer, tiny_weights
 from gguf_files import random_kquant_blocks, write_gguf
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.block_embedding import BlockEmbedding
+from tokenmill.model.quant.block_embedding import BlockEmbedding
 from tokenmill.model.loader import dequantize, load_model
 
 gguf = pytest.importorskip("gguf")
@@ -72,7 +72,7 @@ def test_gguf_engine_keeps_a_tied_table_once(tmp_path, table_type: str) -> None:
     """A tied table in blocks (Llama 3.2's Q4_K_M files store it in Q6_K, with no output
     tensor): the head is built from the blocks and the lookups read the head's rows, so no
     vocab-sized dense weight is ever made."""
-    from tokenmill.model.quant import QuantizedEmbedding
+    from tokenmill.model.quant.quant import QuantizedEmbedding
 
     cfg = tiny_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                       tie_word_embeddings=True)

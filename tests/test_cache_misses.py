@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from tokenmill.cache_misses import MissClassifier, compare_with_previous
-from tokenmill.router.prefix_index import block_hashes
+from tokenmill.traffic.cache_misses import MissClassifier, compare_with_previous
+from tokenmill.router.cache.prefix_index import block_hashes
 
 BLOCK = 16
 TOOLS = [{"name": f"tool_{n}", "description": f"Looks up the {n} of an order and returns it as text.",

@@ -12,17 +12,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.config import SchedulerConfig
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.prefix_cache import PrefixCache
+from tokenmill.settings.config import SchedulerConfig
+from tokenmill.engine.kv.block_pool import BlockPool
+from tokenmill.engine.kv.prefix_cache import PrefixCache
 from tokenmill.engine.request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sched.scheduler import Scheduler
 
 BLOCK = 4
 
 
 class Sim:
-    """``policy`` and ``bound``: the scheduler's queue order (engine/fairness.py)."""
+    """``policy`` and ``bound``: the scheduler's queue order (engine/sched/fairness.py)."""
 
     def __init__(self, num_blocks: int, caching: bool, budget: int, max_seqs: int, policy: str = "fcfs",
                  bound: float = 30.0, window: int | None = None) -> None:

@@ -6,7 +6,7 @@ import json
 import threading
 from pathlib import Path
 
-from tokenmill.capture import BLOCK_SIZE, TrafficCapture, block_hashes, read_capture
+from tokenmill.traffic.capture import BLOCK_SIZE, TrafficCapture, block_hashes, read_capture
 
 
 def test_block_hashes_are_chained_and_skip_the_partial_block():
@@ -100,7 +100,7 @@ def test_hashes_are_keyed_by_a_key_kept_beside_the_file(tmp_path):
     import os
     import stat
 
-    from tokenmill.capture import key_path
+    from tokenmill.traffic.capture import key_path
 
     ids = list(range(48))
     first = TrafficCapture(tmp_path / "a.jsonl").make_record(0, ids, 0, 1, {}, None, None)
@@ -133,7 +133,7 @@ def test_stop_strings_are_stored_only_with_capture_text(tmp_path):
 
 
 def test_a_torn_last_line_is_reported_and_the_next_record_is_not_lost(tmp_path, capsys):
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     path = tmp_path / "torn.jsonl"
     with TrafficCapture(path) as cap:

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tokenmill.entrypoints import cli
+from tokenmill.entrypoints.cli.main import main as cli
 
 EXPECTED = {"serve", "generate", "bench", "trace", "usage", "plan", "route", "eval"}
 
@@ -36,6 +36,6 @@ def test_a_provider_that_cannot_be_imported_fails_loudly(monkeypatch):
 
 
 def test_a_provider_that_forgets_its_subcommand_fails_loudly(monkeypatch):
-    monkeypatch.setattr(cli, "PROVIDERS", (("tokenmill.entrypoints.generate_cli", ("generate", "serve")),))
+    monkeypatch.setattr(cli, "PROVIDERS", (("tokenmill.entrypoints.cli.generate_cli", ("generate", "serve")),))
     with pytest.raises(RuntimeError, match="did not add the subcommand.*serve"):
         cli.build_parser()

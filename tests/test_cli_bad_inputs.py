@@ -19,7 +19,7 @@ GOOD = {"v": 1, "arrival_time": 100.0, "prompt_tokens": 40, "output_tokens": 8, 
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", *args], capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import save_tiny_hf_folder
-from tokenmill.engine.speculative import SpeculativeConfig
+from tokenmill.engine.spec.speculative import SpeculativeConfig
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -45,7 +45,7 @@ def test_good_speculative_configs_pass():
 
 
 def _serve(*flags: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", "1", *flags]
+    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--port", "1", *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -85,7 +85,7 @@ def test_the_cli_refuses_a_draft_that_is_not_a_model_before_loading(tmp_path, sp
 
 
 def test_the_offline_engine_refuses_a_bad_speculative_config_before_loading():
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.engine import LLMEngine
 
     config = EngineConfig.from_options(speculative_config='{"method": "ngram", "num_speculative_tokens": 4.5}',
@@ -95,8 +95,8 @@ def test_the_offline_engine_refuses_a_bad_speculative_config_before_loading():
 
 
 def test_a_draft_with_the_targets_vocabulary_passes_the_header_check():
-    from tokenmill.bundled import default_model_path
-    from tokenmill.entrypoints.serve_cli import _draft_model_problems
+    from tokenmill.files.bundled import default_model_path
+    from tokenmill.entrypoints.cli.serve_cli import _draft_model_problems
     from tokenmill.model.loader import check_model_path
 
     bundled = default_model_path()

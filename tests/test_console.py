@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from conftest import tiny_loaded, tiny_tokenizer
 from test_server_support import ThreadServer, make_tiny_app, metric
-from tokenmill.entrypoints.console import STATIC_DIR, EngineWindow, mount_console, percentile
+from tokenmill.entrypoints.console.console import STATIC_DIR, EngineWindow, mount_console, percentile
 
 
 # ---- the rolling window, with a fake clock and a fake engine ---------------------------------
@@ -264,7 +264,8 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
     import argparse
 
     import tokenmill.engine.engine as engine_mod
-    from tokenmill.entrypoints import lifecycle, serve_cli
+    from tokenmill.entrypoints.server.server import lifecycle
+    from tokenmill.entrypoints.cli.main import serve_cli
 
     real_engine = engine_mod.LLMEngine
     monkeypatch.setattr(engine_mod, "LLMEngine",

@@ -11,8 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from test_server_support import make_tiny_app
-from tokenmill.entrypoints.console import mount_console
-from tokenmill.entrypoints.console_auth import ConsoleSessions, LoginThrottle, bearer_token, cookie_name, same_origin
+from tokenmill.entrypoints.console.console import mount_console
+from tokenmill.entrypoints.console.console_auth import ConsoleSessions, LoginThrottle, bearer_token, cookie_name, same_origin
 
 KEY = "s3cret-console-key"
 ORIGIN = "http://testserver"  # TestClient's own origin
@@ -317,7 +317,7 @@ def _throttled_after_spoofed_addresses(app: Any, trusted: str | None) -> list[in
     import uvicorn
 
     from fake_backend import free_port
-    from tokenmill.entrypoints.lifecycle import _uvicorn_config
+    from tokenmill.entrypoints.server.lifecycle import _uvicorn_config
 
     args = argparse.Namespace(host="127.0.0.1", port=free_port(), uvicorn_log_level="warning", root_path="",
                               ssl_keyfile=None, ssl_certfile=None, forwarded_allow_ips=trusted)

@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (model/csrc/paged_attention.c) on its own.
+"""The C decode-attention kernel (model/kernels/csrc/paged_attention.c) on its own.
 
 Random pools with scattered block tables, GQA, lengths on and off block
 boundaries (and 1), several block sizes and head sizes, float32 and bfloat16,
@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import (StepLayout, TorchPagedAttention, kernel_attention_fits, kv_cache_shape,
                                       paged_attention_reference, select_attention_backend)
-from tokenmill.options import KernelOptions
+from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

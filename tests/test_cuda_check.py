@@ -151,7 +151,7 @@ def test_synthetic_folder_loads_back_as_the_same_model_and_tokenizer(tmp_path) -
     own loaders into exactly the in-memory synthetic model."""
     import cuda_check_support as support
     from tokenmill.model.loader import load_model
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     support.write_synthetic_folder(str(tmp_path), seed=3, num_layers=1)
     want = support.synthetic_loaded(seed=3, num_layers=1)

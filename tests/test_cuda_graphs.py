@@ -1,4 +1,4 @@
-"""Decode steps through captured graphs (engine/cuda_graphs.py) against the eager path.
+"""Decode steps through captured graphs (engine/step/cuda_graphs.py) against the eager path.
 
 There is no GPU here: the runner gets ``EmulatedGraphBackend``, which records a
 step by running it once and replays it by running it again on the same static
@@ -16,9 +16,9 @@ import torch
 
 from conftest import tiny_loaded, tiny_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
-from tokenmill.engine import cuda_graphs
-from tokenmill.engine.cuda_graphs import CaptureViolation, EmulatedGraphBackend
+from tokenmill.settings.config import EngineConfig
+from tokenmill.engine.step import cuda_graphs
+from tokenmill.engine.step.cuda_graphs import CaptureViolation, EmulatedGraphBackend
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request
 
@@ -258,7 +258,7 @@ def test_no_graphs_on_cpu_by_default_nor_with_the_c_decode_kernel(monkeypatch) -
     assert cuda_graphs.default_backend(torch.device("cpu")) is None
     engine = LLMEngine(EngineConfig.from_options(num_blocks=32), loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
     assert engine.runner.graphs is None
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
     monkeypatch.setenv("TOKENMILL_CPU_KERNELS", "1")
     if cpu_kernels.available():  # the C kernel backend is a ctypes call: not recordable
         _with_backend(monkeypatch)

@@ -80,7 +80,7 @@ def _text(path: Path) -> str:
 
 
 def test_server_image_builds_the_c_kernels_with_cpu_torch():
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
 
     stages = _stages(DEPLOY / "Dockerfile")
     build = " ".join(f"{w} {r}" for w, r in stages[0][1])
@@ -207,7 +207,7 @@ def test_grafana_dashboard_queries_what_the_server_exports():
 def test_the_lora_overlay_serves_adapters_the_server_accepts():
     """The adapters overlay: its server arguments parse with tokenmill's own command line (LoRA on,
     each adapter's path under the adapters volume), and every mount names a volume it defines."""
-    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.cli.main import build_parser
 
     overlay = DEPLOY / "lora"
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The eager model's one-pass C ops (model/csrc/elementwise.c) and the fused residual add.
+"""The eager model's one-pass C ops (model/kernels/csrc/elementwise.c) and the fused residual add.
 
 Rotary must be bit-identical to the torch formula it replaces, in float32 and
 bf16; RMSNorm and SiLU(gate) * up are checked against float64 (bf16: within
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import kv_cache_shape
 from tokenmill.model.attention.torch_paged import write_kv
 from tokenmill.model.ops import TORCH_OPS, ModelOps
-from tokenmill.model.llama import MLP, Linear, RMSNorm, _rotate, linear_add
+from tokenmill.model.models.llama import MLP, Linear, RMSNorm, _rotate, linear_add
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

@@ -257,7 +257,7 @@ def test_w8a8_tokens_do_not_depend_on_what_shares_the_steps():
     fused and eager steps) give the same greedy tokens and log-probabilities as each prompt
     alone. Without VNNI
     the activation rounding differs between batch sizes and paths."""
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
 
     lib = cpu_kernels.load()
     if lib is None or not lib.int8_dot:

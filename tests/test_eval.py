@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_loaded, tiny_tokenizer
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import SamplingParams
 from tokenmill.evaluate.evalset import EvalItem, ItemResult, check_answer, load_eval_set, normalize

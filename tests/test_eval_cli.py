@@ -7,7 +7,7 @@ import math
 import pytest
 
 from conftest import save_tiny_hf_folder
-from tokenmill.entrypoints.cli import main
+from tokenmill.entrypoints.cli.main import main
 
 EVAL_SET = [
     {"id": "gen-contains", "prompt": "The keeper lit the", "answer": "lamp", "match": "contains", "max_tokens": 6},

@@ -15,8 +15,8 @@ import pytest
 
 from fake_eval_server import EvalServer, Script
 from test_eval_cli import EVAL_SET, TEXT, data_files, tiny_folder  # noqa: F401  (fixtures)
-from tokenmill.entrypoints.cli import main
-from tokenmill.model import cpu_kernels
+from tokenmill.entrypoints.cli.main import main
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.evaluate.evalset import EvalItem, check_json, check_tool_call, load_eval_set
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -37,7 +37,7 @@ def _engine(folder: str, quantization: str):
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.evaluate.harness import CandidateSpec, EvalOptions, engine_config
     from tokenmill.model.loader import load_model
-    from tokenmill.tokenizer import Tokenizer
+    from tokenmill.files.tokenizer import Tokenizer
 
     opts = EvalOptions(model=folder, window=64, stride=32, speed=False)
     return LLMEngine(engine_config(CandidateSpec.parse(quantization), opts), loaded=load_model(folder),

@@ -8,7 +8,7 @@ import pytest
 
 from fake_eval_server import EvalServer, Script
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture)
-from tokenmill.entrypoints.cli import main
+from tokenmill.entrypoints.cli.main import main
 from tokenmill.evaluate.cli import sample_path
 from tokenmill.evaluate.evalset import EvalItem, ItemResult, judge_safety, load_eval_set
 from tokenmill.evaluate.harness import CandidateResult, compare

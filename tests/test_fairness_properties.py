@@ -1,4 +1,4 @@
-"""Property tests of the priority and fair-share queue order (engine/fairness.py).
+"""Property tests of the priority and fair-share queue order (engine/sched/fairness.py).
 
 The simulated engine of test_cache_properties.py drives the real scheduler,
 with a clock of one second per step, random tenants, priority classes,
@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from test_cache_properties import Sim
 
-from tokenmill.config import SchedulerConfig
-from tokenmill.engine.fairness import QueueOrder, make_queue_order
+from tokenmill.settings.config import SchedulerConfig
+from tokenmill.engine.sched.fairness import QueueOrder, make_queue_order
 from tokenmill.engine.request import Placement, Request, RequestStatus, SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The fused native decode step (engine/fused_decode.py, csrc/decode_step.c)
+"""The fused native decode step (engine/step/fused_decode.py, csrc/decode_step.c)
 against the eager torch model, for every weight kind it takes.
 
 Quantized models are checked against a float32 dense model holding the
@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from conftest import tiny_loaded, tiny_tokenizer
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine import fused_decode
-from tokenmill.engine.executors import FusedDecodeExecutor
-from tokenmill.engine.step_batch import StepBatch
-from tokenmill.model import cpu_kernels, quant
-from tokenmill.options import KernelOptions
+from tokenmill.engine.step import fused_decode
+from tokenmill.engine.step.executors import FusedDecodeExecutor
+from tokenmill.engine.step.step_batch import StepBatch
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.quant.quant import quant
+from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")
 

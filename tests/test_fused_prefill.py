@@ -13,11 +13,11 @@ import torch
 
 from conftest import tiny_loaded
 from test_fused_decode import _engine, _prompts, _rel, _requests
-from tokenmill.engine.executors import FusedPrefillExecutor, fused_step_inputs
-from tokenmill.engine.step_batch import StepBatch
+from tokenmill.engine.step.executors import FusedPrefillExecutor, fused_step_inputs
+from tokenmill.engine.step.step_batch import StepBatch
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.model import cpu_kernels
-from tokenmill.options import KernelOptions
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")
 

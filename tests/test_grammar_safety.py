@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from test_server_support import ThreadServer, make_tiny_app
-from tokenmill.grammar_limits import GrammarLimits, lark_shape, schema_shape
-from tokenmill.engine.structured import GrammarError, GrammarSpec
+from tokenmill.settings.grammar_limits import GrammarLimits, lark_shape, schema_shape
+from tokenmill.engine.grammar.structured import GrammarError, GrammarSpec
 
 SMALL_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content or '' }}{{ '\\n' }}{% endfor %}"
                   "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -209,7 +209,7 @@ def test_plain_streams_are_not_slowed_by_grammar_bombs(server):
                     path, _, body = bodies[(3 * k + i) % len(bodies)]
                     statuses.append(client.post(path, json=body).status_code)
 
-    import tokenmill.engine.structured as module
+    import tokenmill.engine.grammar.structured as module
 
     checks = module.check_text
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill.engine.host_memory import HUGE_PAGE, kv_pool_tensors, zeros_on_huge_pages
+from tokenmill.engine.kv.host_memory import HUGE_PAGE, kv_pool_tensors, zeros_on_huge_pages
 
 SHAPE = (3, 40, 16, 64)  # kv heads, blocks, block size, head dim: 480 KB a tensor
 

@@ -24,10 +24,11 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "tokenmill"
-# The package root's base modules: what every part may build on; they build on nothing above them.
-BASE = {"config", "options", "tokenizer", "capture", "corpus", "cli_args", "gguf_file", "bundled", "credentials",
-        "unsupported", "kv_events", "cache_misses", "request_guard", "grammar_limits", "tenants", "tenant_gate",
-        "priority_classes", "tracing"}
+# The package root holds only its faces; everything else lives in a folder named for its kind.
+FACES = {"__init__", "demo", "__main__"}
+# The shared floor, lowest first: each folder builds only on those before it (and nothing above).
+FLOOR = ["settings", "files", "gateway", "traffic"]
+WINGS = ["model", "engine", "entrypoints", "bench", "router", "evaluate"]
 
 
 @dataclass(frozen=True)
@@ -101,18 +102,32 @@ IMPORTS = [imp for module, (path, is_package) in sorted(MODULES.items())
 
 
 def _part(module: str) -> str:
-    """``model``, ``engine``, ... for modules in a sub-package; ``base`` for the root's base modules."""
+    """The folder a module lives in, as a path below the package (``engine/kv``, ``settings``);
+    ``root`` for the package's faces; a top-level name outside the package (``torch``)."""
     parts = module.split(".")
     if parts[0] != PACKAGE:
-        return parts[0]  # outside the package (torch, the standard library, ...)
-    if len(parts) == 1:
-        return "root"
-    if parts[1] in BASE:
-        return "base"
-    return parts[1] if (SRC / PACKAGE / parts[1]).is_dir() else f"root:{parts[1]}"
+        return parts[0]
+    path, is_package = MODULES[module]
+    folder = path.parent.relative_to(SRC / PACKAGE)
+    return "root" if str(folder) == "." else folder.as_posix()
 
 
-# importer part -> parts it must never import (with the reason the rule holds)
+def _wing(part: str) -> str:
+    """The top folder of a part (``engine`` for ``engine/kv``)."""
+    return part.split("/")[0]
+
+
+def _floor_rules() -> dict[str, dict[str, str]]:
+    above = WINGS + ["root"]
+    rules = {}
+    for i, name in enumerate(FLOOR):
+        later = FLOOR[i + 1:]
+        rules[name] = {p: "the shared floor builds on nothing above it" for p in above}
+        rules[name] |= {p: f"{name} builds only on {', '.join(FLOOR[:i]) or 'nothing of the package'}" for p in later}
+    return rules
+
+
+# importer (a folder, or a wing for all its folders) -> folders or wings it must never import, and why
 NEVER: dict[str, dict[str, str]] = {
     "model": {"engine": "the model knows no scheduler"},
     "engine": {"entrypoints": "the engine speaks no HTTP"},
@@ -121,15 +136,41 @@ NEVER: dict[str, dict[str, str]] = {
     "router": {"engine": "the router talks HTTP only", "model": "the router talks HTTP only",
                "torch": "the router installs without torch", "entrypoints": "the router is not a server of models"},
     "evaluate": {"model": "evaluation scores through the engine"},
-    "base": {part: "base modules build on nothing above them"
-             for part in ("model", "engine", "entrypoints", "bench", "router", "evaluate", "root")},
+    "engine/kv": {"engine": "the KV cache's bookkeeping knows no engine above it",
+                  "engine/step": "the KV cache's bookkeeping runs no model",
+                  "engine/sched": "the KV cache's bookkeeping knows no scheduler",
+                  "engine/spec": "the KV cache's bookkeeping knows no speculation"},
+    "engine/grammar": {p: "grammars know nothing of the engine" for p in
+                       ("engine", "engine/step", "engine/sched", "engine/kv", "engine/spec")},
+    "engine/sched": {"engine/step": "the scheduler runs no model", "engine/spec": "speculation proposes before scheduling"},
+    "engine/step": {"engine/sched": "a step runs what it is given"},
+    "model/kernels": {p: "kernels know no model" for p in ("model", "model/models", "model/quant", "model/lora",
+                                                         "model/attention")},
+    "entrypoints/parsers": {p: "parsers read model text, whatever API carries it" for p in
+                            ("entrypoints/openai", "entrypoints/anthropic", "entrypoints/console", "entrypoints/cli")},
+    **_floor_rules(),
 }
+
+
+def _rule(importer: str, target: str) -> str | None:
+    """The reason ``importer``'s folder must not import ``target``'s, if any: rules named for the
+    folder itself come before its wing's, and a rule against another wing covers all its folders
+    (inside a wing a rule names the folder: ``engine`` there is the wing's own top modules)."""
+    if importer == target:
+        return None
+    for who in (importer, _wing(importer)):
+        rules = NEVER.get(who, {})
+        if target in rules:
+            return rules[target]
+        if _wing(target) != _wing(importer) and _wing(target) in rules:
+            return rules[_wing(target)]
+    return None
 
 
 def _violations() -> list[str]:
     out = []
     for imp in IMPORTS:
-        reason = NEVER.get(_part(imp.importer), {}).get(_part(imp.target))
+        reason = _rule(_part(imp.importer), _part(imp.target))
         if reason is not None:
             kind = "type-checking " if imp.type_checking else "function-local " if imp.function_local else ""
             out.append(f"{imp.importer}:{imp.line} {kind}imports {imp.target} ({reason})")
@@ -176,10 +217,41 @@ def _circles() -> list[list[str]]:
 
 
 def test_the_reader_sees_the_package() -> None:
-    assert "tokenmill.engine.engine" in MODULES and "tokenmill.model.llama" in MODULES
+    assert "tokenmill.engine.engine" in MODULES and "tokenmill.model.models.llama" in MODULES
     engine_imports = {imp.target for imp in IMPORTS if imp.importer == "tokenmill.engine.engine"}
-    assert "tokenmill.engine.step_batch" in engine_imports and "torch" in engine_imports
-    assert _part("tokenmill.config") == "base" and _part("tokenmill.engine.runner") == "engine"
+    assert "tokenmill.engine.step.step_batch" in engine_imports and "torch" in engine_imports
+    assert _part("tokenmill.settings.config") == "settings" and _part("tokenmill.engine.step.runner") == "engine/step"
+    assert _part("tokenmill") == "root" and _part("tokenmill.engine") == "engine"
+
+
+def _loose() -> list[str]:
+    """Modules at the package root that are not its faces."""
+    return sorted(m for m, (path, _) in MODULES.items()
+                  if path.parent == SRC / PACKAGE and path.stem not in FACES)
+
+
+def _crowded(limit: int = 16) -> list[str]:
+    """Folders holding more than ``limit`` modules (their ``__init__`` aside)."""
+    count: dict[str, int] = {}
+    for path, is_package in MODULES.values():
+        if not is_package:
+            folder = path.parent.relative_to(SRC / PACKAGE).as_posix()
+            count[folder] = count.get(folder, 0) + 1
+    return sorted(f"{f} ({n})" for f, n in count.items() if n > limit)
+
+
+def test_the_root_holds_only_faces() -> None:
+    assert _loose() == []
+
+
+def test_no_folder_is_crowded() -> None:
+    assert _crowded() == []
+
+
+def test_every_folder_has_a_place_in_the_rules() -> None:
+    """A new top folder is a floor folder or a wing: the rules cannot miss it."""
+    tops = {p.name for p in (SRC / PACKAGE).iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert tops == set(FLOOR) | set(WINGS)
 
 
 def test_no_layer_imports_what_it_must_not() -> None:
@@ -191,12 +263,21 @@ def test_no_import_circles() -> None:
 
 
 def test_the_checks_catch_a_break() -> None:
-    """The rules and the circle search fail on a planted break (they are not vacuous)."""
+    """The rules, the root check and the circle search fail on a planted break (they are not vacuous)."""
     kept = list(IMPORTS)
     try:
-        IMPORTS.append(Import("tokenmill.model.llama", "tokenmill.engine.runner", True, False, 1))
-        assert "tokenmill.model.llama:1 function-local imports tokenmill.engine.runner (the model knows no " \
-               "scheduler)" in _violations()
-        assert any({"tokenmill.engine.runner", "tokenmill.model.llama"} <= set(c) for c in _circles())
+        IMPORTS.append(Import("tokenmill.model.models.llama", "tokenmill.engine.step.runner", True, False, 1))
+        assert "tokenmill.model.models.llama:1 function-local imports tokenmill.engine.step.runner (the model " \
+               "knows no scheduler)" in _violations()
+        assert any({"tokenmill.engine.step.runner", "tokenmill.model.models.llama"} <= set(c) for c in _circles())
+        IMPORTS.append(Import("tokenmill.settings.config", "tokenmill.gateway.tenants", False, False, 2))
+        assert any("settings.config:2" in v and "builds only on" in v for v in _violations())
+        IMPORTS.append(Import("tokenmill.engine.kv.block_pool", "tokenmill.engine.sched.scheduler", False, True, 3))
+        assert any("block_pool:3 type-checking" in v for v in _violations())
     finally:
         IMPORTS[:] = kept
+    MODULES["tokenmill.stray"] = (SRC / PACKAGE / "stray.py", False)
+    try:
+        assert _loose() == ["tokenmill.stray"]
+    finally:
+        del MODULES["tokenmill.stray"]

@@ -15,13 +15,13 @@ import pytest
 from conftest import save_tiny_hf_folder, wait_until
 from fake_backend import free_port, start_fakes
 from test_server_support import metric, real_servers
-from tokenmill.tenants import hash_key
+from tokenmill.gateway.tenants import hash_key
 
 DEEP = '{"tenants": {"chat": {}}, "keys": ' + "[" * 100000 + "]" * 100000 + "}"
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tokenmill.entrypoints.cli", *args]
+    return [sys.executable, "-m", "tokenmill.entrypoints.cli.main", *args]
 
 
 def good_keys(tmp_path) -> str:

@@ -14,8 +14,9 @@ import torch
 from conftest import TINY_VOCAB, tiny_config, tiny_tokenizer, tiny_weights
 from gguf_files import random_kquant_blocks, write_gguf
 from tokenmill import LLM, SamplingParams
-from tokenmill.model import cpu_kernels, kquant
-from tokenmill.model.kquant import KQuantLinear
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.quant.quant import kquant
+from tokenmill.model.quant.kquant import KQuantLinear
 from tokenmill.model.loader import load_model
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -41,7 +42,7 @@ def test_kquant_as_int4_groups_gives_the_blocks_weights(type_name):
     offset per 32 weights, and the blocks' own factors; Q5_K's codes five-bit) give the blocks'
     weights: the scale d sc and offset -dmin m are exact in float32, and the int4 form's zero
     (8 s + o) rounds at most once, in float32."""
-    from tokenmill.model.quant import int4_from_gguf
+    from tokenmill.model.quant.quant import int4_from_gguf
 
     rng = np.random.default_rng(3)
     blocks = random_kquant_blocks(type_name, 16, 512, rng)
@@ -74,7 +75,7 @@ def test_kquant_factors_in_the_nibble_kernel_match_float32_scales(lib, rows, typ
     import dataclasses
 
     from tokenmill.model.ops import ModelOps
-    from tokenmill.model.quant import Int4Linear, int4_from_gguf
+    from tokenmill.model.quant.quant import Int4Linear, int4_from_gguf
 
     if not lib.q4_int8_dot:
         pytest.skip("this build has no nibble kernel (the layer runs dequantized tiles)")
@@ -217,7 +218,7 @@ def test_kquant_rows_read_the_dequantized_weights(lib, type_name):
     blocks = random_kquant_blocks(type_name, rows, k, rng)
     want = torch.from_numpy(kquant.dequantize(type_name, blocks, (rows, k)))
     ids = torch.tensor([0, rows - 1, 5, 5, lib.vector_width])
-    from tokenmill.model.quant import _kscales_int4_layer
+    from tokenmill.model.quant.quant import _kscales_int4_layer
 
     for int4_layer in (None, _kscales_int4_layer):
         layer = KQuantLinear([(type_name, blocks, (rows, k))], int4_layer=int4_layer)
@@ -375,8 +376,8 @@ def test_fused_step_takes_kquant_projections(tmp_path, qtypes, parts):
     types (Q4_K_M's, Q5_K_M's) as two, the second's outputs after the first's (``qkv_tail``).
     Q4_K and Q5_K projections, and such a part of a two-type one, become int4 layers where the
     build has the nibble kernel (Q5_K's five-bit)."""
-    from tokenmill.model.quant import Int4Linear
-    from tokenmill.options import KernelOptions
+    from tokenmill.model.quant.quant import Int4Linear
+    from tokenmill.settings.options import KernelOptions
 
     lib = cpu_kernels.load()
     if lib is None:

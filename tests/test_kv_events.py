@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_cache_properties import BLOCK, Sim, prefixes, request_st
-from tokenmill.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, chain_hash, decode_batch,
+from tokenmill.traffic.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, chain_hash, decode_batch,
                                  encode_batch, without_token_ids)
-from tokenmill.router.kv_index import EventIndex, EventSubscriber, RoutingIndex
-from tokenmill.router.prefix_index import PrefixIndex, block_hashes
+from tokenmill.router.cache.kv_index import EventIndex, EventSubscriber, RoutingIndex
+from tokenmill.router.cache.prefix_index import PrefixIndex, block_hashes
 
 
 def _cached_paths(cache) -> set[bytes]:
@@ -184,7 +184,7 @@ def _free_port() -> int:
 
 
 def test_zmq_publisher_to_subscriber_with_replay_of_missed_batches():
-    from tokenmill.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+    from tokenmill.engine.kv.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
 
     pub_ep, replay_ep = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
     publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=pub_ep,
@@ -214,7 +214,7 @@ def test_zmq_publisher_to_subscriber_with_replay_of_missed_batches():
 
 
 def test_kv_events_config_is_vllms_and_refuses_unknown_keys():
-    from tokenmill.engine.kv_event_publisher import KVEventsConfig
+    from tokenmill.engine.kv.kv_event_publisher import KVEventsConfig
 
     assert KVEventsConfig.parse(None) is None
     assert KVEventsConfig.parse('{"enable_kv_cache_events": false}') is None

@@ -14,8 +14,8 @@ import msgpack
 import pytest
 
 from fake_backend import free_port
-from tokenmill.engine.kv_event_publisher import KVEventsConfig, ZmqEventPublisher, is_wildcard_host
-from tokenmill.kv_events import BlockStored, EventBatch, chain_hash
+from tokenmill.engine.kv.kv_event_publisher import KVEventsConfig, ZmqEventPublisher, is_wildcard_host
+from tokenmill.traffic.kv_events import BlockStored, EventBatch, chain_hash
 
 BLOCK = 16
 PROMPT = list(range(500, 500 + 2 * BLOCK))
@@ -103,7 +103,7 @@ def test_values_must_have_their_json_type(field, value, what):
 
 def _serve(config: dict) -> subprocess.CompletedProcess:
     """``tokenmill serve`` with this events config: each one here is refused before a model loads."""
-    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--port", str(free_port()),
+    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--port", str(free_port()),
                            "--kv-events-config", json.dumps(config)], capture_output=True, text=True, timeout=120)
 
 
@@ -139,7 +139,7 @@ def curve_files(tmp_path):
 def _sub(endpoint: str, keys=None):
     import zmq
 
-    from tokenmill.kv_events import curve_client
+    from tokenmill.traffic.kv_events import curve_client
 
     sock = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -151,9 +151,9 @@ def _sub(endpoint: str, keys=None):
 
 
 def test_with_curve_keys_only_admitted_subscribers_read_the_stream(curve_files):
-    from tokenmill.kv_events import CurveKeys, load_curve_pair, load_curve_public
-    from tokenmill.router.kv_index import EventIndex, EventSubscriber, RoutingIndex
-    from tokenmill.router.prefix_index import PrefixIndex, block_hashes
+    from tokenmill.traffic.kv_events import CurveKeys, load_curve_pair, load_curve_public
+    from tokenmill.router.cache.kv_index import EventIndex, EventSubscriber, RoutingIndex
+    from tokenmill.router.cache.prefix_index import PrefixIndex, block_hashes
 
     endpoint, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     config = KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,

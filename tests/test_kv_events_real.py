@@ -14,7 +14,7 @@ from conftest import wait_until
 from fake_backend import free_port
 from test_server_support import real_servers
 from tokenmill.router.config import RouterConfig
-from tokenmill.router.kv_index import RoutingIndex
+from tokenmill.router.cache.kv_index import RoutingIndex
 from tokenmill.router.server import RouterServer
 
 pytestmark = pytest.mark.slow

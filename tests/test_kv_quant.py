@@ -1,4 +1,4 @@
-"""The quantized KV cache (model/kv_quant.py and the C kernels' int8 / fp8 paths).
+"""The quantized KV cache (model/quant/kv_quant.py and the C kernels' int8 / fp8 paths).
 
 Stores: the C store gives the same codes and scales as the torch one, bit for bit,
 for any sequence of writes (hypothesis); every row dequantizes within the stated
@@ -19,7 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.model import cpu_kernels, kv_quant
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.quant.quant import kv_quant
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

@@ -14,8 +14,8 @@ import torch
 
 from conftest import bundled_quality, make_tiny_llm, tiny_config
 from tokenmill import SamplingParams
-from tokenmill.engine.runner import num_blocks_for_budget
-from tokenmill.model import kv_quant
+from tokenmill.engine.step.runner import num_blocks_for_budget
+from tokenmill.model.quant.quant import kv_quant
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -151,9 +151,9 @@ def test_speculative_verifies_write_into_an_int8_pool(fused, monkeypatch) -> Non
 
 
 def test_serve_flag_reaches_the_engine_config() -> None:
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_cli import finalize_serve_args
-    from tokenmill.entrypoints.serve_config import engine_config_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_cli import finalize_serve_args
+    from tokenmill.entrypoints.cli.serve_config import engine_config_from_args
 
     args = build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
     assert finalize_serve_args(args) is None

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_cache_properties import BLOCK, Sim, _arrive, prefixes, request_st
-from tokenmill.engine.kv_tier import BlockIO, DiskTier, TierIdentity
-from tokenmill.engine.tier_files import decode_line
+from tokenmill.engine.kv.kv_tier import BlockIO, DiskTier, TierIdentity
+from tokenmill.engine.kv.tier_files import decode_line
 
 
 class ShadowIO:
@@ -104,14 +104,14 @@ def test_block_io_round_trips_every_layer_and_scale():
 
 
 def test_warm_restart_keeps_whole_paths_and_drops_torn_ones(tmp_path):
-    from tokenmill.engine.prefix_cache import PrefixCache
+    from tokenmill.engine.kv.prefix_cache import PrefixCache
 
     caches = _pool(num_blocks=4)
     identity = TierIdentity("m", "float32", "float32", BLOCK, BlockIO(caches).shapes())
     cache = PrefixCache(BLOCK)
     tier = DiskTier(tmp_path, 16 * BlockIO(caches).block_bytes, BlockIO(caches), identity)
     cache.attach_tier(tier)
-    from tokenmill.engine.block_pool import BlockPool
+    from tokenmill.engine.kv.block_pool import BlockPool
 
     pool = BlockPool(4, cache)
     doc = list(range(1, 1 + 4 * BLOCK))
@@ -181,7 +181,7 @@ def test_greedy_tokens_are_the_same_from_pool_disk_or_recompute_and_after_a_rest
     tier = engine.prefix_cache.tier
     assert tier.stats.stored_blocks > 0 and tier.stats.restored_blocks > 0
     engine.check_idle_invariants()
-    from tokenmill.entrypoints.metrics import ServerMetrics
+    from tokenmill.entrypoints.server.metrics import ServerMetrics
 
     from prometheus_client import generate_latest
 

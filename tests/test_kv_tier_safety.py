@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import make_tiny_llm
-from tokenmill.engine import kv_tier
-from tokenmill.engine.block_pool import BlockPool
-from tokenmill.engine.kv_tier import BlockIO, DiskTier, TierIdentity
-from tokenmill.engine.prefix_cache import PrefixCache
-from tokenmill.engine.tier_files import TierRefused, decode_line
+from tokenmill.engine.kv import kv_tier
+from tokenmill.engine.kv.block_pool import BlockPool
+from tokenmill.engine.kv.kv_tier import BlockIO, DiskTier, TierIdentity
+from tokenmill.engine.kv.prefix_cache import PrefixCache
+from tokenmill.engine.kv.tier_files import TierRefused, decode_line
 
 BLOCK = 4
 
@@ -192,7 +192,7 @@ def test_an_io_error_turns_the_tier_off_and_the_engine_goes_on(tmp_path, monkeyp
     from prometheus_client import generate_latest
 
     from tokenmill import SamplingParams
-    from tokenmill.entrypoints.metrics import ServerMetrics
+    from tokenmill.entrypoints.server.metrics import ServerMetrics
 
     docs = [[(7 * d + i) % 200 + 3 for i in range(6 * 16)] for d in range(4)]
     prompts = [doc + [250 + q] for q in range(2) for doc in docs]
@@ -222,8 +222,8 @@ def test_an_io_error_turns_the_tier_off_and_the_engine_goes_on(tmp_path, monkeyp
 
 
 def test_several_models_cannot_share_one_tier_folder(tmp_path):
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_cli import finalize_serve_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_cli import finalize_serve_args
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

@@ -25,7 +25,7 @@ class Blocker:
             raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
 sys.meta_path.insert(0, Blocker())
 sys.argv = ["tokenmill"] + sys.argv[2:]
-from tokenmill.entrypoints.cli import main
+from tokenmill.entrypoints.cli.main import main
 try:
     code = main()
 except SystemExit as exc:  # --help and --version exit from argparse

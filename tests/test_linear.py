@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import llama
-from tokenmill.model.llama import Linear
+from tokenmill.model.models import llama
+from tokenmill.model.models.llama import Linear
 from tokenmill.model.ops import ModelOps, onednn_linear_available, select_ops
-from tokenmill.options import KernelOptions
+from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="torch here has no oneDNN linear")
 ONEDNN = ModelOps(None, onednn_linear=True)

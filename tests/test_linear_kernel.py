@@ -1,4 +1,4 @@
-"""The C projection kernel (``tm_linear`` in model/csrc/decode_step.c) on its own.
+"""The C projection kernel (``tm_linear`` in model/kernels/csrc/decode_step.c) on its own.
 
 Every weight kind the fused decode step reads (float32, bf16, int8 with a row
 scale, int4 in the project's packing with and without the repeat-2 split),
@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.model import cpu_kernels
-from tokenmill.model.cpu_kernels import TmLinear, pack_int4
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model.kernels.cpu_kernels import TmLinear, pack_int4
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 
@@ -308,7 +308,7 @@ def _int8_layer_outputs(library: cpu_kernels.KernelLibrary, x: torch.Tensor) -> 
     at 8 and at 16 bits (two planes), int8g at 16 bits (the head's) and at 8 bits per 32
     inputs (the down projections'), with a bias."""
     from tokenmill.model.ops import ModelOps
-    from tokenmill.model.quant import Int8GroupLinear
+    from tokenmill.model.quant.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(7)
     n, k = 48, 160
@@ -355,7 +355,7 @@ def test_avx2_integer_products_equal_vnni_bit_for_bit(rows: int) -> None:
 def test_int8_with_a_scale_per_32_inputs_matches_its_float_product(lib, rows: int, n: int) -> None:
     """int8 weights with a scale per 32 inputs (GGUF Q8_0's layout, w8a8's LM head),
     widened to float32; requantizing values that already are such codes is exact."""
-    from tokenmill.model.quant import Int8GroupLinear
+    from tokenmill.model.quant.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(rows * 100 + n)
     layer = Int8GroupLinear.from_float(torch.randn(n, 128, generator=g) * 0.05)
@@ -377,7 +377,7 @@ def test_int8_with_a_scale_per_32_inputs_in_the_vnni_packing(lib, rows: int, n: 
     and 32 inputs, with the grouped weights, within float32 rounding. A shape that does
     not pack (70 rows) keeps the row-major codes and the float tile."""
     from tokenmill.model.ops import ModelOps
-    from tokenmill.model.quant import Int8GroupLinear
+    from tokenmill.model.quant.quant import Int8GroupLinear
 
     g = torch.Generator().manual_seed(rows * 1000 + n)
     w = torch.randn(n, 128, generator=g) * 0.05
@@ -520,7 +520,7 @@ def test_five_bit_codes_multiply_int8_activations_exactly(isa: str, rows: int, t
     from gguf.quants import quantize as gguf_quantize
     from gguf_files import random_kquant_blocks
     from tokenmill.model.ops import ModelOps
-    from tokenmill.model.quant import Int4Linear, int4_from_gguf
+    from tokenmill.model.quant.quant import Int4Linear, int4_from_gguf
 
     if not X86 or "avx2" not in cpu_kernels._cpu_flags():
         pytest.skip("needs an x86-64 CPU with AVX2")

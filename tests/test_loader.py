@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gguf_files import llama_cpp_permute, write_gguf
-from tokenmill.config import ModelConfig
+from tokenmill.settings.config import ModelConfig
 from tokenmill.model import loader
 from tokenmill.model.loader import (
     dequantize,
@@ -316,7 +316,7 @@ def test_hf_folder_without_weights(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def bundled():
-    from tokenmill.bundled import default_model_path
+    from tokenmill.files.bundled import default_model_path
 
     try:
         path = default_model_path()
@@ -343,7 +343,7 @@ def test_bundled_model_config(bundled) -> None:
 
 
 def test_bundled_path_error_message(monkeypatch) -> None:
-    from tokenmill import bundled as b
+    from tokenmill.files import bundled as b
 
     monkeypatch.delenv("TOKENMILL_DEFAULT_MODEL", raising=False)
     monkeypatch.setattr(b, "_package_dirs", lambda: [])

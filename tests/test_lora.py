@@ -12,8 +12,8 @@ import torch
 
 from conftest import make_tiny_llm
 from tokenmill import SamplingParams
-from tokenmill.engine.step_batch import StepBatch
-from tokenmill.model.lora import LoraError, ModelShape, load_peft
+from tokenmill.engine.step.step_batch import StepBatch
+from tokenmill.model.lora.lora import LoraError, ModelShape, load_peft
 
 peft = pytest.importorskip("peft")
 
@@ -221,8 +221,8 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
 def test_adapters_in_the_fused_w8a8_step_match_the_eager_forward(adapters, monkeypatch):
     """Under the quantized default (w8a8): a batch mixing adapters and the base gives the same
     greedy tokens whether its steps run in the fused native step (adapters' updates in
-    csrc/decode_step.c) or through the eager forward (model/lora.py)."""
-    from tokenmill.model import cpu_kernels
+    csrc/decode_step.c) or through the eager forward (model/lora/lora.py)."""
+    from tokenmill.model.kernels import cpu_kernels
 
     lib = cpu_kernels.load()
     if lib is None or not lib.int8_dot:

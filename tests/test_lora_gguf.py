@@ -14,8 +14,8 @@ from gguf_files import llama_cpp_permute
 from test_lora import ADAPTERS, GREEDY, _prompts, _reference, adapters, _one_thread  # noqa: F401 - fixtures
 from tokenmill import SamplingParams
 from tokenmill.model import loader
-from tokenmill.model.lora import LoraError, ModelShape
-from tokenmill.model.lora_gguf import load_gguf_lora
+from tokenmill.model.lora.lora import LoraError, ModelShape
+from tokenmill.model.lora.lora_gguf import load_gguf_lora
 
 gguf = pytest.importorskip("gguf")
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from test_server_support import metric
 from tokenmill.engine.stats import EngineStats, SpecSnapshot
-from tokenmill.entrypoints.metrics import ServerMetrics
+from tokenmill.entrypoints.server.metrics import ServerMetrics
 
 
 @dataclass

@@ -134,7 +134,7 @@ def test_backends_agree(family, monkeypatch):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     chunked = _llm(loaded, max_num_batched_tokens=7)
     assert _tokens(chunked.generate(prompts, params)) == expected
-    from tokenmill.options import KernelOptions
+    from tokenmill.settings.options import KernelOptions
 
     reference = _llm(loaded, kernel_options=KernelOptions(attention="reference"))
     assert _tokens(reference.generate(prompts, params)) == expected
@@ -144,7 +144,7 @@ def test_attention_masks_choose_the_backend(family):
     """Sliding windows run on the C kernels and in the fused step (Phi-3's Llama-shaped layer
     and Gemma 3's, so the greedy tests above cover windows there too); soft-capped scores
     (Gemma 2) only on torch paged attention, and not in the fused step."""
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
 
     name, _model, loaded, _expected = family
     llm = _llm(loaded)
@@ -233,7 +233,7 @@ def test_longrope_short_factors_within_the_original_context():
 def test_unsupported_architecture_one_line_exit_2(tmp_path, capsys):
     import json
 
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
     from tokenmill.model.support import UnsupportedModel
 
     (tmp_path / "config.json").write_text(json.dumps({
@@ -370,8 +370,8 @@ def test_windowed_layers_in_the_fused_step_match_the_eager_forward(make):
     rotary tables, scaled embedding), int8 weights: the fused native step (its decode rows and,
     at int8, its prefill chunks too, windows cut across chunk and block edges) gives the
     eager forward's greedy tokens, on the same quantized weights."""
-    from tokenmill.model import cpu_kernels
-    from tokenmill.options import KernelOptions
+    from tokenmill.model.kernels import cpu_kernels
+    from tokenmill.settings.options import KernelOptions
 
     if cpu_kernels.load() is None:
         pytest.skip("the C kernels are not built here")

@@ -1,4 +1,4 @@
-"""Several base models behind one server (entrypoints/model_set.py): loaded on first use,
+"""Several base models behind one server (entrypoints/server/model_set.py): loaded on first use,
 swapped under --max-loaded-models, unloaded when idle, requests waiting for a load, the
 /v1/models states and the model-set metrics. Two tiny random Llamas (different weights)
 written as Hugging Face folders; the server is built from a real `tokenmill serve` command
@@ -33,8 +33,8 @@ def model_dir(tmp_path_factory):
 
 
 def parse_serve(*argv: str) -> Any:
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_cli import finalize_serve_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_cli import finalize_serve_args
 
     args = build_parser().parse_args(["serve", *argv])
     problem = finalize_serve_args(args)
@@ -46,11 +46,11 @@ def parse_serve(*argv: str) -> Any:
 def set_app(*argv: str, slow_load_s: float = 0.0) -> Any:
     """The app `tokenmill serve *argv` builds for several models (lifecycle.py), its loads
     slowed by ``slow_load_s`` when asked."""
-    from tokenmill.entrypoints import lifecycle
-    from tokenmill.entrypoints.app import build_model_set_app
-    from tokenmill.entrypoints.model_set import ModelSet, ModelSetOptions
-    from tokenmill.entrypoints.serve_config import settings_from_args
-    from tokenmill.entrypoints.serving import ServerShared
+    from tokenmill.entrypoints.server.server import lifecycle
+    from tokenmill.entrypoints.server.app import build_model_set_app
+    from tokenmill.entrypoints.server.model_set import ModelSet, ModelSetOptions
+    from tokenmill.entrypoints.cli.serve_config import settings_from_args
+    from tokenmill.entrypoints.server.serving import ServerShared
 
     args = parse_serve(*argv, *ENGINE_FLAGS)
     if not slow_load_s:
@@ -71,9 +71,9 @@ def set_app(*argv: str, slow_load_s: float = 0.0) -> Any:
 def alone_app(path: str) -> Any:
     """The same model served alone: the one-model path of `tokenmill serve`."""
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.entrypoints import lifecycle
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
+    from tokenmill.entrypoints.server.server import lifecycle
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.cli.serve_config import engine_config_from_args, settings_from_args
 
     args = parse_serve("--model", path, *ENGINE_FLAGS)
     engine = lifecycle._start_engine(args, engine_config_from_args(args))
@@ -317,7 +317,7 @@ def test_router_routes_to_a_replica_listing_an_unloaded_model():
 def test_a_tenant_sees_no_server_path_of_a_model_set(model_dir, tmp_path):
     """/v1/models' root is a name, and a failed load's reason (which names the folder) is the
     operator's to read: a tenant gets the failure without it."""
-    from tokenmill.tenants import hash_key
+    from tokenmill.gateway.tenants import hash_key
 
     broken = tmp_path / "broken"
     broken.mkdir()

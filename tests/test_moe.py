@@ -15,7 +15,7 @@ from conftest import TINY_VOCAB, tiny_tokenizer
 from gguf_files import write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import load_model
-from tokenmill.model.moe import SparseMoE
+from tokenmill.model.models.moe import SparseMoE
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,7 +114,7 @@ def test_gguf_stacked_experts_match_hf_folder(family, tmp_path):
 
 
 def test_router_normalisation_and_grouping():
-    from tokenmill.config import ModelConfig
+    from tokenmill.settings.config import ModelConfig
 
     cfg = ModelConfig(hidden_size=32, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1,
                       num_experts=6, num_experts_per_tok=3, moe_intermediate_size=8, norm_topk_prob=True)
@@ -165,7 +165,7 @@ def test_gguf_quantized_expert_blocks(family, tmp_path):
 
 
 def test_tensor_parallel_refused_with_reason():
-    from tokenmill.config import ModelConfig
+    from tokenmill.settings.config import ModelConfig
     from tokenmill.model.parallel import check_divisible
 
     cfg = ModelConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)

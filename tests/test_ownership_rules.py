@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.entrypoints.adapter_paths import allowed_adapter_path
-from tokenmill.entrypoints.response_store import ResponseStore, StoredResponse
-from tokenmill.model.lora import CONFIG_MAX_DEPTH, LoraError, ModelShape, build_weights, nesting_depth, parse_config
-from tokenmill.tenants import (DEFAULT_TENANT, FAIRNESS_HEADER, Tenant, TenantDirectory, hash_key, is_operator,
+from tokenmill.entrypoints.server.adapter_paths import allowed_adapter_path
+from tokenmill.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from tokenmill.model.lora.lora import CONFIG_MAX_DEPTH, LoraError, ModelShape, build_weights, nesting_depth, parse_config
+from tokenmill.gateway.tenants import (DEFAULT_TENANT, FAIRNESS_HEADER, Tenant, TenantDirectory, hash_key, is_operator,
                                may_access, may_use, owner_of, parse_tenant)
 
 NAMES = st.sampled_from(["default", "alice", "bob", "other"])

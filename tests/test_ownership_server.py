@@ -18,8 +18,8 @@ from test_auth_matrix import uvicorn_server
 from test_lora import make_adapters
 from test_server_support import make_tiny_app
 from test_structured_server import TERSE_TEMPLATE
-from tokenmill.entrypoints.console import mount_console
-from tokenmill.tenants import hash_key
+from tokenmill.entrypoints.console.console import mount_console
+from tokenmill.gateway.tenants import hash_key
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The C prefill-attention kernel (model/csrc/prefill_attention.c) on its own and
+"""The C prefill-attention kernel (model/kernels/csrc/prefill_attention.c) on its own and
 inside the C kernel attention backend.
 
 One chunk of ``q_len`` queries at the end of a ``seq_len`` context, the context
@@ -17,7 +17,7 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import (CpuKernelAttention, StepLayout, TorchPagedAttention, kv_cache_shape,
                                       paged_attention_reference)
 

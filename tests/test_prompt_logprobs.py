@@ -164,7 +164,7 @@ def test_n_sequences_score_their_shared_prompt_once(monkeypatch):
     """Prompt logprobs with n=8: the prompt's rows are scored once (the first sequence; the
     others wait for it and then read its blocks from the prefix cache), every sequence
     gets the same list, equal to n=1's."""
-    import tokenmill.engine.prompt_logprobs as module
+    import tokenmill.engine.step.prompt_logprobs as module
 
     scored_rows: list[int] = []
     compute = module.compute

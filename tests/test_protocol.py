@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tokenmill.entrypoints.errors import _describe_validation
-from tokenmill.entrypoints.protocol import (MAX_N, MAX_PROMPTS, ChatCompletionRequest, CompletionRequest,
+from tokenmill.entrypoints.server.errors import _describe_validation
+from tokenmill.entrypoints.openai.protocol import (MAX_N, MAX_PROMPTS, ChatCompletionRequest, CompletionRequest,
                                             TokenizeRequest)
 
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model import quant
+from tokenmill.model.quant.quant import quant
 from tokenmill.model.loader import dequantize
-from tokenmill.model.quant import (
+from tokenmill.model.quant.quant import (
     Int4Codes,
     Int4Linear,
     Int8Linear,
@@ -176,7 +176,7 @@ def test_int4_without_the_c_kernels_dequantizes_per_matmul(monkeypatch) -> None:
 
 def test_int4_packing_round_trips_and_is_the_kernels_order() -> None:
     """pack_int4: in each 32-column chunk byte i holds code i (low) and code i + 16 (high)."""
-    from tokenmill.model.cpu_kernels import pack_int4, unpack_int4
+    from tokenmill.model.kernels.cpu_kernels import pack_int4, unpack_int4
 
     codes = torch.randint(0, 16, (7, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     packed = pack_int4(codes)
@@ -210,7 +210,7 @@ def test_int4_layers_move_into_the_kernel_tiles(kind: str) -> None:
     import numpy as np
 
     from gguf_files import random_kquant_blocks
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
     from tokenmill.model.ops import ModelOps
 
     lib = cpu_kernels.load()

@@ -6,10 +6,10 @@ import torch
 
 from conftest import TINY_EOS, tiny_config, tiny_loaded, tiny_tokenizer, tiny_weights
 from gguf_files import write_gguf
-from tokenmill.config import EngineConfig
+from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.model import quant
+from tokenmill.model.quant.quant import quant
 from tokenmill.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
@@ -211,7 +211,7 @@ def test_gguf_serves_q5_blocks_on_the_int8_and_int4_kernels(tmp_path) -> None:
     five-bit int4 layers where the build has the nibble kernel (else int8 groups and two int4
     planes); none is left dense, and the logits stay as close to the dequantized model as the
     int8 activations allow."""
-    from tokenmill.model import cpu_kernels
+    from tokenmill.model.kernels import cpu_kernels
 
     lib = cpu_kernels.load()
     five = lib is not None and bool(lib.q4_int8_dot)

@@ -26,11 +26,11 @@ CLOCK = {"type": "function", "function": {"name": "clock", "description": "the t
 
 
 def _app(template: str | None = None, **settings: Any) -> Any:
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serving import ServerSettings
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.server.serving import ServerSettings
 
     tokenizer = tiny_tokenizer()
     if template is not None:
@@ -211,9 +211,9 @@ def test_unknown_response_format_keys_are_refused(app):
 
 
 def test_parsing_helpers():
-    from tokenmill.engine.structured import ascii_classes
-    from tokenmill.entrypoints.tool_calls import complete_items
-    from tokenmill.entrypoints.tool_parsers import HermesParser
+    from tokenmill.engine.grammar.structured import ascii_classes
+    from tokenmill.entrypoints.parsers.tool_calls import complete_items
+    from tokenmill.entrypoints.parsers.tool_parsers import HermesParser
 
     assert ascii_classes(r"\d{2}[\w.]\S\\d") == r"[0-9]{2}[0-9A-Za-z_.][^ \t\n\r\f\v]\\d"
     assert complete_items('[{"a": 1}, {"b": [2]}, {"c": ') == [{"a": 1}, {"b": [2]}]

@@ -17,13 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fake_openai_server import FakeConfig, FakeServer
-from tokenmill.router.canary import Canary, CanaryConfig, StreamMeter
+from tokenmill.router.canary.canary import Canary, CanaryConfig, StreamMeter
 from tokenmill.router.config import RouterConfig
-from tokenmill.router.guard import SLO, Guard, percentile
-from tokenmill.router.k8s_weights import HTTPRouteWeights, set_weights
+from tokenmill.router.canary.guard import SLO, Guard, percentile
+from tokenmill.router.k8s.k8s_weights import HTTPRouteWeights, set_weights
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.server import RouterServer
-from tokenmill.router.variants import (SplitState, Splitter, Variant, full_split, load_state, parse_split,
+from tokenmill.router.canary.variants import (SplitState, Splitter, Variant, full_split, load_state, parse_split,
                                        parse_variant, save_state, session_key)
 
 
@@ -318,7 +318,7 @@ def test_slow_canary_is_rolled_back_without_failing_requests(caplog, n_requests=
 def test_route_cli_flags():
     import argparse
 
-    from tokenmill.router.canary_cli import config_from_args as canary_from_args
+    from tokenmill.router.canary.canary_cli import config_from_args as canary_from_args
     from tokenmill.router.cli import config_from_args, register
 
     def parse(*argv):
@@ -361,7 +361,7 @@ def test_slow_canary_on_non_streamed_traffic_is_rolled_back_by_request_latency()
 
 
 def test_large_windows_are_judged_a_few_times_a_second(monkeypatch):
-    from tokenmill.router import canary as canary_mod
+    from tokenmill.router.canary.canary import canary as canary_mod
 
     monkeypatch.setattr(canary_mod, "_CHECK_EVERY_REQUEST", 4)
     c = _canary(ttft_p99=0.1, window_s=60, min_samples=2)

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from test_server_support import metric, real_servers
-from tokenmill.router.canary import CanaryConfig
+from tokenmill.router.canary.canary import CanaryConfig
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
-from tokenmill.router.variants import parse_variant
+from tokenmill.router.canary.variants import parse_variant
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +106,7 @@ def test_http_eval_on_the_two_servers_matches_offline(servers, tmp_path, capsys)
     of the same configurations. Items that need prompt logprobs run only where the server has them."""
     import json
 
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     data = tmp_path / "set.jsonl"
     data.write_text("\n".join(json.dumps(x) for x in EVAL_ITEMS))

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from fake_backend import CRASH_WORD, FakeConfig, free_port, make_app, start_fakes
-from tokenmill.request_guard import BodyGuard
+from tokenmill.gateway.request_guard import BodyGuard
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
 
@@ -130,8 +130,8 @@ def test_every_bad_body_is_a_json_error(guarded):
 
 
 def test_split_admin_answers_deep_json_with_json():
-    from tokenmill.router.canary import CanaryConfig
-    from tokenmill.router.variants import parse_split, parse_variant
+    from tokenmill.router.canary.canary import CanaryConfig
+    from tokenmill.router.canary.variants import parse_split, parse_variant
 
     fakes = GuardedFakes(2)
     canary = CanaryConfig(variants=[parse_variant(f"base={fakes.urls[0]}"), parse_variant(f"int4={fakes.urls[1]}")],

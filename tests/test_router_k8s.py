@@ -241,7 +241,7 @@ def test_inference_pool_endpoint_picker_and_route(variant):
 
 def test_server_args_are_known_to_tokenmill_serve():
     """Every flag the manifests pass to the container parses as a `tokenmill serve` line."""
-    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.cli.main import build_parser
 
     for variant in VARIANTS:
         _, c = _server(_objects(variant))

@@ -14,7 +14,7 @@ from fake_backend import start_fakes  # noqa: E402
 from fake_kube_api import FakeKubeAPI, pod  # noqa: E402
 from test_router_ext_proc import Stream, _body_msgs, _completion, _headers_msg, _mutation_value  # noqa: E402
 from tokenmill.router.config import RouterConfig  # noqa: E402
-from tokenmill.router.k8s_pool import PoolMembership, pool_selector  # noqa: E402
+from tokenmill.router.k8s.k8s_pool import PoolMembership, pool_selector  # noqa: E402
 from tokenmill.router.server import RouterServer  # noqa: E402
 
 

@@ -5,7 +5,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill.router.backend import Backend
 from tokenmill.router.models import model_of, parse_models, resident_from_metrics, select, view_of
-from tokenmill.router.prefix_index import PrefixIndex
+from tokenmill.router.cache.prefix_index import PrefixIndex
 
 
 def _backend(url, models=None, adapters=(), resident=(), load=0):

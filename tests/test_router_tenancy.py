@@ -10,7 +10,7 @@ import json
 
 import httpx
 
-from tokenmill.tenants import hash_key
+from tokenmill.gateway.tenants import hash_key
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.core import Router
 from tokenmill.router.proxy import build_app

@@ -14,7 +14,7 @@ from test_server_support import ThreadServer, make_tiny_app, placements
 from tokenmill.bench.usage import parse_metrics
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.server import RouterServer
-from tokenmill.tenants import hash_key
+from tokenmill.gateway.tenants import hash_key
 
 pytestmark = pytest.mark.slow  # a real server and a real router on loopback
 

@@ -10,7 +10,7 @@ from tokenmill.router.backend import Backend, BackendStats, endpoint_of, normali
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.policy import LeastLoad, PrefixAware, RoundRobin
 from tokenmill.router.pool import parse_backend_metrics
-from tokenmill.router.prefix_index import PrefixIndex, block_hashes
+from tokenmill.router.cache.prefix_index import PrefixIndex, block_hashes
 from tokenmill.router.tokenize import CharChunker, LocalTokenizer, chat_to_text, prompt_of
 
 
@@ -197,7 +197,7 @@ def test_router_package_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, tokenmill.router.cli, tokenmill.router.server, tokenmill.router.ext_proc, "
+    code = ("import sys, tokenmill.router.cli, tokenmill.router.server, tokenmill.router.k8s.ext_proc, "
             "tokenmill.router.workload; print(json.dumps(['torch' in sys.modules, "
             "any(m.startswith('tokenmill.engine') for m in sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True, text=True, check=True)

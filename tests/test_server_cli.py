@@ -11,8 +11,8 @@ from conftest import tiny_loaded, tiny_tokenizer
 
 
 def test_serve_flags_parse():
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_config import engine_config_from_args, settings_from_args
 
     args = build_parser().parse_args([
         "serve", "--port", "9", "--served-model-name", "a", "b", "--api-key", "k", "--dtype", "bfloat16",
@@ -32,8 +32,8 @@ def test_serve_flags_parse():
 
 
 def test_api_key_from_environment(monkeypatch):
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_config import settings_from_args
 
     monkeypatch.setenv("TOKENMILL_API_KEY", "from-env")
     args = build_parser().parse_args(["serve", "--served-model-name", "m"])
@@ -41,9 +41,9 @@ def test_api_key_from_environment(monkeypatch):
 
 
 def test_generate_streams_the_answer():
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.generate_cli import generate
+    from tokenmill.entrypoints.cli.generate_cli import generate
 
     engine = LLMEngine(EngineConfig.from_options(num_blocks=32), loaded=tiny_loaded(), tokenizer=tiny_tokenizer())
     out = io.StringIO()
@@ -55,7 +55,7 @@ def test_generate_streams_the_answer():
 
 @pytest.mark.slow
 def test_generate_cli_with_bundled_model():
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "generate",
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "generate",
                            "Name the capital of France.", "--max-tokens", "12"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -178,7 +178,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
     """What shutdown does when the grace period is over: running streams end in-band."""
     import asyncio
 
-    from tokenmill.entrypoints.lifecycle import cut_all
+    from tokenmill.entrypoints.server.lifecycle import cut_all
 
     server, state = served
     body = {"prompt": "cut me", "max_tokens": 100, "ignore_eos": True, "stream": True}
@@ -212,7 +212,7 @@ def test_cut_all_ends_streams_with_an_error_event_then_done(served):
 
 
 def test_heap_housekeeping(monkeypatch):
-    from tokenmill.entrypoints.heap import ONEDNN_CACHE_ENTRIES, HeapTrimmer, bound_onednn_caches, trim_heap
+    from tokenmill.entrypoints.server.heap import ONEDNN_CACHE_ENTRIES, HeapTrimmer, bound_onednn_caches, trim_heap
 
     assert isinstance(trim_heap(), bool)
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
@@ -228,7 +228,7 @@ def test_heap_housekeeping(monkeypatch):
 
 
 def test_the_default_waiting_queue_is_sized_to_the_pool():
-    from tokenmill.entrypoints.serving import default_max_waiting
+    from tokenmill.entrypoints.server.serving import default_max_waiting
 
     assert default_max_waiting(num_blocks=10_000, max_num_seqs=64) == 256  # four batches
     assert default_max_waiting(num_blocks=100, max_num_seqs=64) == 100  # no more than the pool's blocks

@@ -64,7 +64,7 @@ def test_grace_expiry_ends_streams_in_band_and_half_bodies_do_not_hold_shutdown(
 
 
 def test_default_capture_holds_nothing_the_client_sent_and_survives_sigkill(tmp_path):
-    from tokenmill.capture import read_capture
+    from tokenmill.traffic.capture import read_capture
 
     capture = tmp_path / "cap.jsonl"
     sent: list[str] = []

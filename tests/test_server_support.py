@@ -21,11 +21,11 @@ from fake_backend import free_port
 
 def make_tiny_app(engine_options: dict[str, Any] | None = None, **settings: Any) -> Any:
     """A FastAPI app over the tiny random model; ``app.state.tokenmill`` is the ServerState."""
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serving import ServerSettings
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.server.serving import ServerSettings
 
     opts = {"num_blocks": 128, "max_num_batched_tokens": 256}
     opts.update(engine_options or {})
@@ -88,7 +88,7 @@ class ThreadServer:
 
 
 def serve_command(*extra: str) -> list[str]:
-    return [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--host", "127.0.0.1", *extra]
+    return [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--host", "127.0.0.1", *extra]
 
 
 class RealServer:

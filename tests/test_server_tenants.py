@@ -15,10 +15,10 @@ import pytest
 from test_server_support import make_tiny_app, metric, placements
 
 from tokenmill.bench.usage import bill, parse_metrics, usage_main
-from tokenmill.engine.fairness import QueueHead
+from tokenmill.engine.sched.fairness import QueueHead
 from tokenmill.engine.request import SamplingParams
-from tokenmill.entrypoints.console import mount_console
-from tokenmill.tenants import hash_key
+from tokenmill.entrypoints.console.console import mount_console
+from tokenmill.gateway.tenants import hash_key
 
 KEYS = {"chat-key": "chat", "batch-key": "batch"}
 

@@ -1,4 +1,4 @@
-"""Clients that connect and stall before their request is whole (request_guard.py's header deadline):
+"""Clients that connect and stall before their request is whole (gateway/request_guard.py's header deadline):
 
 - a connection that sends part of a request line and headers, then nothing, is closed with a
   408 once ``--header-read-timeout`` passes, while other connections are served meanwhile;
@@ -205,9 +205,9 @@ def test_server_closes_a_half_sent_header_with_408(tmp_path):
 
 
 def test_the_flags_are_checked():
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_cli import config_problems, finalize_serve_args
-    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_cli import config_problems, finalize_serve_args
+    from tokenmill.entrypoints.cli.serve_config import settings_from_args
     from tokenmill.router.cli import config_from_args
 
     args = build_parser().parse_args(["serve", "--header-read-timeout", "2.5", "--max-pending-connections", "7"])

@@ -10,7 +10,7 @@ import torch
 
 from conftest import make_tiny_llm
 from tokenmill import SamplingParams
-from tokenmill.engine.speculative import SpeculativeConfig, Speculator, propose_ngram
+from tokenmill.engine.spec.speculative import SpeculativeConfig, Speculator, propose_ngram
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -166,7 +166,7 @@ def test_server_reports_speculation_in_metrics_and_console():
 
     from test_server_support import make_tiny_app, metric
 
-    from tokenmill.entrypoints.console import mount_console
+    from tokenmill.entrypoints.console.console import mount_console
 
     app = make_tiny_app({"speculative_config": SPEC})
     mount_console(app, ui=False)

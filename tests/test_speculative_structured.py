@@ -14,10 +14,10 @@ import torch
 
 from conftest import make_tiny_llm
 from tokenmill import SamplingParams
-from tokenmill.engine.executors import FusedDecodeExecutor
-from tokenmill.engine.step_batch import RowKind
-from tokenmill.engine.speculative import SpeculativeConfig, Speculator
-from tokenmill.engine.structured import GrammarSpec, grammar_prefix
+from tokenmill.engine.step.executors import FusedDecodeExecutor
+from tokenmill.engine.step.step_batch import RowKind
+from tokenmill.engine.spec.speculative import SpeculativeConfig, Speculator
+from tokenmill.engine.grammar.structured import GrammarSpec, grammar_prefix
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},

@@ -1,10 +1,10 @@
-"""The step batch (engine/step_batch.py): built once, every executor's view derived from it."""
+"""The step batch (engine/step/step_batch.py): built once, every executor's view derived from it."""
 from __future__ import annotations
 
 import pytest
 
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.engine.step_batch import RowKind, StepBatch
+from tokenmill.engine.step.step_batch import RowKind, StepBatch
 
 
 def _request(rid: str, prompt: int, computed: int, output: int = 0, spec: int = 0, max_tokens: int = 8) -> Request:

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tokenmill.engine.request import SamplingParams
-from tokenmill.engine.structured import GrammarError, GrammarSpec
+from tokenmill.engine.grammar.structured import GrammarError, GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -90,7 +90,7 @@ def test_eos_only_when_the_grammar_accepts(llm):
 
 
 def test_objects_are_closed_unless_the_schema_opens_them(llm):
-    from tokenmill.engine.structured import closed_schema
+    from tokenmill.engine.grammar.structured import closed_schema
 
     schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
                                                "c": {"type": "array", "items": {"type": "object",

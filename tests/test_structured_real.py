@@ -34,11 +34,11 @@ PERSON_PROMPT = "Ana is 31 years old and lives in Lisbon. Extract the person."
 
 @pytest.fixture(scope="module")
 def server():
-    from tokenmill.config import EngineConfig
+    from tokenmill.settings.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.engine import LLMEngine
-    from tokenmill.entrypoints.app import build_app
-    from tokenmill.entrypoints.serving import ServerSettings
+    from tokenmill.entrypoints.server.app import build_app
+    from tokenmill.entrypoints.server.serving import ServerSettings
 
     engine = LLMEngine(EngineConfig.from_options(kv_cache_memory="256MiB", max_model_len=2048))
     app = build_app(AsyncEngine(engine), ServerSettings(

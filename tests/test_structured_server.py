@@ -146,10 +146,10 @@ def test_bad_input_on_completions_and_suffix(app):
 # ---- tool calling ------------------------------------------------------------------
 
 def test_tools_reach_the_template_and_tool_messages_round_trip(app):
-    from tokenmill.entrypoints.openai_routes import prepare_chat
-    from tokenmill.entrypoints.protocol import ChatCompletionRequest
-    from tokenmill.entrypoints.tool_calls import template_message
-    from tokenmill.tokenizer import render_chat_template
+    from tokenmill.entrypoints.openai.openai_routes import prepare_chat
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+    from tokenmill.entrypoints.parsers.tool_calls import template_message
+    from tokenmill.files.tokenizer import render_chat_template
 
     history = USER + [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -199,7 +199,7 @@ def test_parallel_tool_calls(app):
     calls = c["message"]["tool_calls"]
     assert len(calls) >= 2 and all(json.loads(tc["function"]["arguments"]) is not None for tc in calls)
     # left to run, the grammar closes the list after MAX_PARALLEL_CALLS calls
-    from tokenmill.entrypoints.tool_calls import MAX_PARALLEL_CALLS
+    from tokenmill.entrypoints.parsers.tool_calls import MAX_PARALLEL_CALLS
 
     r = chat(app, tools=[TIME], tool_choice="required", max_tokens=600, temperature=1.0, seed=9)
     c = r.json()["choices"][0]
@@ -248,8 +248,8 @@ def test_tool_choice_none_streams_plain_content_once(app):
 
 
 def test_auto_tool_choice_parses_hermes_output(app):
-    from tokenmill.entrypoints.tool_calls import ToolPlan, ToolStream
-    from tokenmill.entrypoints.tool_parsers import get_parser
+    from tokenmill.entrypoints.parsers.tool_calls import ToolPlan, ToolStream
+    from tokenmill.entrypoints.parsers.tool_parsers import get_parser
 
     plan = ToolPlan(tools=[WEATHER], mode="auto", parser=get_parser("hermes"))
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
@@ -288,7 +288,7 @@ def test_auto_needs_the_server_flag():
     ("mistral", '[TOOL_CALLS]a[ARGS]{"x": 2}', None, [("a", {"x": 2})]),
 ])
 def test_parsers(name, text, content, calls):
-    from tokenmill.entrypoints.tool_parsers import get_parser
+    from tokenmill.entrypoints.parsers.tool_parsers import get_parser
 
     got_content, got = get_parser(name).extract(text)
     assert got_content == content
@@ -377,8 +377,8 @@ def test_router_routes_responses_on_their_text():
 
 
 def test_serve_flags_choose_the_tool_parser():
-    from tokenmill.entrypoints.cli import build_parser
-    from tokenmill.entrypoints.serve_config import settings_from_args
+    from tokenmill.entrypoints.cli.main import build_parser
+    from tokenmill.entrypoints.cli.serve_config import settings_from_args
 
     args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
     settings = settings_from_args(args)

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from tokenmill.tenant_gate import TenantGate, TenantLimited
-from tokenmill.entrypoints.tenant_usage import TenantUsage
-from tokenmill.tenants import (DEFAULT_TENANT, Tenant, TenantDirectory, TenantLimits, TenantTable,
+from tokenmill.gateway.tenant_gate import TenantGate, TenantLimited
+from tokenmill.entrypoints.server.tenant_usage import TenantUsage
+from tokenmill.gateway.tenants import (DEFAULT_TENANT, Tenant, TenantDirectory, TenantLimits, TenantTable,
                                            hash_key)
 
 
@@ -160,7 +160,7 @@ def test_a_hostile_or_broken_file_is_a_value_error_and_a_reload_keeps_the_old_ta
 
 
 def test_a_file_past_the_size_bound_is_refused_unread(tmp_path, monkeypatch):
-    import tokenmill.tenants as tenants
+    import tokenmill.gateway.tenants as tenants
 
     path = keys_file(tmp_path, {"a": {}}, {"k1": "a"})
     monkeypatch.setattr(tenants, "MAX_FILE_BYTES", 64)

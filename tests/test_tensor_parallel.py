@@ -286,7 +286,7 @@ def _ppid(pid: int) -> int | None:
 def test_kubernetes_multi_gpu_replica_asks_for_one_gpu_per_rank():
     from test_router_k8s import _objects, _server
 
-    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.entrypoints.cli.main import build_parser
 
     _, container = _server(_objects("multi-gpu"))
     args = build_parser().parse_args(container["args"])
@@ -364,7 +364,7 @@ def test_failing_the_async_engine_ends_open_streams_with_engine_dead():
 
 
 def test_serve_refuses_a_split_that_cannot_work_in_one_line(capsys):
-    from tokenmill.entrypoints.cli import main
+    from tokenmill.entrypoints.cli.main import main
 
     assert main(["serve", "-tp", "2"]) == 2  # the bundled SmolLM2: 9 heads
     err = capsys.readouterr().err

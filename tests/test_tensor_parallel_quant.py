@@ -26,9 +26,10 @@ from conftest import TINY_EOS, make_tiny_llm, tiny_config, tiny_tokenizer, tiny_
 from gguf_files import write_gguf
 from test_tensor_parallel import GREEDY, OPTIONS, PROMPTS, _agreement, record_logits
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import EngineConfig
-from tokenmill.engine.distributed import startup_problem
-from tokenmill.model import cpu_kernels, parallel
+from tokenmill.settings.config import EngineConfig
+from tokenmill.engine.step.distributed import startup_problem
+from tokenmill.model.kernels import cpu_kernels
+from tokenmill.model import parallel
 from tokenmill.model.loader import dequantize, load_gguf
 
 # Logits of the tiny model are of order 10. float32 activations through the same int4
@@ -178,7 +179,7 @@ def test_bundled_model_keeps_its_blocks_on_three_ranks(bundled_model_path):
 def test_the_executor_tensor_parallelism_gives_up_is_named_per_device():
     """Eager on every rank: the startup line names what is off (the fused CPU step, or
     CUDA graphs on NCCL ranks, each on its own GPU)."""
-    from tokenmill.engine import distributed
+    from tokenmill.engine.step import distributed
 
     assert "fused CPU decode step is off" in distributed.executor_note(torch.device("cpu"))
     assert "CUDA graphs are off" in distributed.executor_note(torch.device("cuda"))

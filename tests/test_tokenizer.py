@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tokenmill.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer, render_chat_template
+from tokenmill.files.tokenizer import FALLBACK_CHAT_TEMPLATE, Tokenizer, render_chat_template
 
 TEXTS = [
     "Hello, world!",
@@ -45,7 +45,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
-    from tokenmill.bundled import default_model_path
+    from tokenmill.files.bundled import default_model_path
 
     try:
         return default_model_path()
@@ -273,7 +273,7 @@ def test_the_bpe_word_cache_is_bounded_when_whole_prompts_are_words():
     import random
 
     from conftest import tiny_tokenizer
-    from tokenmill.tokenizer import BPE_CACHE_WORDS
+    from tokenmill.files.tokenizer import BPE_CACHE_WORDS
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

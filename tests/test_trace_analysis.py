@@ -8,8 +8,8 @@ import random
 import pytest
 
 from tokenmill.bench.cli import register
-from tokenmill.bench.trace_analysis import analyze, ideal_hit_rate
-from tokenmill.capture import TrafficCapture, read_capture
+from tokenmill.bench.traces.trace_analysis import analyze, ideal_hit_rate
+from tokenmill.traffic.capture import TrafficCapture, read_capture
 
 SYSTEM = list(range(1000, 1200))  # a 200-token shared system prompt
 
@@ -121,7 +121,7 @@ def test_server_miss_reasons_in_the_capture_are_reported_worst_first(tmp_path, c
     """Sessions whose second turn puts a fresh nonce inside the system prompt: the classifier (as
     the server runs it) names the volatile span and its offset, the capture keeps them, and the
     analyser reports the offender with its advice."""
-    from tokenmill.cache_misses import MissClassifier
+    from tokenmill.traffic.cache_misses import MissClassifier
 
     rng = random.Random(3)
     classifier = MissClassifier(16)

@@ -122,7 +122,7 @@ def test_one_linked_trace_per_request_from_router_to_engine():
 def test_off_by_default_and_nothing_in_the_request_path():
     app = make_tiny_app()
     try:
-        from tokenmill.tracing import TracingMiddleware
+        from tokenmill.gateway.tracing import TracingMiddleware
 
         assert app.state.tokenmill.tracing is None
         assert all(m.cls is not TracingMiddleware for m in app.user_middleware)

@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from fake_openai_server import FakeConfig, FakeServer  # noqa: E402
 
 from tokenmill.bench.cli import _normalize  # noqa: E402
-from tokenmill.bench.vllm_format import parse_goodput, summary_from_vllm  # noqa: E402
-from tokenmill.entrypoints.cli import build_parser, main  # noqa: E402
+from tokenmill.bench.traces.vllm_format import parse_goodput, summary_from_vllm  # noqa: E402
+from tokenmill.entrypoints.cli.main import build_parser, main  # noqa: E402
 
 # what `vllm bench serve --save-result` writes, trimmed to two requests (values made up)
 VLLM_RESULT = {
@@ -126,7 +126,7 @@ def test_vllm_command_line_against_a_server_saves_vllm_keys_and_compares(tmp_pat
 
 
 def test_default_result_name_follows_vllm(tmp_path):
-    from tokenmill.bench.vllm_format import result_filename
+    from tokenmill.bench.traces.vllm_format import result_filename
 
     name = result_filename(None, "vllm", {"rate": None, "max_concurrency": 4}, "org/Model-1B", 0.0)
     assert name.startswith("vllm-infqps-concurrency4-Model-1B-") and name.endswith(".json")

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from tokenmill.cli_args import human_int
-from tokenmill.entrypoints.cli import build_parser, main
-from tokenmill.entrypoints.serve_cli import finalize_serve_args, parse_origins
-from tokenmill.entrypoints.serve_config import generation_defaults
+from tokenmill.settings.cli_args import human_int
+from tokenmill.entrypoints.cli.main import build_parser, main
+from tokenmill.entrypoints.cli.serve_cli import finalize_serve_args, parse_origins
+from tokenmill.entrypoints.cli.serve_config import generation_defaults
 
 VLLM_LINE = ["--dtype", "auto", "--max-model-len", "4k", "--enable-prefix-caching",
              "--gpu-memory-utilization", "0.5", "--api-key", "a", "b", "--uvicorn-log-level", "warning",
@@ -44,8 +44,8 @@ def test_human_int_follows_vllm_suffixes():
 
 
 def test_vllm_launch_line_means_what_it_means_in_vllm(bundled_model_path):
-    from tokenmill.entrypoints.serve_config import engine_config_from_args, settings_from_args
-    from tokenmill.entrypoints.serve_config import device_memory_bytes
+    from tokenmill.entrypoints.cli.serve_config import engine_config_from_args, settings_from_args
+    from tokenmill.entrypoints.cli.serve_config import device_memory_bytes
 
     args = parse_serve([bundled_model_path, *VLLM_LINE])
     assert args.model == bundled_model_path
@@ -60,7 +60,7 @@ def test_vllm_launch_line_means_what_it_means_in_vllm(bundled_model_path):
 
 
 def test_old_flag_names_stay_as_aliases():
-    from tokenmill.entrypoints.serve_config import engine_config_from_args
+    from tokenmill.entrypoints.cli.serve_config import engine_config_from_args
 
     old = parse_serve(["--no-prefix-caching", "--kv-cache-memory", "64MiB", "--log-requests"])
     new = parse_serve(["--no-enable-prefix-caching", "--kv-cache-memory-bytes", "64M", "--enable-log-requests"])
@@ -118,7 +118,7 @@ def test_config_file_holds_the_same_keys_and_the_command_line_wins(tmp_path, mon
         serve.set_defaults(func=lambda a: seen.setdefault("args", a) and 0)
         return p
 
-    monkeypatch.setattr("tokenmill.entrypoints.cli.build_parser", fake_build)
+    monkeypatch.setattr("tokenmill.entrypoints.cli.main.build_parser", fake_build)
     assert main(["serve", "--port", "9002", "--config", str(conf)]) == 0  # the command line wins, wherever
     args = seen["args"]
     assert (args.max_model_len, args.enable_prefix_caching, args.api_key, args.port, args.log_requests,
@@ -176,18 +176,18 @@ def test_every_parser_in_the_project_turns_prefix_matching_off():
         for m in re.finditer(r"(ArgumentParser|add_parser)\(", text):
             calls += 1
             window = text[m.end():m.end() + 400].split("\n\n")[0]
-            assert "allow_abbrev=False" in window or path.name == "cli_args.py", f"{path}: {text[m.start():m.end() + 60]}"
+            assert "allow_abbrev=False" in window or path.name == "settings/cli_args.py", f"{path}: {text[m.start():m.end() + 60]}"
     assert calls >= 15
 
 
 def test_version():
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", "--version"],
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "--version"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("tokenmill ")
 
 
 def test_several_api_keys_each_open_the_api():
-    from tokenmill.entrypoints.console_auth import ConsoleSessions
+    from tokenmill.entrypoints.console.console_auth import ConsoleSessions
 
     sessions = ConsoleSessions(["a", "b"])
 
@@ -201,7 +201,7 @@ def test_several_api_keys_each_open_the_api():
 
 
 def test_chat_template_flag_replaces_the_models(tmp_path, bundled_model_path):
-    from tokenmill.entrypoints.serve_config import tokenizer_from_args
+    from tokenmill.entrypoints.cli.serve_config import tokenizer_from_args
 
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
@@ -225,8 +225,8 @@ def test_generation_config(tmp_path):
 def test_generation_defaults_apply_only_to_what_a_request_leaves_unset():
     from types import SimpleNamespace
 
-    from tokenmill.entrypoints.openai_routes import sampling_params
-    from tokenmill.entrypoints.protocol import CompletionRequest
+    from tokenmill.entrypoints.openai.openai_routes import sampling_params
+    from tokenmill.entrypoints.openai.protocol import CompletionRequest
 
     state = SimpleNamespace(vocab_size=100, settings=SimpleNamespace(sampling_defaults={"temperature": 0.25,
                                                                                          "top_k": 5}))
@@ -240,7 +240,7 @@ def test_allowed_origins_forms_and_cors():
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
-    from tokenmill.entrypoints.app import add_cors
+    from tokenmill.entrypoints.server.app import add_cors
 
     assert parse_origins(['["https://a.example", "https://b.example"]']) == ["https://a.example",
                                                                              "https://b.example"]

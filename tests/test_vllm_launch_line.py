@@ -17,7 +17,7 @@ from test_server_support import real_server
 
 pytestmark = pytest.mark.slow
 
-CLI = [sys.executable, "-m", "tokenmill.entrypoints.cli"]
+CLI = [sys.executable, "-m", "tokenmill.entrypoints.cli.main"]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The waiting room's fairness (waiting_room.py), over any interleaving of tenants and classes
+"""The waiting room's fairness (gateway/waiting_room.py), over any interleaving of tenants and classes
 arriving and starting: the room never holds more than --max-waiting, a tenant within its share is
 never refused, and a refusal is never caused by worse classes (the best class keeps a quarter of
 the room from every other class)."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from tokenmill.waiting_room import EPSILON, CompileRoom, RoomShares, WaitingRoom, compile_keep
+from tokenmill.gateway.waiting_room import EPSILON, CompileRoom, RoomShares, WaitingRoom, compile_keep
 
 tenants_st = st.lists(st.tuples(st.sampled_from([0.5, 1.0, 2.0, 4.0]), st.integers(0, 4)), min_size=1, max_size=5)
 events_st = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "arrive", "start"]), st.integers(0, 4),

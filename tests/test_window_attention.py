@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 from tokenmill.model.attention import kv_cache_shape
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")

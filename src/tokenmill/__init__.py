@@ -29,7 +29,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(request, name)
     if name == "GrammarSpec":
-        from .engine.structured import GrammarSpec
+        from .engine.grammar.structured import GrammarSpec
 
         return GrammarSpec
     raise AttributeError(name)

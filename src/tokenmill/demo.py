@@ -11,7 +11,7 @@ DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .entrypoints.generate_cli import generate
+    from .entrypoints.cli.generate_cli import generate
 
     argv = sys.argv[1:] if argv is None else argv
     question = " ".join(argv) or DEFAULT_QUESTION

@@ -205,7 +205,7 @@ def _normalize(args: argparse.Namespace) -> argparse.Namespace:
     if args.data:
         _guidellm_data(args)
     if args.goodput:
-        from tokenmill.bench.vllm_format import parse_goodput
+        from tokenmill.bench.traces.vllm_format import parse_goodput
 
         if args.slo:
             raise ValueError("give --slo or --goodput, not both")
@@ -335,7 +335,7 @@ def bench_main(args: argparse.Namespace) -> int:
         shapes = _shapes(args)
         slo = getattr(args, "slo_dict", None) or parse_slo(args.slo)
         if args.save_result:
-            from tokenmill.bench.vllm_format import parse_metrics, parse_percentiles
+            from tokenmill.bench.traces.vllm_format import parse_metrics, parse_percentiles
 
             parse_metrics(args.percentile_metrics), parse_percentiles(args.metric_percentiles)
         in_len, out_len = parse_length(args.input_len), parse_length(args.output_len)
@@ -460,7 +460,7 @@ def _save_vllm_results(args: argparse.Namespace, result: Any) -> list[str]:
     """One vLLM-format file per load point (vLLM writes one per run)."""
     import json
 
-    from tokenmill.bench.vllm_format import parse_metrics, parse_percentiles, result_filename, to_vllm
+    from tokenmill.bench.traces.vllm_format import parse_metrics, parse_percentiles, result_filename, to_vllm
 
     folder = args.result_dir or "."
     os.makedirs(folder, exist_ok=True)
@@ -498,8 +498,8 @@ def _capture_paths(files: list[str]) -> list[str]:
 
 
 def trace_export_main(args: argparse.Namespace) -> int:
-    from tokenmill.bench.mooncake import write_mooncake
-    from tokenmill.capture import read_capture
+    from tokenmill.bench.traces.mooncake import write_mooncake
+    from tokenmill.traffic.capture import read_capture
 
     paths = _capture_paths(args.files)
     missing = [p for p in paths if not os.path.exists(p)]
@@ -521,8 +521,8 @@ def trace_export_main(args: argparse.Namespace) -> int:
 def trace_main(args: argparse.Namespace) -> int:
     import json
 
-    from tokenmill.bench.trace_analysis import analyze, render
-    from tokenmill.capture import read_capture
+    from tokenmill.bench.traces.trace_analysis import analyze, render
+    from tokenmill.traffic.capture import read_capture
 
     paths: list[str] = []
     for f in args.files:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from tokenmill.bench.client import Target, send_request
-from tokenmill.bench.sessions import chains, next_turn
+from tokenmill.bench.traces.sessions import chains, next_turn
 from tokenmill.bench.types import RequestRecord, RequestSpec
 
 CONNECT_FAILURES_TO_ABORT = 5

@@ -129,7 +129,7 @@ def compare(paths: Sequence[str], eval_path: str | None = None,
     Reads tokenmill's result files and `vllm bench serve` ones alike (the latter without
     the success rows, which need per-request records)."""
     from tokenmill.bench import success
-    from tokenmill.bench.vllm_format import is_vllm_result, summary_from_vllm
+    from tokenmill.bench.traces.vllm_format import is_vllm_result, summary_from_vllm
 
     raws = {path: json.loads(Path(path).read_text(encoding="utf-8")) for path in paths}
     if not any(is_vllm_result(raw) for raw in raws.values()):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from ..corpus import corpus_text
+from ..files.corpus import corpus_text
 
 
 class TokenCounter:

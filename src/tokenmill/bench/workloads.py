@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.bench.lengths import LengthDist
-from tokenmill.bench.mooncake import is_mooncake, read_mooncake
+from tokenmill.bench.traces.mooncake import is_mooncake, read_mooncake
 from tokenmill.bench.tokens import TextBuilder, TokenCounter
 from tokenmill.bench.types import RequestSpec
-from tokenmill.capture import read_capture
+from tokenmill.traffic.capture import read_capture
 
 
 def make_salt(rng: random.Random | None = None) -> str:

@@ -25,9 +25,9 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from ..config import EngineConfig
-from ..model.lora import LoraError, LoraState, LoraWeights, ModelShape, attach as attach_wrappers, load_peft
-from ..model.lora_gguf import is_gguf_file, load_gguf_lora
+from ..settings.config import EngineConfig
+from ..model.lora.lora import LoraError, LoraState, LoraWeights, ModelShape, attach as attach_wrappers, load_peft
+from ..model.lora.lora_gguf import is_gguf_file, load_gguf_lora
 
 log = logging.getLogger("tokenmill.adapters")
 

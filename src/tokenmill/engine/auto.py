@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ..options import KernelOptions
+from ..settings.options import KernelOptions
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -58,7 +58,7 @@ def int8_compute(quantization: str, device: torch.device, options: KernelOptions
         return True
     if mode != "auto" or device.type != "cpu":
         return False
-    from ..model.cpu_kernels import load
+    from ..model.kernels.cpu_kernels import load
 
     lib = load(options)
     return lib is not None and lib.int8_dot
@@ -72,7 +72,7 @@ def resolve_dtype(name: str, device: torch.device, int8_activations: bool = Fals
     if device.type == "cuda":
         return "bfloat16", "CUDA device"
     if device.type == "cpu":
-        from ..model.cpu_kernels import native_bf16
+        from ..model.kernels.cpu_kernels import native_bf16
 
         if not native_bf16():
             return "float32", "this CPU has no native bf16 (it would be emulated, slower than float32)"
@@ -106,7 +106,7 @@ def resolve_quantization(name: str, loaded: Any, device: torch.device | None = N
                         "inputs (in tiles of the blocks' own codes and factors where the kernels have integer dot "
                         "products; elsewhere decode rows do so on the blocks and prefill chunks widen them)")
     if device is not None and int8_compute(name, device, options):
-        from ..model.cpu_kernels import load
+        from ..model.kernels.cpu_kernels import load
 
         lib = load(options)
         unit = getattr(lib, "int8_dot_unit", "") or "integer"

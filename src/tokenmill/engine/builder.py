@@ -22,25 +22,25 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import EngineConfig, ModelConfig, parse_dtype
-from ..model.kv_quant import resolve_kv_dtype
-from ..model.llama import LlamaForCausalLM
+from ..settings.config import EngineConfig, ModelConfig, parse_dtype
+from ..model.quant.kv_quant import resolve_kv_dtype
+from ..model.models.llama import LlamaForCausalLM
 from ..model.loader import LoadedModel, load_model
-from ..tokenizer import Tokenizer
+from ..files.tokenizer import Tokenizer
 from . import adapters, auto
-from .block_pool import BlockPool
-from .draft import DraftModelProposer
-from .executors import Kernels, choose_kernels
-from .host_memory import release_freed_heap
+from .kv.block_pool import BlockPool
+from .spec.draft import DraftModelProposer
+from .step.executors import Kernels, choose_kernels
+from .kv.host_memory import release_freed_heap
 from .loading import build_model, calibration_text, weight_bytes
-from .prefix_cache import PrefixCache
-from .runner import ModelRunner, num_blocks_for_budget
-from .scheduler import Scheduler
-from .speculative import SpeculativeConfig, Speculator
-from .structured import StructuredOutputs
+from .kv.prefix_cache import PrefixCache
+from .step.runner import ModelRunner, num_blocks_for_budget
+from .sched.scheduler import Scheduler
+from .spec.speculative import SpeculativeConfig, Speculator
+from .grammar.structured import StructuredOutputs
 
 if TYPE_CHECKING:
-    from .distributed import TensorParallelGroup
+    from .step.distributed import TensorParallelGroup
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -89,7 +89,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     # Tensor parallelism: workers started, this process is rank 0 and holds its shard only.
     parallel: TensorParallelGroup | None = None
     if config.tensor_parallel_size > 1:
-        from .distributed import TensorParallelGroup
+        from .step.distributed import TensorParallelGroup
 
         parallel = TensorParallelGroup.start(config, loaded)
         loaded = parallel.loaded
@@ -104,7 +104,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
     model.use_ops(kernels.ops)  # now, so that layouts the kernels read count as weights
     release_freed_heap()  # the load's conversion scratch, before the KV pool is sized and made
     weights = weight_bytes(model)
-    if config.enable_lora:  # every targeted projection behind a LoRA wrapper (model/lora.py)
+    if config.enable_lora:  # every targeted projection behind a LoRA wrapper (model/lora/lora.py)
         adapters.attach(model, config, device, dtype, parallel is not None)
     log.info("model weights take %.1f MiB in memory", weights / 2**20)
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype)
@@ -135,7 +135,7 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None,
 def check_disk_tier(config: EngineConfig) -> None:
     """What can be wrong with the disk tier's folder (another process holds it, it is not
     ours, too little room), said before the model loads; ``attach_disk_tier`` holds it later."""
-    from .tier_files import TierFolder
+    from .kv.tier_files import TierFolder
 
     if config.tensor_parallel_size > 1:
         raise ValueError("--kv-offload-bytes is not supported with tensor parallelism yet")
@@ -150,9 +150,9 @@ def check_disk_tier(config: EngineConfig) -> None:
 
 def attach_disk_tier(config: EngineConfig, prefix_cache: PrefixCache, runner: ModelRunner, parallel: bool,
                      kv_dtype: torch.dtype) -> None:
-    """The prefix cache's second tier on disk (engine/kv_tier.py), with what a previous process
+    """The prefix cache's second tier on disk (engine/kv/kv_tier.py), with what a previous process
     of the same model left there."""
-    from .kv_tier import BlockIO, DiskTier, TierIdentity, model_digest
+    from .kv.kv_tier import BlockIO, DiskTier, TierIdentity, model_digest
 
     if parallel:
         raise ValueError("--kv-offload-bytes is not supported with tensor parallelism yet")

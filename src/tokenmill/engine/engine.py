@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import EngineConfig
+from ..settings.config import EngineConfig
 from ..model.loader import LoadedModel
 from ..model.sampler import Logprob, SampleResult, sample
-from ..tokenizer import Tokenizer
+from ..files.tokenizer import Tokenizer
 from .builder import build_engine
 from .detokenizer import IncrementalDetokenizer
 from .limits import RequestLimits
 from .request import DEFAULT_PLACEMENT, Placement, Request, SamplingParams
-from .scheduler import ScheduledBatch
+from .sched.scheduler import ScheduledBatch
 from .stats import EngineStats, SpecSnapshot, TierSnapshot
-from .step_batch import StepBatch
-from .structured import StepMasks
+from .step.step_batch import StepBatch
+from .grammar.structured import StepMasks
 
 if TYPE_CHECKING:
-    from .kv_tier import DiskTier
+    from .kv.kv_tier import DiskTier
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -96,7 +96,7 @@ class LLMEngine:
         self.pool = parts.pool
         self.scheduler = parts.scheduler
         self.runner = parts.runner
-        self.lora = parts.runner.lora  # the resident LoRA adapters, or None (model/lora.py)
+        self.lora = parts.runner.lora  # the resident LoRA adapters, or None (model/lora/lora.py)
         self.structured = parts.structured
         self.speculator = parts.speculator
         # Uniform draws happen on the CPU (model/sampler.py), so generators live there on

@@ -3,7 +3,7 @@
 Used by the engine's builder (``builder.py``), the draft model of speculative
 decoding (``draft.py``) and tensor-parallel workers (``distributed.py``). The
 calibration run of w8a8's smoothing lives here, not in ``model/``: it pushes
-text through a paged runner, which is the engine's business (``model/smoothquant.py``
+text through a paged runner, which is the engine's business (``model/quant/smoothquant.py``
 keeps the math: measuring maxima and folding the factors in).
 """
 from __future__ import annotations
@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from ..config import EngineConfig
-from ..corpus import corpus_text
-from ..model import smoothquant
-from ..model.architectures import model_class
-from ..model.llama import LlamaForCausalLM
+from ..settings.config import EngineConfig
+from ..files.corpus import corpus_text
+from ..model.quant import smoothquant
+from ..model.models.architectures import model_class
+from ..model.models.llama import LlamaForCausalLM
 from ..model.loader import CheckpointWeights
 from ..model.loader import LoadedModel, load_model  # noqa: F401 - how tools outside the engine read a checkpoint
-from .executors import Kernels, choose_kernels
+from .step.executors import Kernels, choose_kernels
 from .request import Request, SamplingParams
-from .runner import ModelRunner
+from .step.runner import ModelRunner
 
 
 def calibration_text() -> str:
@@ -43,7 +43,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
         model = model_class(loaded.config)(loaded.config, max_positions=max_len)
     if parallel is not None:
         parallel.shard_model(model)
-    from ..model.quant import block_backed_layers
+    from ..model.quant.quant import block_backed_layers
 
     # Layers `gguf` rebuilds from the file's blocks stay on meta: their dense weights are
     # never made (a 4-bit file's, widened to float32, take eight times its bytes).
@@ -64,7 +64,7 @@ def build_model(loaded: LoadedModel, config: EngineConfig, device: torch.device,
             smooth_for_int8(model, calibration, config.cache.block_size, dtype, device,
                             kernels or choose_kernels(device, config.kernel_options))
     if config.quantization not in ("none", None):
-        from ..model.quant import quantize_model
+        from ..model.quant.quant import quantize_model
 
         quantize_model(model, loaded, config, None if kernels is None or parallel is not None else kernels.ops)
         if parallel is not None:

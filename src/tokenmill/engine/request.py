@@ -42,7 +42,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # False: never decode this request speculatively
-    # Constrain the output to a grammar (engine/structured.py): a GrammarSpec.
+    # Constrain the output to a grammar (engine/grammar/structured.py): a GrammarSpec.
     structured: Any = None
     # Text that ends the model's reasoning (e.g. "</think>"): the grammar applies only to
     # the output after it, so a thinking model reasons freely and answers in the format.
@@ -144,7 +144,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Placement:
     """Where a request stands among others when the scheduler is not FCFS
-    (engine/fairness.py): its tenant, the tenant's priority class (0 first) and
+    (engine/sched/fairness.py): its tenant, the tenant's priority class (0 first) and
     fair-share weight, and the request's own ``priority`` (vLLM's, lower first)
     within them. FCFS ignores it."""
 
@@ -215,7 +215,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_misses: int = 0
     spec_backoff_until: int = 0
-    # Grammar matcher of a structured-output request (engine/structured.py), advanced per token.
+    # Grammar matcher of a structured-output request (engine/grammar/structured.py), advanced per token.
     grammar: Any = None
     # The grammar while the reasoning runs (params.structured_after not yet seen); then ``grammar``.
     pending_grammar: Any = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Protocol
 
 if TYPE_CHECKING:
-    from .fairness import QueueHead
+    from .sched.fairness import QueueHead
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SpecSnapshot:
 
 @dataclass(frozen=True)
 class TierSnapshot:
-    """The prefix cache's disk tier (engine/kv_tier.py)."""
+    """The prefix cache's disk tier (engine/kv/kv_tier.py)."""
 
     slots: int
     used_slots: int

@@ -16,7 +16,7 @@ import itertools
 import time
 from typing import Any, Sequence
 
-from ..config import EngineConfig
+from ..settings.config import EngineConfig
 from ..engine.engine import LLMEngine, SequenceDelta
 from ..engine.request import CompletionOutput, RequestOutput, SamplingParams
 from ..model.sampler import Logprob
@@ -27,8 +27,8 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     `tokenmill serve`'s flags of those names (serve_config.py)."""
     import os
 
-    from ..cli_args import human_int
-    from .serve_config import apply_memory_share, resolve_dtype
+    from ..settings.cli_args import human_int
+    from .cli.serve_config import apply_memory_share, resolve_dtype
 
     out = dict(options)
     device = out.get("device", "cpu")
@@ -40,7 +40,7 @@ def vllm_options(options: dict[str, Any]) -> dict[str, Any]:
     out["tensor_parallel_size"] = int(out.get("tensor_parallel_size", 1) or 1)
     apply_memory_share(out, out.pop("gpu_memory_utilization", None), device)
     if out.pop("enforce_eager", False):
-        from ..options import KernelOptions
+        from ..settings.options import KernelOptions
 
         out["kernel_options"] = KernelOptions.from_env().replace(cuda_graphs=False)
     out.pop("trust_remote_code", None)  # no code from model folders is ever run
@@ -57,7 +57,7 @@ class LLM:
         loaded = engine_options.pop("loaded_model", None)
         tokenizer = engine_options.pop("tokenizer", None)
         if isinstance(tokenizer, str):  # vLLM's tokenizer=PATH
-            from ..tokenizer import Tokenizer
+            from ..files.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_model_path(tokenizer)
         options = vllm_options(dict(engine_options, dtype=dtype))

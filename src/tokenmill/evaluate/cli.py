@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         from ..engine.loading import load_model
-        from ..tokenizer import Tokenizer
+        from ..files.tokenizer import Tokenizer
 
         started = time.monotonic()
         loaded = load_model(args.model, dtype=torch.float32)

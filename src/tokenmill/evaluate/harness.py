@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import EngineConfig, canonical_dtype
+from ..settings.config import EngineConfig, canonical_dtype
 from ..engine.engine import LLMEngine
 from .evalset import EvalItem, ItemResult, run_eval_set
 from .safety import SafetyChange, SafetyRates, compare_safety, safety_failures, safety_rates
@@ -63,7 +63,7 @@ class CandidateSpec:
             else:
                 raise ValueError(f"candidate {text!r}: unknown option {opt!r} "
                                  "(use gNN, lm_head, bf16, fp32 or kv=int8|fp8)")
-        from ..config import QUANTIZATION_MODES as MODES
+        from ..settings.config import QUANTIZATION_MODES as MODES
 
         if spec.quantization not in (*MODES, "auto"):
             raise ValueError(f"candidate {text!r}: quantization must be one of {', '.join(MODES)}")

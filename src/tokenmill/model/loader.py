@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.config import ModelConfig
-from tokenmill.gguf_file import GGUFFile, GGUFTensor, read_gguf  # noqa: F401 - the container, read here
+from tokenmill.settings.config import ModelConfig
+from tokenmill.files.gguf_file import GGUFFile, GGUFTensor, read_gguf  # noqa: F401 - the container, read here
 from tokenmill.model.support import UnsupportedModel
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3",
@@ -48,7 +48,7 @@ BLOCK_SHAPES: dict[str, tuple[int, int]] = {
     "Q5_0": (32, 2 + 4 + 16),  # fp16 d, 32 fifth bits, 16 bytes of nibbles
     "Q5_1": (32, 2 + 2 + 4 + 16),  # fp16 d and m, then as Q5_0
 }
-# K-quants keep their blocks too (model/kquant.py, which also dequantizes them); Q5_0/Q5_1 are dequantized by gguf.quants
+# K-quants keep their blocks too (model/quant/kquant.py, which also dequantizes them); Q5_0/Q5_1 are dequantized by gguf.quants
 RAW_KEPT_TYPES = frozenset(BLOCK_SHAPES) | {"Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -199,7 +199,7 @@ def dequantize(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.n
     if type_name in _OWN_DEQUANT:
         return _OWN_DEQUANT[type_name](data).reshape(shape)
     if type_name in ("Q4_K", "Q5_K", "Q6_K"):  # numpy of our own, bit for bit gguf.quants' (and faster)
-        from .kquant import dequantize as kquant_dequantize
+        from .quant.kquant import dequantize as kquant_dequantize
 
         return kquant_dequantize(type_name, data, shape)
     if type_name in _GGUF_QUANTS_OK:
@@ -339,7 +339,7 @@ def _gguf_config(md: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]]) 
     layer0 = "model.layers.0.self_attn."
     extra: dict[str, Any] = {}
     if arch in _GEMMA:
-        from .gemma import gguf_settings
+        from .models.gemma import gguf_settings
 
         extra = gguf_settings(arch, meta, int(meta("block_count")),
                               int(meta("attention.key_length", hidden // heads)))
@@ -467,7 +467,7 @@ def _split_phi3(weights: CheckpointWeights, quant_types: dict[str, str],
                 raw: dict[str, tuple[str, np.ndarray, tuple[int, ...]]], config: ModelConfig) -> None:
     """Phi-3's fused q/k/v and gate/up into the separate names, unread (``split_rows``: each
     part dequantized when loading reads it); kept blocks split by rows too."""
-    from .phi3 import FUSED_SUFFIXES, fused_parts
+    from .models.phi3 import FUSED_SUFFIXES, fused_parts
 
     for name in [n for n in weights if n.endswith(FUSED_SUFFIXES)]:
         parts = fused_parts(name, weights.shape_of(name)[0], config)
@@ -515,7 +515,7 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
             and cfg.get("original_max_position_embeddings"):
         rope_scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
     if rope_scaling is not None:
-        from .llama import ROPE_SCALING_KINDS
+        from .models.llama import ROPE_SCALING_KINDS
 
         kind = rope_scaling.get("rope_type")
         if kind not in ROPE_SCALING_KINDS:
@@ -526,13 +526,13 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     extra: dict[str, Any] = {}
     if model_type in _GEMMA:
-        from .gemma import hf_settings as gemma_settings
+        from .models.gemma import hf_settings as gemma_settings
 
         extra = gemma_settings(cfg)
         if "rope_theta" in extra:
             rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
     elif model_type == "phi3":
-        from .phi3 import hf_settings as phi3_settings
+        from .models.phi3 import hf_settings as phi3_settings
 
         extra = phi3_settings(cfg)
     elif model_type == "mistral" and cfg.get("sliding_window"):
@@ -609,7 +609,7 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
                 quant_types[key] = _SAFETENSORS_TYPES.get(tensor.dtype, str(tensor.dtype))
                 weights[key] = tensor.to(dtype)
     if config.architecture == "phi3":
-        from .phi3 import split_fused_weights
+        from .models.phi3 import split_fused_weights
 
         sources = split_fused_weights(weights, config)
         for part, (source, _, _) in sources.items():
@@ -617,7 +617,7 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
         for source in {source for source, _, _ in sources.values()}:
             quant_types.pop(source)
     if config.num_experts:
-        from .moe import canonical_expert_names
+        from .models.moe import canonical_expert_names
 
         canonical_expert_names(weights, quant_types)
     if config.tie_word_embeddings:
@@ -636,7 +636,7 @@ def load_hf_folder(path: str, dtype: torch.dtype = torch.float32) -> LoadedModel
 def load_model(path: str | None, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a local GGUF file or Hugging Face folder; ``None`` means the bundled SmolLM2."""
     if path is None:
-        from tokenmill.bundled import default_model_path
+        from tokenmill.files.bundled import default_model_path
 
         path = default_model_path()
     path = os.fspath(path)

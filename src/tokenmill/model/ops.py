@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
-from .cpu_kernels import KernelLibrary
+from .kernels import cpu_kernels
+from .kernels.cpu_kernels import KernelLibrary
 
 
 @dataclass(frozen=True)

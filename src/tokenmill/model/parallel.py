@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
-from .llama import Linear, LlamaForCausalLM
+from ..settings.config import ModelConfig
+from .models.llama import Linear, LlamaForCausalLM
 from .loader import (RAW_KEPT_TYPES, LoadedModel, dequantize, gguf_to_hf_name, hf_config,
                      read_gguf, unpermute_rows)
 
@@ -255,7 +255,7 @@ def load_shard(path: str | None, dtype: torch.dtype, rank: int, size: int) -> Lo
     tensor is sliced before it is dequantized or copied, so no rank ever holds the
     whole model."""
     if path is None:
-        from ..bundled import default_model_path
+        from ..files.bundled import default_model_path
 
         path = default_model_path()
     path = os.fspath(path)
@@ -503,7 +503,7 @@ def rewrap_quantized(model: LlamaForCausalLM, tp: TPInfo) -> None:
     """After quantization replaced layers with quantized ones, put the communication back:
     the all-reduce after o/down, the logit gather after a quantized LM head, and a
     vocab-parallel lookup for an embedding tied to it."""
-    from .quant import QuantizedEmbedding
+    from .quant.quant import QuantizedEmbedding
 
     for layer in model.layers:
         for parent, attr in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):

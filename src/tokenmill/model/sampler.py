@@ -3,7 +3,7 @@
 Order of operations (as the common engines do): penalties on the raw logits,
 token rules (allowed_token_ids, logit_bias, bad_words: one batched scatter each
 over every row that has them), min_tokens masking, grammar masks of structured-output rows (-inf outside the
-grammar, engine/structured.py), then greedy rows take the argmax; random rows are divided
+grammar, engine/grammar/structured.py), then greedy rows take the argmax; random rows are divided
 by temperature, filtered by top-k, top-p and min-p, and sampled by inverse
 CDF: one uniform draw per row, located in the row's cumulative probabilities.
 A seeded row draws its uniform from its own generator, so the same seed and
@@ -20,7 +20,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from . import cpu_kernels
+from .kernels import cpu_kernels
 
 
 @dataclass
@@ -204,7 +204,7 @@ def sample(logits: torch.Tensor, requests: Sequence[SamplingRow], generator: tor
            token_mask: tuple[list[int], torch.Tensor] | None = None,
            library: cpu_kernels.KernelLibrary | None = None) -> SampleResult:
     """Pick one token per row of ``logits`` ([B, V] float32). ``token_mask``: rows and
-    their grammar bitmasks (engine/structured.py), applied after penalties. ``library``:
+    their grammar bitmasks (engine/grammar/structured.py), applied after penalties. ``library``:
     the engine's C kernels (greedy rows' argmax), or None for torch."""
     batch, vocab = logits.shape
     want_logprobs = any(r.params.logprobs is not None for r in requests)

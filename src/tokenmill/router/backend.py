@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .prefix_index import PrefixIndex
+from .cache.prefix_index import PrefixIndex
 
 
 def normalize_url(url: str) -> str:

@@ -9,8 +9,8 @@ import argparse
 import logging
 import signal
 
-from ..cli_args import human_int
-from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
+from ..settings.cli_args import human_int
+from ..gateway.request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from .config import POLICIES, PREFIX_SOURCES, RouterConfig, parse_kv_events
 from .tenancy import parse_objectives
 
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="endpoint picker: other ready endpoints listed after the pick, which the gateway tries "
                         "in turn if it fails (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from .canary_cli import add_arguments as add_canary_arguments
+    from .canary.canary_cli import add_arguments as add_canary_arguments
 
     add_canary_arguments(p)
     p.set_defaults(func=run)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         config = config_from_args(args)
-        from .canary_cli import config_from_args as canary_from_args
+        from .canary.canary_cli import config_from_args as canary_from_args
 
         config.canary = canary_from_args(args)
         config.validate()
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if config.endpoint_picker:
         try:
-            from . import ext_proc  # noqa: F401 - gRPC and Envoy's protos
+            from .k8s import ext_proc  # noqa: F401 - gRPC and Envoy's protos
         except ImportError as exc:
             logging.getLogger("tokenmill.router").error(
                 "--endpoint-picker needs the router extra (%s): pip install 'tokenmill[router]'", exc.name or exc)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kv_events import CurveKeys
-from ..request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
+from ..traffic.kv_events import CurveKeys
+from ..gateway.request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 
 POLICIES = ("prefix", "least-load", "round-robin")
 PREFIX_SOURCES = ("approximate", "events")
@@ -80,14 +80,14 @@ class RouterConfig:
     min_match_ratio: float = 0.1
 
     # Where the prefix index comes from: "approximate" (what the router sent where) or
-    # "events" (the KV events each backend publishes, router/kv_index.py; the approximate
+    # "events" (the KV events each backend publishes, router/cache/kv_index.py; the approximate
     # index stands in while a backend's stream is quiet or absent). kv_events maps a backend
     # URL to its (PUB endpoint, replay endpoint or None).
     prefix_source: str = "approximate"
     kv_events: dict[str, tuple[str, str | None]] = field(default_factory=dict)
     events_stale_after: float = 10.0  # seconds of silence, with requests sent, before falling back
     # Replicas that admit subscribers by CURVE key: the router's .key_secret certificate and
-    # the replicas' public certificate (kv_events.py); both or neither.
+    # the replicas' public certificate (traffic/kv_events.py); both or neither.
     kv_events_client_key: str | None = None
     kv_events_server_key: str | None = None
 
@@ -121,13 +121,13 @@ class RouterConfig:
     grpc_host: str | None = None  # default: same as host
     fallback_endpoints: int = 2  # other endpoints after the pick in x-gateway-destination-endpoint
 
-    # Canary rollout (router/canary.py): variants, split, SLO guard. None: one group.
+    # Canary rollout (router/canary/canary.py): variants, split, SLO guard. None: one group.
     canary: Any = None
 
     def kv_events_curve(self) -> "CurveKeys | None":
         """The keys to follow event streams with (None: plain subscriptions); ValueError when
         only one of the two is given or a file is not a certificate."""
-        from ..kv_events import load_curve_pair, load_curve_public
+        from ..traffic.kv_events import load_curve_pair, load_curve_public
 
         client, server = self.kv_events_client_key, self.kv_events_server_key
         if client is None and server is None:
@@ -139,7 +139,7 @@ class RouterConfig:
 
     def validate(self) -> None:
         if self.api_keys_file:
-            from ..tenants import TenantTable
+            from ..gateway.tenants import TenantTable
 
             try:
                 TenantTable.load(self.api_keys_file)

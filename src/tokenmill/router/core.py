@@ -19,7 +19,7 @@ from .config import RouterConfig
 from .metrics import RouterMetrics
 from .policy import Decision, PrefixAware, make_policy
 from .pool import BackendPool
-from .prefix_index import block_hashes
+from .cache.prefix_index import block_hashes
 from .sessions import SessionTable, previous_response_of
 from .tokenize import CharChunker, LocalTokenizer, RemoteTokenizer, Tokenizer, prompt_of
 
@@ -59,7 +59,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.canary = None
         if config.canary is not None:  # variants' backends join the pool
-            from .canary import make_canary
+            from .canary.canary import make_canary
 
             self.canary = make_canary(config, self.metrics)
         self._listeners: list[Callable[[], None]] = []
@@ -70,7 +70,7 @@ class Router:
 
         self.tenancy = RouterTenancy(config.api_keys_file, config.objectives, config.api_key,
                                      on_reload_failure=self.metrics.keys_reload_failures.inc)
-        from ..tracing import make_tracing
+        from ..gateway.tracing import make_tracing
 
         self.tracing = make_tracing(config.otlp_traces_endpoint, "tokenmill-router")
         self.tokenizer = self._make_tokenizer()

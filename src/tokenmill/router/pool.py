@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from . import models
 from .backend import Backend, BackendStats, normalize_url
 from .config import RouterConfig
-from .kv_index import EventIndex, EventSubscriber, RoutingIndex
-from .prefix_index import PrefixIndex
+from .cache.kv_index import EventIndex, EventSubscriber, RoutingIndex
+from .cache.prefix_index import PrefixIndex
 
 log = logging.getLogger("tokenmill.router")
 
@@ -87,7 +87,7 @@ class BackendPool:
 
     def _index_for(self, url: str) -> "PrefixIndex | RoutingIndex":
         """The approximate index; with ``--prefix-source events`` and an event stream for this
-        backend, that index behind the one its events keep (router/kv_index.py)."""
+        backend, that index behind the one its events keep (router/cache/kv_index.py)."""
         approx = PrefixIndex(self.config.index_capacity_blocks)
         stream = self.config.kv_events.get(url) if self.config.prefix_source == "events" else None
         if stream is None:
@@ -262,7 +262,7 @@ class BackendPool:
 
     async def start(self) -> None:
         if self.config.pool_name and self.membership is None:
-            from .k8s_pool import PoolMembership
+            from .k8s.k8s_pool import PoolMembership
 
             loop = asyncio.get_running_loop()
             self.membership = PoolMembership(self.config.pool_name, self.config.pool_namespace,

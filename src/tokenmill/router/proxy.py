@@ -32,7 +32,7 @@ replica sees are the ones tenancy.py decides, never the client's own when the
 router has a keys file.
 
 Bodies are read whole first, within ``max_request_bytes`` (413) and
-``request_read_timeout`` (408), as the server does (request_guard.py); every
+``request_read_timeout`` (408), as the server does (gateway/request_guard.py); every
 error, a body nested too deep for the JSON parser included, is OpenAI-shaped
 JSON.
 """
@@ -52,8 +52,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..credentials import bearer_token
-from ..request_guard import BodyGuard
+from ..gateway.credentials import bearer_token
+from ..gateway.request_guard import BodyGuard
 from .backend import Backend
 from .core import ConversationUnavailable, NoBackendError, Router, ShedError
 from .sessions import ResponseIdSniffer, previous_response_of, response_id_of_body, session_key
@@ -496,7 +496,7 @@ def build_app(router: Router, manage_router: bool = True) -> Starlette:
         Route("/router/backends", proxy.backends, methods=["GET"]),
     ]
     if router.canary is not None:
-        from .admin import split_routes
+        from .canary.admin import split_routes
 
         routes += split_routes(router)
 

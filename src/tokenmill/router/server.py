@@ -13,7 +13,7 @@ import time
 
 import uvicorn
 
-from ..request_guard import HeaderDeadline, header_guarded_protocol
+from ..gateway.request_guard import HeaderDeadline, header_guarded_protocol
 from .config import RouterConfig
 from .core import Router
 from .proxy import build_app
@@ -39,12 +39,12 @@ class RouterServer:
         await self.router.start()
         try:
             if c.endpoint_picker:
-                from .ext_proc import start_grpc
+                from .k8s.ext_proc import start_grpc
 
                 self._grpc, _, self.grpc_port = await start_grpc(self.router, c.grpc_host or c.host, c.grpc_port)
                 log.info("endpoint picker (ext_proc) on %s:%d", c.grpc_host or c.host, self.grpc_port)
             app = build_app(self.router, manage_router=False)
-            # a deadline on each request's line and headers (request_guard.py), counted as the body guard's
+            # a deadline on each request's line and headers (gateway/request_guard.py), counted as the body guard's
             http = header_guarded_protocol(HeaderDeadline(
                 timeout=lambda: c.header_read_timeout, max_pending=c.max_pending_connections,
                 on_reject=lambda reason: self.router.metrics.responses.labels(reason).inc()))

@@ -11,7 +11,7 @@ The Gateway API Inference Extension names two request headers:
 - ``x-gateway-inference-fairness-id``: the flow (tenant) the request is fair
   against.
 
-With ``--api-keys-file`` (the servers' file, tenants.py) the router knows the
+With ``--api-keys-file`` (the servers' file, gateway/tenants.py) the router knows the
 tenant from the key, enforces the tenant's ``max_inflight`` and
 ``tokens_per_minute`` over all replicas together (the servers each see only
 their share, so without this one tenant could take every replica), and tells the
@@ -42,9 +42,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from ..tenant_gate import TenantGate, TenantLimited
-from ..tenants import DEFAULT_TENANT, Tenant, TenantDirectory
-from ..priority_classes import PRIORITY_CLASSES
+from ..gateway.tenant_gate import TenantGate, TenantLimited
+from ..gateway.tenants import DEFAULT_TENANT, Tenant, TenantDirectory
+from ..gateway.priority_classes import PRIORITY_CLASSES
 from .tokenize import prompt_of
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"

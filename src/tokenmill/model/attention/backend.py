@@ -14,7 +14,7 @@ pool's dtype and the ``KernelOptions``:
 Each step the runner builds one ``StepLayout``; the backend's ``prepare``
 turns it into a ``StepAttention``, the per-step metadata its kernels read
 (built once, for every layer), which the model's attention layers call to
-store new K/V and to attend. A quantized pool (model/kv_quant.py) comes with
+store new K/V and to attend. A quantized pool (model/quant/kv_quant.py) comes with
 its (K, V) scales in both calls. Each backend class declares its
 ``BackendCapabilities`` (CUDA-graph capture, quantized pools, sliding windows),
 which the runner asks once, when the engine is built. A new backend is a new
@@ -28,8 +28,8 @@ from typing import Protocol
 
 import torch
 
-from ...options import KernelOptions
-from .. import cpu_kernels
+from ...settings.options import KernelOptions
+from ..kernels import cpu_kernels
 from .layout import BackendCapabilities, StepLayout
 
 log = logging.getLogger("tokenmill.attention")

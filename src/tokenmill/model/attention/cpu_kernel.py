@@ -13,7 +13,7 @@ prefill_attention.c``): one sequence per call, causal flash-style attention
 with register-tiled score and output matmuls, reading the cached prefix and
 the chunk's own K/V in place. New K/V are stored by ``cpu_kernels.store_kv``
 in one pass; into a quantized pool, by ``cpu_kernels.store_kv_quant``, which both
-attention kernels then read in place (model/kv_quant.py).
+attention kernels then read in place (model/quant/kv_quant.py).
 
 The backend is chosen only for pools the kernels take (float32 or bf16, a
 head size that is a multiple of the vector width), so every call here runs
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cpu_kernels
+from ..kernels import cpu_kernels
 from .layout import BackendCapabilities, StepLayout
 
 

@@ -51,7 +51,7 @@ class BackendCapabilities:
     # Its per-step object can be built on the device from a CUDA graph's static tensors
     # (a ``graph_decode_step`` method): the runner records decode steps only then.
     cuda_graphs: bool = False
-    # It reads and writes a quantized pool (model/kv_quant.py: codes plus scales).
+    # It reads and writes a quantized pool (model/quant/kv_quant.py: codes plus scales).
     quantized_pool: bool = False
     # It attends over a sliding window of recent positions and soft-caps scores (Gemma 2's
     # layers); a model with soft-capped scores needs a backend that declares it.

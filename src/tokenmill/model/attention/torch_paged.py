@@ -20,7 +20,7 @@ in ``prepare``, once per step. CUDA graphs record decode steps through
 ``graph_decode_step``, which builds the same metadata on the device from the
 graph's static tensors.
 
-A quantized pool (int8 / fp8 codes with per-block scales, model/kv_quant.py)
+A quantized pool (int8 / fp8 codes with per-block scales, model/quant/kv_quant.py)
 is written by ``kv_quant.store`` and dequantized as its blocks are gathered
 (no workspace then: the dequantization makes the copy).
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import kv_quant
+from ..quant import kv_quant
 from .layout import BackendCapabilities, StepLayout
 
 log = logging.getLogger("tokenmill.attention")

@@ -1,0 +1,1 @@
+"""Structured outputs: grammar specs, their crash-isolated compilation, and per-row token masks."""

@@ -1,0 +1,1 @@
+"""The command line: the one entry point and its serve and generate commands."""

@@ -1,0 +1,1 @@
+"""The web console and its sign-in."""

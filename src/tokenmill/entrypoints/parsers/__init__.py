@@ -1,0 +1,1 @@
+"""Reading model text for every API: tool calls, reasoning, chat templates."""

@@ -1,1 +1,0 @@
-"""C sources compiled at run time by ``tokenmill.model.cpu_kernels`` (data, not Python)."""

@@ -1,0 +1,1 @@
+"""The C kernels (csrc/) and their Python bindings and build."""

@@ -1,0 +1,1 @@
+"""What the router knows of replicas' caches: the approximate prefix index and the index fed by KV events."""

@@ -1,0 +1,1 @@
+"""What a replica tells others about its traffic: captured requests, cache-miss reasons, KV cache events."""
