@@ -34,7 +34,8 @@ def answers(tp: int) -> dict[str, object]:
         scored = llm.score(PROMPTS, top=3)
         chosen = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6,
                                                           structured=GrammarSpec("choice", ("ab", "ba", "aab"))))
-        return {"echo_prompt": [o.prompt_logprobs for o in echoed],
+        return {"drafts": llm.engine.speculator.stats.num_draft_tokens,
+                "echo_prompt": [o.prompt_logprobs for o in echoed],
                 "echo_tokens": [o.outputs[0].token_ids for o in echoed],
                 "echo_logprobs": [o.outputs[0].logprobs for o in echoed],
                 "score": scored,
@@ -67,8 +68,10 @@ def test_prompt_logprobs_match_one_rank(one_and_three):
 
 
 def test_echo_with_logprobs_matches_one_rank(one_and_three):
-    """What the completions endpoint's ``echo`` with ``logprobs`` reads: prompt and output logprobs."""
+    """What the completions endpoint's ``echo`` with ``logprobs`` reads: prompt and output
+    logprobs; the outputs come through speculative verify rows."""
     one, three = one_and_three
+    assert one["drafts"] > 0 and three["drafts"] == one["drafts"]
     assert three["echo_tokens"] == one["echo_tokens"]
     assert_same_logprobs(three["echo_prompt"], one["echo_prompt"])
     assert_same_logprobs(three["echo_logprobs"], one["echo_logprobs"])
