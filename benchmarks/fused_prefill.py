@@ -41,7 +41,7 @@ def engine(args: argparse.Namespace, fused: bool) -> LLM:
     if fused and not any(isinstance(e, FusedPrefillExecutor) for e in runner.executors):
         # Dense layers, which the runner leaves eager: measure the step all the same.
         assert runner.fused is not None, "the fused step is off for this model"
-        runner.executors.insert(1, FusedPrefillExecutor(runner, runner.fused))
+        runner.executors.insert(1, FusedPrefillExecutor(runner.model, runner.lora, runner.fused))
     return llm
 
 

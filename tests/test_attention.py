@@ -308,3 +308,28 @@ def test_engine_output_is_the_same_with_batched_prefill(monkeypatch) -> None:
     monkeypatch.setattr(TorchPagedAttention, "__init__", batched_on_cpu)
     assert run() == plain
     assert used and max(used) > 1
+
+
+def test_every_backend_in_the_table_answers_graph_capture_as_its_capabilities_say() -> None:
+    """The protocol's ``graph_decode_step``: a step for backends that declare capture, a plain
+    ``GraphCaptureUnsupported`` from the others; every backend is chosen from ``BACKENDS``."""
+    from tokenmill.model.attention import BACKENDS, BackendSpec, GraphCaptureUnsupported, attention_backend_class
+
+    cpu = torch.device("cpu")
+    spec = BackendSpec(torch.float32, cpu, 4, 2, 8, 16, KernelOptions(), cpu_kernels.load(KernelOptions()))
+    b, w, bs = 2, 3, 4
+    slots, tables, lens = torch.zeros(b, dtype=torch.long), torch.zeros(b, w, dtype=torch.long), torch.ones(b)
+    key_pos = torch.arange(w * bs)[None, None, :]
+    for name, cls in BACKENDS.items():
+        if name == "cpu_kernels" and spec.library is None:
+            continue
+        backend = cls.build(spec)
+        if cls.capabilities.cuda_graphs:
+            step = backend.graph_decode_step(slots, tables, lens, key_pos, b, w, bs)
+            assert step.layout.num_decodes == b
+        else:
+            with pytest.raises(GraphCaptureUnsupported, match="cannot be captured"):
+                backend.graph_decode_step(slots, tables, lens, key_pos, b, w, bs)
+    reference = KernelOptions(attention="reference")
+    assert attention_backend_class(cpu, torch.float32, reference, None, 16) is BACKENDS["reference"]
+    assert attention_backend_class(cpu, torch.float32, KernelOptions(), None, 16) is BACKENDS["torch_paged"]

@@ -28,7 +28,7 @@ def _prefill_executor(engine) -> FusedPrefillExecutor:
     found = [e for e in engine.runner.executors if isinstance(e, FusedPrefillExecutor)]
     if not found:
         assert not engine.runner.fused.prefill_on_kernels
-        return FusedPrefillExecutor(engine.runner, engine.runner.fused)
+        return FusedPrefillExecutor(engine.runner.model, engine.runner.lora, engine.runner.fused)
     return found[0]
 
 

@@ -72,7 +72,7 @@ from typing import Callable, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...model.attention import TorchPagedAttention
+from ...model.attention import AttentionBackend, GraphCaptureUnsupported
 from ...model.models.llama import LlamaForCausalLM
 from ...settings.options import KernelOptions
 from ..request import Request
@@ -263,7 +263,7 @@ class DecodeGraphRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, scratch_block: int, dtype: torch.dtype, device: torch.device,
-                 backend: GraphBackend, attention: TorchPagedAttention, max_batch: int = 256, max_width: int | None = None,
+                 backend: GraphBackend, attention: AttentionBackend, max_batch: int = 256, max_width: int | None = None,
                  batch_sizes: tuple[int, ...] | None = None, widths: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -276,7 +276,7 @@ class DecodeGraphRunner:
         self.device = device
         self.backend = backend
         if not attention.capabilities.cuda_graphs:  # the runner asks before it builds graphs
-            raise TypeError(f"the {attention.name} backend cannot be captured in a CUDA graph")
+            raise GraphCaptureUnsupported(f"the {attention.name} backend cannot be captured in a CUDA graph")
         self.attention = attention
         if max_width is None:  # a sequence never spans more than max_model_len tokens, nor the pool
             max_width = min(-(-model.rope.cos.shape[0] // block_size), scratch_block)

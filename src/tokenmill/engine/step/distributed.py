@@ -1,13 +1,18 @@
 """Tensor parallelism across processes on ``torch.distributed``.
 
 Rank 0 is the engine's own process (the driver): it keeps the scheduler, the
-block tables and the prefix cache, builds each step's layout (``StepInputs``)
-exactly as a single-device runner does, broadcasts it, and runs its shard of
-the forward pass like every other rank. Ranks 1..N-1 are worker processes
-started and supervised here; each loads only its slices of the weights from
-the checkpoint (``model/parallel.py``), holds its share of the KV pool (the
-same block ids, its own KV heads), and runs the same forward on every layout
-it receives. Logits are gathered on rank 0, which samples.
+block tables and the prefix cache, and runs every step through the same eager
+step a single device runs (``eager.EagerStep``: prompt logprobs, speculative
+verify rows, grammar-constrained rows alike); the group adds one hook to it,
+``ParallelRunner.share``, which broadcasts the step's layout (``StepInputs``
+without the requests, plus the rows scoring prompts) before the driver's
+forward. Ranks 1..N-1 are worker processes started and supervised here; each
+loads only its slices of the weights from the checkpoint
+(``model/parallel.py``), holds its share of the KV pool (the same block ids,
+its own KV heads), and ``follow``s every layout it receives through the same
+forward and the same LM-head calls. Logits are gathered on rank 0, which
+samples and turns prompt logits into logprobs. LoRA adapters are refused at
+build time (``engine/adapters.py``): only the driver would hold them.
 
 Two process groups: the default one (gloo on CPU, NCCL on CUDA) carries the
 model's all-reduces and the logit gather under a short timeout, so a stuck
@@ -51,8 +56,8 @@ from ...model.models.architectures import model_class
 from ...model.models.llama import LlamaForCausalLM
 from ...model.attention import StepLayout
 from ...model.loader import LoadedModel
-from .executors import Kernels, StepItems, choose_kernels
-from ..request import Request
+from .eager import StepInputs, StepItems, StepResult
+from .executors import Kernels, choose_kernels
 from .runner import ModelRunner
 from .step_batch import StepBatch
 
@@ -187,40 +192,40 @@ class _Layout:
     positions: torch.Tensor
     layout: StepLayout  # on the CPU; each rank's attention backend prepares it for itself
     logits_rows: torch.Tensor
+    prompt_spans: list[tuple[int, int]]  # (first row, row count) of each request scoring its prompt
 
 
 class ParallelRunner(ModelRunner):
-    """A ``ModelRunner`` on one rank's shard. On the driver ``execute`` broadcasts each
-    step's layout before running its part; on a worker ``serve`` runs layouts until told
-    to stop."""
+    """A ``ModelRunner`` on one rank's shard, on the eager step (``eager.EagerStep``). On the
+    driver the eager step ``share``s each step's layout before running its part; on a
+    worker ``serve`` follows the layouts until told to stop."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, kernels: Kernels, tp: parallel.TPInfo, control: Any,
                  group: "TensorParallelGroup | None" = None) -> None:
-        super().__init__(model, num_blocks, block_size, dtype, device, kernels, eager_only=True)
         self.tp = tp
         self.control = control
         self.group = group
         self.broadcast_s = 0.0  # driver: seconds spent handing layouts to the workers
+        super().__init__(model, num_blocks, block_size, dtype, device, kernels, eager_only=True,
+                         group=self if tp.rank == 0 else None)
 
-    def execute(self, step: StepBatch | StepItems) -> tuple[torch.Tensor, list[Request]]:
+    def execute(self, step: StepBatch | StepItems) -> StepResult:
+        """The step on every rank; a failed collective says which rank died."""
         if self.group is not None and self.group.failure is not None:
             raise TensorParallelError(self.group.failure)
-        with torch.inference_mode():
-            inputs = self.prepare(step)
-            layout = _Layout(inputs.input_ids.cpu(), inputs.positions.cpu(),
-                             inputs.attn.layout.to(torch.device("cpu")), inputs.logits_rows.cpu())
-            try:
-                started = time.perf_counter()
-                dist.broadcast_object_list([layout], src=0, group=self.control)
-                self.broadcast_s += time.perf_counter() - started
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-                if not inputs.sampled:
-                    return torch.empty((0, self.model.config.vocab_size)), []
-                logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_rows))
-            except RuntimeError as exc:
-                raise TensorParallelError(self._failure_reason() or f"tensor-parallel step failed: {exc}") from exc
-        return logits, inputs.sampled
+        try:
+            return super().execute(step)
+        except RuntimeError as exc:
+            raise TensorParallelError(self._failure_reason() or f"tensor-parallel step failed: {exc}") from exc
+
+    def share(self, inputs: StepInputs) -> None:
+        """``LayoutShare``: hand the step's layout to the workers, before the driver's forward."""
+        layout = _Layout(inputs.input_ids.cpu(), inputs.positions.cpu(), inputs.attn.layout.to(torch.device("cpu")),
+                         inputs.logits_rows.cpu(), [(p.row, p.count) for p in inputs.prompt_rows])
+        started = time.perf_counter()
+        dist.broadcast_object_list([layout], src=0, group=self.control)
+        self.broadcast_s += time.perf_counter() - started
 
     def _failure_reason(self, wait_s: float = 1.0) -> str | None:
         """Which rank died, once the watchdog has seen it (a peer's collective usually
@@ -231,7 +236,7 @@ class ParallelRunner(ModelRunner):
         return self.group.failure if self.group is not None else None
 
     def serve(self) -> None:
-        """Worker loop: run every broadcast layout; return on the stop message (None)."""
+        """Worker loop: follow every broadcast layout; return on the stop message (None)."""
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0, group=self.control)
@@ -239,11 +244,10 @@ class ParallelRunner(ModelRunner):
             if layout is None:
                 return
             with torch.inference_mode():
-                attn = self.attention.prepare(layout.layout.to(self.device))
-                ids, positions = layout.input_ids.to(self.device), layout.positions.to(self.device)
-                hidden = self.model(ids, positions, self.kv_caches, attn)
-                if layout.logits_rows.numel():
-                    self.model.compute_logits(hidden.index_select(0, layout.logits_rows.to(self.device)))
+                dev = self.device
+                inputs = StepInputs(layout.input_ids.to(dev), layout.positions.to(dev),
+                                    self.attention.prepare(layout.layout.to(dev)), layout.logits_rows.to(dev), [])
+                self.eager.follow(inputs, layout.prompt_spans)
 
 
 def executor_note(device: torch.device) -> str:

@@ -18,30 +18,35 @@ ops. The runner then builds its step executors, in order of preference:
 
 Each says which steps it accepts; the runner runs a step on the first that
 accepts it. No executor asks the environment or the device again per step.
+
+The runner owns the executors, not the other way round: it builds them and
+hands each what it runs on (the model and its adapters, the fused decoder,
+the captured graphs, the eager step of ``eager.py``); nothing here imports
+the runner.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ...model.kernels import cpu_kernels
+from ...model.lora.lora import LoraState
+from ...model.models.llama import LlamaForCausalLM
 from ...model.ops import ModelOps, select_ops
 from ...settings.options import KernelOptions
 from . import fused_decode, fused_lora
 from ..request import Request
+from .cuda_graphs import DecodeGraphRunner
+from .eager import EagerStep, StepItems, StepResult
 from .step_batch import RowKind, StepBatch
-
-if TYPE_CHECKING:
-    from .cuda_graphs import DecodeGraphRunner
-    from .runner import ModelRunner
 
 log = logging.getLogger("tokenmill.executors")
 
-StepItems = list[tuple[Request, int]]  # what the scheduler gives out; the runner builds a StepBatch of it
-StepResult = tuple[torch.Tensor, list[Request]]
+__all__ = ["Kernels", "choose_kernels", "StepExecutor", "StepItems", "StepResult", "EagerExecutor",
+           "FusedDecodeExecutor", "FusedPrefillExecutor", "CudaGraphExecutor", "fused_step_inputs"]
 
 
 @dataclass(frozen=True)
@@ -74,18 +79,18 @@ class StepExecutor(Protocol):
 
 
 class EagerExecutor:
-    """The model's forward over the flattened step: accepts every step."""
+    """The model's forward over the flattened step (``eager.EagerStep``): accepts every step."""
 
     name = "eager"
 
-    def __init__(self, runner: "ModelRunner") -> None:
-        self.runner = runner
+    def __init__(self, step: EagerStep) -> None:
+        self.step = step
 
     def accepts(self, batch: StepBatch) -> bool:
         return True
 
     def run(self, batch: StepBatch) -> StepResult:
-        return self.runner.run_eager(batch)
+        return self.step.run(batch)
 
 
 def fused_step_inputs(batch: StepBatch) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
@@ -121,21 +126,22 @@ class _FusedExecutor:
 
     name = "fused"
 
-    def __init__(self, runner: "ModelRunner", decoder: fused_decode.FusedDecoder) -> None:
-        self.runner = runner
+    def __init__(self, model: LlamaForCausalLM, lora: LoraState | None, decoder: fused_decode.FusedDecoder) -> None:
+        self.model = model
+        self.lora = lora
         self.decoder = decoder
-        self.adapter_tables = (fused_lora.AdapterTables(len(runner.model.layers), decoder.lib.vector_width)
-                               if runner.lora is not None else None)
+        self.adapter_tables = (fused_lora.AdapterTables(len(model.layers), decoder.lib.vector_width)
+                               if lora is not None else None)
 
     def run(self, batch: StepBatch) -> StepResult:
         segments = None
         if batch.has_adapters:
-            assert self.adapter_tables is not None and self.runner.lora is not None
+            assert self.adapter_tables is not None and self.lora is not None
             # each adapter's rows together: the kernel reads an adapter's weights once per
             # segment, so rows dealt round robin would read them once per row
             batch = batch.decodes_first()
-            segments = self.adapter_tables.segments(self.runner.lora, batch.adapter_segments)
-        return _run_fused(self.runner, self.decoder, batch, segments)
+            segments = self.adapter_tables.segments(self.lora, batch.adapter_segments)
+        return _run_fused(self.model, self.decoder, batch, segments)
 
 
 class FusedDecodeExecutor(_FusedExecutor):
@@ -162,10 +168,10 @@ class FusedPrefillExecutor(_FusedExecutor):
         return not batch.all_decodes and not batch.scores_prompt
 
 
-def _run_fused(runner: "ModelRunner", decoder: fused_decode.FusedDecoder, batch: StepBatch,
+def _run_fused(model: LlamaForCausalLM, decoder: fused_decode.FusedDecoder, batch: StepBatch,
                lora_segments: object = None) -> StepResult:
     ids, tables, seq_lens, chunks, rows, sampled = fused_step_inputs(batch)
-    embeddings = runner.model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
+    embeddings = model.embed_tokens(torch.tensor(ids, dtype=torch.long)).float().contiguous()
     logits = decoder.run(embeddings, tables, seq_lens, chunks if chunks.shape[0] else None,
                          rows if len(rows) != len(ids) else None, lora_segments)  # type: ignore[arg-type]
     return logits, sampled
@@ -176,7 +182,7 @@ class CudaGraphExecutor:
 
     name = "CUDA graph decode"
 
-    def __init__(self, graphs: "DecodeGraphRunner") -> None:
+    def __init__(self, graphs: DecodeGraphRunner) -> None:
         self.graphs = graphs
         # The bucket ``accepts`` planned, for the step ``run`` is then given (the same batch).
         self._planned: tuple[StepBatch, tuple[int, int]] | None = None

@@ -253,61 +253,89 @@ def build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
 def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
            lib: cpu_kernels.KernelLibrary, max_batch: int | None) -> FusedDecoder:
     cfg = model.config
+    k0, head_dim = _check_supported(model, kv_caches, lib)
+    quantized = k0.dtype not in (torch.float32, torch.bfloat16)
+    keep: list[torch.Tensor] = []
+    layers = (_Layer * cfg.num_hidden_layers)()
+    for i, (layer, cache) in enumerate(zip(model.layers, kv_caches)):
+        _fill_layer(layers[i], i, model, layer, cache, quantized, lib, keep)
+    m = _model_struct(model, layers, k0, head_dim, lib, keep)
+    layer_kinds = {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
+                   for p in ("qkv", "qkv_tail", "o", "gate_up", "down") if getattr(layers[i], p).n}
+    limit = min(MAX_BATCH_BY_KIND[k] for k in layer_kinds | {m.head.kind}) if max_batch is None else max_batch
+    log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
+             limit, cfg.num_hidden_layers)
+    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, model.embedding_multiplier(), limit,
+                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4, W_KQ} if lib.q4_int8_dot
+                                                            else {W_INT8, W_INT8G, W_KQ}))
+
+
+def _check_supported(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
+                     lib: cpu_kernels.KernelLibrary) -> tuple[torch.Tensor, int]:
+    """The first layer's K pool and the head size, once the model, the pool and the library
+    are ones the native step takes (``Unsupported`` says why not)."""
     refusal = model.native_step_refusal()
     if refusal is not None:
         raise Unsupported(refusal)
     k0 = kv_caches[0][0]
     if k0.device.type != "cpu" or k0.dtype not in cpu_kernels.KV_FORMAT:
         raise Unsupported(f"KV pool on {k0.device} in {k0.dtype}")
-    quantized = k0.dtype not in (torch.float32, torch.bfloat16)
-    head_dim = int(cfg.head_dim or 0)
+    head_dim = int(model.config.head_dim or 0)
     if head_dim % lib.vector_width or head_dim > 512:
         raise Unsupported(f"head_dim {head_dim}")
     expected = ctypes.sizeof(_Linear) * 1000000 + ctypes.sizeof(_Layer) * 1000 + ctypes.sizeof(_Model)
     if lib.cdll.tm_decode_struct_sizes() != expected:
         raise Unsupported("the kernel library's struct layout differs from this module's")
-    keep: list[torch.Tensor] = []
-    layers = (_Layer * cfg.num_hidden_layers)()
-    for i, (layer, cache) in enumerate(zip(model.layers, kv_caches)):
-        kc, vc = cache[0], cache[1]
-        attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):
-            raise Unsupported(f"layers.{i} is a mixture of experts (the eager forward runs it, grouped by expert)")
-        dst = layers[i]
-        dst.window = attn.window or 0  # a sliding-window layer's (model/models/llama.py set_windows); 0: none
-        dst.input_norm = _f32(layer.input_layernorm.weight, keep)
-        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms of both blocks' outputs too
-            dst.post_norm = _f32(layer.pre_feedforward_layernorm.weight, keep)
-            dst.attn_out_norm = _f32(layer.post_attention_layernorm.weight, keep)
-            dst.mlp_out_norm = _f32(layer.post_feedforward_layernorm.weight, keep)
-        else:
-            dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
-        rotary = model.layer_rotary(i)
-        if rotary is not model.rope:
-            dst.cos, dst.sin = _f32(rotary.cos, keep), _f32(rotary.sin, keep)
-        dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
-        dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
-        dst.qkv, dst.qkv_tail = _qkv_linears(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
-        dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj", lib)
-        dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj", lib)
-        if dst.gate_up.packed and (dst.gate_up.n // 2) % lib.vector_width:
-            raise Unsupported(f"layers.{i}.gate_up_proj: gate and up are not whole VNNI tiles")
-        dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj", lib)
-        for lin, name in ((dst.qkv, "qkv"), (dst.qkv_tail, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"),
-                          (dst.down, "down")):
-            if lin.n and lin.kind != W_INT4 and lin.k % lib.vector_width:
-                raise Unsupported(f"layers.{i}.{name}: {lin.k} input features")
-        if not (kc.is_contiguous() and vc.is_contiguous()):
-            raise Unsupported("KV pool not contiguous")
-        dst.k_cache, dst.v_cache = kc.data_ptr(), vc.data_ptr()
-        keep += [kc, vc]
-        if quantized:
-            ks, vs = cache[2], cache[3]
-            if not (ks.dtype == vs.dtype == torch.float32 and ks.is_contiguous() and vs.is_contiguous()
-                    and tuple(ks.shape) == tuple(vs.shape) == tuple(kc.shape[:2])):
-                raise Unsupported("KV scales not contiguous float32 [kv_heads, num_blocks]")
-            dst.k_scale, dst.v_scale = ks.data_ptr(), vs.data_ptr()
-            keep += [ks, vs]
+    return k0, head_dim
+
+
+def _fill_layer(dst: _Layer, i: int, model: LlamaForCausalLM, layer: nn.Module, cache: tuple[torch.Tensor, ...],
+                quantized: bool, lib: cpu_kernels.KernelLibrary, keep: list[torch.Tensor]) -> None:
+    """Layer ``i``'s weights, norms, rotary tables and pool, as the native step reads them."""
+    kc, vc = cache[0], cache[1]
+    attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj"):
+        raise Unsupported(f"layers.{i} is a mixture of experts (the eager forward runs it, grouped by expert)")
+    dst.window = attn.window or 0  # a sliding-window layer's (model/models/llama.py set_windows); 0: none
+    dst.input_norm = _f32(layer.input_layernorm.weight, keep)
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: norms of both blocks' outputs too
+        dst.post_norm = _f32(layer.pre_feedforward_layernorm.weight, keep)
+        dst.attn_out_norm = _f32(layer.post_attention_layernorm.weight, keep)
+        dst.mlp_out_norm = _f32(layer.post_feedforward_layernorm.weight, keep)
+    else:
+        dst.post_norm = _f32(layer.post_attention_layernorm.weight, keep)
+    rotary = model.layer_rotary(i)
+    if rotary is not model.rope:
+        dst.cos, dst.sin = _f32(rotary.cos, keep), _f32(rotary.sin, keep)
+    dst.q_norm = _f32(attn.q_norm.weight, keep) if attn.q_norm is not None else None
+    dst.k_norm = _f32(attn.k_norm.weight, keep) if attn.k_norm is not None else None
+    dst.qkv, dst.qkv_tail = _qkv_linears(attn.qkv_proj, keep, f"layers.{i}.qkv_proj", lib)
+    dst.o = _linear(attn.o_proj, keep, f"layers.{i}.o_proj", lib)
+    dst.gate_up = _linear(mlp.gate_up_proj, keep, f"layers.{i}.gate_up_proj", lib)
+    if dst.gate_up.packed and (dst.gate_up.n // 2) % lib.vector_width:
+        raise Unsupported(f"layers.{i}.gate_up_proj: gate and up are not whole VNNI tiles")
+    dst.down = _linear(mlp.down_proj, keep, f"layers.{i}.down_proj", lib)
+    for lin, name in ((dst.qkv, "qkv"), (dst.qkv_tail, "qkv"), (dst.o, "o"), (dst.gate_up, "gate_up"),
+                      (dst.down, "down")):
+        if lin.n and lin.kind != W_INT4 and lin.k % lib.vector_width:
+            raise Unsupported(f"layers.{i}.{name}: {lin.k} input features")
+    if not (kc.is_contiguous() and vc.is_contiguous()):
+        raise Unsupported("KV pool not contiguous")
+    dst.k_cache, dst.v_cache = kc.data_ptr(), vc.data_ptr()
+    keep += [kc, vc]
+    if quantized:
+        ks, vs = cache[2], cache[3]
+        if not (ks.dtype == vs.dtype == torch.float32 and ks.is_contiguous() and vs.is_contiguous()
+                and tuple(ks.shape) == tuple(vs.shape) == tuple(kc.shape[:2])):
+            raise Unsupported("KV scales not contiguous float32 [kv_heads, num_blocks]")
+        dst.k_scale, dst.v_scale = ks.data_ptr(), vs.data_ptr()
+        keep += [ks, vs]
+
+
+def _model_struct(model: LlamaForCausalLM, layers: ctypes.Array, k0: torch.Tensor, head_dim: int,
+                  lib: cpu_kernels.KernelLibrary, keep: list[torch.Tensor]) -> _Model:
+    """The whole model's part of the native step: geometry, final norm, rotary tables, LM head."""
+    cfg = model.config
     m = _Model()
     m.hidden, m.heads, m.kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     m.head_dim, m.inter, m.num_layers = head_dim, cfg.intermediate_size, cfg.num_hidden_layers
@@ -322,11 +350,4 @@ def _build(model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, ...]],
     m.head = _linear(model.lm_head, keep, "lm_head", lib)
     if m.head.kind != W_INT4 and m.head.k % lib.vector_width:
         raise Unsupported(f"lm_head: {m.head.k} input features")
-    layer_kinds = {getattr(layers[i], p).kind for i in range(cfg.num_hidden_layers)
-                   for p in ("qkv", "qkv_tail", "o", "gate_up", "down") if getattr(layers[i], p).n}
-    limit = min(MAX_BATCH_BY_KIND[k] for k in layer_kinds | {m.head.kind}) if max_batch is None else max_batch
-    log.info("fused decode step on: batches of up to %d decodes run all %d layers in one native call",
-             limit, cfg.num_hidden_layers)
-    return FusedDecoder(lib, m, layers, keep, cfg.vocab_size, cfg.hidden_size, model.embedding_multiplier(), limit,
-                        prefill_on_kernels=layer_kinds <= ({W_INT8, W_INT8G, W_INT4, W_KQ} if lib.q4_int8_dot
-                                                            else {W_INT8, W_INT8G, W_KQ}))
+    return m

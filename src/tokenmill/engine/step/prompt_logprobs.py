@@ -11,10 +11,14 @@ Positions served from the prefix cache have no hidden states, so such a
 request does not read the cache until every prompt logprob is in (the
 scheduler checks ``Request.wants_prompt_logprobs``); after a preemption the
 recomputed positions that are already recorded are not scored again.
+
+Under tensor parallelism the LM head gathers logits on the driver, so every
+rank makes the same logit calls: workers ``follow`` the driver's spans.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -46,6 +50,16 @@ def plan_rows(request: Request, start: int, end: int, row_of_start: int) -> Prom
     return PromptRows(request, row_of_start + (first - 1 - start), first, last - first + 1)
 
 
+def _logit_chunks(model: torch.nn.Module, hidden: torch.Tensor, row: int,
+                  count: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(offset, logits)`` of rows ``row .. row + count - 1``, ``LOGIT_ROWS`` at a time: the
+    one place the chunks are cut, so that the ranks of a tensor-parallel group, whose
+    LM head gathers every chunk, make the same calls (``follow``)."""
+    for r0 in range(0, count, LOGIT_ROWS):
+        n = min(LOGIT_ROWS, count - r0)
+        yield r0, model.compute_logits(hidden[row + r0 : row + r0 + n])
+
+
 def compute(model: torch.nn.Module, hidden: torch.Tensor, plans: list[PromptRows]) -> list[tuple[Request, list[Logprob]]]:
     """Logprob entries for every planned row, per request, in prompt order."""
     results = []
@@ -54,22 +68,34 @@ def compute(model: torch.nn.Module, hidden: torch.Tensor, plans: list[PromptRows
         k = req.params.prompt_logprobs or 0
         targets_all = req.prompt_token_ids[plan.first : plan.first + plan.count]
         entries: list[Logprob] = []
-        for r0 in range(0, plan.count, LOGIT_ROWS):
-            n = min(LOGIT_ROWS, plan.count - r0)
-            rows = hidden[plan.row + r0 : plan.row + r0 + n]
-            logprobs = torch.log_softmax(model.compute_logits(rows).float(), dim=-1)
-            targets = torch.tensor(targets_all[r0 : r0 + n], dtype=torch.long, device=logprobs.device)
-            actual = logprobs.gather(1, targets[:, None])
-            ranks = (logprobs > actual).sum(dim=-1) + 1
-            top_vals: list[list[float]] = [[] for _ in range(n)]
-            top_ids: list[list[int]] = [[] for _ in range(n)]
-            if k > 0:
-                vals, ids = logprobs.topk(k, dim=-1)
-                top_vals, top_ids = vals.tolist(), ids.tolist()
-            for token, value, rank, tids, tvals in zip(targets_all[r0 : r0 + n], actual[:, 0].tolist(),
-                                                        ranks.tolist(), top_ids, top_vals):
-                top = dict(zip(tids, tvals))
-                top.setdefault(token, value)
-                entries.append(Logprob(token_id=token, logprob=value, top=top, rank=rank))
+        for r0, logits in _logit_chunks(model, hidden, plan.row, plan.count):
+            entries.extend(_entries(torch.log_softmax(logits.float(), dim=-1), targets_all[r0 : r0 + len(logits)], k))
         results.append((req, entries))
     return results
+
+
+def _entries(logprobs: torch.Tensor, targets_list: list[int], k: int) -> list[Logprob]:
+    """Each row's actual token's logprob and rank, and the top ``k`` alternatives."""
+    n = len(targets_list)
+    targets = torch.tensor(targets_list, dtype=torch.long, device=logprobs.device)
+    actual = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs > actual).sum(dim=-1) + 1
+    top_vals: list[list[float]] = [[] for _ in range(n)]
+    top_ids: list[list[int]] = [[] for _ in range(n)]
+    if k > 0:
+        vals, ids = logprobs.topk(k, dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    entries = []
+    for token, value, rank, tids, tvals in zip(targets_list, actual[:, 0].tolist(), ranks.tolist(), top_ids, top_vals):
+        top = dict(zip(tids, tvals))
+        top.setdefault(token, value)
+        entries.append(Logprob(token_id=token, logprob=value, top=top, rank=rank))
+    return entries
+
+
+def follow(model: torch.nn.Module, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """A tensor-parallel worker's part of ``compute``: the same LM-head calls over the same
+    ``(first row, row count)`` spans; the driver turns the gathered logits into entries."""
+    for row, count in spans:
+        for _ in _logit_chunks(model, hidden, row, count):
+            pass

@@ -1,4 +1,4 @@
-"""The interface every attention backend implements, and the choice of one per engine.
+"""The choice of one attention backend per engine, from one table of backends by name.
 
 A backend is chosen once, when the engine is built, from the device, the KV
 pool's dtype and the ``KernelOptions``:
@@ -12,54 +12,43 @@ pool's dtype and the ``KernelOptions``:
   (``TOKENMILL_ATTENTION=reference``).
 
 Each step the runner builds one ``StepLayout``; the backend's ``prepare``
-turns it into a ``StepAttention``, the per-step metadata its kernels read
-(built once, for every layer), which the model's attention layers call to
-store new K/V and to attend. A quantized pool (model/quant/kv_quant.py) comes with
-its (K, V) scales in both calls. Each backend class declares its
-``BackendCapabilities`` (CUDA-graph capture, quantized pools, sliding windows),
-which the runner asks once, when the engine is built. A new backend is a new
-module here with a ``prepare``, a ``StepAttention`` and its ``capabilities``,
-and a line in ``attention_backend_class``.
+turns it into a ``StepAttention`` (``protocol.py``), the per-step metadata its
+kernels read (built once, for every layer), which the model's attention
+layers call to store new K/V and to attend. A quantized pool
+(model/quant/kv_quant.py) comes with its (K, V) scales in both calls. Each
+backend class declares its ``BackendCapabilities`` (CUDA-graph capture,
+quantized pools, sliding windows), which the runner asks once, when the engine
+is built, and builds itself from a ``BackendSpec``. A new backend is a new
+module here implementing ``AttentionBackend`` and a row in ``BACKENDS``.
 """
 from __future__ import annotations
 
 import logging
-from typing import Protocol
 
 import torch
 
 from ...settings.options import KernelOptions
 from ..kernels import cpu_kernels
+from .cpu_kernel import CpuKernelAttention
 from .layout import BackendCapabilities, StepLayout
+from .protocol import (AttentionBackend, BackendSpec, GraphCaptureUnsupported, NoGraphCapture,
+                       StepAttention)
+from .reference import ReferenceAttention
+from .torch_paged import TorchPagedAttention
 
 log = logging.getLogger("tokenmill.attention")
 
+__all__ = ["AttentionBackend", "BACKENDS", "BackendCapabilities", "BackendSpec", "GraphCaptureUnsupported",
+           "NoGraphCapture", "StepAttention", "StepLayout", "attention_backend_class", "kernel_attention_fits",
+           "select_attention_backend"]
 
-class StepAttention(Protocol):
-    """One step's attention, prepared by a backend for every layer of the step."""
-
-    layout: StepLayout
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_scales: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Store the step's new keys/values ([T, kv_heads, head_dim]) at their slots."""
-        ...
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               kv_scales: tuple[torch.Tensor, ...] | None = None, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
-        """Causal attention of every query row ([T, heads, head_dim]) over its sequence's context
-        (only its last ``window`` positions in a sliding-window layer; scores soft-capped at
-        ``softcap``, Gemma 2)."""
-        ...
-
-
-class AttentionBackend(Protocol):
-    name: str
-    capabilities: BackendCapabilities
-
-    def prepare(self, layout: StepLayout) -> StepAttention:
-        ...
+# Every backend, by the name ``KernelOptions.attention`` (``TOKENMILL_ATTENTION``) and the
+# automatic choice below use.
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "reference": ReferenceAttention,
+    "cpu_kernels": CpuKernelAttention,
+    "torch_paged": TorchPagedAttention,
+}
 
 
 def kernel_attention_fits(device: torch.device, dtype: torch.dtype, head_dim: int,
@@ -72,22 +61,20 @@ def kernel_attention_fits(device: torch.device, dtype: torch.dtype, head_dim: in
 def attention_backend_class(device: torch.device, dtype: torch.dtype, options: KernelOptions,
                             library: cpu_kernels.KernelLibrary | None, head_dim: int,
                             kv_dtype: torch.dtype | None = None, windowed: bool = False,
-                            softcapped: bool = False) -> type:
+                            softcapped: bool = False) -> type[AttentionBackend]:
     """The class of the engine's backend (its ``capabilities`` can be asked before one is
-    built): reference when asked for, the C kernels where they take this pool (and the
-    model's masks), torch paged attention elsewhere. ``dtype``: the compute dtype;
-    ``kv_dtype``: the pool's, when it differs; ``windowed``: the model has sliding-window
-    layers; ``softcapped``: soft-capped attention scores (``BackendCapabilities.takes``)."""
-    from .cpu_kernel import CpuKernelAttention
-    from .reference import ReferenceAttention
-    from .torch_paged import TorchPagedAttention
-
-    if options.attention == "reference":
-        return ReferenceAttention
+    built): the one named in the options, else the C kernels where they take this pool
+    (and the model's masks), torch paged attention elsewhere. ``dtype``: the compute
+    dtype; ``kv_dtype``: the pool's, when it differs; ``windowed``: the model has
+    sliding-window layers; ``softcapped``: soft-capped attention scores
+    (``BackendCapabilities.takes``)."""
+    if options.attention != "auto":
+        return BACKENDS[options.attention]
+    kernels = BACKENDS["cpu_kernels"]
     if kernel_attention_fits(device, kv_dtype or dtype, head_dim, library) and \
-            CpuKernelAttention.capabilities.takes(windowed, softcapped):
-        return CpuKernelAttention
-    return TorchPagedAttention
+            kernels.capabilities.takes(windowed, softcapped):
+        return kernels
+    return BACKENDS["torch_paged"]
 
 
 def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, num_blocks: int,
@@ -95,20 +82,11 @@ def select_attention_backend(device: torch.device, dtype: torch.dtype, heads: in
                              head_dim: int, kv_dtype: torch.dtype | None = None,
                              windowed: bool = False, softcapped: bool = False) -> AttentionBackend:
     """The engine's backend (``attention_backend_class``), built for this pool."""
-    from .cpu_kernel import CpuKernelAttention
-    from .torch_paged import TorchPagedAttention
-
     cls = attention_backend_class(device, dtype, options, library, head_dim, kv_dtype, windowed, softcapped)
-    if cls is CpuKernelAttention:
-        assert library is not None
-        backend: AttentionBackend = CpuKernelAttention(library)
-    elif cls is TorchPagedAttention:
-        if softcapped and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library):
-            log.info("attention: the C kernels have no soft-capping; torch paged attention takes this model")
-        backend = TorchPagedAttention(dtype, device, kv_heads, heads, num_blocks, head_dim,
-                                      batched_prefill=options.batched_prefill)
-    else:
-        backend = cls()
+    if (softcapped and options.attention == "auto" and cls is not BACKENDS["cpu_kernels"]
+            and kernel_attention_fits(device, kv_dtype or dtype, head_dim, library)):
+        log.info("attention: the C kernels have no soft-capping; torch paged attention takes this model")
+    backend = cls.build(BackendSpec(dtype, device, heads, kv_heads, num_blocks, head_dim, options, library))
     if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         assert backend.capabilities.quantized_pool, f"{backend.name} cannot read a quantized pool"
     log.info("attention backend: %s", backend.name)

@@ -27,6 +27,7 @@ import torch
 
 from ..kernels import cpu_kernels
 from .layout import BackendCapabilities, StepLayout
+from .protocol import BackendSpec, NoGraphCapture
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,17 @@ class CpuKernelStep:
         return out
 
 
-class CpuKernelAttention:
+class CpuKernelAttention(NoGraphCapture):
     name = "C kernels (paged, in place)"
     capabilities = BackendCapabilities(quantized_pool=True, windows=True)  # no soft-capped scores
 
     def __init__(self, library: cpu_kernels.KernelLibrary) -> None:
         self.library = library
+
+    @classmethod
+    def build(cls, spec: BackendSpec) -> "CpuKernelAttention":
+        assert spec.library is not None, "chosen only where the kernels compiled"
+        return cls(spec.library)
 
     def prepare(self, layout: StepLayout) -> CpuKernelStep:
         nd = layout.num_decodes

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import BackendCapabilities, StepLayout
+from .protocol import BackendSpec, NoGraphCapture
 from .torch_paged import (decode_gather_index, decode_mask, decode_queries, gather_decodes, prefill_attention,
                           soft_cap, window_mask, write_decode_output, write_kv)
 
@@ -57,9 +58,13 @@ class ReferenceStep:
         return paged_attention_reference(q, k_cache, v_cache, self.layout, scale, kv_scales, window, softcap)
 
 
-class ReferenceAttention:
+class ReferenceAttention(NoGraphCapture):
     name = "reference attention"
     capabilities = BackendCapabilities(quantized_pool=True, masks=True)
+
+    @classmethod
+    def build(cls, spec: BackendSpec) -> "ReferenceAttention":
+        return cls()
 
     def prepare(self, layout: StepLayout) -> ReferenceStep:
         return ReferenceStep(layout)

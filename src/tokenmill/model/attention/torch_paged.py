@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..quant import kv_quant
 from .layout import BackendCapabilities, StepLayout
+from .protocol import BackendSpec
 
 log = logging.getLogger("tokenmill.attention")
 
@@ -384,6 +385,11 @@ class TorchPagedAttention:
         # per-chunk path, whose causal SDPA needs no mask.
         self.batched_prefill = batched_prefill and device.type != "cpu"
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, spec: BackendSpec) -> "TorchPagedAttention":
+        return cls(spec.dtype, spec.device, spec.kv_heads, spec.heads, spec.num_blocks, spec.head_dim,
+                   batched_prefill=spec.options.batched_prefill)
 
     def prepare(self, layout: StepLayout) -> TorchPagedStep:
         nd = layout.num_decodes
