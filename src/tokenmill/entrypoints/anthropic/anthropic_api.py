@@ -459,7 +459,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     job, plan = await prepare_chat(state, to_chat(body), message_id, tenant_of(request.scope))
     job.endpoint = "messages"
-    state.reserve([job], tenant_of(request.scope))
+    state.admission.reserve([job], tenant_of(request.scope))
     spec = _Spec(message_id, body.model or state.model_name, body, plan,
                  get_reasoning_parser(state.settings.reasoning_parser), job.prompt_text)
     if body.stream:
@@ -467,7 +467,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     try:
         return await _until_done_or_gone(request, _body(state, spec, job))
     finally:
-        state.release(job)
+        state.admission.release(job)
 
 
 @router.post(_PATH + "/count_tokens", responses=_ERRORS)

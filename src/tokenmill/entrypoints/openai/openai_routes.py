@@ -241,7 +241,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     tenant = tenant_of(request.scope)
     # before any tokenizing or compiling: a request its tenant may not send costs nothing
-    state.check_admission(tenant, len(prompts) * body.n, len(prompts), body.priority)
+    state.admission.check(tenant, len(prompts) * body.n, len(prompts), body.priority)
     if grammar is not None:
         await check_grammar(state, grammar, grammar_param or "response_format", tenant)
     jobs: list[Job] = []
@@ -270,7 +270,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     for job in jobs:
         job.session = session_of(request.headers, body.user)
-    state.reserve(jobs, tenant)
+    state.admission.reserve(jobs, tenant)
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body))
@@ -280,7 +280,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return await _until_done_or_gone(request, completion_body(state, spec, jobs), headers)
     finally:
         for job in jobs:
-            state.release(job)
+            state.admission.release(job)
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_id: str,
@@ -291,7 +291,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings, state.tool_parser_hint)
     grammar, grammar_param = grammar_spec(body)
-    state.check_admission(tenant, body.n, 1, body.priority)
+    state.admission.check(tenant, body.n, 1, body.priority)
     if plan is not None:
         for schema, param in tool_schemas(plan):
             await check_grammar(state, schema, param, tenant)
@@ -324,7 +324,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     job, plan = await prepare_chat(state, body, request_id, tenant)
     job.arrival = arrived
     job.session = session_of(request.headers, body.user)
-    state.reserve([job], tenant)
+    state.admission.reserve([job], tenant)
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
@@ -335,4 +335,4 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     try:
         return await _until_done_or_gone(request, chat_body(state, spec, job), headers)
     finally:
-        state.release(job)
+        state.admission.release(job)
