@@ -12,8 +12,9 @@ import pytest
 from tokenmill.engine.request import Placement, SamplingParams
 from tokenmill.engine.sched.fairness import QueueHead, make_queue_order
 from tokenmill.engine.stats import EngineStats
-from tokenmill.entrypoints.server.admission import (Admission, Ask, BacklogGate, RoomGate, SequencesGate,
-                                                     TenantLimitsGate, refusal_error)
+from tokenmill.engine.limits import RequestLimits
+from tokenmill.entrypoints.server.admission import (Admission, Ask, BacklogGate, RequestLimitsGate, RoomGate,
+                                                     SequencesGate, TenantLimitsGate, refusal_error)
 from tokenmill.entrypoints.server.errors import APIError
 from tokenmill.entrypoints.server.serving import Job
 from tokenmill.gateway.refusal import Refusal
@@ -98,6 +99,23 @@ def test_refusal_error_carries_retry_after_on_429s_only():
     assert (bad.status, bad.param, bad.headers) == (400, "n", None)
 
 
+def test_request_limits_gate_names_the_field_and_is_not_counted_as_a_refusal_of_load():
+    gate = RequestLimitsGate(RequestLimits(max_model_len=64, vocab_size=100), 20, lambda: 4)
+    assert gate.text_fits(64, "prompt") is None
+    too_long = gate.text_fits(10_000, "messages")
+    assert (too_long.status, too_long.param, too_long.against_tenant) == (400, "messages", False)
+    empty = gate.prompt_ids([])
+    assert (empty.status, empty.param, empty.message) == (400, "prompt", "prompt: the prompt is empty")
+    assert gate.prompt_ids([1, 2]) is None
+    assert gate.max_tokens(10, 5, 16) == 5 and gate.max_tokens(10, None, 16) == 20  # the flag is the default
+    over = gate.max_tokens(60, 30, 16)
+    assert isinstance(over, Refusal) and over.status == 400
+    admission, refused = _admission()
+    with pytest.raises(APIError) as exc:
+        admission.check_prompt_ids([1, 100])  # past the vocabulary
+    assert exc.value.status == 400 and exc.value.param == "prompt" and refused == []
+
+
 def _admission(max_waiting: int = 8) -> tuple[Admission, list[tuple[str, str]]]:
     refused: list[tuple[str, str]] = []
     room, tenant_gate = WaitingRoom(), TenantGate(retry_after_s=1)
@@ -107,7 +125,8 @@ def _admission(max_waiting: int = 8) -> tuple[Admission, list[tuple[str, str]]]:
 
     gates = (SequencesGate(max_waiting), RoomGate(room, shares, True), BacklogGate(None, _Published()),
              TenantLimitsGate(tenant_gate))
-    admission = Admission(gates, room, CompileRoom(4), shares, tenant_gate, 5,
+    limits = RequestLimitsGate(RequestLimits(max_model_len=64, vocab_size=100), None, lambda: 4)
+    admission = Admission(limits, gates, room, CompileRoom(4), shares, tenant_gate, 5,
                           lambda refusal, tenant: refused.append((refusal.code, tenant)))
     return admission, refused
 

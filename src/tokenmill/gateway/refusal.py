@@ -16,10 +16,11 @@ class Refusal:
     ``Retry-After``; None where the check cannot know it and the caller's default
     applies, or where retrying cannot help); ``param``: the request field at fault;
     ``against_tenant``: the tenant's own load refused it (its share, its limits, its
-    class's backlog), so it counts in that tenant's usage, not only the server's."""
+    class's backlog), so it counts in that tenant's usage, not only the server's;
+    ``code``: the error code (None only for a malformed request's 400 that has none)."""
 
     status: int
-    code: str
+    code: str | None
     message: str
     retry_after_s: int | None = None
     param: str | None = None

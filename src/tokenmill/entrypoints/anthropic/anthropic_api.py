@@ -478,6 +478,6 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> JSONRespon
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
     if tools:  # the same checks a real request gets (names, tool_choice against the server's flags)
         plan_tools(tools, chat.tool_choice, chat.parallel_tool_calls, state.settings, state.tool_parser_hint)
-    state.check_text_fits(sum(len(m.text()) for m in chat.messages), "messages")
+    state.admission.check_text_fits(sum(len(m.text()) for m in chat.messages), "messages")
     prompt = await render_chat_async(state, chat.messages, chat_render(chat, tools))
     return JSONResponse({"input_tokens": len(await encode(state, prompt, False))})

@@ -24,7 +24,8 @@ from ..parsers.reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .request_fields import ignored_headers, judge_extra
-from ..server.serving import Job, ServerState, as_api_error, session_of
+from ..server.admission import as_api_error
+from ..server.serving import Job, ServerState, session_of
 from ...gateway.tenants import Tenant, tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from ..parsers.tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
@@ -248,7 +249,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     echo_texts: list[str] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            state.check_text_fits(len(prompt), "prompt")
+            state.admission.check_text_fits(len(prompt), "prompt")
             ids = await encode(state, prompt, True)
             text: str | None = prompt
         else:
@@ -256,9 +257,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             text = None
         if body.truncate_prompt_tokens is not None and len(ids) > body.truncate_prompt_tokens:
             ids, text = truncate_prompt(ids, body.truncate_prompt_tokens), None
-        state.check_prompt_ids(ids)
+        state.admission.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
-        max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
+        max_tokens = state.admission.resolve_max_tokens(len(ids), requested, default=16)
         scored = body.prompt_logprobs_needed
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
@@ -302,11 +303,11 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
             grammar, grammar_param = plan.grammar(), "tools"
     if grammar is not None:
         await check_grammar(state, grammar, grammar_param or "response_format", tenant)
-    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
+    state.admission.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
     prompt = await render_chat_async(state, body.messages, chat_render(body, tools))
     ids = truncate_prompt(await encode(state, prompt, body.add_special_tokens), body.truncate_prompt_tokens)
-    state.check_prompt_ids(ids)
-    max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
+    state.admission.check_prompt_ids(ids)
+    max_tokens = state.admission.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
     params.structured_after = reasoning_for_grammar(state.settings, params, prompt)

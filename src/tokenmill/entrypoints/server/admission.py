@@ -12,6 +12,10 @@
    judged from the queues the engine last published (``EngineStats.queue_heads``);
 4. ``TenantLimitsGate``: the tenant's own limits (gateway/tenant_gate.py).
 
+Before these, while the request is read, ``RequestLimitsGate`` holds its own size
+to the model's (engine/limits.py: the prompt's length and token ids, the output
+budget): a 400 naming the field, not a refusal of load, so not counted as one.
+
 The first refusal is counted (``tokenmill:requests_rejected`` by its code, and
 the tenant's usage when it is of the tenant's own load) and raised as the
 ``APIError`` the client gets. What is admitted is counted in every gate at once,
@@ -27,8 +31,9 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NoReturn, Protocol, Sequence
 
+from ...engine.limits import LimitError, RequestLimits
 from ...engine.request import Placement
 from ...engine.sched.fairness import ADMIT_SHARE, QueueOrder
 from ...engine.stats import StatsSource
@@ -143,6 +148,58 @@ class TenantLimitsGate:
         self.gate.count(ask.tenant, ask.requests, ask.sequences, ask.tokens)
 
 
+@dataclass
+class RequestLimitsGate:
+    """A request's own size against the model (engine/limits.py), checked here where a 400
+    can name the field; the engine runs the same checks for in-process callers.
+    ``max_output_tokens``: ``--max-output-tokens``; ``token_chars``: the characters the
+    longest vocabulary entry spells (0: the tokenizer cannot say), asked when first needed."""
+
+    limits: RequestLimits
+    max_output_tokens: int | None
+    token_chars: Callable[[], int]
+
+    def text_fits(self, chars: int, param: str) -> Refusal | None:
+        """Text too long to fit the context whatever it tokenizes to, before tokenizing it."""
+        return _limit_refusal(self.limits.check_text_fits, chars, self.token_chars(), param)
+
+    def prompt_ids(self, ids: list[int]) -> Refusal | None:
+        return _limit_refusal(self.limits.check_prompt_ids, ids)
+
+    def max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int | Refusal:
+        """The output budget of a request (``RequestLimits.resolve_max_tokens``), or the
+        refusal that states both numbers. ``requested``: what the client sent (None: not
+        sent); ``default``: the endpoint's default when not sent (None: the rest of the
+        context). ``--max-output-tokens`` caps both and is the default when it is set."""
+        try:
+            return self.limits.resolve_max_tokens(prompt_len, requested, default, self.max_output_tokens,
+                                                  prompt_param="messages" if default is None else "prompt")
+        except LimitError as exc:
+            return limit_refusal(exc)
+
+
+def _limit_refusal(check: Callable[..., None], *args: Any) -> Refusal | None:
+    try:
+        check(*args)
+    except LimitError as exc:
+        return limit_refusal(exc)
+    return None
+
+
+def limit_refusal(exc: LimitError) -> Refusal:
+    """A ``LimitError`` as a refusal: a 400 naming the field at fault."""
+    return Refusal(400, exc.code, str(exc), param=exc.param)
+
+
+@contextlib.contextmanager
+def as_api_error() -> Iterator[None]:
+    """A ``LimitError`` raised inside as the 400 a client gets, naming the field at fault."""
+    try:
+        yield
+    except LimitError as exc:
+        raise refusal_error(limit_refusal(exc), 0) from None
+
+
 def refusal_error(refusal: Refusal, retry_after_s: int) -> APIError:
     """The error a client gets for ``refusal``; a 429 always carries ``Retry-After``
     (``retry_after_s`` where the gate left it to the server)."""
@@ -160,9 +217,10 @@ class Admission:
     ``on_refused(refusal, tenant name)``: counts a refusal (the server's metrics and
     the tenant's usage)."""
 
-    def __init__(self, gates: Sequence[Gate], room: WaitingRoom, compiles: CompileRoom,
+    def __init__(self, limits: RequestLimitsGate, gates: Sequence[Gate], room: WaitingRoom, compiles: CompileRoom,
                  shares: Callable[[], RoomShares], tenant_gate: TenantGate, retry_after_s: int,
                  on_refused: Callable[[Refusal, str], None]) -> None:
+        self.limits = limits
         self.gates = tuple(gates)
         self.room = room
         self.compiles = compiles
@@ -177,6 +235,24 @@ class Admission:
         self.on_refused(refusal, tenant.name)
         raise refusal_error(refusal, self.retry_after_s)
 
+    # -- the request's own size (a 400 naming the field; not counted as a refusal of load) --
+    def check_text_fits(self, chars: int, param: str) -> None:
+        self._invalid(self.limits.text_fits(chars, param))
+
+    def check_prompt_ids(self, ids: list[int]) -> None:
+        self._invalid(self.limits.prompt_ids(ids))
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
+        budget = self.limits.max_tokens(prompt_len, requested, default)
+        if isinstance(budget, Refusal):
+            raise refusal_error(budget, self.retry_after_s)
+        return budget
+
+    def _invalid(self, refusal: Refusal | None) -> None:
+        if refusal is not None:
+            raise refusal_error(refusal, self.retry_after_s)
+
+    # -- load ---------------------------------------------------------------
     def _admit(self, ask: Ask, count: bool) -> None:
         for gate in self.gates:
             refusal = gate.decide(ask)

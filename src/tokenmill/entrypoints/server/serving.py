@@ -24,7 +24,7 @@ from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.engine import SequenceDelta
 from ...engine.sched.fairness import make_queue_order
 from ...engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
-from ...engine.limits import LimitError, RequestLimits
+from ...engine.limits import RequestLimits
 from ...gateway.tracing import CURRENT_SPAN
 from .metrics import ServerMetrics
 from ..parsers.chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
@@ -35,7 +35,8 @@ from ...gateway.tenant_gate import TenantGate
 from .tenant_usage import TenantUsage
 from ...gateway.tenants import DEFAULT_TENANT, Tenant, directory_from_args, tenant_of
 from ...gateway.waiting_room import CompileRoom, WaitingRoom
-from .admission import Admission, BacklogGate, RoomGate, SequencesGate, SharesOf, TenantLimitsGate
+from .admission import (Admission, BacklogGate, RequestLimitsGate, RoomGate, SequencesGate, SharesOf,
+                        TenantLimitsGate)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -186,9 +187,6 @@ class ServerState:
         self.max_model_len = int(self.engine.max_model_len)
         self.pool_tokens = int(self.engine.stats.blocks_total * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
-        # The request limits (engine/limits.py), with the pool's size: checked here, where a
-        # 400 can name the field; the engine runs the same checks for in-process callers.
-        self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
         self.adapters = _adapter_manager(aengine, settings)  # LoRA adapters (engine/adapters.py), or None
         if self.adapters is not None:
@@ -228,14 +226,17 @@ class ServerState:
         tenants and classes, and the grammar-compile queue likewise (gateway/waiting_room.py),
         both counted on the event loop; the class backlog judged by the scheduler's
         policy as the engine was built with it (its queues come from the engine's
-        published stats; no check under FCFS); the tenants' own limits."""
+        published stats; no check under FCFS); the tenants' own limits; and before them the
+        request's own size against the model's (with the pool's)."""
         settings, sched = self.settings, self.engine.config.scheduler
         room = WaitingRoom()
         shares = SharesOf(self.tenants, settings.max_waiting)
         gates = (SequencesGate(settings.max_waiting), RoomGate(room, shares, settings.max_waiting is not None),
                  BacklogGate(make_queue_order(sched.scheduling_policy, sched.starvation_bound_s), self.engine),
                  TenantLimitsGate(self.tenant_gate))
-        return Admission(gates, room, CompileRoom(self.engine.structured.limits.queue_size), shares,
+        limits = RequestLimitsGate(RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens),
+                                   settings.max_output_tokens, lambda: self.max_token_chars)
+        return Admission(limits, gates, room, CompileRoom(self.engine.structured.limits.queue_size), shares,
                          self.tenant_gate, settings.retry_after_s, self._refused)
 
     def _refused(self, refusal: Refusal, tenant: str) -> None:
@@ -319,24 +320,6 @@ class ServerState:
             return max(1, max(map(len, vocab)))
         except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no shortcut
             return 0
-
-    def check_text_fits(self, chars: int, param: str) -> None:
-        """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it."""
-        with as_api_error():
-            self.limits.check_text_fits(chars, self.max_token_chars, param)
-
-    def check_prompt_ids(self, ids: list[int]) -> None:
-        with as_api_error():
-            self.limits.check_prompt_ids(ids)
-
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        """The output budget of a request (``RequestLimits.resolve_max_tokens``), or a 400
-        that states both numbers. ``requested``: what the client sent (None: not sent);
-        ``default``: the endpoint's default when not sent (None: the rest of the context).
-        ``--max-output-tokens`` caps both and is the default when it is set."""
-        with as_api_error():
-            return self.limits.resolve_max_tokens(prompt_len, requested, default, self.settings.max_output_tokens,
-                                                  prompt_param="messages" if default is None else "prompt")
 
     # -- shutdown --------------------------------------------------------------
     def cut_all(self) -> int:
@@ -568,15 +551,6 @@ async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncItera
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@contextlib.contextmanager
-def as_api_error() -> Any:
-    """A ``LimitError`` as the 400 a client gets, naming the field at fault."""
-    try:
-        yield
-    except LimitError as exc:
-        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
