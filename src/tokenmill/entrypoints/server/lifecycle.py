@@ -110,7 +110,7 @@ def _log_startup(args: argparse.Namespace, settings: ServerSettings, config: Eng
              "max_model_len=%d prefix_caching=%s url=%s", settings.served_model_names[0],
              args.model or "bundled SmolLM2-135M-Instruct", engine.config.dtype, engine.config.quantization,
              human_bytes(engine.weight_bytes), engine.stats.blocks_total, engine.block_size, state.pool_tokens,
-             engine.max_model_len, engine.prefix_cache is not None, url)
+             engine.max_model_len, engine.stats.prefix_cache_enabled, url)
 
 
 def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:

@@ -236,7 +236,7 @@ class ServerState:
                  TenantLimitsGate(self.tenant_gate))
         limits = RequestLimitsGate(RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens),
                                    settings.max_output_tokens, lambda: self.max_token_chars)
-        return Admission(limits, gates, room, CompileRoom(self.engine.structured.limits.queue_size), shares,
+        return Admission(limits, gates, room, CompileRoom(self.engine.config.grammar_limits.queue_size), shares,
                          self.tenant_gate, settings.retry_after_s, self._refused)
 
     def _refused(self, refusal: Refusal, tenant: str) -> None:
