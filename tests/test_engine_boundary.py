@@ -15,6 +15,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "tokenmill"
 OUTSIDE = ("entrypoints", "evaluate")
 INTERNALS = {"scheduler", "pool"}
@@ -54,3 +56,17 @@ def test_entrypoints_and_evaluate_read_only_what_the_engine_publishes():
             for line in reach_ins(path.read_text(), str(path)):
                 found.append(f"{path.relative_to(PACKAGE)}:{line}")
     assert not found, "the engine's scheduler or pool reached from outside it: " + ", ".join(found)
+
+
+def test_temporary_budget_widens_the_steps_and_gives_the_budget_back():
+    from conftest import make_tiny_llm
+
+    engine = make_tiny_llm(max_num_batched_tokens=32, scheduling_policy="fair").engine
+    with engine.temporary_budget(100):
+        assert engine.scheduler.token_budget == 100
+    assert engine.scheduler.token_budget == 32
+    with pytest.raises(RuntimeError), engine.temporary_budget(8):
+        assert engine.scheduler.token_budget == 32  # never narrower than configured
+        raise RuntimeError
+    assert engine.config.scheduler.max_num_batched_tokens == 32
+    assert engine.tenant_shares() == {}  # nobody served yet
