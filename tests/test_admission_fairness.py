@@ -93,7 +93,7 @@ def test_a_flood_is_refused_for_its_share_and_the_quiet_and_critical_tenants_get
         for r in refused:
             assert r.json()["error"]["code"] == "tenant_queue_share", r.text
             assert int(r.headers["retry-after"]) >= 1
-        assert state.room.total == 0 and state.pending == 0
+        assert state.admission.room.total == 0 and state.admission.pending == 0
     finally:
         state.aengine.shutdown()
 
@@ -120,7 +120,7 @@ def test_a_tenant_at_its_limit_is_refused_before_its_grammar_is_compiled(tmp_pat
         for r in asyncio.run(scenario()):
             assert r.status_code == 429, r.text
             assert r.json()["error"]["code"] == "tenant_inflight_limit"
-        assert structured.workers.compiled == compiled and not state.compiles.held
+        assert structured.workers.compiled == compiled and not state.admission.compiles.held
         state.tenant_gate.load("limited").inflight = 0
     finally:
         state.aengine.shutdown()

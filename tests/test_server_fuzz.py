@@ -55,4 +55,4 @@ def test_engine_alive_and_clean_after_fuzz():
         time.sleep(0.01)
     assert state.engine.pool.usage == 0
     state.engine.check_idle_invariants()
-    assert state.pending == 0
+    assert state.admission.pending == 0

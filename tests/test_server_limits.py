@@ -171,7 +171,7 @@ def test_waiting_sequences_never_pass_max_waiting(served):
         watcher.join()
     assert set(statuses) <= {200, 429} and statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
     assert peak <= 4
-    assert state.num_waiting() == 0 and state.pending == 0
+    assert state.num_waiting() == 0 and state.admission.pending == 0
 
 
 def test_cut_all_ends_streams_with_an_error_event_then_done(served):

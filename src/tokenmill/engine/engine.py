@@ -7,10 +7,11 @@ a ``SequenceDelta`` with the new tokens and text since the last step.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -184,6 +185,27 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @contextlib.contextmanager
+    def temporary_budget(self, tokens: int) -> Iterator[None]:
+        """Steps of at least ``tokens`` tokens while inside (a probe that times a whole
+        prompt in one step needs it), the configured budget again after. On the engine's
+        own thread, between steps: the scheduler reads the budget as each step starts."""
+        config = self.scheduler.config
+        configured = config.max_num_batched_tokens
+        config.max_num_batched_tokens = max(self.scheduler.token_budget, tokens)
+        try:
+            yield
+        finally:
+            config.max_num_batched_tokens = configured
+
+    def tenant_shares(self) -> dict[str, dict[str, float]]:
+        """Per tenant, its standing in the fair share (weight, virtual service, tokens
+        computed, sequences in the scheduler; engine/sched/fairness.py); empty under FCFS.
+        Safe off the engine thread: a copy of plain numbers, made on demand (the console's
+        stats page) rather than published each step."""
+        order = self.scheduler.order
+        return order.snapshot() if order is not None else {}
 
     # -- the step ------------------------------------------------------
     def step(self) -> list[SequenceDelta]:

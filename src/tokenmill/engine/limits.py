@@ -2,7 +2,7 @@
 budget and token-id range checks.
 
 The server checks a request here before it reaches the engine thread, so a
-client gets a 400 naming the field and the numbers (``entrypoints/server/serving.py``
+client gets a 400 naming the field and the numbers (``entrypoints/server/admission.py``
 turns a ``LimitError`` into its OpenAI-style error); in-process callers
 (``LLM(...)``, evaluation, benchmarks) get the same ``LimitError`` (a
 ``ValueError``) from ``LLMEngine.add_request``, which runs the same checks.

@@ -125,7 +125,7 @@ class LLM:
                          for i in range(params.n)])
         while self.engine.has_unfinished():
             deltas = self.engine.step()
-            if not deltas and not self.engine.scheduler.running:
+            if not deltas and not self.engine.num_running:
                 time.sleep(0.001)  # a batching policy is waiting for its window
             for delta in deltas:
                 _apply_delta(outputs[delta.request_id], delta)

@@ -183,7 +183,7 @@ def run_config(spec: CandidateSpec, opts: EvalOptions, loaded: Any, tokenizer: A
         result = CandidateResult(
             label=spec.label, quantization=quantization, dtype=dtype,
             group_size=group if quantization == "int4" else 32 if quantization == "gguf" else None,
-            quantize_lm_head=head, weight_bytes=engine.weight_bytes, kv_blocks=engine.pool.num_blocks,
+            quantize_lm_head=head, weight_bytes=engine.weight_bytes, kv_blocks=engine.stats.blocks_total,
             load_s=load_s, quant_summary=summary, perplexity=ppl, accuracy=accuracy, num_items=num_items,
             items=results, speed=speed, eval_s=time.monotonic() - started, safety=safety_rates(results))
         log.info("%s: weights %.1f MB, ppl %s, accuracy %s", spec.label, engine.weight_bytes / 1e6,

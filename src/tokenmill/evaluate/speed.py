@@ -52,10 +52,8 @@ def measure_decode(engine: LLMEngine, batch: int, tokens: int, text_ids: list[in
 
 def measure_prefill(engine: LLMEngine, tokens: int, text_ids: list[int], repeats: int = 2) -> float:
     tokens = min(tokens, engine.max_model_len - 1)
-    budget = engine.scheduler.config.max_num_batched_tokens
-    engine.scheduler.config.max_num_batched_tokens = max(budget, tokens)
     best = 0.0
-    try:
+    with engine.temporary_budget(tokens):
         for r in range(repeats):
             engine.add_request(f"speed-p{r}", _filler(engine, tokens, 7 + r, text_ids),
                                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
@@ -67,8 +65,6 @@ def measure_prefill(engine: LLMEngine, tokens: int, text_ids: list[int], repeats
             if spent > 0:
                 best = max(best, done / spent)
             engine.reset_prefix_cache()
-    finally:
-        engine.scheduler.config.max_num_batched_tokens = budget
     return best
 
 

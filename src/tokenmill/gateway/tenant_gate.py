@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .refusal import Refusal
 from .tenants import Tenant
 
 
@@ -33,7 +34,8 @@ class TenantLoad:
 
 
 class TenantLimited(Exception):
-    """A tenant limit refused a request: which one, the message, seconds to wait."""
+    """A tenant limit refused a request (``TenantGate.admit``'s answer, for callers that
+    take a refusal as an exception): which one, the message, seconds to wait."""
 
     def __init__(self, code: str, message: str, retry_after_s: int) -> None:
         super().__init__(message)
@@ -62,38 +64,50 @@ class TenantGate:
     def admit(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> None:
         """Count ``requests`` engine requests of ``sequences`` sequences that may cost
         ``tokens`` against ``tenant``, or raise TenantLimited (and count nothing)."""
-        load = self.load(tenant.name)
-        bucket = self.check(tenant, requests, sequences, tokens)
-        if bucket is not None:
-            load.bucket = bucket - tokens
-        load.inflight += requests
-        load.queued += sequences
+        refusal = self.decide(tenant, requests, sequences, tokens)
+        if refusal is not None:
+            assert refusal.retry_after_s is not None
+            raise TenantLimited(refusal.code, refusal.message, refusal.retry_after_s)
+        self.count(tenant, requests, sequences, tokens)
 
-    def check(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> float | None:
-        """Raise TenantLimited when ``admit`` would; count nothing. Also asked before a
+    def decide(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> Refusal | None:
+        """None when ``tenant`` may have this much more, else the limit it would pass; counts
+        nothing (``count`` does, right after, with no await between). Also asked before a
         request's costly preparation (compiling its grammar), with what is known of it
         then, so a tenant past a limit never takes a place in the shared compile queue.
-        Returns the refilled tokens-per-minute bucket (None: the tenant has no such limit)."""
+        Refills the tokens-per-minute bucket to now."""
         limits, load, now = tenant.limits, self.load(tenant.name), self.clock()
         if limits.max_inflight is not None and load.inflight + requests > limits.max_inflight:
-            raise TenantLimited("tenant_inflight_limit",
-                                f"tenant {tenant.name!r} has {load.inflight} requests in flight, this adds "
-                                f"{requests}, its limit is {limits.max_inflight}; retry later", self.retry_after_s)
+            return self._refusal("tenant_inflight_limit",
+                                 f"tenant {tenant.name!r} has {load.inflight} requests in flight, this adds "
+                                 f"{requests}, its limit is {limits.max_inflight}; retry later")
         if limits.max_queued is not None and load.queued + sequences > limits.max_queued:
-            raise TenantLimited("tenant_queue_limit",
-                                f"tenant {tenant.name!r} has {load.queued} sequences queued, this adds "
-                                f"{sequences}, its limit is {limits.max_queued}; retry later", self.retry_after_s)
+            return self._refusal("tenant_queue_limit",
+                                 f"tenant {tenant.name!r} has {load.queued} sequences queued, this adds "
+                                 f"{sequences}, its limit is {limits.max_queued}; retry later")
         tpm = limits.tokens_per_minute
         if tpm is not None:
             bucket = self._bucket(tenant, load, now)
             need = min(tokens, tpm)
             if bucket < need:
                 wait = math.ceil((need - bucket) * 60.0 / tpm)
-                raise TenantLimited("tenant_token_rate_limit",
-                                    f"tenant {tenant.name!r} is over its {tpm} tokens per minute (this request "
-                                    f"may use {tokens}); retry in {wait}s", max(1, wait))
-            return bucket
+                return self._refusal("tenant_token_rate_limit",
+                                     f"tenant {tenant.name!r} is over its {tpm} tokens per minute (this request "
+                                     f"may use {tokens}); retry in {wait}s", max(1, wait))
         return None
+
+    def _refusal(self, code: str, message: str, retry_after_s: int | None = None) -> Refusal:
+        return Refusal(429, code, message, self.retry_after_s if retry_after_s is None else retry_after_s,
+                       against_tenant=True)
+
+    def count(self, tenant: Tenant, requests: int, sequences: int, tokens: int) -> None:
+        """Count what ``decide`` just admitted: the requests in flight, the sequences
+        queued, ``tokens`` taken from the bucket ``decide`` refilled."""
+        load = self.load(tenant.name)
+        if tenant.limits.tokens_per_minute is not None and load.bucket is not None:
+            load.bucket -= tokens
+        load.inflight += requests
+        load.queued += sequences
 
     def started(self, name: str, sequences: int) -> None:
         """``sequences`` of the tenant produced their first token (or ended before it)."""

@@ -41,17 +41,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .refusal import Refusal
+
 RESERVED = 0.5  # of the room, the part divided between the tenants as their shares
 EPSILON = 1e-9  # shares are fractions of a sequence: sums of them compare with this slack
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why a request is not admitted: the HTTP status, the error code, the message."""
-
-    status: int
-    code: str
-    message: str
 
 
 @dataclass(frozen=True)
@@ -125,7 +118,7 @@ class WaitingRoom:
                            f"this request asks for {new} sequences (prompts x n) but tenant {tenant!r} may "
                            f"queue at most {int(shares.most(tenant, priority_class) + EPSILON)} of the "
                            f"server's {capacity} (--max-waiting, less the other tenants' shares and better "
-                           "classes' room); send fewer prompts or a smaller n")
+                           "classes' room); send fewer prompts or a smaller n", param="n")
         if self.total + new > capacity:
             return Refusal(429, "queue_full", f"the server is at capacity ({self.total} sequences waiting, "
                            f"this request adds {new}, limit {capacity}); retry later")
@@ -135,7 +128,8 @@ class WaitingRoom:
             return Refusal(429, "tenant_queue_share",
                            f"tenant {tenant!r} has {held} sequences waiting, this request adds {new}, past its "
                            f"share of {share:.1f} of the {capacity} the server queues (--max-waiting); the rest "
-                           "is kept for other tenants' shares and better priority classes; retry later")
+                           "is kept for other tenants' shares and better priority classes; retry later",
+                           against_tenant=True)
         return None
 
     def add(self, tenant: str, sequences: int) -> None:
@@ -183,12 +177,13 @@ class CompileRoom:
         if held >= limit:
             return Refusal(429, "grammar_queue_share",
                            f"tenant {tenant!r} already has {held} grammars compiling or waiting to, its part "
-                           f"of the {self.size} the server queues (--grammar-queue-size); retry shortly")
+                           f"of the {self.size} the server queues (--grammar-queue-size); retry shortly",
+                           against_tenant=True)
         if not best_class and self.worse >= self.size - compile_keep(self.size):
             return Refusal(429, "grammar_queue_share",
                            f"{self.worse} grammars of lower priority classes are compiling or waiting to, their "
                            f"part of the {self.size} the server queues (--grammar-queue-size; the rest is kept "
-                           "for the best class); retry shortly")
+                           "for the best class); retry shortly", against_tenant=True)
         return None
 
     def add(self, tenant: str, best_class: bool) -> None:

@@ -100,7 +100,7 @@ class Scheduler:
 
     @property
     def token_budget(self) -> int:
-        """Tokens per step, read from the config each step (the speed probe changes it)."""
+        """Tokens per step, read from the config each step (``LLMEngine.temporary_budget`` changes it)."""
         return self.config.token_budget(self.device_type)
 
     # -- queue management ----------------------------------------------

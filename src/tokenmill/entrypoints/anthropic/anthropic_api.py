@@ -459,7 +459,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     job, plan = await prepare_chat(state, to_chat(body), message_id, tenant_of(request.scope))
     job.endpoint = "messages"
-    state.reserve([job], tenant_of(request.scope))
+    state.admission.reserve([job], tenant_of(request.scope))
     spec = _Spec(message_id, body.model or state.model_name, body, plan,
                  get_reasoning_parser(state.settings.reasoning_parser), job.prompt_text)
     if body.stream:
@@ -467,7 +467,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     try:
         return await _until_done_or_gone(request, _body(state, spec, job))
     finally:
-        state.release(job)
+        state.admission.release(job)
 
 
 @router.post(_PATH + "/count_tokens", responses=_ERRORS)
@@ -478,6 +478,6 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> JSONRespon
     tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
     if tools:  # the same checks a real request gets (names, tool_choice against the server's flags)
         plan_tools(tools, chat.tool_choice, chat.parallel_tool_calls, state.settings, state.tool_parser_hint)
-    state.check_text_fits(sum(len(m.text()) for m in chat.messages), "messages")
+    state.admission.check_text_fits(sum(len(m.text()) for m in chat.messages), "messages")
     prompt = await render_chat_async(state, chat.messages, chat_render(chat, tools))
     return JSONResponse({"input_tokens": len(await encode(state, prompt, False))})

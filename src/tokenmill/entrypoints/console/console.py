@@ -343,8 +343,7 @@ class ConsoleStats:
         server has no keys file and nobody but the default tenant was seen."""
         state = self.state
         usage = state.usage.snapshot()
-        order = state.engine.scheduler.order
-        shares = order.snapshot() if order is not None else {}  # a read of plain numbers, no lock needed
+        shares = state.engine.tenant_shares()
         if set(usage) == {"default"} and not state.settings.api_keys_file:
             return []
         rows = []

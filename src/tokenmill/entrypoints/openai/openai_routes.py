@@ -24,7 +24,8 @@ from ..parsers.reasoning import get_reasoning_parser, reasoning_for_grammar
 from .protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                        ErrorResponse, _SamplingFields)
 from .request_fields import ignored_headers, judge_extra
-from ..server.serving import Job, ServerState, as_api_error, session_of
+from ..server.admission import as_api_error
+from ..server.serving import Job, ServerState, session_of
 from ...gateway.tenants import Tenant, tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from ..parsers.tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
@@ -241,14 +242,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     tenant = tenant_of(request.scope)
     # before any tokenizing or compiling: a request its tenant may not send costs nothing
-    state.check_admission(tenant, len(prompts) * body.n, len(prompts), body.priority)
+    state.admission.check(tenant, len(prompts) * body.n, len(prompts), body.priority)
     if grammar is not None:
         await check_grammar(state, grammar, grammar_param or "response_format", tenant)
     jobs: list[Job] = []
     echo_texts: list[str] = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            state.check_text_fits(len(prompt), "prompt")
+            state.admission.check_text_fits(len(prompt), "prompt")
             ids = await encode(state, prompt, True)
             text: str | None = prompt
         else:
@@ -256,9 +257,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             text = None
         if body.truncate_prompt_tokens is not None and len(ids) > body.truncate_prompt_tokens:
             ids, text = truncate_prompt(ids, body.truncate_prompt_tokens), None
-        state.check_prompt_ids(ids)
+        state.admission.check_prompt_ids(ids)
         requested = body.max_tokens if "max_tokens" in body.model_fields_set else None
-        max_tokens = state.resolve_max_tokens(len(ids), requested, default=16)
+        max_tokens = state.admission.resolve_max_tokens(len(ids), requested, default=16)
         scored = body.prompt_logprobs_needed
         if max_tokens == 0 and scored is None:  # plain echo of the prompt: the engine still runs it
             scored = 0
@@ -270,7 +271,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             echo_texts.append(text if text is not None else state.tokenizer.decode(ids, skip_special_tokens=False))
     for job in jobs:
         job.session = session_of(request.headers, body.user)
-    state.reserve(jobs, tenant)
+    state.admission.reserve(jobs, tenant)
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
                           prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body))
@@ -280,7 +281,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         return await _until_done_or_gone(request, completion_body(state, spec, jobs), headers)
     finally:
         for job in jobs:
-            state.release(job)
+            state.admission.release(job)
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_id: str,
@@ -291,7 +292,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     plan = plan_tools(tools, body.tool_choice, body.parallel_tool_calls, state.settings, state.tool_parser_hint)
     grammar, grammar_param = grammar_spec(body)
-    state.check_admission(tenant, body.n, 1, body.priority)
+    state.admission.check(tenant, body.n, 1, body.priority)
     if plan is not None:
         for schema, param in tool_schemas(plan):
             await check_grammar(state, schema, param, tenant)
@@ -302,11 +303,11 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest, request_
             grammar, grammar_param = plan.grammar(), "tools"
     if grammar is not None:
         await check_grammar(state, grammar, grammar_param or "response_format", tenant)
-    state.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
+    state.admission.check_text_fits(sum(len(m.text()) for m in body.messages), "messages")
     prompt = await render_chat_async(state, body.messages, chat_render(body, tools))
     ids = truncate_prompt(await encode(state, prompt, body.add_special_tokens), body.truncate_prompt_tokens)
-    state.check_prompt_ids(ids)
-    max_tokens = state.resolve_max_tokens(len(ids), body.output_limit, default=None)
+    state.admission.check_prompt_ids(ids)
+    max_tokens = state.admission.resolve_max_tokens(len(ids), body.output_limit, default=None)
     top = body.top_logprobs or 0
     params = sampling_params(state, body, max_tokens, top if body.logprobs else None, grammar, body.prompt_logprobs)
     params.structured_after = reasoning_for_grammar(state.settings, params, prompt)
@@ -324,7 +325,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     job, plan = await prepare_chat(state, body, request_id, tenant)
     job.arrival = arrived
     job.session = session_of(request.headers, body.user)
-    state.reserve([job], tenant)
+    state.admission.reserve([job], tenant)
     spec = ChatSpec(request_id, body.model or state.model_name, body.n, body.logprobs, body.top_logprobs or 0,
                     _include_usage(body), tools=plan,
                     prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
@@ -335,4 +336,4 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     try:
         return await _until_done_or_gone(request, chat_body(state, spec, job), headers)
     finally:
-        state.release(job)
+        state.admission.release(job)

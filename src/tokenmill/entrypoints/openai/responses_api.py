@@ -466,7 +466,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     response_id = _new_id("resp")
     job, plan = await prepare_chat(state, chat, response_id, tenant_of(request.scope))
     job.endpoint = "responses"
-    state.reserve([job], tenant_of(request.scope))
+    state.admission.reserve([job], tenant_of(request.scope))
     keep = body.store is not False and store.capacity > 0
     spec = _Spec(response_id, body.model or state.model_name, body, plan, store=store if keep else None,
                  owner=owner_of(tenant_of(request.scope)), history=history, reasoning=get_reasoning_parser(state.settings.reasoning_parser),
@@ -478,7 +478,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     try:
         return await _until_done_or_gone(request, _body(state, spec, job), headers)
     finally:
-        state.release(job)
+        state.admission.release(job)
 
 
 def response_store(request: Request) -> ResponseStore:

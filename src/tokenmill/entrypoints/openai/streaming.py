@@ -62,7 +62,7 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
             for job in self._jobs:
                 if job.reserved:  # never started: abort is moot, but the slot must go back
-                    self._state.release(job)
+                    self._state.admission.release(job)
 
 
 # ---- logprobs ----------------------------------------------------------------

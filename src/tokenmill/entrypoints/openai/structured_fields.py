@@ -6,7 +6,7 @@ extra fields (``guided_json``/``guided_regex``/``guided_choice``/
 here; at most one may be given. ``check_grammar`` compiles the grammar
 before the request reaches the engine, so a schema the engine cannot
 enforce is a 400 naming the unsupported part, not free text later. It runs
-after the tenant checks (``ServerState.check_admission``), never before.
+after the tenant checks (``Admission.check``, entrypoints/server/admission.py), never before.
 """
 from __future__ import annotations
 
@@ -128,10 +128,10 @@ async def check_grammar(state: Any, spec: GrammarSpec, param: str, tenant: Any =
     """Compile ``spec`` off the event loop (a worker process first, engine/grammar/grammar_worker.py):
     a 400 naming what cannot be enforced or which limit it is over, a 429 when too many
     grammars already wait to be compiled, or ``tenant`` already has its part of that queue
-    (``ServerState.hold_compile``; it holds its place until the compilation ends, even
-    when the client leaves first). Handlers ask ``check_admission`` before this, so a
+    (``Admission.hold_compile``; it holds its place until the compilation ends, even
+    when the client leaves first). Handlers ask ``Admission.check`` before this, so a
     request its tenant could not send never enters the queue."""
-    release = state.hold_compile(tenant)
+    release = state.admission.hold_compile(tenant)
     try:
         try:
             # the size checks and the cache key read the whole schema: off the event loop too

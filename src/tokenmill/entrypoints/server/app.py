@@ -138,8 +138,19 @@ def _assemble(state: Any, settings: ServerSettings) -> FastAPI:
     return app
 
 
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (400, 401, 404)}
+
+
 def _misc_routes(app: FastAPI) -> None:
-    errors: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (400, 401, 404)}
+    """The routes besides the generation APIs: models, status, tokens, the prefix cache."""
+    _model_routes(app)
+    _status_routes(app)
+    _token_routes(app)
+    _cache_routes(app)
+
+
+def _model_routes(app: FastAPI) -> None:
+    """``/v1/models`` and ``/v1/models/{id}``: the models and adapters the caller may use."""
 
     def cards(request: Request) -> list[dict[str, Any]]:
         """The cards the caller may see. ``root`` is a name, never the folder or file a model
@@ -156,13 +167,17 @@ def _misc_routes(app: FastAPI) -> None:
     async def list_models(request: Request) -> ModelList:
         return ModelList(data=[ModelCard(**card) for card in cards(request)])
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors)
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def get_model(model_id: str, request: Request) -> ModelCard:
         known = cards(request)
         for card in known:
             if card["id"] == model_id:
                 return ModelCard(**card)
         raise model_not_found(model_id, [card["id"] for card in known])
+
+
+def _status_routes(app: FastAPI) -> None:
+    """``/health``, ``/metrics`` and ``/v1/usage``."""
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
@@ -193,7 +208,11 @@ def _misc_routes(app: FastAPI) -> None:
         only = None if is_operator(tenant) else tenant.name  # type: ignore[union-attr]
         return JSONResponse({"object": "usage", "tenants": state.usage.snapshot(only)})
 
-    @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=errors)
+
+def _token_routes(app: FastAPI) -> None:
+    """``/tokenize`` and ``/detokenize`` with the served model's tokenizer."""
+
+    @app.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         state = await get_state(request).serving_for(body.model, request.scope)
         headers = ignored_headers(judge_extra(body.model_extra, "tokenize"))
@@ -211,7 +230,7 @@ def _misc_routes(app: FastAPI) -> None:
             out.token_strs = [state.tokenizer.id_to_token(t) or "" for t in ids]
         return JSONResponse(out.model_dump(exclude_none=True), headers=headers)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         state = await get_state(request).serving_for(body.model, request.scope)
         headers = ignored_headers(judge_extra(body.model_extra, "detokenize"))
@@ -219,6 +238,10 @@ def _misc_routes(app: FastAPI) -> None:
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of range [0, {state.vocab_size})", param="tokens")
         return JSONResponse({"prompt": state.tokenizer.decode(body.tokens)}, headers=headers)
+
+
+def _cache_routes(app: FastAPI) -> None:
+    """``/reset_prefix_cache``: every loaded model drops its idle cached blocks."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:

@@ -109,8 +109,8 @@ def _log_startup(args: argparse.Namespace, settings: ServerSettings, config: Eng
     log.info("tokenmill serving model=%s (%s) dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens "
              "max_model_len=%d prefix_caching=%s url=%s", settings.served_model_names[0],
              args.model or "bundled SmolLM2-135M-Instruct", engine.config.dtype, engine.config.quantization,
-             human_bytes(engine.weight_bytes), engine.pool.num_blocks, engine.block_size, state.pool_tokens,
-             engine.max_model_len, engine.prefix_cache is not None, url)
+             human_bytes(engine.weight_bytes), engine.stats.blocks_total, engine.block_size, state.pool_tokens,
+             engine.max_model_len, engine.stats.prefix_cache_enabled, url)
 
 
 def _uvicorn_config(args: argparse.Namespace, app: Any) -> uvicorn.Config:
@@ -160,7 +160,7 @@ def model_loader(args: argparse.Namespace, settings: ServerSettings, shared: Ser
         state = ServerState(aengine, model_settings(settings, spec, sampling), shared)
         log.info("model %s: dtype=%s quantization=%s weights=%s kv_pool=%d blocks x %d = %d tokens max_model_len=%d",
                  spec.name, engine.config.dtype, engine.config.quantization, human_bytes(engine.weight_bytes),
-                 engine.pool.num_blocks, engine.block_size, state.pool_tokens, engine.max_model_len)
+                 engine.stats.blocks_total, engine.block_size, state.pool_tokens, engine.max_model_len)
 
         def close() -> None:
             state.close()

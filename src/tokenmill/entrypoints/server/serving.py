@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -23,18 +22,21 @@ from ...traffic.cache_misses import MissClassifier
 from ...gateway.request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
 from ...engine.async_engine import AsyncEngine, EngineDeadError
 from ...engine.engine import SequenceDelta
-from ...engine.sched.fairness import ADMIT_SHARE, make_queue_order
+from ...engine.sched.fairness import make_queue_order
 from ...engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
-from ...engine.limits import LimitError, RequestLimits
+from ...engine.limits import RequestLimits
 from ...gateway.tracing import CURRENT_SPAN
 from .metrics import ServerMetrics
 from ..parsers.chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
 from ..openai.response_store import DEFAULT_STORE_BYTES
-from ...gateway.tenant_gate import TenantGate, TenantLimited
+from ...gateway.refusal import Refusal
+from ...gateway.tenant_gate import TenantGate
 from .tenant_usage import TenantUsage
 from ...gateway.tenants import DEFAULT_TENANT, Tenant, directory_from_args, tenant_of
-from ...gateway.waiting_room import CompileRoom, Refusal, RoomShares, WaitingRoom
+from ...gateway.waiting_room import CompileRoom, WaitingRoom
+from .admission import (Admission, BacklogGate, RequestLimitsGate, RoomGate, SequencesGate, SharesOf,
+                        TenantLimitsGate)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -172,7 +174,7 @@ class ServerState:
         self.tokenizer = self.engine.tokenizer
         if settings.max_waiting is None:  # decided once, from the pool (default_max_waiting)
             settings = dataclasses.replace(settings, max_waiting=default_max_waiting(
-                self.engine.pool.num_blocks, self.engine.config.scheduler.max_num_seqs))
+                self.engine.stats.blocks_total, self.engine.config.scheduler.max_num_seqs))
         self.settings = settings
         if settings.chat_template:
             self.tokenizer.chat_template = settings.chat_template
@@ -183,11 +185,8 @@ class ServerState:
                                  else parser_for(self.tokenizer.chat_template))
         self.model_name = settings.served_model_names[0]
         self.max_model_len = int(self.engine.max_model_len)
-        self.pool_tokens = int(self.engine.pool.num_blocks * self.engine.block_size)
+        self.pool_tokens = int(self.engine.stats.blocks_total * self.engine.block_size)
         self.vocab_size = int(self.engine.model_config.vocab_size)
-        # The request limits (engine/limits.py), with the pool's size: checked here, where a
-        # 400 can name the field; the engine runs the same checks for in-process callers.
-        self.limits = RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens)
         self.metrics = ServerMetrics(self.model_name, self.engine, waiting=self.num_waiting)
         self.adapters = _adapter_manager(aengine, settings)  # LoRA adapters (engine/adapters.py), or None
         if self.adapters is not None:
@@ -213,23 +212,38 @@ class ServerState:
             self.capture = TrafficCapture(settings.capture_path, capture_text=settings.capture_text,
                                           block_size=self.engine.block_size, hash_key=key)
         # why prompts miss the prefix cache, per session and from recent prompts' text (traffic/cache_misses.py)
-        self.misses = MissClassifier(self.engine.block_size) if self.engine.prefix_cache is not None else None
+        self.misses = MissClassifier(self.engine.block_size) if self.engine.stats.prefix_cache_enabled else None
         self.draining = False
         self.cutting = False  # the shutdown grace period is over: running requests end with an error
         self._live: dict[str, Job] = {}  # jobs whose engine stream is open
         self._cut: set[str] = set()
-        self.pending = 0  # sequences admitted by reserve() whose stream has not started yet
-        # --max-waiting divided fairly between tenants and classes, and the grammar-compile
-        # queue likewise (gateway/waiting_room.py); both counted here, on the event loop
-        self.room = WaitingRoom()
-        self._shares: tuple[Any, RoomShares] | None = None  # (the tenant table they were made of, shares)
-        self.compiles = CompileRoom(self.engine.structured.limits.queue_size)
-        # the scheduler's queue order as admission judges backlogs by (its settings only: the
-        # queues themselves come from the engine's published stats); None under FCFS
-        sched = self.engine.config.scheduler
-        self.queue_order = make_queue_order(sched.scheduling_policy, sched.starvation_bound_s)
+        self.admission = self._admission()
         self.inflight_http = 0  # requests inside the app (middleware count), for graceful shutdown
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    def _admission(self) -> Admission:
+        """The server's admission (admission.py): ``--max-waiting`` divided fairly between
+        tenants and classes, and the grammar-compile queue likewise (gateway/waiting_room.py),
+        both counted on the event loop; the class backlog judged by the scheduler's
+        policy as the engine was built with it (its queues come from the engine's
+        published stats; no check under FCFS); the tenants' own limits; and before them the
+        request's own size against the model's (with the pool's)."""
+        settings, sched = self.settings, self.engine.config.scheduler
+        room = WaitingRoom()
+        shares = SharesOf(self.tenants, settings.max_waiting)
+        gates = (SequencesGate(settings.max_waiting), RoomGate(room, shares, settings.max_waiting is not None),
+                 BacklogGate(make_queue_order(sched.scheduling_policy, sched.starvation_bound_s), self.engine),
+                 TenantLimitsGate(self.tenant_gate))
+        limits = RequestLimitsGate(RequestLimits(self.max_model_len, self.vocab_size, self.pool_tokens),
+                                   settings.max_output_tokens, lambda: self.max_token_chars)
+        return Admission(limits, gates, room, CompileRoom(self.engine.config.grammar_limits.queue_size), shares,
+                         self.tenant_gate, settings.retry_after_s, self._refused)
+
+    def _refused(self, refusal: Refusal, tenant: str) -> None:
+        """A refusal counted: by its code, and in the tenant's usage when it is of the tenant's own load."""
+        self.metrics.rejected.labels(refusal.code).inc()
+        if refusal.against_tenant:
+            self.usage.rejected(tenant)
 
     def _pick_tools_template(self) -> ToolsTemplate | None:
         if self.settings.chat_template or not self.tokenizer.has_chat_template:
@@ -254,164 +268,18 @@ class ServerState:
         return int(queued if queued is not None else self.aengine.num_queued)
 
     def num_waiting(self) -> int:
-        return int(self.engine.stats.num_waiting) + self.num_queued() + self.pending
+        return int(self.engine.stats.num_waiting) + self.num_queued() + self.admission.pending
 
-    def check_admissible(self, sequences: int) -> None:
-        """400 for a request with more sequences than ``--max-waiting`` would ever queue.
-
-        Checked before tokenizing, so a huge batch costs nothing; a 429 would
-        tell the client to retry something that can never be admitted."""
-        limit = self.settings.max_waiting
-        if limit is not None and sequences > limit:
-            self.metrics.rejected.labels("too_many_sequences").inc()
-            raise APIError(400, f"this request asks for {sequences} sequences (prompts x n) but the server "
-                           f"queues at most {limit} (--max-waiting); send fewer prompts or a smaller n",
-                           param="n", code="too_many_sequences")
-
-    def check_admission(self, tenant: Tenant | None, sequences: int, requests: int = 1, priority: int = 0) -> None:
-        """Every refusal ``reserve`` could give this request, counting nothing: asked before
-        its costly preparation (tokenizing, compiling its grammar), so a tenant past its
-        share of the waiting room or one of its limits never takes a place in the shared
-        grammar-compile queue. Its cost in tokens is not known yet: one token stands for it."""
-        self.check_admissible(sequences)
-        tenant = tenant or DEFAULT_TENANT
-        self._admit(tenant, _placement(tenant, priority), requests, sequences, 1, count=False)
-
-    def reserve(self, jobs: list[Job], tenant: Tenant | None = None) -> None:
-        """Admit jobs, or 429 with Retry-After when their sequences would take the
-        waiting queue past ``--max-waiting``, their tenant past its share of it
-        (gateway/waiting_room.py), or ``tenant`` past one of its limits (gateway/tenant_gate.py;
-        that tenant only).
-
-        A streaming job reaches the engine only when its response starts, so
-        admitted jobs count as waiting (``pending``) until ``stream_job``
-        submits them, and in the waiting room until their first token; check and
-        count happen with no await in between, so concurrent handlers cannot all
-        slip past the bound."""
-        tenant = tenant or DEFAULT_TENANT
-        fresh = [job for job in jobs if not job.held and not job.reserved]
-        if fresh:
-            self.check_admissible(sum(j.params.n for j in fresh))
-            self._admit(tenant, dataclasses.replace(fresh[0], tenant=tenant).placement, len(fresh),
-                        sum(j.params.n for j in fresh), sum(_max_cost(j) for j in fresh), count=True)
-        for job in fresh:
-            job.tenant, job.held = tenant, True
-        for job in jobs:
-            if not job.reserved:
-                job.reserved = True
-                self.pending += job.params.n
-
-    def _admit(self, tenant: Tenant, placement: Placement, requests: int, sequences: int, tokens: int,
-               count: bool) -> None:
-        """The one admission path: the waiting room's share, the class backlog, the tenant's
-        limits, in that order; with ``count``, what is admitted is counted in each."""
-        if self.settings.max_waiting is not None:
-            refusal = self.room.decide(self.room_shares(), tenant.name, tenant.priority_class, sequences)
-            if refusal is not None:
-                self._refuse(refusal, tenant)
-        self._check_backlog(placement)
-        try:
-            if count:
-                self.tenant_gate.admit(tenant, requests, sequences, tokens)
-            else:
-                self.tenant_gate.check(tenant, requests, sequences, tokens)
-        except TenantLimited as exc:
-            self.metrics.rejected.labels(exc.code).inc()
-            self.usage.rejected(tenant.name)
-            raise APIError(429, str(exc), code=exc.code,
-                           headers={"Retry-After": str(exc.retry_after_s)}) from None
-        if count:
-            self.room.add(tenant.name, sequences)
-
-    def room_shares(self) -> RoomShares:
-        """How ``--max-waiting`` is divided between the tenants now (made again when the
-        keys file is reloaded)."""
-        table = self.tenants.table
-        if self._shares is None or self._shares[0] is not table:
-            self._shares = table, RoomShares.of(self.settings.max_waiting or 0, (
-                (t.name, t.weight, t.priority_class) for t in self.tenants.callers()))
-        return self._shares[1]
-
-    def _refuse(self, refusal: Refusal, tenant: Tenant) -> None:
-        self.metrics.rejected.labels(refusal.code).inc()
-        if refusal.code.endswith("_share"):
-            self.usage.rejected(tenant.name)
-        headers = {"Retry-After": str(self.settings.retry_after_s)} if refusal.status == 429 else None
-        raise APIError(refusal.status, refusal.message, code=refusal.code, headers=headers,
-                       param="n" if refusal.status == 400 else None)
-
-    def hold_compile(self, tenant: Tenant | None) -> Callable[[], None]:
-        """A place in the grammar-compile queue for one of ``tenant``'s grammars, or a 429
-        when the tenant (or the classes worse than the best) already hold their part of
-        it (gateway/waiting_room.py). Returns the release, to call when the compilation is done
-        (idempotent; safe from any thread: it hops to the event loop)."""
-        tenant = tenant or DEFAULT_TENANT
-        shares = self.room_shares()
-        best = shares.rank(tenant.priority_class) == 0
-        refusal = self.compiles.decide(tenant.name, best, several=len(shares.weights) > 1)
-        if refusal is not None:
-            self._refuse(refusal, tenant)
-        self.compiles.add(tenant.name, best)
-        loop = asyncio.get_running_loop()
-        released = False
-
-        def release_here() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.compiles.remove(tenant.name, best)
-
-        def release() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to count
-                loop.call_soon_threadsafe(release_here)
-
-        return release
-
-    def _check_backlog(self, placement: Placement) -> None:
-        """429 for a request whose queue (its class, and its tenant under fair share) is
-        already too long for it to start within the starvation bound (engine/sched/fairness.py:
-        ``backlog``): its class is over what the engine serves, and queueing it would only
-        make it, and those behind it, wait past the bound. Reads the queues as the engine
-        last published them (``EngineStats.queue_heads``), not the scheduler itself."""
-        order = self.queue_order
-        if order is None:
-            return
-        expected = order.backlog(self.engine.stats.queue_heads, placement, time.monotonic())
-        if expected is None:
-            return
-        self.metrics.rejected.labels("class_backlog").inc()
-        self.usage.rejected(placement.tenant)
-        retry = max(1, math.ceil(expected - ADMIT_SHARE * order.starvation_bound_s))
-        raise APIError(429, f"requests of priority class {placement.priority_class} (tenant {placement.tenant!r}) "
-                       f"would wait about {expected:.1f}s to start, past the {order.starvation_bound_s:g}s "
-                       "starvation bound: their queue is longer than the server serves; retry later",
-                       code="class_backlog", headers={"Retry-After": str(retry)})
-
+    # -- admission (admission.py) -------------------------------------------
+    # stream_job's part of it: a job's stream takes over what reserve() counted
     def release(self, job: Job) -> None:
-        """Undo ``reserve`` for one job; idempotent. A job that never reached its stream
-        gives back what its tenant held."""
-        if job.reserved:
-            job.reserved = False
-            self.pending -= job.params.n
-        if job.held and not job.streamed:
-            self._tenant_done(job, started=False, output_tokens=0)
-
-    def _tenant_done(self, job: Job, started: bool, output_tokens: int) -> None:
-        """The tenant gate's part of a job ends (idempotent)."""
-        if not job.held:
-            return
-        job.held = False
-        tenant = job.tenant or DEFAULT_TENANT
-        if not started:
-            self._started(job)
-        self.tenant_gate.finished(tenant, 1, _max_cost(job) - len(job.prompt_ids) - output_tokens)
+        self.admission.release(job)
 
     def _started(self, job: Job) -> None:
-        """A held job's sequences produced their first token (or it ended before): they
-        leave the tenant's queued count and the waiting room."""
-        name = (job.tenant or DEFAULT_TENANT).name
-        self.tenant_gate.started(name, job.params.n)
-        self.room.remove(name, job.params.n)
+        self.admission.started(job)
+
+    def _tenant_done(self, job: Job, started: bool, output_tokens: int) -> None:
+        self.admission.finished(job, started, output_tokens)
 
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
@@ -452,24 +320,6 @@ class ServerState:
             return max(1, max(map(len, vocab)))
         except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no shortcut
             return 0
-
-    def check_text_fits(self, chars: int, param: str) -> None:
-        """400 for text too long to fit the context whatever it tokenizes to, before tokenizing it."""
-        with as_api_error():
-            self.limits.check_text_fits(chars, self.max_token_chars, param)
-
-    def check_prompt_ids(self, ids: list[int]) -> None:
-        with as_api_error():
-            self.limits.check_prompt_ids(ids)
-
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, default: int | None) -> int:
-        """The output budget of a request (``RequestLimits.resolve_max_tokens``), or a 400
-        that states both numbers. ``requested``: what the client sent (None: not sent);
-        ``default``: the endpoint's default when not sent (None: the rest of the context).
-        ``--max-output-tokens`` caps both and is the default when it is set."""
-        with as_api_error():
-            return self.limits.resolve_max_tokens(prompt_len, requested, default, self.settings.max_output_tokens,
-                                                  prompt_param="messages" if default is None else "prompt")
 
     # -- shutdown --------------------------------------------------------------
     def cut_all(self) -> int:
@@ -656,16 +506,6 @@ class ServerState:
             self.shared.close()
 
 
-def _placement(tenant: Tenant, priority: int) -> Placement:
-    """Where the scheduler would place a request of ``tenant`` (``Job.placement``)."""
-    return Placement(tenant.name, tenant.priority_class, tenant.weight, priority)
-
-
-def _max_cost(job: Job) -> int:
-    """Tokens a job may use at most: its prompt, and every choice's whole output budget."""
-    return len(job.prompt_ids) + job.params.n * int(job.params.max_tokens or 0)
-
-
 def _params_dict(p: SamplingParams) -> dict[str, Any]:
     keys = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
             "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logprobs", "ignore_eos")
@@ -711,15 +551,6 @@ async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncItera
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-@contextlib.contextmanager
-def as_api_error() -> Any:
-    """A ``LimitError`` as the 400 a client gets, naming the field at fault."""
-    try:
-        yield
-    except LimitError as exc:
-        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
 
 
 def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
