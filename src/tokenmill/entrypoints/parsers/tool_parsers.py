@@ -3,7 +3,7 @@
 Chosen with ``--tool-call-parser NAME`` (the names vLLM users know):
 
 - ``hermes`` (also ``qwen``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-  one block per call, text before the first block is content;
+  one block per call, text before the first block (less trailing blank space) is content;
 - ``llama3_json``: the output is ``{"name": ..., "parameters": {...}}`` (optionally after
   ``<|python_tag|>``), several separated by ``;``;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (or the newer
@@ -111,7 +111,7 @@ class HermesParser(ToolParser):
                     break  # a last call cut off (max_tokens): the complete ones before it stand
                 return _content(text), []
             calls.append(call)
-        return _content(text[:start].strip()), calls
+        return _content(text[:start].rstrip()), calls
 
 
 class Llama3JsonParser(ToolParser):
@@ -158,7 +158,7 @@ class MistralParser(ToolParser):
             if not parsed or any(c is None for c in parsed):
                 return _content(text), []
             calls.extend(c for c in parsed if c is not None)
-        return _content(text[:start].strip()), calls
+        return _content(text[:start].rstrip()), calls
 
 
 PARSERS: dict[str, Callable[[], ToolParser]] = {
