@@ -102,16 +102,16 @@ class ChatStream:
     def encode(self, events: list[Event]) -> list[bytes]:
         out: list[bytes] = []
         pending: list[tuple[int, dict[str, Any]]] = []  # this delta's chunks until its logprobs are known
-        for e in events:
-            if isinstance(e, Usage):
+        for e in events:  # answer text first: most deltas are one piece of it
+            if type(e) is TextDelta:
+                pending.append((e.index, {"content": e.text}))
+            elif isinstance(e, Usage):
                 self.usage = e
                 if e.final and self.spec.include_usage:
                     out.append(sse({**self.base, "choices": [], "usage": e.openai()}))
             elif isinstance(e, ThinkingDelta):
                 if e.text:
                     pending.append((e.index, {"reasoning_content": e.text}))
-            elif isinstance(e, TextDelta):
-                pending.append((e.index, {"content": e.text}))
             elif isinstance(e, Logprobs):
                 lp = {"content": chat_logprobs(self.state, e.logprobs, self.spec.top_logprobs)} \
                     if self.spec.logprobs and e.logprobs else None
@@ -127,7 +127,9 @@ class ChatStream:
                 delta = _call_delta(e, self.spec.legacy_functions)
                 if delta is not None:
                     pending.append((e.index, delta))
-        return out + [self._chunk(i, d) for i, d in pending]
+        if pending:
+            out += [self._chunk(i, d) for i, d in pending]
+        return out
 
     def error(self, exc: BaseException) -> bytes:
         return error_event(exc)
@@ -157,14 +159,15 @@ class ChatFold:
 
     def add(self, events: list[Event]) -> None:
         for e in events:
+            if type(e) is TextDelta:
+                self.choices[e.index].content.append(e.text)
+                continue
             if isinstance(e, Usage):
                 self.usage = e
                 continue
             c = self.choices[e.index]
             if isinstance(e, ThinkingDelta):
                 c.reasoning = (c.reasoning or "") + e.text
-            elif isinstance(e, TextDelta):
-                c.content.append(e.text)
             elif isinstance(e, ToolCallStart):
                 c.calls.append({"id": e.id, "name": e.name, "arguments": ""})
             elif isinstance(e, ToolArgsDelta):

@@ -25,7 +25,8 @@ from ...engine.engine import SequenceDelta
 from ..parsers.assembler import Assembler
 from ..parsers.output_events import Event, Usage
 from ..server.errors import APIError, error_body
-from ..server.serving import Job, ServerState, merge_streams
+from ..server.job_stream import merge_streams
+from ..server.serving import Job, ServerState
 
 log = logging.getLogger("tokenmill.server")
 

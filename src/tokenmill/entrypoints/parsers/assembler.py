@@ -65,18 +65,16 @@ class Assembler:
         return self.tally.usage()
 
     def _choice(self, index: int) -> _Choice:
-        choice = self._choices.get(index)
-        if choice is None:
-            split = ReasoningSplit(self.reasoning, self.prompt_text) if self.reasoning is not None else None
-            tools = ToolStream(self.tools, index) if self.tools is not None else None
-            choice = self._choices[index] = _Choice(split, tools)
+        split = ReasoningSplit(self.reasoning, self.prompt_text) if self.reasoning is not None else None
+        tools = ToolStream(self.tools, index) if self.tools is not None else None
+        choice = self._choices[index] = _Choice(split, tools)
         return choice
 
     def feed(self, job: int, d: SequenceDelta) -> list[Event]:
         """The events of one engine delta of job ``job``."""
         self.tally.add(job, d)
         index = job * self.n + d.index
-        choice = self._choice(index)
+        choice = self._choices.get(index) or self._choice(index)
         out: list[Event] = []
         if self.running_usage or not self._started:
             self._started = True

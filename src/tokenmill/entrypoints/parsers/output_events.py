@@ -7,7 +7,9 @@ deltas into these events once; each API encodes them, streamed as its SSE events
 folded into its whole body, so a streamed answer and a whole one cannot differ.
 
 ``index`` is the choice (for a request of several prompts, prompt x ``n`` + choice);
-``call`` is a tool call's position within its choice.
+``call`` is a tool call's position within its choice. Events are not frozen (a frozen
+dataclass costs several times as much to make, and one is made per token); nothing
+changes one once made.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, Union
 from ...model.sampler import Logprob
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TextDelta:
     """Answer text (never empty)."""
 
@@ -25,7 +27,7 @@ class TextDelta:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ThinkingDelta:
     """Reasoning text. A choice's first one may be empty: it says the output has a
     reasoning section (which the APIs show, empty or not)."""
@@ -34,7 +36,7 @@ class ThinkingDelta:
     text: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolCallStart:
     index: int
     call: int
@@ -42,7 +44,7 @@ class ToolCallStart:
     name: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolArgsDelta:
     """A piece of a call's arguments (JSON text)."""
 
@@ -51,13 +53,13 @@ class ToolArgsDelta:
     arguments: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ToolCallEnd:
     index: int
     call: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Logprobs:
     """The sampled tokens' logprobs of one engine delta, after that delta's text events and
     before those its end releases; ``prompt_logprobs`` once, when the engine scored the prompt."""
@@ -68,7 +70,7 @@ class Logprobs:
     prompt_logprobs: list[Logprob | None] | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Finish:
     """A choice ended. ``reason``/``stop_reason``: the engine's; ``tool_calls``: its answer
     parsed as tool calls (each API names that ending its own way)."""
@@ -79,7 +81,7 @@ class Finish:
     tool_calls: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Usage:
     """Tokens of the whole request so far; ``final`` once every choice has ended."""
 

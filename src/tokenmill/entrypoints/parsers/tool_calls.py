@@ -208,6 +208,8 @@ class ToolStream:
     sent: int = 0  # characters of ``text`` already sent as content
     held: bool = False  # a call has started
     named_id: str | None = None
+    plain: bool = False  # the answer can no longer start a call (at_start_only parsers): all content
+    scanned: int = 0  # no call begins before this (the text had no marker up to here)
 
     def feed(self, delta: str) -> list[Event]:
         """Events for a new piece of the answer."""
@@ -230,11 +232,16 @@ class ToolStream:
             return self._content_upto(len(self.text), hold_blank=False)
         if self.held:
             return []
-        start = parser.call_start(self.text)
+        if self.plain:
+            return self._content_upto(len(self.text))
+        start = parser.call_start(self.text, self.scanned)
         if start is not None:
             self.held = True
             return self._content_upto(start)
         maybe = parser.possible_start(self.text)
+        if maybe is None and parser.at_start_only:
+            self.plain = True  # past the start with no marker: none can come
+        self.scanned = max(0, len(self.text) - parser.longest + 1)
         return self._content_upto(len(self.text) if maybe is None else maybe)
 
     def _content_upto(self, end: int, hold_blank: bool = True) -> list[Event]:
