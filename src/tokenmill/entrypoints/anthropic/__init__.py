@@ -1,1 +1,1 @@
-"""Anthropic's Messages API over the same engine."""
+"""Anthropic's Messages API over the same engine, and its encoder of output events."""

@@ -27,10 +27,8 @@ the SDK raises its own classes; errors after the stream started are an
 from __future__ import annotations
 
 import json
-import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -41,25 +39,16 @@ from ..server.errors import APIError
 from ..openai.openai_routes import (_ERRORS, _until_done_or_gone, chat_render, encode, get_state, prepare_chat,
                             render_chat_async)
 from ..openai.protocol import MAX_STOP, MAX_TOKENS_LIMIT, ChatCompletionRequest, _Model
-from ..parsers.reasoning import ReasoningParser, ReasoningSplit, get_reasoning_parser, split_reasoning
-from ..server.serving import Job, ServerState
-from ..openai.streaming import SSEResponse, _streams, _Tally
+from ..parsers.assembler import Assembler
+from ..parsers.reasoning import get_reasoning_parser
+from ..openai.streaming import SSEResponse, fold_events, stream_events
 from ...gateway.tenants import tenant_of
-from ..parsers.tool_calls import ToolPlan, ToolStream, extract, plan_tools
+from ..parsers.tool_calls import plan_tools
+from .messages_encoder import MessageSpec, MessagesEncoder, anthropic_error
 
 router = APIRouter()
 
 _PATH = "/v1/messages"
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-                413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error",
-                529: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
 class AnthropicErrors:
     """Rewrites OpenAI-shaped JSON error bodies under ``/v1/messages`` into Anthropic's shape.
 
@@ -275,182 +264,6 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{param}: {msg}", param=param) from None
 
 
-# ---- output --------------------------------------------------------------------
-
-@dataclass
-class _Spec:
-    message_id: str
-    model: str
-    body: MessagesRequest
-    plan: ToolPlan | None
-    reasoning: ReasoningParser | None
-    prompt_text: str | None
-    created: float = field(default_factory=time.time)
-
-
-def _usage(tally: _Tally) -> dict[str, Any]:
-    u = tally.usage()
-    cached = u["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
-
-
-def _stop(spec: _Spec, finish: str | None, stop_reason: Any, called: bool) -> tuple[str, str | None]:
-    if called and finish != "length":
-        return "tool_use", None
-    if finish == "length":
-        return "max_tokens", None
-    if isinstance(stop_reason, str) and stop_reason in (spec.body.stop_sequences or []):
-        return "stop_sequence", stop_reason
-    return "end_turn", None
-
-
-def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        value = {}
-    return {"type": "tool_use", "id": call_id, "name": name, "input": value if isinstance(value, dict) else {}}
-
-
-def _new_tool_id() -> str:
-    return f"toolu_{uuid.uuid4().hex[:24]}"
-
-
-def _message(spec: _Spec, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
-             usage: dict[str, Any]) -> dict[str, Any]:
-    return {"id": spec.message_id, "type": "message", "role": "assistant", "model": spec.model,
-            "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
-
-
-async def _body(state: ServerState, spec: _Spec, job: Job) -> dict[str, Any]:
-    tally = _Tally([job])
-    text, finish, stop_reason = "", None, None
-    merged = _streams(state, [job])
-    try:
-        async for _, d in merged:
-            tally.add(0, d)
-            text += d.text
-            if d.finished:
-                finish, stop_reason = d.finish_reason, d.stop_reason
-    finally:
-        await merged.aclose()  # type: ignore[attr-defined]
-    blocks: list[dict[str, Any]] = []
-    if spec.reasoning is not None:
-        thought, text = split_reasoning(spec.reasoning, text, spec.prompt_text)
-        if thought is not None:
-            blocks.append({"type": "thinking", "thinking": thought, "signature": ""})
-    content, calls = extract(spec.plan, text) if spec.plan is not None else (text, [])
-    if content:
-        blocks.append({"type": "text", "text": content})
-    blocks += [_tool_use(_new_tool_id(), c.name, c.arguments) for c in calls]
-    if not blocks:
-        blocks.append({"type": "text", "text": ""})
-    return _message(spec, blocks, _stop(spec, finish, stop_reason, bool(calls)), _usage(tally))
-
-
-def _event(kind: str, **payload: Any) -> bytes:
-    data = json.dumps({"type": kind, **payload}, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n".encode()
-
-
-async def _stream(state: ServerState, spec: _Spec, job: Job) -> AsyncIterator[bytes]:
-    """Anthropic's events; message_start waits for the first engine delta, which says how
-    much of the prompt the cache held."""
-    index = -1
-    open_kind: str | None = None  # type of the open content block
-    pinged = False
-    tally = _Tally([job])
-    ts = ToolStream(spec.plan) if spec.plan is not None else None
-    split = ReasoningSplit(spec.reasoning, spec.prompt_text) if spec.reasoning is not None else None
-    called = False
-
-    def start(block: dict[str, Any]) -> list[bytes]:
-        nonlocal index, open_kind, pinged
-        out = stop_block()
-        index += 1
-        open_kind = block["type"]
-        out.append(_event("content_block_start", index=index, content_block=block))
-        if not pinged:
-            pinged = True
-            out.append(_event("ping"))
-        return out
-
-    def stop_block() -> list[bytes]:
-        nonlocal open_kind
-        if open_kind is None:
-            return []
-        open_kind = None
-        return [_event("content_block_stop", index=index)]
-
-    def thinking(text: str) -> list[bytes]:
-        out = [] if open_kind == "thinking" else start({"type": "thinking", "thinking": "", "signature": ""})
-        if text:
-            out.append(_event("content_block_delta", index=index, delta={"type": "thinking_delta", "thinking": text}))
-        return out
-
-    def text_piece(text: str) -> list[bytes]:
-        if not text:
-            return []
-        out = [] if open_kind == "text" else start({"type": "text", "text": ""})
-        out.append(_event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}))
-        return out
-
-    def answer(deltas: list[dict[str, Any]]) -> list[bytes]:
-        nonlocal called
-        out: list[bytes] = []
-        for d in deltas:
-            if "content" in d:
-                out += text_piece(d["content"])
-            for piece in d.get("tool_calls", []):
-                fn = piece.get("function", {})
-                if "id" in piece:
-                    called = True
-                    out += start({"type": "tool_use", "id": _new_tool_id(), "name": fn.get("name"), "input": {}})
-                if fn.get("arguments"):
-                    out.append(_event("content_block_delta", index=index,
-                                      delta={"type": "input_json_delta", "partial_json": fn["arguments"]}))
-        return out
-
-    merged = _streams(state, [job])
-    started = False
-    finish, stop_reason = None, None
-    try:
-        async for _, d in merged:
-            tally.add(0, d)
-            if not started:
-                started = True
-                usage = _usage(tally) | {"output_tokens": 0}
-                yield _event("message_start", message=_message(spec, [], (None, None), usage))
-            text = d.text
-            if split is not None:
-                thought, text = split.feed(d.text, final=d.finished)
-                if thought or (split.reasoning is not None and index < 0):
-                    for chunk in thinking(thought):
-                        yield chunk
-            pieces = ts.feed(text) if ts is not None else [{"content": text}]
-            if d.finished:
-                finish, stop_reason = d.finish_reason, d.stop_reason
-                if ts is not None:
-                    pieces += ts.finish()[0]
-            for chunk in answer(pieces):
-                yield chunk
-        if index < 0:  # nothing at all: one empty text block, as the whole body has
-            for chunk in start({"type": "text", "text": ""}):
-                yield chunk
-        for chunk in stop_block():
-            yield chunk
-        usage = _usage(tally)
-        stop, sequence = _stop(spec, finish, stop_reason, called)
-        yield _event("message_delta", delta={"stop_reason": stop, "stop_sequence": sequence}, usage=usage)
-        yield _event("message_stop")
-    except Exception as exc:  # noqa: BLE001 - reported in-band: the status line is already sent
-        status, message = (exc.status, exc.message) if isinstance(exc, APIError) else (500, f"internal error: {exc}")
-        yield _event("error", error=anthropic_error(status, message)["error"])
-    finally:
-        await merged.aclose()  # type: ignore[attr-defined]
-
-
 # ---- routes --------------------------------------------------------------------
 
 @router.post(_PATH, responses=_ERRORS)
@@ -460,12 +273,14 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     job, plan = await prepare_chat(state, to_chat(body), message_id, tenant_of(request.scope))
     job.endpoint = "messages"
     state.admission.reserve([job], tenant_of(request.scope))
-    spec = _Spec(message_id, body.model or state.model_name, body, plan,
-                 get_reasoning_parser(state.settings.reasoning_parser), job.prompt_text)
+    spec = MessageSpec(message_id, body.model or state.model_name, body.stop_sequences)
+    assembler = Assembler([len(job.prompt_ids)], tools=plan,
+                          reasoning=get_reasoning_parser(state.settings.reasoning_parser), prompt_text=job.prompt_text)
     if body.stream:
-        return SSEResponse(_stream(state, spec, job), state, [job])
+        return SSEResponse(stream_events(state, [job], assembler, MessagesEncoder(spec)), state, [job])
     try:
-        return await _until_done_or_gone(request, _body(state, spec, job))
+        return await _until_done_or_gone(request, fold_events(state, [job], assembler,
+                                                              MessagesEncoder(spec, streamed=False)))
     finally:
         state.admission.release(job)
 

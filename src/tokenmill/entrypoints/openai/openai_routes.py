@@ -29,8 +29,10 @@ from ..server.serving import Job, ServerState, session_of
 from ...gateway.tenants import Tenant, tenant_of
 from .structured_fields import check_grammar, grammar_spec
 from ..parsers.tool_calls import ToolPlan, plan_tools, template_message, tool_schemas
-from .streaming import (ChatSpec, CompletionSpec, SSEResponse, chat_body, chat_stream, completion_body,
-                        completion_stream)
+from ..parsers.assembler import Assembler
+from .chat_encoder import ChatFold, ChatSpec, ChatStream
+from .completion_encoder import CompletionFold, CompletionSpec, CompletionStream
+from .streaming import SSEResponse, fold_events, stream_events
 
 router = APIRouter()
 
@@ -274,11 +276,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.admission.reserve(jobs, tenant)
     spec = CompletionSpec(request_id, body.model or state.model_name, body.n, body.logprobs,
                           echo_texts if body.echo else None, _include_usage(body),
-                          prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body))
+                          prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
+                          prompt_ids=[job.prompt_ids for job in jobs])
+    assembler = Assembler([len(job.prompt_ids) for job in jobs], body.n, running_usage=spec.continuous_usage)
     if body.stream:
-        return _with_headers(SSEResponse(completion_stream(state, spec, jobs), state, jobs), headers)
+        stream = stream_events(state, jobs, assembler, CompletionStream(spec, state))
+        return _with_headers(SSEResponse(stream, state, jobs), headers)
     try:
-        return await _until_done_or_gone(request, completion_body(state, spec, jobs), headers)
+        whole = fold_events(state, jobs, assembler, CompletionFold(spec, len(jobs), state))
+        return await _until_done_or_gone(request, whole, headers)
     finally:
         for job in jobs:
             state.admission.release(job)
@@ -331,9 +337,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                     prompt_logprobs=body.prompt_logprobs, continuous_usage=_continuous_usage(body),
                     legacy_functions=body.functions is not None,
                     reasoning=get_reasoning_parser(state.settings.reasoning_parser))
+    assembler = Assembler([len(job.prompt_ids)], body.n, plan, spec.reasoning, job.prompt_text,
+                          running_usage=spec.continuous_usage)
     if body.stream:
-        return _with_headers(SSEResponse(chat_stream(state, spec, job), state, [job]), headers)
+        return _with_headers(SSEResponse(stream_events(state, [job], assembler, ChatStream(spec, state)), state,
+                                         [job]), headers)
     try:
-        return await _until_done_or_gone(request, chat_body(state, spec, job), headers)
+        return await _until_done_or_gone(request, fold_events(state, [job], assembler, ChatFold(spec, state)),
+                                         headers)
     finally:
         state.admission.release(job)

@@ -1,1 +1,1 @@
-"""Reading model text for every API: tool calls, reasoning, chat templates."""
+"""Reading model text for every API: the output assembler and its events, tool calls, reasoning, chat templates."""

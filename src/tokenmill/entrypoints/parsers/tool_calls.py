@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ...engine.grammar.structured import GrammarSpec
 from ..server.errors import APIError
+from .output_events import Event, TextDelta, ToolArgsDelta, ToolCallEnd, ToolCallStart
 from .tool_parsers import ParsedCall, ToolParser, get_parser
 
 ToolMode = Literal["none", "auto", "required", "named"]
@@ -191,69 +192,79 @@ def complete_items(text: str) -> list[Any]:
 
 @dataclass
 class ToolStream:
-    """Per-choice streaming state: text before a call streams as content; from where a
-    call may start, text is held back; calls go out as OpenAI tool-call deltas at the end
-    (for a named function the arguments stream as they are generated)."""
+    """One choice's answer as tool-call events while it arrives: text before a call goes
+    out as content; from where a call may start, text is held back, and the calls go out
+    whole at the end (for a named function the arguments stream as they are generated).
+
+    Why content holds back trailing whitespace under a parser: the content of an answer
+    with calls ends where the first call begins, less the blank space before it; text
+    already sent cannot be taken back, so blank space goes out only once text follows it.
+    Then the streamed content is exactly the whole answer's, and ``finish`` sends only
+    what the held-back part turned out to be."""
 
     plan: ToolPlan
+    index: int = 0  # the choice the events are of
     text: str = ""
     sent: int = 0  # characters of ``text`` already sent as content
-    held: bool = False  # a call has started (or the output is a constrained call)
+    held: bool = False  # a call has started
     named_id: str | None = None
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    plain: bool = False  # the answer can no longer start a call (at_start_only parsers): all content
+    scanned: int = 0  # no call begins before this (the text had no marker up to here)
 
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        """Chat ``delta`` objects to send for a new piece of text."""
+    def feed(self, delta: str) -> list[Event]:
+        """Events for a new piece of the answer."""
         self.text += delta
-        if self.plan.mode == "named":
-            out = []
+        mode = self.plan.mode
+        if mode == "named":
+            if not delta:
+                return []
+            out: list[Event] = []
             if self.named_id is None:
+                assert self.plan.named is not None
                 self.named_id = new_call_id()
-                out.append({"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
-                                            "function": {"name": self.plan.named, "arguments": ""}}]})
-            if delta:
-                out.append({"tool_calls": [{"index": 0, "function": {"arguments": delta}}]})
+                out.append(ToolCallStart(self.index, 0, self.named_id, self.plan.named))
+            out.append(ToolArgsDelta(self.index, 0, delta))
             return out
-        if self.plan.mode == "required":
-            return []
-        if self.plan.mode != "auto" or self.plan.parser is None:
-            return self._content_upto(len(self.text))
-        if self.held:
+        if mode == "required":
             return []
         parser = self.plan.parser
-        start = parser.call_start(self.text)
+        if mode != "auto" or parser is None:
+            return self._content_upto(len(self.text), hold_blank=False)
+        if self.held:
+            return []
+        if self.plain:
+            return self._content_upto(len(self.text))
+        start = parser.call_start(self.text, self.scanned)
         if start is not None:
             self.held = True
             return self._content_upto(start)
         maybe = parser.possible_start(self.text)
+        if maybe is None and parser.at_start_only:
+            self.plain = True  # past the start with no marker: none can come
+        self.scanned = max(0, len(self.text) - parser.longest + 1)
         return self._content_upto(len(self.text) if maybe is None else maybe)
 
-    def _content_upto(self, end: int) -> list[dict[str, Any]]:
-        if end <= self.sent:
-            return []
+    def _content_upto(self, end: int, hold_blank: bool = True) -> list[Event]:
         piece = self.text[self.sent:end]
-        self.sent = end
-        return [{"content": piece}]
+        if hold_blank:
+            piece = piece.rstrip()
+        if not piece:
+            return []
+        self.sent += len(piece)
+        return [TextDelta(self.index, piece)]
 
-    def finish(self) -> tuple[list[dict[str, Any]], bool]:
-        """Deltas still owed at the end, and whether tool calls were made."""
-        if self.plan.mode == "named":
-            content, calls = extract(self.plan, self.text)
-            return [], bool(calls)
+    def finish(self) -> tuple[list[Event], bool]:
+        """Events still owed at the end, and whether the answer parsed as tool calls."""
         content, calls = extract(self.plan, self.text)
-        out: list[dict[str, Any]] = []
+        if self.plan.mode == "named":
+            return ([ToolCallEnd(self.index, 0)] if self.named_id is not None else []), bool(calls)
         if not calls:
             rest = self.text[self.sent:]
-            return ([{"content": rest}] if rest else []), False
-        if content and self.plan.mode == "auto":
-            full = content
-            already = self.text[:self.sent]
-            if full.startswith(already) and len(full) > len(already):
-                out.append({"content": full[len(already):]})
+            return ([TextDelta(self.index, rest)] if rest else []), False
+        out: list[Event] = []
+        if content and len(content) > self.sent:  # the parsers' content is the text before the calls, rstripped
+            out.append(TextDelta(self.index, content[self.sent:]))
         for i, call in enumerate(calls):
-            oc = openai_call(call)
-            self.calls.append(oc)
-            out.append({"tool_calls": [{"index": i, "id": oc["id"], "type": "function",
-                                        "function": {"name": call.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+            out += [ToolCallStart(self.index, i, new_call_id(), call.name), ToolArgsDelta(self.index, i, call.arguments),
+                    ToolCallEnd(self.index, i)]
         return out, True

@@ -3,7 +3,7 @@
 Chosen with ``--tool-call-parser NAME`` (the names vLLM users know):
 
 - ``hermes`` (also ``qwen``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-  one block per call, text before the first block is content;
+  one block per call, text before the first block (less trailing blank space) is content;
 - ``llama3_json``: the output is ``{"name": ..., "parameters": {...}}`` (optionally after
   ``<|python_tag|>``), several separated by ``;``;
 - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name", "arguments"}`` (or the newer
@@ -63,16 +63,20 @@ class ToolParser:
     markers: tuple[str, ...] = ()
     at_start_only = False  # a marker only counts at the start of the output
 
+    def __init__(self) -> None:
+        self.longest = max(map(len, self.markers))  # the longest marker (streams look back this far)
+
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
 
-    def call_start(self, text: str) -> int | None:
-        """Index where a call begins in ``text``, if one has."""
+    def call_start(self, text: str, since: int = 0) -> int | None:
+        """Index where a call begins in ``text``, if one has; ``since``: no call begins before
+        it (a stream looks only at what its new text could have completed)."""
         if self.at_start_only:
             stripped = text.lstrip()
             offset = len(text) - len(stripped)
             return offset if any(stripped.startswith(m) for m in self.markers) else None
-        hits = [text.find(m) for m in self.markers if m in text]
+        hits = [at for at in (text.find(m, since) for m in self.markers) if at >= 0]
         return min(hits) if hits else None
 
     def possible_start(self, text: str) -> int | None:
@@ -82,11 +86,15 @@ class ToolParser:
             if not stripped or any(m.startswith(stripped) or stripped.startswith(m) for m in self.markers):
                 return len(text) - len(stripped)
             return None
-        for i in range(max(0, len(text) - max(len(m) for m in self.markers)), len(text)):
-            tail = text[i:]
-            if any(m.startswith(tail) for m in self.markers):
-                return i
-        return None
+        found: int | None = None
+        for m in self.markers:  # only where the marker's first character is: a find, not a loop over the tail
+            i = text.find(m[0], max(0, len(text) - len(m)))
+            while i >= 0 and (found is None or i < found):
+                if m.startswith(text[i:]):
+                    found = i
+                    break
+                i = text.find(m[0], i + 1)
+        return found
 
 
 def _content(text: str) -> str | None:
@@ -111,7 +119,7 @@ class HermesParser(ToolParser):
                     break  # a last call cut off (max_tokens): the complete ones before it stand
                 return _content(text), []
             calls.append(call)
-        return _content(text[:start].strip()), calls
+        return _content(text[:start].rstrip()), calls
 
 
 class Llama3JsonParser(ToolParser):
@@ -158,7 +166,7 @@ class MistralParser(ToolParser):
             if not parsed or any(c is None for c in parsed):
                 return _content(text), []
             calls.extend(c for c in parsed if c is not None)
-        return _content(text[:start].strip()), calls
+        return _content(text[:start].rstrip()), calls
 
 
 PARSERS: dict[str, Callable[[], ToolParser]] = {

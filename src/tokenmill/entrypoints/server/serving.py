@@ -2,10 +2,8 @@
 
 ``ServerState`` holds what every handler needs (engine, tokenizer, settings,
 metrics, traffic capture, counters). ``stream_job`` runs one engine request
-and does the bookkeeping every request needs whatever its endpoint:
-metrics as deltas arrive, one capture record at the end, and an abort when
-the consumer stops early (client disconnect, cancelled task), so blocks go
-back to the pool within one engine step.
+(job_stream.py) and does the bookkeeping every request needs whatever its
+endpoint.
 """
 from __future__ import annotations
 
@@ -20,12 +18,12 @@ from typing import Any, AsyncIterator, Callable
 
 from ...traffic.cache_misses import MissClassifier
 from ...gateway.request_guard import DEFAULT_HEADER_READ_TIMEOUT_S, DEFAULT_MAX_PENDING_CONNECTIONS
-from ...engine.async_engine import AsyncEngine, EngineDeadError
+from ...engine.async_engine import AsyncEngine
 from ...engine.engine import SequenceDelta
 from ...engine.sched.fairness import make_queue_order
 from ...engine.request import DEFAULT_PLACEMENT, Placement, SamplingParams
 from ...engine.limits import RequestLimits
-from ...gateway.tracing import CURRENT_SPAN
+from .job_stream import run_job
 from .metrics import ServerMetrics
 from ..parsers.chat_templates import ToolsTemplate, parser_for, renders_tools, tools_template_for
 from .errors import APIError
@@ -77,12 +75,6 @@ class ServerSettings:
 
 
 SESSION_HEADER = "x-session-id"
-
-
-def _conversation(session: str | None) -> str | None:
-    """What the traffic capture keeps of a session: a named conversation only (a ``user`` may hold
-    several at once, which a replay must not chain as one)."""
-    return session if session and session.startswith("session:") else None
 
 
 def session_of(headers: Any, user: str | None) -> str | None:
@@ -270,17 +262,6 @@ class ServerState:
     def num_waiting(self) -> int:
         return int(self.engine.stats.num_waiting) + self.num_queued() + self.admission.pending
 
-    # -- admission (admission.py) -------------------------------------------
-    # stream_job's part of it: a job's stream takes over what reserve() counted
-    def release(self, job: Job) -> None:
-        self.admission.release(job)
-
-    def _started(self, job: Job) -> None:
-        self.admission.started(job)
-
-    def _tenant_done(self, job: Job, started: bool, output_tokens: int) -> None:
-        self.admission.finished(job, started, output_tokens)
-
     # -- tokens ----------------------------------------------------------
     def _decode_one(self, token_id: int) -> str:
         return self.tokenizer.token_to_text(token_id)
@@ -340,100 +321,12 @@ class ServerState:
                         "period ran out); retry it", code="shutting_down", headers={"Retry-After": "5"})
 
     # -- running -----------------------------------------------------------
-    async def stream_job(self, job: Job) -> AsyncIterator[SequenceDelta]:
-        """Deltas of one engine request, with metrics, capture and abort-on-exit.
+    def stream_job(self, job: Job) -> AsyncIterator[SequenceDelta]:
+        """Deltas of one engine request, with metrics, capture and abort-on-exit (job_stream.py).
 
         Engine refusals (ValueError) surface as a 400 APIError before the
         first delta; a dead engine as 503."""
-        n = job.params.n
-        started = time.monotonic()
-        first_token: float | None = None
-        last_seen: dict[int, float] = {}
-        out_tokens: dict[int, int] = {}
-        reasons: dict[int, str | None] = {}
-        cached = 0
-        done = False
-        if self.settings.log_requests:
-            log.info("request %s: %s, %d prompt tokens, %s", job.request_id, job.endpoint,
-                     len(job.prompt_ids), _params_dict(job.params))
-        if self.cutting:
-            self.release(job)
-            raise self._shutdown_error()
-        adapter = 0
-        if self.adapters is not None and job.model in self.adapters:
-            adapter = await self._acquire_adapter(job)
-        span = CURRENT_SPAN.get() if self.tracing is not None else None
-        gen = self.aengine.generate(job.request_id, job.prompt_ids, job.params, job.placement,
-                                    trace=span is not None, adapter=adapter, arrival_time=job.arrival)
-        self._live[job.request_id] = job
-        failed = False
-        job.streamed = True
-        queue_time = 0.0
-        # release() and the generator's first step (which submits to the engine)
-        # run with no await in between
-        self.release(job)
-        try:
-            async for delta in gen:
-                now = time.monotonic()
-                ntok = len(delta.token_ids)
-                if first_token is None:
-                    first_token = now
-                    if adapter and self.adapters is not None:
-                        self.adapters.started(adapter)
-                    cached = delta.num_cached_tokens
-                    self._classify_miss(job, cached)
-                    if job.held:
-                        self._started(job)
-                    self.metrics.prompt_tokens.inc(delta.num_prompt_tokens)
-                    self.metrics.req_prompt.observe(delta.num_prompt_tokens)
-                else:
-                    cached = max(cached, delta.num_cached_tokens)
-                if ntok:
-                    self.metrics.generation_tokens.inc(ntok)
-                    prev = last_seen.get(delta.index)
-                    if prev is not None:
-                        self.metrics.itl.observe((now - prev) / ntok)
-                    last_seen[delta.index] = now
-                    out_tokens[delta.index] = out_tokens.get(delta.index, 0) + ntok
-                if delta.finished:
-                    reasons[delta.index] = delta.finish_reason
-                    self.metrics.finished(delta.finish_reason)
-                    self.metrics.observe_sequence(delta.metrics, out_tokens.get(delta.index, 0))
-                    queue_time += delta.metrics.get("queue_time", 0.0)
-                    if span is not None:
-                        self._trace_sequence(span, job, delta, out_tokens.get(delta.index, 0))
-                yield delta
-            if job.request_id in self._cut:
-                log.warning("request %s cut at shutdown after %d output tokens", job.request_id,
-                            sum(out_tokens.values()))
-                raise self._shutdown_error()
-            done = True
-        except ValueError as exc:
-            failed = True
-            raise APIError(400, str(exc)) from None
-        except EngineDeadError as exc:
-            failed = True
-            raise APIError(503, str(exc), code="engine_dead") from None
-        finally:
-            self._live.pop(job.request_id, None)
-            self._cut.discard(job.request_id)
-            if adapter and self.adapters is not None:
-                self.adapters.release(adapter, started=first_token is not None)
-            # abort first: it is synchronous, so a cancellation arriving at the
-            # await below cannot skip it
-            if not done:
-                self.aengine.abort(job.request_id)
-                for i in range(n if not failed else 0):
-                    if i not in reasons:
-                        self.metrics.finished("abort")
-                        reasons[i] = "abort"
-            self._record(job, started, first_token, cached, out_tokens, reasons)
-            output = sum(out_tokens.values())
-            self._tenant_done(job, started=first_token is not None, output_tokens=output)
-            self.usage.record((job.tenant or DEFAULT_TENANT).name,
-                              len(job.prompt_ids) if first_token is not None else 0, cached, output,
-                              queue_time, failed)
-            await gen.aclose()
+        return run_job(self, job)
 
     async def _acquire_adapter(self, job: Job) -> int:
         """The resident id of the job's adapter (loaded now if it is not resident)."""
@@ -444,14 +337,14 @@ class ServerState:
         try:
             return await self.adapters.acquire(job.model)
         except AdapterNotFound:
-            self.release(job)
+            self.admission.release(job)
             raise APIError(404, f"The model `{job.model}` does not exist (its adapter was unloaded)",
                            param="model", code="model_not_found") from None
         except AdapterBusy as exc:
-            self.release(job)
+            self.admission.release(job)
             raise APIError(503, str(exc), code="lora_slots_busy", headers={"Retry-After": "5"}) from None
         except LoraError as exc:  # its files changed since it was registered
-            self.release(job)
+            self.admission.release(job)
             raise APIError(400, str(exc), param="model", code="invalid_lora_adapter") from None
 
     def _trace_sequence(self, span: Any, job: Job, delta: SequenceDelta, output_tokens: int) -> None:
@@ -479,26 +372,6 @@ class ServerState:
         if job.miss is not None:
             self.metrics.cache_misses.labels(job.miss.reason).inc()
 
-    def _record(self, job: Job, started: float, first_token: float | None, cached: int,
-                out_tokens: dict[int, int], reasons: dict[int, str | None]) -> None:
-        end = time.monotonic()
-        if self.settings.log_requests:
-            log.info("request %s done: %d output tokens, finish %s, %.3fs", job.request_id,
-                     sum(out_tokens.values()), sorted({str(r) for r in reasons.values()}), end - started)
-        if self.capture is None:
-            return
-        reason = reasons.get(0) if len(set(reasons.values())) <= 1 else ",".join(
-            str(reasons[i]) for i in sorted(reasons))
-        self.capture.record(
-            arrival_time=job.arrival_unix, prompt_token_ids=job.prompt_ids, cached_tokens=cached,
-            output_tokens=sum(out_tokens.values()), sampling=_params_dict(job.params),
-            ttft=None if first_token is None else first_token - started, e2e=end - started,
-            prompt_text=job.prompt_text, endpoint=job.endpoint, request_id=job.request_id,
-            finish_reason=reason, tenant=self.tenants.label((job.tenant or DEFAULT_TENANT).name),
-            miss_reason=job.miss.reason if job.miss is not None else None,
-            miss_offset=job.miss.offset if job.miss is not None else None,
-            session=_conversation(job.session))
-
     def close(self) -> None:
         if self.capture is not None:
             self.capture.close()
@@ -506,51 +379,6 @@ class ServerState:
             self.shared.close()
 
 
-def _params_dict(p: SamplingParams) -> dict[str, Any]:
-    keys = ("n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
-            "presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "logprobs", "ignore_eos")
-    return {k: getattr(p, k) for k in keys}
-
-
-async def merge_streams(iters: list[AsyncIterator[SequenceDelta]]) -> AsyncIterator[tuple[int, SequenceDelta]]:
-    """Interleave several jobs' deltas as they come, tagged with the job index.
-
-    Closing the merged iterator cancels the pumps, which closes each job's
-    stream (and so aborts whatever is still running)."""
-    if len(iters) == 1:
-        async with contextlib.aclosing(iters[0]) as only:  # type: ignore[type-var]
-            async for delta in only:
-                yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    end = object()
-
-    async def pump(i: int, it: AsyncIterator[SequenceDelta]) -> None:
-        try:
-            async with contextlib.aclosing(it) as stream:  # type: ignore[type-var]
-                async for delta in stream:
-                    await queue.put((i, delta))
-            await queue.put((i, end))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            await queue.put((i, exc))
-
-    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, item = await queue.get()
-            if item is end:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _adapter_manager(aengine: AsyncEngine, settings: ServerSettings) -> Any:
