@@ -293,7 +293,7 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
 
 def test_static_dir_ships_in_the_package():
     assert {p.name for p in STATIC_DIR.iterdir()} >= {"index.html", "app.js", "app.css"}
-    assert STATIC_DIR.parent == Path(__import__("tokenmill.entrypoints", fromlist=["x"]).__file__).parent
+    assert STATIC_DIR.parent == Path(__import__("tokenmill.entrypoints.console", fromlist=["x"]).__file__).parent
 
 
 # ---- the browser test's setup: skip with a reason when chromium is missing (install nothing) ----
