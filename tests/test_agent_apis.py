@@ -345,7 +345,7 @@ def thinking_app():
     state = app.state.tokenmill
 
     async def scripted(job: Any) -> AsyncIterator[SequenceDelta]:
-        state.release(job)
+        state.admission.release(job)
         for i, piece in enumerate(SCRIPT):
             last = i == len(SCRIPT) - 1
             yield SequenceDelta(job.request_id, 0, [65], piece, [], last, "stop" if last else None, None,
