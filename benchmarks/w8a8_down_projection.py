@@ -25,7 +25,7 @@ from tokenmill.settings.config import EngineConfig  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
 from tokenmill.engine.step.executors import FusedDecodeExecutor  # noqa: E402
 from tokenmill.engine.request import Request, SamplingParams  # noqa: E402
-from tokenmill.model.quant.quant import quant  # noqa: E402
+from tokenmill.model.quant import quant  # noqa: E402
 
 
 def build(grouped: bool) -> LLMEngine:

@@ -264,8 +264,8 @@ def test_serve_mounts_the_console_unless_no_ui(monkeypatch, no_ui):
     import argparse
 
     import tokenmill.engine.engine as engine_mod
-    from tokenmill.entrypoints.server.server import lifecycle
-    from tokenmill.entrypoints.cli.main import serve_cli
+    from tokenmill.entrypoints.server import lifecycle
+    from tokenmill.entrypoints.cli import serve_cli
 
     real_engine = engine_mod.LLMEngine
     monkeypatch.setattr(engine_mod, "LLMEngine",

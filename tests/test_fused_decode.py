@@ -20,7 +20,7 @@ from tokenmill.engine.step import fused_decode
 from tokenmill.engine.step.executors import FusedDecodeExecutor
 from tokenmill.engine.step.step_batch import StepBatch
 from tokenmill.model.kernels import cpu_kernels
-from tokenmill.model.quant.quant import quant
+from tokenmill.model.quant import quant
 from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")

@@ -21,7 +21,7 @@ from test_cpu_kernels import bf16_product_bound, bf16_products
 from tokenmill import SamplingParams
 from tokenmill.engine.step.runner import num_blocks_for_budget
 from tokenmill.model.kernels import cpu_kernels
-from tokenmill.model.quant.quant import kv_quant
+from tokenmill.model.quant import kv_quant
 
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

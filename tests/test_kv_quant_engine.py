@@ -15,7 +15,7 @@ import torch
 from conftest import bundled_quality, make_tiny_llm, tiny_config
 from tokenmill import SamplingParams
 from tokenmill.engine.step.runner import num_blocks_for_budget
-from tokenmill.model.quant.quant import kv_quant
+from tokenmill.model.quant import kv_quant
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

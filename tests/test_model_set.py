@@ -46,7 +46,7 @@ def parse_serve(*argv: str) -> Any:
 def set_app(*argv: str, slow_load_s: float = 0.0) -> Any:
     """The app `tokenmill serve *argv` builds for several models (lifecycle.py), its loads
     slowed by ``slow_load_s`` when asked."""
-    from tokenmill.entrypoints.server.server import lifecycle
+    from tokenmill.entrypoints.server import lifecycle
     from tokenmill.entrypoints.server.app import build_model_set_app
     from tokenmill.entrypoints.server.model_set import ModelSet, ModelSetOptions
     from tokenmill.entrypoints.cli.serve_config import settings_from_args
@@ -71,7 +71,7 @@ def set_app(*argv: str, slow_load_s: float = 0.0) -> Any:
 def alone_app(path: str) -> Any:
     """The same model served alone: the one-model path of `tokenmill serve`."""
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.entrypoints.server.server import lifecycle
+    from tokenmill.entrypoints.server import lifecycle
     from tokenmill.entrypoints.server.app import build_app
     from tokenmill.entrypoints.cli.serve_config import engine_config_from_args, settings_from_args
 

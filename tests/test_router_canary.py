@@ -361,7 +361,7 @@ def test_slow_canary_on_non_streamed_traffic_is_rolled_back_by_request_latency()
 
 
 def test_large_windows_are_judged_a_few_times_a_second(monkeypatch):
-    from tokenmill.router.canary.canary import canary as canary_mod
+    from tokenmill.router.canary import canary as canary_mod
 
     monkeypatch.setattr(canary_mod, "_CHECK_EVERY_REQUEST", 4)
     c = _canary(ttft_p99=0.1, window_s=60, min_samples=2)

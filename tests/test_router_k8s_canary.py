@@ -75,7 +75,7 @@ def test_two_pools_behind_one_weighted_route_and_the_guard():
         assert _router_args(args).endpoint_picker
     int4_args = _container(servers["tokenmill-pool-int4"])["args"]
     assert int4_args[int4_args.index("--quantization") + 1] == "int4"
-    from tokenmill.entrypoints.cli.main import serve_cli
+    from tokenmill.entrypoints.cli import serve_cli
 
     parser = argparse.ArgumentParser()
     serve_cli.register(parser.add_subparsers())

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import bundled_quality, tiny_loaded, tiny_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.quant.quant import smoothquant
+from tokenmill.model.quant import smoothquant
 from tokenmill.engine import loading
 from tokenmill.model.quant.quant import W8A8_WEIGHT_ONLY_LAST_LAYERS, Int8Linear
 
