@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tokenmill.entrypoints.cli.main import main as cli
+from tokenmill.entrypoints.cli import main as cli
 
 EXPECTED = {"serve", "generate", "bench", "trace", "usage", "plan", "route", "eval"}
 
