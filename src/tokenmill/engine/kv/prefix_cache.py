@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from ...traffic.kv_events import MEDIUM_DISK, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, chain_hash
 from .block_pool import BlockPool
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: the tier module imports torch, loaded once a tier is attached
     from .kv_tier import DiskTier
 
 
