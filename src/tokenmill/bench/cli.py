@@ -313,47 +313,70 @@ def _shapes(args: argparse.Namespace) -> list[Any]:
 
 
 def bench_main(args: argparse.Namespace) -> int:
-    from tokenmill.bench import report
-
     if args.compare:
-        try:
-            from tokenmill.bench.success import parse_variant_costs
-
-            print(report.compare(args.compare, args.eval_result, parse_variant_costs(args.variant_cost)))
-        except (OSError, ValueError, KeyError) as exc:
-            return _fail(f"cannot compare: {exc}")
-        return 0
+        return _compare(args)
     from tokenmill.bench.client import Target, normalize_base_url
-    from tokenmill.bench.lengths import parse_length
-    from tokenmill.bench.runner import BenchConfig, BenchResult, resolve_model, run_bench
-    from tokenmill.bench.stats import parse_slo
-    from tokenmill.bench.tokens import make_counter
-    from tokenmill.bench.workloads import SyntheticConfig
+    from tokenmill.bench.runner import BenchResult
 
     try:
-        _normalize(args)
-        shapes = _shapes(args)
-        slo = getattr(args, "slo_dict", None) or parse_slo(args.slo)
-        if args.save_result:
-            from tokenmill.bench.traces.vllm_format import parse_metrics, parse_percentiles
-
-            parse_metrics(args.percentile_metrics), parse_percentiles(args.metric_percentiles)
-        in_len, out_len = parse_length(args.input_len), parse_length(args.output_len)
-        for path in (args.dataset, args.trace):
-            if path and not os.path.exists(path):
-                raise ValueError(f"{path}: no such file")
-        if args.trace:  # a malformed trace is refused before any server is contacted
-            from tokenmill.bench.workloads import read_trace
-
-            read_trace(args.trace)
+        checked = _checked(args)
     except (OSError, ValueError) as exc:
         return _fail(str(exc), 2)
     base = normalize_base_url(args.url)
+    cfg = _bench_config(args, *checked)
+    target = Target(base, args.model or "", args.endpoint, args.api_key,
+                    ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
+                    extra_headers=args.headers)
+    result = BenchResult(target={"base_url": base, "model": args.model,
+                                 "endpoint": args.endpoint}, config=cfg.describe())
+    return _run(args, cfg, target, result)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """``--compare``: print saved results side by side; no server is contacted."""
+    from tokenmill.bench import report
+    from tokenmill.bench.success import parse_variant_costs
+
+    try:
+        print(report.compare(args.compare, args.eval_result, parse_variant_costs(args.variant_cost)))
+    except (OSError, ValueError, KeyError) as exc:
+        return _fail(f"cannot compare: {exc}")
+    return 0
+
+
+def _checked(args: argparse.Namespace) -> tuple[list[Any], Any, Any, Any]:
+    """Every argument read and checked before any server is contacted: the load shapes, the
+    SLO and the prompt and output lengths; raises OSError or ValueError saying what is wrong."""
+    from tokenmill.bench.lengths import parse_length
+    from tokenmill.bench.stats import parse_slo
+
+    _normalize(args)
+    shapes = _shapes(args)
+    slo = getattr(args, "slo_dict", None) or parse_slo(args.slo)
+    if args.save_result:
+        from tokenmill.bench.traces.vllm_format import parse_metrics, parse_percentiles
+
+        parse_metrics(args.percentile_metrics), parse_percentiles(args.metric_percentiles)
+    in_len, out_len = parse_length(args.input_len), parse_length(args.output_len)
+    for path in (args.dataset, args.trace):
+        if path and not os.path.exists(path):
+            raise ValueError(f"{path}: no such file")
+    if args.trace:  # a malformed trace is refused before any server is contacted
+        from tokenmill.bench.workloads import read_trace
+
+        read_trace(args.trace)
+    return shapes, slo, in_len, out_len
+
+
+def _bench_config(args: argparse.Namespace, shapes: list[Any], slo: Any, in_len: Any, out_len: Any) -> Any:
+    from tokenmill.bench.runner import BenchConfig
+    from tokenmill.bench.workloads import SyntheticConfig
+
     # A duration-bound closed loop needs enough prompts to last: a generous cap.
     num = args.num_requests or (2000 if args.duration and not args.rate else 100)
     if args.trace and not args.num_requests:
         num = 1 << 40  # the whole capture
-    cfg = BenchConfig(
+    return BenchConfig(
         shapes=shapes, num_requests=num, warmup=args.warmup,
         synthetic=SyntheticConfig(in_len, out_len, args.prefix_len, args.num_prefixes,
                                   args.prefix_pick),
@@ -361,11 +384,13 @@ def bench_main(args: argparse.Namespace) -> int:
         output_len=out_len, slo=slo, cost_per_hour=args.cost_per_hour,
         reset_cache=args.reset_cache, salt=not args.no_salt, seed=args.seed,
         timeout=args.timeout, progress=False if args.no_progress else None)
-    target = Target(base, args.model or "", args.endpoint, args.api_key,
-                    ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
-                    extra_headers=args.headers)
-    result = BenchResult(target={"base_url": base, "model": args.model,
-                                 "endpoint": args.endpoint}, config=cfg.describe())
+
+
+def _run(args: argparse.Namespace, cfg: Any, target: Any, result: Any) -> int:
+    """Run the benchmark into ``result`` and report it; Ctrl-C or an error after some points
+    still reports what was measured, marked partial."""
+    from tokenmill.bench.runner import resolve_model, run_bench
+    from tokenmill.bench.tokens import make_counter
 
     interrupted = False
 
@@ -391,9 +416,9 @@ def bench_main(args: argparse.Namespace) -> int:
                 pass
         if not target.model:
             async with httpx.AsyncClient() as client:
-                target.model = await resolve_model(client, base, args.api_key)
+                target.model = await resolve_model(client, target.base_url, args.api_key)
         result.target["model"] = target.model
-        counter = await asyncio.to_thread(make_counter, args.tokenizer, base, target.model,
+        counter = await asyncio.to_thread(make_counter, args.tokenizer, target.base_url, target.model,
                                           args.api_key)
         try:
             await run_bench(cfg, target, counter, result)

@@ -120,10 +120,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
         headers.setdefault("x-session-id", spec.session)
     start = _clock()
     rec.start = start - t0
-    last = start
-    chunks = 0
-    pieces: list[str] = []
-    usage: dict[str, Any] | None = None
+    streamed = _Streamed(last=start)
     try:
         async with client.stream("POST", target.base_url + target.path, json=body,
                                  headers=headers) as resp:
@@ -133,40 +130,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
                 rec.error = _error_message(resp.status_code, await resp.aread())
                 rec.e2e = _clock() - start
                 return rec
-            done = False
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                try:
-                    obj = json.loads(data)
-                except json.JSONDecodeError:
-                    raise _StreamError(f"malformed SSE data: {data[:80]!r}") from None
-                if not isinstance(obj, dict):
-                    raise _StreamError(f"unexpected SSE payload: {data[:80]!r}")
-                if obj.get("error"):
-                    err = obj["error"]
-                    raise _StreamError("server error in stream: "
-                                       + str(err.get("message") if isinstance(err, dict) else err))
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                text, finish = _chunk_text(obj)
-                if finish:
-                    rec.finish_reason = finish
-                if text:
-                    now = _clock()
-                    if chunks == 0:
-                        rec.ttft = now - start
-                    else:
-                        rec.itls.append(now - last)
-                    last = now
-                    chunks += 1
-                    pieces.append(text)
-            if not done and rec.finish_reason is None:
-                raise _StreamError("stream ended early (no [DONE] and no finish_reason)")
+            await _read_stream(resp, rec, start, streamed)
     except _StreamError as exc:
         rec.error = str(exc)
     except httpx.ConnectError as exc:
@@ -176,10 +140,72 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
     except httpx.HTTPError as exc:
         rec.error = f"{type(exc).__name__}: {_reason(exc)}"
     rec.e2e = _clock() - start
-    if rec.error:
-        return rec
+    if not rec.error:
+        _complete(rec, spec, streamed, count_tokens)
+    return rec
+
+
+@dataclass
+class _Streamed:
+    """What a stream carried so far, besides what goes straight into the record."""
+
+    last: float  # when the last content chunk came (the start before any)
+    chunks: int = 0  # content chunks
+    pieces: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+async def _read_stream(resp: httpx.Response, rec: RequestRecord, start: float, streamed: _Streamed) -> None:
+    """Read the SSE lines up to ``[DONE]``, timing each content chunk; raises _StreamError for a
+    malformed or failed stream, or one that ends without ``[DONE]`` or a finish reason."""
+    done = False
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        obj = _payload(data)
+        if obj.get("usage"):
+            streamed.usage = obj["usage"]
+        text, finish = _chunk_text(obj)
+        if finish:
+            rec.finish_reason = finish
+        if text:
+            now = _clock()
+            if streamed.chunks == 0:
+                rec.ttft = now - start
+            else:
+                rec.itls.append(now - streamed.last)
+            streamed.last = now
+            streamed.chunks += 1
+            streamed.pieces.append(text)
+    if not done and rec.finish_reason is None:
+        raise _StreamError("stream ended early (no [DONE] and no finish_reason)")
+
+
+def _payload(data: str) -> dict[str, Any]:
+    """One ``data:`` line's JSON object; an error the server put in the stream raises."""
+    try:
+        obj = json.loads(data)
+    except json.JSONDecodeError:
+        raise _StreamError(f"malformed SSE data: {data[:80]!r}") from None
+    if not isinstance(obj, dict):
+        raise _StreamError(f"unexpected SSE payload: {data[:80]!r}")
+    if obj.get("error"):
+        err = obj["error"]
+        raise _StreamError("server error in stream: "
+                           + str(err.get("message") if isinstance(err, dict) else err))
+    return obj
+
+
+def _complete(rec: RequestRecord, spec: RequestSpec, streamed: _Streamed,
+              count_tokens: Callable[[str], int] | None) -> None:
+    """A stream that ended well: its answer and token counts (the server's usage when sent)."""
     rec.ok = True
-    rec.answer = "".join(pieces)
+    rec.answer = "".join(streamed.pieces)
+    usage = streamed.usage
     if usage:
         rec.usage_reported = True
         rec.prompt_tokens = usage.get("prompt_tokens")
@@ -189,8 +215,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, spec: RequestS
             rec.cached_tokens = int(details["cached_tokens"])
     else:
         rec.prompt_tokens = spec.prompt_len
-        rec.output_tokens = count_tokens("".join(pieces)) if count_tokens else chunks
-    return rec
+        rec.output_tokens = count_tokens("".join(streamed.pieces)) if count_tokens else streamed.chunks
 
 
 class _StreamError(Exception):

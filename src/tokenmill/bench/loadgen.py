@@ -116,79 +116,100 @@ async def run_point(client: httpx.AsyncClient, target: Target, specs: list[Reque
     conversation of one turn; a later turn follows its previous turn's answer
     after its think time, and a failed turn ends its conversation."""
     t0 = time.perf_counter()
-    deadline = t0 + shape.duration if shape.duration else None
-    sem = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
-    chat = target.endpoint == "chat"
-
-    def stop() -> bool:
-        return bool(run.aborted) or (deadline is not None and time.perf_counter() >= deadline)
-
-    async def one(i: int, spec: RequestSpec, lateness: float = 0.0) -> RequestRecord:
-        if sem is None:
-            rec = await send_request(client, target, spec, i, t0, count_tokens)
-        else:
-            async with sem:
-                if run.aborted:
-                    return RequestRecord(index=i, error="not sent: the run was aborted")
-                rec = await send_request(client, target, spec, i, t0, count_tokens)
-        rec.lateness = lateness
-        run.add(rec)
-        if progress:
-            progress.update(rec)
-        return rec
-
-    async def conversation(chain: list[int], lateness: float = 0.0) -> None:
-        sent = specs[chain[0]]
-        rec = await one(chain[0], sent, lateness)
-        for j in chain[1:]:
-            if not rec.ok or stop():
-                return
-            turn = specs[j]
-            if turn.think > 0:
-                await asyncio.sleep(turn.think)
-            if stop():
-                return
-            sent = next_turn(sent, rec.answer, rec.output_tokens, turn, chat)
-            rec = await one(j, sent)
-
+    point = _Point(client, target, specs, run, t0, count_tokens, progress,
+                   deadline=t0 + shape.duration if shape.duration else None,
+                   sem=asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None)
     convs = chains(specs)
     if not shape.trace and shape.rate is None:
-        next_c = 0
-
-        async def worker() -> None:
-            nonlocal next_c
-            while not stop() and next_c < len(convs):
-                c = next_c
-                next_c += 1
-                await conversation(convs[c])
-
-        await asyncio.gather(*(worker() for _ in range(max(1, shape.concurrency or 1))))
+        await point.closed_loop(convs, max(1, shape.concurrency or 1))
         return run
-
     if shape.trace:
         times = [specs[c[0]].arrival or 0.0 for c in convs]
     else:
         times = shape.arrivals(len(convs), random.Random(seed))
-    tasks: list[asyncio.Task[None]] = []
-
-    async def scheduled(c: int, at: float) -> None:
-        # Lateness is the client's own lag behind the schedule (event loop
-        # overload), measured before any --max-concurrency wait on purpose.
-        await conversation(convs[c], max(0.0, time.perf_counter() - t0 - at))
-
-    try:
-        for c, at in enumerate(times):
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if stop():
-                break
-            tasks.append(asyncio.create_task(scheduled(c, at)))
-        await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
+    await point.open_loop(convs, times)
     return run
+
+
+@dataclass
+class _Point:
+    """One load point while it runs: who sends what, and when it stops."""
+
+    client: httpx.AsyncClient
+    target: Target
+    specs: list[RequestSpec]
+    run: PointRun
+    t0: float  # the point's perf_counter origin
+    count_tokens: Callable[[str], int] | None
+    progress: Progress | None
+    deadline: float | None
+    sem: asyncio.Semaphore | None  # --max-concurrency
+
+    def stop(self) -> bool:
+        return bool(self.run.aborted) or (self.deadline is not None and time.perf_counter() >= self.deadline)
+
+    async def one(self, i: int, spec: RequestSpec, lateness: float = 0.0) -> RequestRecord:
+        if self.sem is None:
+            rec = await send_request(self.client, self.target, spec, i, self.t0, self.count_tokens)
+        else:
+            async with self.sem:
+                if self.run.aborted:
+                    return RequestRecord(index=i, error="not sent: the run was aborted")
+                rec = await send_request(self.client, self.target, spec, i, self.t0, self.count_tokens)
+        rec.lateness = lateness
+        self.run.add(rec)
+        if self.progress:
+            self.progress.update(rec)
+        return rec
+
+    async def conversation(self, chain: list[int], lateness: float = 0.0) -> None:
+        sent = self.specs[chain[0]]
+        rec = await self.one(chain[0], sent, lateness)
+        for j in chain[1:]:
+            if not rec.ok or self.stop():
+                return
+            turn = self.specs[j]
+            if turn.think > 0:
+                await asyncio.sleep(turn.think)
+            if self.stop():
+                return
+            sent = next_turn(sent, rec.answer, rec.output_tokens, turn, self.target.endpoint == "chat")
+            rec = await self.one(j, sent)
+
+    async def closed_loop(self, convs: list[list[int]], concurrency: int) -> None:
+        """``concurrency`` workers, each starting the next conversation when its last one ends."""
+        next_c = 0
+
+        async def worker() -> None:
+            nonlocal next_c
+            while not self.stop() and next_c < len(convs):
+                c = next_c
+                next_c += 1
+                await self.conversation(convs[c])
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+
+    async def open_loop(self, convs: list[list[int]], times: list[float]) -> None:
+        """Each conversation starts at its time (seconds after ``t0``), whatever is in flight."""
+        tasks: list[asyncio.Task[None]] = []
+
+        async def scheduled(c: int, at: float) -> None:
+            # Lateness is the client's own lag behind the schedule (event loop
+            # overload), measured before any --max-concurrency wait on purpose.
+            await self.conversation(convs[c], max(0.0, time.perf_counter() - self.t0 - at))
+
+        try:
+            for c, at in enumerate(times):
+                delay = self.t0 + at - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if self.stop():
+                    break
+                tasks.append(asyncio.create_task(scheduled(c, at)))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
 
 
 async def warmup(client: httpx.AsyncClient, target: Target, specs: list[RequestSpec],

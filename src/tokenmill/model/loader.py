@@ -496,47 +496,13 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         method = cfg["quantization_config"].get("quant_method", "?")
         raise UnsupportedModel(f"pre-quantized Hugging Face checkpoints ({method}) are not supported; supported: "
                                "float safetensors folders, or a GGUF file")
-    # transformers 5 moved rope_theta/rope_scaling into one "rope_parameters" dict.
-    rope = dict(cfg.get("rope_parameters") or {})
-    rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    rope.pop("rope_theta", None)
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling is None and rope.get("rope_type", "default") != "default":
-        rope_scaling = rope
-    if rope_scaling is not None:
-        rope_scaling = dict(rope_scaling)
-        if "type" in rope_scaling and "rope_type" not in rope_scaling:
-            rope_scaling["rope_type"] = rope_scaling.pop("type")
-        if rope_scaling.get("rope_type") == "default":
-            rope_scaling = None
-    if model_type == "phi3" and rope_scaling is not None and rope_scaling.get("rope_type") in ("su", "yarn"):
-        rope_scaling["rope_type"] = "longrope"  # Phi-3's older spellings of long-RoPE
-    if rope_scaling is not None and "original_max_position_embeddings" not in rope_scaling \
-            and cfg.get("original_max_position_embeddings"):
-        rope_scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
-    if rope_scaling is not None:
-        from .models.llama import ROPE_SCALING_KINDS
-
-        kind = rope_scaling.get("rope_type")
-        if kind not in ROPE_SCALING_KINDS:
-            raise UnsupportedModel(f"unsupported rope scaling type {kind!r} in config.json; supported: "
-                             f"{', '.join(ROPE_SCALING_KINDS)}")
+    rope_theta, rope_scaling = _hf_rope(cfg, model_type)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    extra: dict[str, Any] = {}
-    if model_type in _GEMMA:
-        from .models.gemma import hf_settings as gemma_settings
-
-        extra = gemma_settings(cfg)
-        if "rope_theta" in extra:
-            rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
-    elif model_type == "phi3":
-        from .models.phi3 import hf_settings as phi3_settings
-
-        extra = phi3_settings(cfg)
-    elif model_type == "mistral" and cfg.get("sliding_window"):
-        extra = {"sliding_window": int(cfg["sliding_window"])}
+    extra = _hf_family_settings(cfg, model_type)
+    if "rope_theta" in extra:  # a family that reads its own RoPE (Gemma)
+        rope_theta, rope_scaling = extra.pop("rope_theta"), extra.pop("rope_scaling")
     tie = extra.pop("tie_word_embeddings", bool(cfg.get("tie_word_embeddings", False)))
     return ModelConfig(
         architecture=model_type,
@@ -566,6 +532,52 @@ def hf_config(cfg: dict[str, Any]) -> ModelConfig:
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
+
+
+def _hf_rope(cfg: dict[str, Any], model_type: str) -> tuple[Any, dict[str, Any] | None]:
+    """config.json's RoPE base and scaling (``rope_type`` spelled the current way; None for plain
+    RoPE); an unsupported scaling is refused."""
+    # transformers 5 moved rope_theta/rope_scaling into one "rope_parameters" dict.
+    rope = dict(cfg.get("rope_parameters") or {})
+    rope_theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = rope
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        if "type" in rope_scaling and "rope_type" not in rope_scaling:
+            rope_scaling["rope_type"] = rope_scaling.pop("type")
+        if rope_scaling.get("rope_type") == "default":
+            rope_scaling = None
+    if model_type == "phi3" and rope_scaling is not None and rope_scaling.get("rope_type") in ("su", "yarn"):
+        rope_scaling["rope_type"] = "longrope"  # Phi-3's older spellings of long-RoPE
+    if rope_scaling is not None and "original_max_position_embeddings" not in rope_scaling \
+            and cfg.get("original_max_position_embeddings"):
+        rope_scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
+    if rope_scaling is not None:
+        from .models.llama import ROPE_SCALING_KINDS
+
+        kind = rope_scaling.get("rope_type")
+        if kind not in ROPE_SCALING_KINDS:
+            raise UnsupportedModel(f"unsupported rope scaling type {kind!r} in config.json; supported: "
+                             f"{', '.join(ROPE_SCALING_KINDS)}")
+    return rope_theta, rope_scaling
+
+
+def _hf_family_settings(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The ModelConfig fields a model family reads its own way (Gemma, Phi-3, Mistral's window)."""
+    if model_type in _GEMMA:
+        from .models.gemma import hf_settings as gemma_settings
+
+        return gemma_settings(cfg)
+    if model_type == "phi3":
+        from .models.phi3 import hf_settings as phi3_settings
+
+        return phi3_settings(cfg)
+    if model_type == "mistral" and cfg.get("sliding_window"):
+        return {"sliding_window": int(cfg["sliding_window"])}
+    return {}
 
 
 _SAFETENSORS_TYPES = {

@@ -23,6 +23,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "likely to hold its prefix in cache, unless that replica is overloaded. With "
                     "--endpoint-picker it also serves Envoy ext_proc for the Gateway API Inference Extension.",
     )
+    _add_replica_arguments(p)
+    _add_front_arguments(p)
+    _add_prefix_arguments(p)
+    _add_load_arguments(p)
+    _add_limit_arguments(p)
+    _add_picker_arguments(p)
+    from .canary.canary_cli import add_arguments as add_canary_arguments
+
+    add_canary_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_replica_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the replicas are: listed, resolved from DNS, or watched in Kubernetes."""
     p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="backend base URL, e.g. http://127.0.0.1:8001 (repeat for each replica)")
     p.add_argument("--backend-dns", action="append", default=[], metavar="NAME:PORT",
@@ -34,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "list/watch on pods")
     p.add_argument("--pool-namespace", default=None, metavar="NS",
                    help="the InferencePool's namespace (default: POD_NAMESPACE, else the pod's own)")
+
+
+def _add_front_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's own face: where it listens, who may call it, what it sends on."""
     p.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--policy", choices=POLICIES, default="prefix", help="routing policy (default prefix)")
@@ -52,6 +70,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
                    help="an x-gateway-inference-objective name and its priority (higher first; below 0 may be "
                         "shed under --shed-load); repeatable")
+
+
+def _add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    """How the prefix policy knows what each replica has cached."""
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (or a folder holding it) of the served model; default: ask a "
                         "backend's POST /tokenize, else route on character chunks")
@@ -76,6 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="blocks remembered per backend when it does not export num_gpu_blocks (default 4096)")
     p.add_argument("--min-match-ratio", type=float, default=0.1,
                    help="share of a request's blocks a replica must hold to count as a prefix hit (default 0.1)")
+
+
+def _add_load_arguments(p: argparse.ArgumentParser) -> None:
+    """When a replica counts as overloaded, and how often the router looks."""
     p.add_argument("--imbalance-abs", type=float, default=3.0,
                    help="a backend is overloaded when its load exceeds the least loaded by more than "
                         "this many requests ... (default 3)")
@@ -87,6 +113,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--conversation-capacity", type=human_int, default=100_000, metavar="N",
                    help="Responses API ids remembered with the replica that produced each, least recently used "
                         "dropped (about 100 bytes each); a continuation goes to its replica (default 100000)")
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    """What a client or a backend may take: time and bytes."""
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per backend read (default 600)")
     p.add_argument("--max-request-bytes", type=human_int, default=8 << 20, metavar="BYTES",
                    help="refuse client bodies larger than this with 413 (default 8M)")
@@ -99,6 +129,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-pending-connections", type=int, default=DEFAULT_MAX_PENDING_CONNECTIONS, metavar="N",
                    help="connections that may wait for their request headers at once; one more closes the one "
                         f"waiting longest (default {DEFAULT_MAX_PENDING_CONNECTIONS})")
+
+
+def _add_picker_arguments(p: argparse.ArgumentParser) -> None:
+    """Envoy ext_proc (the Gateway API Inference Extension's endpoint picker), and logging."""
     p.add_argument("--endpoint-picker", action="store_true",
                    help="also serve Envoy ext_proc (Gateway API Inference Extension endpoint picker)")
     p.add_argument("--grpc-host", default=None, help="gRPC bind address (default: --host)")
@@ -107,10 +141,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="endpoint picker: other ready endpoints listed after the pick, which the gateway tries "
                         "in turn if it fails (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from .canary.canary_cli import add_arguments as add_canary_arguments
-
-    add_canary_arguments(p)
-    p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

@@ -8,14 +8,34 @@ free, held, or cached-idle. A block is in exactly one state:
 - cached-idle: ref count 0 but indexed by the prefix cache, evictable.
 
 Invariant: free + in use + cached-idle == total, always.
+
+The pool is the lower of the two KV bookkeepers: it knows no prefix cache, only
+the ``CachedBlocks`` protocol below (the index of blocks whose content is worth
+keeping), and calls it when a block's last reference goes or an idle one is
+taken again. The prefix cache (engine/kv/prefix_cache.py) implements it and
+uses the pool in turn (restoring blocks from disk allocates pool blocks), so
+the dependency runs one way: prefix cache -> pool.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .prefix_cache import PrefixCache
+
+class CachedBlocks(Protocol):
+    """What the pool asks of an index over its blocks (the prefix cache): which blocks it
+    holds, which of those are idle, and to give one idle block up when the free list is empty."""
+
+    @property
+    def num_idle(self) -> int: ...
+
+    def contains_block(self, block: int) -> bool: ...
+
+    def mark_busy(self, block: int) -> None: ...
+
+    def mark_idle(self, block: int) -> None: ...
+
+    def evict_one(self) -> int: ...
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -23,7 +43,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, prefix_cache: "PrefixCache | None" = None) -> None:
+    def __init__(self, num_blocks: int, prefix_cache: CachedBlocks | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks

@@ -25,6 +25,11 @@ an adapter carries a marker before its tokens (``-namespace``; token ids are
 never negative), so each adapter's paths are their own subtree and their block
 names (KV events) differ; the events carry the id as ``lora_id`` and the
 tokens without the marker.
+
+The cache sits above the block pool (engine/kv/block_pool.py): it allocates and
+releases pool blocks when it restores a path from disk, and it is the pool's
+``CachedBlocks`` (the pool calls it back through that protocol, never by name),
+so the two depend one way: this module on the pool.
 """
 from __future__ import annotations
 
@@ -34,9 +39,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...traffic.kv_events import MEDIUM_DISK, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, chain_hash
+from .block_pool import BlockPool
 
-if TYPE_CHECKING:
-    from .block_pool import BlockPool
+if TYPE_CHECKING:  # typing only: the tier module imports torch, loaded once a tier is attached
     from .kv_tier import DiskTier
 
 
@@ -295,7 +300,7 @@ class PrefixCache:
         if parent.on_disk and not parent.children:
             heapq.heappush(self._disk_heap, (parent.last_used, parent.slot))
 
-    def restore(self, token_ids: list[int], have: int, max_blocks: int, pool: "BlockPool",
+    def restore(self, token_ids: list[int], have: int, max_blocks: int, pool: BlockPool,
                 namespace: int = 0) -> list[int]:
         """Continue a prompt's pool match (``have`` blocks, acquired by the caller) through
         nodes on disk: each gets a fresh pool block (ref count 1, the caller's) filled from its
@@ -424,7 +429,7 @@ class PrefixCache:
         assert node.digest is not None
         return node.digest
 
-    def offload_all(self, pool: "BlockPool") -> int:
+    def offload_all(self, pool: BlockPool) -> int:
         """Copy every idle pool block to the tier (a clean shutdown: the next process finds
         them); returns how many. The pool blocks stay where they are."""
         if self.tier is None or self._tier_gone():

@@ -419,10 +419,18 @@ def register(subparsers: Any) -> None:
 
 def finalize_serve_args(args: argparse.Namespace) -> str | None:
     """Fold vLLM spellings into one meaning and check what can be checked before the
-    model loads. Returns a one-line error, or None."""
-    problem = finalize_model_set(args)
-    if problem:
-        return problem
+    model loads. Returns a one-line error, or None. The steps run in order: a later one
+    reads what an earlier one folded."""
+    for step in (finalize_model_set, _fold_model_tag, _check_model, _check_kv_cache_dtype, _check_files,
+                 _check_lora, _fold_origins, _check_kv_cache_options, _check_tenants, _check_tracing):
+        problem = step(args)
+        if problem:
+            return problem
+    return None
+
+
+def _fold_model_tag(args: argparse.Namespace) -> str | None:
+    """``serve MODEL`` (vLLM's positional tag) is ``--model MODEL``."""
     if args.model_set is None and args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             return f"the model is given twice ({args.model_tag!r} and --model {args.model!r})"
@@ -433,6 +441,11 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             stem = os.path.basename(os.path.normpath(args.model_tag))
             stem = stem[:-5] if stem.lower().endswith(".gguf") else stem
             args.served_model_name = list(dict.fromkeys([args.model_tag, stem]))
+    return None
+
+
+def _check_model(args: argparse.Namespace) -> str | None:
+    """A local file or folder, or a hub name of the bundled model (served under that name)."""
     if args.model is not None and not os.path.exists(args.model):
         if args.model in BUNDLED_HUB_NAMES:
             if not args.served_model_name:
@@ -441,6 +454,10 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         else:
             return (f"model {args.model!r} is not a local file or folder (tokenmill does not download "
                     "models: pass a GGUF file or a Hugging Face folder)")
+    return None
+
+
+def _check_kv_cache_dtype(args: argparse.Namespace) -> str | None:
     if str(args.kv_cache_dtype).lower() != "auto":
         from ...settings.config import parse_dtype
         from ...engine.auto import resolve_engine_dtype
@@ -453,6 +470,11 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             resolve_kv_dtype(args.kv_cache_dtype, parse_dtype(compute))
         except ValueError as exc:
             return f"--kv-cache-dtype: {exc}"
+    return None
+
+
+def _check_files(args: argparse.Namespace) -> str | None:
+    """The files the flags name exist (TLS pair together), and --generation-config is one we read."""
     for flag, path in (("--ssl-keyfile", args.ssl_keyfile), ("--ssl-certfile", args.ssl_certfile),
                        ("--chat-template", template_path(args.chat_template)), ("--tokenizer", args.tokenizer)):
         if path is not None and not os.path.exists(path):
@@ -462,15 +484,25 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
     gen = args.generation_config
     if gen not in ("auto", "vllm", "tokenmill") and not os.path.isdir(gen):
         return f"--generation-config {gen}: not 'auto', 'vllm' or a folder"
+    return None
+
+
+def _check_lora(args: argparse.Namespace) -> str | None:
     from .lora_args import check_lora_args
 
-    problem = check_lora_args(args)
-    if problem:
-        return problem
+    return check_lora_args(args)
+
+
+def _fold_origins(args: argparse.Namespace) -> str | None:
     try:
         args.allowed_origins = parse_origins(args.allowed_origins)
     except ValueError as exc:
         return f"--allowed-origins: {exc}"
+    return None
+
+
+def _check_kv_cache_options(args: argparse.Namespace) -> str | None:
+    """The disk tier and KV events both serve the prefix cache: they need it on."""
     if getattr(args, "kv_offload_bytes", None) and not getattr(args, "kv_offload_dir", None):
         return "--kv-offload-bytes needs --kv-offload-dir (a local folder for the disk tier)"
     if getattr(args, "kv_offload_bytes", None) and not args.enable_prefix_caching:
@@ -482,6 +514,11 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
             return "--kv-events-config publishes the prefix cache's blocks: it needs prefix caching on"
     except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
         return str(exc) if str(exc).startswith("--kv-events-config") else f"--kv-events-config: {exc}"
+    return None
+
+
+def _check_tenants(args: argparse.Namespace) -> str | None:
+    """The tenants file and router keys read as the server will read them."""
     if getattr(args, "api_keys_file", None) or getattr(args, "router_api_key", None):
         from ...gateway.tenants import TenantDirectory
         from .serve_config import api_keys_from_args, router_keys_from_args
@@ -492,6 +529,10 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
                             [api_keys] if isinstance(api_keys, str) else api_keys or [], router_keys_from_args(args))
         except (OSError, ValueError) as exc:
             return str(exc) if str(exc).startswith("a --router") else f"--api-keys-file: {exc}"
+    return None
+
+
+def _check_tracing(args: argparse.Namespace) -> str | None:
     if getattr(args, "otlp_traces_endpoint", None):
         try:
             import opentelemetry.exporter.otlp.proto.http  # noqa: F401
@@ -499,8 +540,6 @@ def finalize_serve_args(args: argparse.Namespace) -> str | None:
         except ImportError:
             return "--otlp-traces-endpoint needs the tracing extra: pip install 'tokenmill[tracing]'"
     return None
-
-
 
 
 def parse_origins(values: list[str] | None) -> list[str] | None:

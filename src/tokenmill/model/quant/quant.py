@@ -1023,6 +1023,64 @@ def _head_source(model: nn.Module) -> str:
     return "model.embed_tokens.weight" if tied else "lm_head.weight"
 
 
+@dataclass
+class _Plan:
+    """What ``quantize_model`` decided before touching a layer: the mode and how the LM head and
+    the token table are stored (the head's choice also decides whether it is a target)."""
+
+    mode: str
+    group: int
+    raw: dict  # the file's quantized blocks by weight name (gguf; w8a8 leaves it empty)
+    device: torch.device  # the model's (never left on meta)
+    group_head: bool  # the LM head as Int8GroupLinear
+    gguf_head: bool  # ... made from the file's Q8_0 blocks
+    head_blocks: bool  # the LM head kept in the file's blocks
+    weight_only: tuple[str, ...]  # layer name prefixes w8a8 keeps weight-only
+    tied: bool
+    embed_dtype: torch.dtype
+    quantize_head: bool  # asked for (``quantize_lm_head``)
+    quant_types: dict  # the file's type of each weight by name (what a kept layer is)
+    # Read once the layers are validated (a kernel library may be built to answer):
+    grouped_activations: bool = False  # w8a8's g32 int8 activations where its kernel is there
+    nibble_kernel: bool = False  # gguf's int4 layers with the q4 x int8 kernel
+
+
+def _plan_for(model: nn.Module, loaded: Any, config: Any, mode: str) -> _Plan:
+    """Read once what every layer's choice depends on (pure: nothing is built or changed)."""
+    quantize_head = bool(getattr(config, "quantize_lm_head", False))
+    # w8a8 on the CPU: an LM head left unquantized is stored as Q8_0-style int8 (Int8GroupLinear)
+    raw = getattr(loaded, "raw_quantized", None) or {}
+    # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
+    # layout exactly), rather than being dequantized to a float32 matmul that costs a
+    # many-stream decode step as much as a decoder layer's projections.
+    # One in Q4_0 / Q4_1 blocks keeps them as the decoder's int4 layers do: dequantized to bf16,
+    # one decode step would read the head at over three times the file's bytes.
+    head_type = raw.get(_head_source(model), ("",))[0] if mode == "gguf" else ""
+    model_device = model.norm.weight.device  # type: ignore[attr-defined]  # never left on meta
+    one_cpu_head = (model_device.type == "cpu" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
+    # One in K-quant blocks (Q4_K_M's head is Q6_K) keeps them too: dense, the head alone would be
+    # read at 16 or 32 bits a weight where the file's blocks hold 6.6.
+    head_blocks = one_cpu_head and _head_keeps_blocks(head_type, config, model.lm_head.in_features)  # type: ignore[attr-defined]
+    gguf_head = head_blocks and head_type == "Q8_0"
+    group_head = ((mode == "w8a8" and not quantize_head and one_cpu_head
+                   and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
+                  or gguf_head)
+    # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
+    # weight-only (16-bit integer activations with the C kernels): the last layers' output
+    # goes (almost) straight to the logits, and the down projections' input has the widest
+    # outliers, so rounding there moves the logits most (measured on the bundled model:
+    # docs/quantization.md, "w8a8").
+    num_layers = len(model.layers)  # type: ignore[arg-type]
+    return _Plan(
+        mode=mode, group=int(getattr(config, "quant_group_size", 32)), raw=raw, device=model_device,
+        group_head=group_head, gguf_head=gguf_head, head_blocks=head_blocks,
+        weight_only=tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers)),
+        tied=model.lm_head.weight is model.embed_tokens.weight,  # type: ignore[attr-defined]
+        embed_dtype=model.embed_tokens.weight.dtype,  # type: ignore[attr-defined]
+        quantize_head=quantize_head, quant_types=getattr(loaded, "quant_types", {}),
+    )
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | None = None) -> QuantReport:
     """Replace the model's linear layers in place per ``config.quantization``.
@@ -1041,119 +1099,111 @@ def quantize_model(model: nn.Module, loaded: Any, config: Any, ops: ModelOps | N
     report = QuantReport(mode)
     if mode == "none":
         return report
-    group = int(getattr(config, "quant_group_size", 32))
-    quantize_head = bool(getattr(config, "quantize_lm_head", False))
-    # w8a8 on the CPU: an LM head left unquantized is stored as Q8_0-style int8 (Int8GroupLinear)
-    raw = getattr(loaded, "raw_quantized", None) or {}
-    head_source = _head_source(model)
-    # gguf on the CPU: a head stored in Q8_0 blocks keeps them (Int8GroupLinear holds that
-    # layout exactly), rather than being dequantized to a float32 matmul that costs a
-    # many-stream decode step as much as a decoder layer's projections.
-    # One in Q4_0 / Q4_1 blocks keeps them as the decoder's int4 layers do: dequantized to bf16,
-    # one decode step would read the head at over three times the file's bytes.
-    head_type = raw.get(head_source, ("",))[0] if mode == "gguf" else ""
-    model_device = model.norm.weight.device  # type: ignore[attr-defined]  # never left on meta
-    one_cpu_head = (model_device.type == "cpu" and int(getattr(config, "tensor_parallel_size", 1) or 1) == 1)
-    # One in K-quant blocks (Q4_K_M's head is Q6_K) keeps them too: dense, the head alone would be
-    # read at 16 or 32 bits a weight where the file's blocks hold 6.6.
-    head_blocks = one_cpu_head and _head_keeps_blocks(head_type, config, model.lm_head.in_features)  # type: ignore[attr-defined]
-    gguf_head = head_blocks and head_type == "Q8_0"
-    group_head = ((mode == "w8a8" and not quantize_head and one_cpu_head
-                   and model.lm_head.in_features % Int8GroupLinear.GROUP == 0)  # type: ignore[attr-defined]
-                  or gguf_head)
-    targets = _targets(model, quantize_head or group_head or head_blocks)
+    plan = _plan_for(model, loaded, config, mode)
+    targets = _targets(model, plan.quantize_head or plan.group_head or plan.head_blocks)
     if mode == "int4":
         for name, mod, _ in targets:
-            check_int4_group(name, mod.in_features, group)
-    if mode == "gguf" and not raw:
+            check_int4_group(name, mod.in_features, plan.group)
+    if mode == "gguf" and not plan.raw:
         raise ValueError(f"quantization 'gguf' serves a GGUF file's own Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K "
                          "blocks; "
                          f"{getattr(loaded, 'source', 'this model') or 'this model'} has none (use int8 or int4)")
-    # w8a8 keeps the last decoder layers, the down projections and a quantized LM head
-    # weight-only (16-bit integer activations with the C kernels): the last layers' output
-    # goes (almost) straight to the logits, and the down projections' input has the widest
-    # outliers, so rounding there moves the logits most (measured on the bundled model:
-    # docs/quantization.md, "w8a8").
-    num_layers = len(model.layers)  # type: ignore[arg-type]
-    weight_only = tuple(f"layers.{i}." for i in range(max(0, num_layers - W8A8_WEIGHT_ONLY_LAST_LAYERS), num_layers))
-    tied = model.lm_head.weight is model.embed_tokens.weight  # type: ignore[attr-defined]
-    embed_dtype = model.embed_tokens.weight.dtype  # type: ignore[attr-defined]
-    grouped_activations = mode == "w8a8" and _one_process_kernels_have(config, "int8_dot")
-    table_type = raw.get("model.embed_tokens.weight", ("",))[0]
-    if mode == "gguf" and not tied and model_device.type == "cpu" and _table_keeps_blocks(table_type, config):
+    plan.grouped_activations = mode == "w8a8" and _one_process_kernels_have(config, "int8_dot")
+    table_type = plan.raw.get("model.embed_tokens.weight", ("",))[0]
+    if mode == "gguf" and not plan.tied and plan.device.type == "cpu" and _table_keeps_blocks(table_type, config):
         from .block_embedding import BlockEmbedding
 
-        _, table, shape = raw["model.embed_tokens.weight"]
-        model.embed_tokens = BlockEmbedding(table_type, table, tuple(shape), embed_dtype)  # type: ignore[arg-type]
+        _, table, shape = plan.raw["model.embed_tokens.weight"]
+        model.embed_tokens = BlockEmbedding(table_type, table, tuple(shape), plan.embed_dtype)  # type: ignore[arg-type]
         report.token_table = f"{table_type} blocks"
-    nibble_kernel = mode == "gguf" and _one_process_kernels_have(config, "q4_int8_dot")
+    plan.nibble_kernel = mode == "gguf" and _one_process_kernels_have(config, "q4_int8_dot")
     for name, mod, sources in targets:
         # a layer rebuilt from the file's blocks may have been left on meta (block_backed_layers)
-        dev = model_device if mod.weight.is_meta else mod.weight.device
-        bias = mod.bias
-        new: nn.Module
-        if name == "lm_head" and group_head and gguf_head:
-            q, d = int8g_from_gguf(raw[sources[0]][1], tuple(raw[sources[0]][2]))
-            new, fmt = Int8GroupLinear(q.to(dev), d.to(dev), bias), "Q8_0 (int8 g32)"
-        elif name == "lm_head" and group_head:
-            new, fmt = Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"
-        elif (grouped_activations and dev.type == "cpu" and name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS)
-              and not name.startswith(weight_only) and mod.in_features % Int8GroupLinear.GROUP == 0):
-            new, fmt = Int8GroupLinear.from_float(mod.weight, bias, dynamic=True), "w8a8 g32"
-        elif mode in ("int8", "w8a8"):
-            dynamic = (mode == "w8a8" and not name.startswith(weight_only) and name != "lm_head"
-                       and not name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS))
-            new = Int8Linear.from_float(mod.weight, bias, dynamic=dynamic)
-            fmt = "w8a8" if dynamic else "int8"
-        elif mode == "int4":
-            new, fmt = Int4Linear.from_float(mod.weight, group, bias), f"int4 g{group}"
-        else:
-            missing = [s for s in sources if s not in raw]
-            if missing:
-                kind = getattr(loaded, "quant_types", {}).get(missing[0], "not quantized")
-                report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
-                continue
-            kinds = {raw[s][0] for s in sources}
-            rebuilt_as = _block_layer_kind(kinds, dev, nibble_kernel)
-            if rebuilt_as is None:
-                report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
-                continue
-            if rebuilt_as == "kquant":  # the file's K-quant blocks as they are
-                from .kquant import KQuantLinear
-
-                new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias,
-                                   int4_layer=_kscales_int4_layer if nibble_kernel else None)
-                fmt = f"{new.formats} blocks"
-            elif rebuilt_as == "int8 groups":
-                # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
-                # kernels with 8-bit activations a scale per 32 inputs (llama.cpp's Q5_0 x Q8_0)
-                groups = [int8g_from_q5_0(raw[s][1], tuple(raw[s][2])) if raw[s][0] == "Q5_0"
-                          else int8g_from_gguf(raw[s][1], tuple(raw[s][2])) for s in sources]
-                new = Int8GroupLinear(torch.cat([q for q, _ in groups]).to(dev),
-                                      torch.cat([d for _, d in groups]).to(dev), bias, dynamic=True)
-                fmt = "+".join(sorted(kinds)) + " (int8 g32)"
-            else:
-                five_bit = rebuilt_as == "int4 five-bit"
-                parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2]), five_bit) for s in sources]
-                codes = Int4Codes.cat_rows(parts)
-                codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat,
-                                  None if codes.kscales is None else tuple(t.to(dev) for t in codes.kscales),
-                                  codes.bits)
-                new = Int4Linear(codes, bias)
-                fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
-                    ", split" if codes.repeat == 2 else ", five-bit" if codes.bits == 5 else "") + ")"
-        if ops is not None and dev.type == "cpu":
-            bind_ops(new, ops)  # an int4 part inside a K-quant projection too
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, new)
-        report.quantized[name] = fmt
-        if name == "lm_head" and tied:
-            probe = torch.zeros(1, dtype=torch.long, device=dev)
-            rows = getattr(new, "rows", None)
-            if rows is not None and rows(probe) is not None:
-                model.embed_tokens = QuantizedEmbedding(new, embed_dtype)  # type: ignore[arg-type]
-                report.shared_embedding = True
+        dev = plan.device if mod.weight.is_meta else mod.weight.device
+        made = _new_layer(plan, name, mod, sources, dev, report)
+        if made is not None:
+            _install(model, plan, name, made, dev, ops, report)
     model.quant_report = report  # type: ignore[assignment]  # for startup logs and the eval's JSON
     log.info(report.summary())
     return report
+
+
+def _new_layer(plan: _Plan, name: str, mod: nn.Module, sources: list[str], dev: torch.device,
+               report: QuantReport) -> tuple[nn.Module, str] | None:
+    """The quantized layer replacing ``mod`` and its format's name; None where it stays as it is
+    (the reason is in ``report.kept``)."""
+    mode, bias = plan.mode, mod.bias
+    if name == "lm_head" and plan.group_head and plan.gguf_head:
+        q, d = int8g_from_gguf(plan.raw[sources[0]][1], tuple(plan.raw[sources[0]][2]))
+        return Int8GroupLinear(q.to(dev), d.to(dev), bias), "Q8_0 (int8 g32)"
+    if name == "lm_head" and plan.group_head:
+        return Int8GroupLinear.from_float(mod.weight, bias), "int8 g32"
+    if (plan.grouped_activations and dev.type == "cpu" and name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS)
+            and not name.startswith(plan.weight_only) and mod.in_features % Int8GroupLinear.GROUP == 0):
+        return Int8GroupLinear.from_float(mod.weight, bias, dynamic=True), "w8a8 g32"
+    if mode in ("int8", "w8a8"):
+        dynamic = (mode == "w8a8" and not name.startswith(plan.weight_only) and name != "lm_head"
+                   and not name.endswith(W8A8_WEIGHT_ONLY_PROJECTIONS))
+        return Int8Linear.from_float(mod.weight, bias, dynamic=dynamic), "w8a8" if dynamic else "int8"
+    if mode == "int4":
+        return Int4Linear.from_float(mod.weight, plan.group, bias), f"int4 g{plan.group}"
+    return _layer_from_blocks(plan, name, sources, bias, dev, report)
+
+
+def _layer_from_blocks(plan: _Plan, name: str, sources: list[str], bias: torch.Tensor | None, dev: torch.device,
+                       report: QuantReport) -> tuple[nn.Module, str] | None:
+    """gguf: the layer made from the file's own blocks of its ``sources``, in the layout whose
+    kernel reads them (``_block_layer_kind``); None where they are missing or mixed."""
+    raw = plan.raw
+    missing = [s for s in sources if s not in raw]
+    if missing:
+        kind = plan.quant_types.get(missing[0], "not quantized")
+        report.kept[name] = f"{missing[0]} is {kind}, no native kernel"
+        return None
+    kinds = {raw[s][0] for s in sources}
+    rebuilt_as = _block_layer_kind(kinds, dev, plan.nibble_kernel)
+    if rebuilt_as is None:
+        report.kept[name] = f"{name} mixes {'/'.join(sorted(kinds))} blocks (or is not on the CPU), dequantized"
+        return None
+    if rebuilt_as == "kquant":  # the file's K-quant blocks as they are
+        from .kquant import KQuantLinear
+
+        new = KQuantLinear([(raw[s][0], raw[s][1], tuple(raw[s][2])) for s in sources], bias,
+                           int4_layer=_kscales_int4_layer if plan.nibble_kernel else None)
+        return new, f"{new.formats} blocks"
+    if rebuilt_as == "int8 groups":
+        # Q5_0 codes less 16 are int8: Q8_0's layout holds them exactly, for the int8
+        # kernels with 8-bit activations a scale per 32 inputs (llama.cpp's Q5_0 x Q8_0)
+        groups = [int8g_from_q5_0(raw[s][1], tuple(raw[s][2])) if raw[s][0] == "Q5_0"
+                  else int8g_from_gguf(raw[s][1], tuple(raw[s][2])) for s in sources]
+        new8 = Int8GroupLinear(torch.cat([q for q, _ in groups]).to(dev),
+                               torch.cat([d for _, d in groups]).to(dev), bias, dynamic=True)
+        return new8, "+".join(sorted(kinds)) + " (int8 g32)"
+    five_bit = rebuilt_as == "int4 five-bit"
+    parts = [int4_from_gguf(raw[s][0], raw[s][1], tuple(raw[s][2]), five_bit) for s in sources]
+    codes = Int4Codes.cat_rows(parts)
+    codes = Int4Codes(codes.codes.to(dev), codes.scales.to(dev), codes.zeros.to(dev), 32, codes.repeat,
+                      None if codes.kscales is None else tuple(t.to(dev) for t in codes.kscales),
+                      codes.bits)
+    fmt = "+".join(sorted({raw[s][0] for s in sources})) + " (int4 g32" + (
+        ", split" if codes.repeat == 2 else ", five-bit" if codes.bits == 5 else "") + ")"
+    return Int4Linear(codes, bias), fmt
+
+
+def _install(model: nn.Module, plan: _Plan, name: str, made: tuple[nn.Module, str], dev: torch.device,
+             ops: ModelOps | None, report: QuantReport) -> None:
+    """Put the new layer in the old one's place (bound to ``ops`` on the CPU); a tied LM head that
+    can give its rows also serves the token table."""
+    new, fmt = made
+    if ops is not None and dev.type == "cpu":
+        bind_ops(new, ops)  # an int4 part inside a K-quant projection too
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, new)
+    report.quantized[name] = fmt
+    if name == "lm_head" and plan.tied:
+        probe = torch.zeros(1, dtype=torch.long, device=dev)
+        rows = getattr(new, "rows", None)
+        if rows is not None and rows(probe) is not None:
+            model.embed_tokens = QuantizedEmbedding(new, plan.embed_dtype)  # type: ignore[arg-type]
+            report.shared_embedding = True
