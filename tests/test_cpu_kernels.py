@@ -284,7 +284,7 @@ def test_rejects_tables_outside_the_pool(lib) -> None:
 # -O0: the race is in the cache, not in the code generated; an unoptimised build takes a
 # fraction of the minute and a half two -O3 compiles at once took on two cores.
 _BUILD_SCRIPT = """
-from tokenmill.model import cpu_kernels
+from tokenmill.model.kernels import cpu_kernels
 lib = cpu_kernels.build(("-O0",))
 print(lib.path, lib.vector_width)
 """

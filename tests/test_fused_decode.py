@@ -1,4 +1,4 @@
-"""The fused native decode step (engine/step/fused_decode.py, csrc/decode_step.c)
+"""The fused native decode step (engine/step/fused_decode.py, csrc/step.c)
 against the eager torch model, for every weight kind it takes.
 
 Quantized models are checked against a float32 dense model holding the
@@ -20,7 +20,7 @@ from tokenmill.engine.step import fused_decode
 from tokenmill.engine.step.executors import FusedDecodeExecutor
 from tokenmill.engine.step.step_batch import StepBatch
 from tokenmill.model.kernels import cpu_kernels
-from tokenmill.model.quant.quant import quant
+from tokenmill.model.quant import quant
 from tokenmill.settings.options import KernelOptions
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the CPU kernels")

@@ -15,7 +15,7 @@ from conftest import TINY_VOCAB, tiny_config, tiny_tokenizer, tiny_weights
 from gguf_files import random_kquant_blocks, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.kernels import cpu_kernels
-from tokenmill.model.quant.quant import kquant
+from tokenmill.model.quant import kquant
 from tokenmill.model.quant.kquant import KQuantLinear
 from tokenmill.model.loader import load_model
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.model.kernels import cpu_kernels
-from tokenmill.model.quant.quant import kv_quant
+from tokenmill.model.quant import kv_quant
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc not on PATH: the kernel cannot be built")
 

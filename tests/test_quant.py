@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.quant.quant import quant
+from tokenmill.model.quant import quant
 from tokenmill.model.loader import dequantize
 from tokenmill.model.quant.quant import (
     Int4Codes,

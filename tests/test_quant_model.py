@@ -9,7 +9,7 @@ from gguf_files import write_gguf
 from tokenmill.settings.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request, SamplingParams
-from tokenmill.model.quant.quant import quant
+from tokenmill.model.quant import quant
 from tokenmill.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")
