@@ -1,4 +1,4 @@
-"""The fused native decode step (engine/step/fused_decode.py, csrc/decode_step.c)
+"""The fused native decode step (engine/step/fused_decode.py, csrc/step.c)
 against the eager torch model, for every weight kind it takes.
 
 Quantized models are checked against a float32 dense model holding the

@@ -1,4 +1,4 @@
-"""The C projection kernel (``tm_linear`` in model/kernels/csrc/decode_step.c) on its own.
+"""The C projection kernel (``tm_linear`` in model/kernels/csrc/linear.c) on its own.
 
 Every weight kind the fused decode step reads (float32, bf16, int8 with a row
 scale, int4 in the project's packing with and without the repeat-2 split),

@@ -221,7 +221,7 @@ def test_bad_adapters_are_refused_with_the_reason(tmp_path, adapters):
 def test_adapters_in_the_fused_w8a8_step_match_the_eager_forward(adapters, monkeypatch):
     """Under the quantized default (w8a8): a batch mixing adapters and the base gives the same
     greedy tokens whether its steps run in the fused native step (adapters' updates in
-    csrc/decode_step.c) or through the eager forward (model/lora/lora.py)."""
+    csrc/lora.c) or through the eager forward (model/lora/lora.py)."""
     from tokenmill.model.kernels import cpu_kernels
 
     lib = cpu_kernels.load()

@@ -3,7 +3,7 @@
 At batch 1 the eager model dispatches thousands of ATen ops per step and, on a
 small CPU, their fixed costs outweigh the arithmetic (an int4 step of
 SmolLM2-135M took about three times as long as reading its weights). ``csrc/
-decode_step.c`` runs every layer, the final norm and the LM head in one OpenMP
+step.c`` runs every layer, the final norm and the LM head in one OpenMP
 region (see its header); this module hands it the model: pointers to the
 weights in their stored precision (float32, bf16, int8, int4 in the
 project's own packing, read where the layer keeps it), float32 copies of the norm

@@ -1,4 +1,4 @@
-"""LoRA adapters in the fused native step (``csrc/decode_step.c``: ``TmDelta``, ``TmSegment``).
+"""LoRA adapters in the fused native step (``csrc/lora.c``; ``TmDelta``, ``TmSegment`` in ``csrc/tm_kernels.h``).
 
 A step with adapter rows would otherwise leave the fused step for the eager
 forward, whose per-op dispatch costs more than the adapters' arithmetic (at 64

@@ -2,9 +2,9 @@
 
 Five kernels, one library:
 
-* ``csrc/paged_attention.c``: decode attention reading the KV blocks in place
-  through the block table (copying every sequence's blocks into a contiguous
-  workspace first dominated decode attention on CPU);
+* ``csrc/paged_attention.c`` (and ``paged_run.c``, its runs and entry points): decode
+  attention reading the KV blocks in place through the block table (copying every
+  sequence's blocks into a contiguous workspace first dominated decode attention on CPU);
 * ``csrc/prefill_attention.c``: causal attention of one prefill chunk, also
   reading its context in place, with register-tiled matmuls (faster than
   torch's SDPA plus the gather it needed; docs/performance.md);
@@ -14,13 +14,28 @@ Five kernels, one library:
   stores of the eager model's prefill and mixed steps, one pass each instead
   of two to seven ATen ops (the fused decode step inlines the same one-row
   routines);
-* ``csrc/decode_step.c`` (which includes the other four): a whole decode step,
-  every layer in one call, for small batches (``engine/step/fused_decode.py``).
+* ``csrc/step.c``: a whole decode step, every layer in one call, for small batches
+  (``engine/step/fused_decode.py``), over the projections of ``linear.c`` (one layer's
+  dispatch and ``tm_linear``), ``dense.c`` (weights widened to float32), ``int8.c`` and
+  ``int4.c`` (integer codes against int8 activations), ``kquant.c`` and
+  ``kquant_tiles.c`` (GGUF K-quant blocks), ``amx_int8.c`` (AMX tiles), ``lora.c``
+  (adapters) and ``threads.c`` (the barrier and the claims of work).
+
+``csrc/tm_kernels.h`` holds what they share: the build's instruction-set features, decided
+once; the vector vocabulary the kernels are written in (VW-lane float and int vectors and
+their loads, FMA and reduction, the u8 x s8 dot step); the structures this module mirrors.
+
+One translation unit: ``csrc/kernels.c`` includes the files in order, and each includes the
+header so it reads on its own. Separate units compiled apart would cost speed: the step
+inlines attention's item routine, the elementwise one-row routines and the matmul tiles into
+its loops (always-inline static functions), and across units gcc would call them instead
+unless the library were linked with LTO, whose partitioning of an OpenMP library is one
+more thing to hold steady; one unit gives the compiler every body with no link step.
 
 C with no torch headers and no build step at install time: the first call
-compiles ``decode_step.c`` with the system gcc into a cache directory
+compiles ``kernels.c`` with the system gcc into a cache directory
 (``TOKENMILL_KERNEL_CACHE``, default ``~/.cache/tokenmill/kernels``) under a
-name keyed by a hash of both sources, the flags, the compiler version and the
+name keyed by a hash of every source file, the flags, the compiler version and the
 CPU (``-march=native``), so an edited source, another compiler or another
 machine never loads a stale library. Compiling to a temporary name and
 ``os.replace``-ing it makes concurrent processes (servers started by tests)
@@ -61,9 +76,9 @@ from ...settings.options import KernelOptions
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCE = CSRC / "decode_step.c"  # includes the attention files: one library, one translation unit
-SOURCES = (CSRC / "paged_attention.c", CSRC / "prefill_attention.c", CSRC / "argmax.c", CSRC / "elementwise.c",
-           CSRC / "amx_int8.c", CSRC / "kquant.c", SOURCE)  # what the cache key hashes
+SOURCE = CSRC / "kernels.c"  # includes every other file: one library, one translation unit
+# An older tree's root (a benchmark's baseline), compiled when its folder has no kernels.c.
+_OLD_SOURCE = "decode_step.c"
 # -fno-trapping-math: no floating-point trap is ever enabled here, and under gcc's default
 # (traps possible) a loop whose body selects between float results (exp_nonpos's range
 # check, SiLU's sign cases, the softmax's causal mask) is vectorized only where the ISA has
@@ -164,11 +179,14 @@ def _compiler() -> str:
 
 
 def _sources(csrc: Path | None) -> tuple[Path, tuple[Path, ...]]:
-    """The translation unit compiled and the files the cache key hashes, from this package's
-    ``csrc`` or another folder holding the same files (a benchmark's other tree)."""
-    if csrc is None:
-        return SOURCE, SOURCES
-    return csrc / SOURCE.name, tuple(csrc / p.name for p in SOURCES)
+    """The translation unit compiled and the files the cache key hashes (every C source and
+    header beside it), from this package's ``csrc`` or another folder of the kernels (a
+    benchmark's other tree, whose root may be the older ``decode_step.c``)."""
+    folder = csrc if csrc is not None else CSRC
+    root = folder / SOURCE.name
+    if not root.exists() and (folder / _OLD_SOURCE).exists():
+        root = folder / _OLD_SOURCE
+    return root, tuple(sorted((*folder.glob("*.c"), *folder.glob("*.h"))))
 
 
 def _library_path(cc: str, flags: tuple[str, ...], directory: Path, csrc: Path | None = None) -> Path:
@@ -633,11 +651,11 @@ def store_kv_quant(k_codes: torch.Tensor, v_codes: torch.Tensor, k_scale: torch.
 # --------------------------------------------------------------------------- one projection
 
 W_F32, W_BF16, W_INT8, W_INT4, W_INT8G, W_KQ = 0, 1, 2, 3, 4, 5  # TmLinear.kind (W_KQ: csrc/kquant.c)
-Q4_SYMMETRIC, Q4_F16, Q4_KSCALES, Q4_FIFTH = 1, 2, 4, 8  # TmLinear.q4_form bits (decode_step.c's int4_q8_block)
+Q4_SYMMETRIC, Q4_F16, Q4_KSCALES, Q4_FIFTH = 1, 2, 4, 8  # TmLinear.q4_form bits (csrc/int4.c's int4_q8_block)
 
 
 class TmLinear(ctypes.Structure):
-    """decode_step.c's description of one projection (weights stay in their stored
+    """csrc/tm_kernels.h's description of one projection (weights stay in their stored
     precision; int4 in :func:`pack_int4`'s order with float32 scale and ``z - 8 s``)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("group", ctypes.c_int32), ("repeat", ctypes.c_int32),
@@ -671,7 +689,7 @@ def pack_vnni(q: torch.Tensor, vector_width: int) -> torch.Tensor | None:
 
 def pack_int4_q8(codes: torch.Tensor, vector_width: int, fifth: bool = False) -> torch.Tensor | None:
     """uint8 int4 codes [N, K'] -> the nibble packing AVX2 and AVX-512 VNNI builds multiply
-    against int8 activations (decode_step.c's int4_q8_rows), [N / VW, K' / 32, 4, 4 VW]
+    against int8 activations (csrc/int4.c's int4_q8_rows), [N / VW, K' / 32, 4, 4 VW]
     bytes: per output tile and 32-input block, four steps of VW rows x 4 inputs, byte
     4r + i of step s holding input 4s + i of row r (low nibble) and input 16 + 4s + i
     (high nibble). None when N or K' does not divide.
@@ -766,7 +784,7 @@ def pack_kscales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch
 def pack_q6_tiles(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor,
                   vector_width: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q6_K rows as codes (uint8 q [N, K], 0..63), sub-block scales (int8 sc [N, K / 16]) and
-    super-block scales (float16 d [N, K / 256]) -> the tiles decode_step.c's q6k_rows reads:
+    super-block scales (float16 d [N, K / 256]) -> the tiles csrc/kquant_tiles.c's q6k_rows reads:
     codes uint8 [N / VW, K / 32, 24 VW] (per block the low nibbles in the int4 nibble packing,
     then two 4 VW-byte vectors of the top two bits: byte 4r + i, bits 2s..2s+1, step s's
     input i of row r, for the block's first 16 inputs and then its last 16) and scales uint8

@@ -1,7 +1,7 @@
 /* int8 x int8 matmuls on AMX tiles (Intel's Advanced Matrix Extensions), for many
  * activation rows.
  *
- * Included by decode_step.c after its VNNI kernels' definitions (TmLinear, the
+ * Included by int8.c after its VNNI kernels' definitions (TmLinear, the
  * VNNI packing, the shared epilogues int8_store_row, int8g_add_group and int8g_store_row) and only
  * in builds whose compiler targets AMX-INT8 (-march=native on such a CPU).
  *
@@ -24,6 +24,7 @@
  * XFEATURE_XTILEDATA): tm_kernels_amx_init asks for it, and until it has
  * succeeded every caller takes the VNNI path.
  */
+#include "tm_kernels.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 

@@ -9,10 +9,9 @@
  *
  * Same answer as torch.argmax: the first index among equal maxima, and a NaN
  * counts as larger than everything (the first NaN's index wins); a row of
- * -inf gives 0. Included by decode_step.c (one library).
+ * -inf gives 0. Part of the library's one unit (kernels.c).
  */
-#include <math.h>
-#include <stdint.h>
+#include "tm_kernels.h"
 
 #define ARGMAX_BLOCK 256
 

@@ -1,6 +1,6 @@
 /* The small per-token operations of a Llama layer, float32 (CPU, OpenMP).
  *
- * Two users: the fused decode step (decode_step.c) calls the one-row
+ * Two users: the fused decode step (step.c) calls the one-row
  * routines inline, and the eager model (model/models/llama.py) calls the row-parallel
  * entry points on prefill and mixed steps. There, torch ran each of these as
  * several ATen ops over the whole [tokens, features] tensor, each a pass
@@ -20,12 +20,9 @@
  * ulp apart), and SiLU uses exp_nonpos (within ~2 ulp of expf): the same
  * arithmetic the fused decode step has always used; in bf16 that rarely moves
  * a rounded result, by one bf16 step (two for RMSNorm, whose weight multiply
- * rounds again). Included by decode_step.c (one library).
+ * rounds again). Part of the library's one unit (kernels.c).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "tm_kernels.h"
 
 /* Below this many floats a call runs on one thread: waking the second costs more. */
 #define EW_SERIAL_FLOATS (1 << 15)

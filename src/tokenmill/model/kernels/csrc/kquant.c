@@ -1,4 +1,4 @@
-/* GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as stored. Many activation rows: decode_step.c's
+/* GGUF K-quant blocks (Q4_K, Q5_K, Q6_K) as stored. Many activation rows: linear.c's
  * linear_rows widens a tile of rows to float32 here, exactly as ggml dequantizes them, and
  * runs its dense float32 tile over it (float32 activations). Few rows (decode): the codes
  * times int8 activations with integer dot products (kq_dot_rows, below). Either way a
@@ -12,8 +12,7 @@
  *     per 16 weights), d (fp16); w = (d * sc) * (q - 32).
  * Every product here is exact in float32 (the codes and scales are short), so a compiler's
  * fused multiply-add rounds nothing differently from ggml's separate multiply and subtract. */
-#include <stdint.h>
-#include <string.h>
+#include "tm_kernels.h"
 
 enum { KQ_Q4_K = 12, KQ_Q5_K = 13, KQ_Q6_K = 14 }; /* ggml's type ids */
 
@@ -124,7 +123,7 @@ static void kq_dequant_rows(int type, const uint8_t *blocks, int64_t k, int64_t 
 /* ------------------------------------------------------------------ integer tiles for many rows
  *
  * Many activation rows (prefill chunks) multiply a Q4_K / Q5_K tile on the int8g kernels
- * (decode_step.c's kq_int8g_rows: AMX tiles or VNNI / AVX2 integer products) instead of
+ * (linear.c's kq_int8g_rows: AMX tiles or VNNI / AVX2 integer products) instead of
  * widening it to float32: per 32-weight sub-block the codes q (0..15, or 0..31) are int8
  * codes with the group scale d * sc, and the min's part, dmin * m times the activations'
  * group sum, is taken off after. The weights stay exactly the file's. Q6_K's scales are per
@@ -169,7 +168,7 @@ static void kq_int8g_tiles(int type, const uint8_t *blocks, int64_t k, int64_t r
 
 /* ------------------------------------------------------------------ integer dot products
  *
- * Decode rows (few activation rows, decode_step.c's TM_KQ_DOT_ROWS) multiply the blocks'
+ * Decode rows (few activation rows, linear.c's TM_KQ_DOT_ROWS) multiply the blocks'
  * codes by int8 activations instead: widening a tile of rows to float32 costs more than
  * the products it feeds when only a row or two of activations shares it, while the
  * integer path reads the bytes as stored and multiplies 64 (AVX-512 VNNI, vpdpbusd) or
@@ -181,8 +180,7 @@ static void kq_int8g_tiles(int type, const uint8_t *blocks, int64_t k, int64_t r
  * and per 16-weight sub-block of Q6_K: d * sc_j * xd_c * (sum(q * xq) - 32 * sum(xq)); the
  * integer sums are exact (a vpmaddubsw pair is at most 2 x 63 x 127, no saturation), so
  * every build with this path gives the same sums, rounded differently only in float. */
-#if (VW == 16 && defined(__AVX512VNNI__) && defined(__AVX512BW__)) || (VW == 8 && defined(__AVX2__))
-#define TM_KQ_DOT 1
+#ifdef TM_KQ_DOT
 #define KQ_ROWS 6 /* activation rows per pass over a row's blocks */
 
 static inline float kq_f16(const uint8_t *p) {
@@ -207,7 +205,7 @@ static inline __m128i kq_unpack_scales(const uint8_t *q) {
 }
 
 /* The largest |x| of 32 floats: the int8 scale of one activation block (amax / 127), as
- * the per-32 activation quantizers take it (kq_quantize_rows below, decode_step.c's
+ * the per-32 activation quantizers take it (kq_quantize_rows below, int8.c's
  * quantize_group_rows). */
 static inline float amax_32(const float *xs) {
     float amax = 0.0f;

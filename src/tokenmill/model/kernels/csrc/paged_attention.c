@@ -62,84 +62,12 @@
  * that item's first rows over the current item's chunks instead, so its rows
  * arrive while this one computes and the next starts without waiting on memory.
  */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "tm_kernels.h"
 
-#define TM_INLINE static inline __attribute__((always_inline))
 #define PF_DIST 2 /* chunks ahead */
 #define PF_HINT 2 /* __builtin_prefetch locality: 2 = into L2 */
 #define PF_ITEM_BYTES (256 * 1024) /* of K and of V, prefetched when an item starts (L2 is >= 512 KB) */
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vf __attribute__((vector_size(VW * sizeof(float))));
-typedef int32_t vi __attribute__((vector_size(VW * sizeof(float))));
-
-TM_INLINE vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-TM_INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* a * b + c, fused where the CPU has FMA, spelled out: left to -ffp-contract, gcc fuses the
- * same expression in some inlined copies of a kernel and not in others (one per activation
- * row count), and a row's result must not depend on which copy computed it. */
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
-TM_INLINE vf vfma(vf a, vf b, vf c) {
-#if defined(__AVX512F__)
-    return _mm512_fmadd_ps(a, b, c);
-#elif defined(__FMA__)
-    return _mm256_fmadd_ps(a, b, c);
-#else
-    return a * b + c; /* no FMA instruction to contract into */
-#endif
-}
-
-/* Every lane s, in one broadcast: `(vf){0} + s` spends an add on it too (kept for -0.0's sign),
- * which in a loop of broadcast and FMA pairs is a third of the instructions. */
-TM_INLINE vf vsplat(float s) {
-#if defined(__AVX512F__)
-    return _mm512_set1_ps(s);
-#elif defined(__FMA__)
-    return _mm256_set1_ps(s);
-#else
-    return (vf){0} + s;
-#endif
-}
-
-typedef uint16_t vh __attribute__((vector_size(VW * sizeof(uint16_t))));
-typedef uint32_t vu __attribute__((vector_size(VW * sizeof(uint32_t))));
-
-/* VW bf16 values as float32 lanes, exactly (each value's bits moved to the top half). */
-TM_INLINE vf vload_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    const vu u = __builtin_convertvector(h, vu) << 16;
-    vf f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-typedef uint8_t vb __attribute__((vector_size(VW)));
-
-/* VW int8 codes as float32 lanes. gcc 12 scalarizes a signed byte -> int conversion of a
- * whole vector; flipping the sign bit makes it an unsigned one (one vpmovzxbd), undone by
- * the - 128. */
-TM_INLINE vf vload_i8(const int8_t *p) {
-    vb q;
-    memcpy(&q, p, sizeof q);
-    return __builtin_convertvector(__builtin_convertvector(q ^ 0x80, vi) - 128, vf);
-}
 
 /* How attention reads a chunk's rows (a compile-time constant where it is used): float32
  * rows in place; bf16 rows in place, widened in registers; int8 codes in place, widened in
@@ -148,16 +76,6 @@ TM_INLINE vf vload_i8(const int8_t *p) {
  * buffer first (fp8). */
 enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_I8 = 2, ROWS_CONV = 3, ROWS_BF16_DOT = 4 };
 
-/* On a CPU with AVX512-BF16, bf16 rows meet bf16-rounded queries and softmax weights in
- * vdpbf16ps (ROWS_BF16_DOT): a row is used as loaded, where widening it took a shuffle
- * per vector, and one instruction multiplies twice the pairs an FMA does. The products
- * are exact and the sums float32, so the rounding of q and of the weights (8 bits of
- * mantissa, as the pool's rows already have) is the only change; the weights are
- * rounded before they are summed, so they still add up to one. */
-#if defined(__AVX512BF16__) && VW == 16
-#define TM_ATTN_BF16_DOT 1
-#include <immintrin.h>
-#endif
 
 /* Values c .. c + 2 VW - 1 of a bf16 row as two float32 vectors, exactly: one load of VW
  * 32-bit words, word i holding values c + 2i (low half) and c + 2i + 1 (high half); a
@@ -197,8 +115,6 @@ TM_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* KV pool formats: element type of the pool's rows. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2, KV_FP8 = 3 };
 
 TM_INLINE size_t kv_esize(int fmt) { return fmt == KV_F32 ? 4 : fmt == KV_BF16 ? 2 : 1; }
 
@@ -269,40 +185,6 @@ TM_INLINE float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
-/* a[t] holds VW partial sums of row t's dot product; returns the vector whose
- * lane t is the full sum of a[t]. Each level adds pairs of half-groups, so
- * VW vectors become VW / 2, each holding the partial sums of two rows, etc.
- * One definition for float sums and for exact int32 ones (the int8 dot products). */
-#if VW == 16
-static const vi TRANSPOSE_LO[4] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-static const vi TRANSPOSE_HI[4] = {
-    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
-    {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
-    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-#define TRANSPOSE_LEVELS 4
-#else
-static const vi TRANSPOSE_LO[3] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
-static const vi TRANSPOSE_HI[3] = {{4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
-#define TRANSPOSE_LEVELS 3
-#endif
-#define TM_TRANSPOSE_SUM(T, NAME)                                                                   \
-    TM_INLINE T NAME(T a[VW]) {                                                                     \
-        int n = VW;                                                                                 \
-        for (int lev = 0; lev < TRANSPOSE_LEVELS; lev++) {                                          \
-            for (int i = 0; i < n / 2; i++)                                                         \
-                a[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], TRANSPOSE_LO[lev]) +               \
-                       __builtin_shuffle(a[2 * i], a[2 * i + 1], TRANSPOSE_HI[lev]);                \
-            n /= 2;                                                                                 \
-        }                                                                                           \
-        return a[0];                                                                                \
-    }
-TM_TRANSPOSE_SUM(vf, transpose_sum)
-TM_TRANSPOSE_SUM(vi, transpose_sum_i)
 
 typedef struct {
     const void *q;               /* [num_seqs, heads, head_dim] rows q_stride elements apart */
@@ -541,7 +423,7 @@ TM_INLINE float round_bf16(float x) {
     return x;
 }
 
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
 /* chunk_scores for bf16 rows and bf16 queries qh (NG x D, D % 32 == 0): a row's 32 values
  * a load, each multiplied pairwise into its heads' partial sums, then the same shuffle tree. */
 TM_INLINE void chunk_scores_bf16(const uint16_t *qh, const void *rows[VW], const int64_t D, const int NG,
@@ -743,7 +625,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             float *sg = s + g0 * W + (pos0 - lo);
             const float *qg = sc->q + g0 * D;
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
             if (kind == ROWS_BF16_DOT) {
                 const uint16_t *qh = (const uint16_t *)sc->q + g0 * D;
                 switch (G - g0) {
@@ -793,7 +675,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         for (int64_t g0 = 0; g0 < G; g0 += HEADS_PER_PASS) {
             const float *pg = s + g0 * W + (pos0 - lo);
             float *ag = sc->acc + g0 * D;
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
             if (kind == ROWS_BF16_DOT) {
                 switch (G - g0) {
                 case 1: chunk_values_bf16(pg, W, cnt, rows, D, 1, ag); break;
@@ -811,7 +693,7 @@ TM_INLINE void attend_item(const Args *a, int64_t n, int64_t kvh, int fmt, int i
         }
     }
 
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
     if (kind == ROWS_BF16_DOT) bf16_acc_columns(sc->acc, G * D);
 #endif
     if (pairs) from_pairs_order(sc->acc, G * D);
@@ -847,7 +729,7 @@ TM_INLINE void attend_any(const Args *a, int64_t n, int64_t kvh, int fmt, int io
         attend_any(a, n, kvh, FMT, IO, KIND, sc, p0, p1, part);                                               \
     }
 TM_ATTEND_CASE(attend_f32, KV_F32, 0, ROWS_F32)
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
 static __attribute__((noinline)) void attend_bf16_dot(const Args *a, int64_t n, int64_t kvh, int io_bf16,
                                                       Scratch *sc, int64_t p0, int64_t p1, float *part) {
     attend_any(a, n, kvh, KV_BF16, io_bf16, ROWS_BF16_DOT, sc, p0, p1, part);
@@ -863,7 +745,7 @@ TM_INLINE void attend_range(const Args *a, int64_t n, int64_t kvh, int fmt, int 
                             int64_t p1, float *part) {
     if (fmt == KV_F32)
         attend_f32(a, n, kvh, fmt, sc, p0, p1, part); /* a float32 pool with bf16 q is refused by the entry points */
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
     else if (fmt == KV_BF16 && a->head_dim % 32 == 0) /* q's dtype a runtime flag: one copy, not two */
         attend_bf16_dot(a, n, kvh, io_bf16, sc, p0, p1, part);
 #endif
@@ -891,209 +773,3 @@ TM_INLINE void attend_dispatch(const Args *a, int64_t n, int64_t kvh, int fmt, i
     int64_t lo, len;
     attended(a, n, &lo, &len);
     attend_range(a, n, kvh, fmt, io_bf16, sc, lo, len, NULL);
-}
-
-/* Long contexts are attended in parts of PART_LEN positions, each its own work item, then
- * combined (combine_parts): one sequence's item alone cannot keep several threads busy, and a
- * batch of one with few kv heads (Gemma's one) left all threads but one waiting on it. The
- * parts depend only on the positions attended, never on the batch or the thread count, so a
- * sequence's result is the same alone and batched. PART_LEN is long enough that a part's
- * combine (its G x D sums read once) costs little next to reading its K and V rows. */
-#ifndef PART_LEN /* benchmarks/context_parts.py's baseline: -DPART_LEN=(1 << 30), no parts */
-#define PART_LEN 1024
-#endif
-#define PART_FLOATS(G, D) ((G) * (D) + 2 * (G)) /* a part's unnormalised sums, then max and sum per head */
-
-/* Parts of PART_LEN positions a span of ``positions`` is attended in. */
-TM_INLINE int64_t parts_of(int64_t positions) { return (positions + PART_LEN - 1) / PART_LEN; }
-
-/* How many parts sequence n's item is attended in: 1 for contexts up to PART_LEN. */
-TM_INLINE int64_t item_parts(const Args *a, int64_t n) {
-    int64_t lo, len;
-    attended(a, n, &lo, &len);
-    return parts_of(len - lo);
-}
-
-/* Part j of sequence n's item: positions p0 .. p1 - 1. */
-TM_INLINE void part_range(const Args *a, int64_t n, int64_t j, int64_t *p0, int64_t *p1) {
-    int64_t lo, len;
-    attended(a, n, &lo, &len);
-    *p0 = lo + j * PART_LEN;
-    *p1 = *p0 + PART_LEN < len ? *p0 + PART_LEN : len;
-}
-
-/* The output rows of item (n, kvh) from its P parts' results (PART_FLOATS each, in order):
- * each part's sums scaled by exp(its max - the overall max), over the scaled sum of
- * denominators; parts summed in order, so the result is deterministic. tmp: head_dim floats. */
-TM_INLINE void combine_parts(const Args *a, int64_t n, int64_t kvh, const float *parts, int64_t P, int io_bf16,
-                             float *tmp) {
-    const int64_t G = a->heads / a->kv_heads, D = a->head_dim, stride = PART_FLOATS(G, D);
-    for (int64_t g = 0; g < G; g++) {
-        float m = -INFINITY, denom = 0.0f;
-        for (int64_t j = 0; j < P; j++) {
-            const float mj = parts[j * stride + G * D + g];
-            m = mj > m ? mj : m;
-        }
-        memset(tmp, 0, D * sizeof(float));
-        for (int64_t j = 0; j < P; j++) {
-            const float *pj = parts + j * stride;
-            const float w = exp_nonpos(pj[G * D + g] - m);
-            denom += w * pj[G * D + G + g];
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) tmp[d] += w * pj[g * D + d];
-        }
-        store_out_row(a, n, kvh, g, D, tmp, 1.0f / denom, io_bf16);
-    }
-}
-
-/* Checks every table entry a sequence uses and returns the longest length,
- * or -1 when an input would read outside the pool. */
-static int64_t check_args(const Args *a, int64_t num_seqs, int64_t bt_width) {
-    if (a->kv_heads <= 0 || a->heads % a->kv_heads || a->head_dim <= 0 || a->head_dim % VW ||
-        a->block_size <= 0)
-        return -1;
-    int64_t max_len = 0;
-    for (int64_t n = 0; n < num_seqs; n++) {
-        const int64_t L = a->seq_lens[n];
-        const int64_t used = (L + a->block_size - 1) / a->block_size;
-        if (L <= 0 || used > bt_width) return -1;
-        const int32_t *table = a->block_tables + n * a->bt_stride;
-        for (int64_t b = 0; b < used; b++)
-            if (table[b] < 0 || table[b] >= a->num_blocks) return -1;
-        if (L > max_len) max_len = L;
-    }
-    return max_len;
-}
-
-/* Threads for `items` independent work items: at least one, at most one per item. */
-TM_INLINE int threads_for(int num_threads, int64_t items) {
-    if (num_threads > items) num_threads = (int)items;
-    return num_threads < 1 ? 1 : num_threads;
-}
-
-/* One thread's scratch: `floats` floats, 64-byte aligned; NULL when out of memory. */
-TM_INLINE float *scratch_floats(size_t floats) {
-    return (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-}
-
-/* A work item of the standalone kernel: a whole (sequence, kv head) pair, or part j of P of
- * one (its result at parts + slot * PART_FLOATS). */
-typedef struct {
-    int64_t n, kvh, j, parts, slot;
-} Item;
-
-static int run(const Args *a, int64_t num_seqs, int64_t bt_width, int num_threads, int fmt, int io_bf16) {
-    const int64_t max_len = check_args(a, num_seqs, bt_width);
-    if (max_len < 0) return 1;
-    if (num_seqs == 0) return 0;
-    const int64_t G = a->heads / a->kv_heads, D = a->head_dim;
-    int64_t items = 0, slots = 0;
-    for (int64_t n = 0; n < num_seqs; n++) {
-        const int64_t P = item_parts(a, n);
-        items += P * a->kv_heads;
-        if (P > 1) slots += P * a->kv_heads;
-    }
-    Item *list = (Item *)malloc(items * sizeof(Item));
-    float *parts = slots ? (float *)malloc(slots * PART_FLOATS(G, D) * sizeof(float)) : NULL;
-    if (!list || (slots && !parts)) {
-        free(list), free(parts);
-        return 2;
-    }
-    int64_t k = 0, slot = 0;
-    for (int64_t n = 0; n < num_seqs; n++) {
-        const int64_t P = item_parts(a, n);
-        for (int64_t kvh = 0; kvh < a->kv_heads; kvh++)
-            for (int64_t j = 0; j < P; j++) list[k++] = (Item){n, kvh, j, P, P > 1 ? slot++ : -1};
-    }
-    const int64_t span = max_len < PART_LEN ? max_len : PART_LEN;
-    const size_t floats = (size_t)(2 * G * D + G + VW * D + D + G * span);
-    int failed = 0;
-#pragma omp parallel num_threads(threads_for(num_threads, items)) reduction(| : failed)
-    {
-        float *buf = scratch_floats(floats);
-        if (!buf) {
-            failed = 1;
-        } else {
-            float *rows = buf + 2 * G * D + G, *zero = rows + VW * D;
-            memset(zero, 0, D * sizeof(float));
-            Scratch sc = {buf, buf + G * D, buf + 2 * G * D, rows, zero, zero + D, -1, -1};
-            /* Runs of a few consecutive items per claim, so an item knows the next one (its
-             * rows to prefetch); single items when there are few to share. */
-            const int64_t run_len = items >= 8 * omp_get_num_threads() ? 4 : 1;
-#pragma omp for schedule(dynamic, run_len)
-            for (int64_t it = 0; it < items; it++) {
-                const Item *i = &list[it];
-                if (i->parts > 1) {
-                    int64_t p0, p1;
-                    part_range(a, i->n, i->j, &p0, &p1);
-                    attend_range(a, i->n, i->kvh, fmt, io_bf16, &sc, p0, p1, parts + i->slot * PART_FLOATS(G, D));
-                    continue;
-                }
-                const Item *nx = (it + 1) % run_len && it + 1 < items && list[it + 1].parts == 1 ? &list[it + 1] : NULL;
-                sc.next_item = nx ? nx->n * a->kv_heads + nx->kvh : -1;
-                attend_dispatch(a, i->n, i->kvh, fmt, io_bf16, &sc);
-            }
-            /* (the loop's barrier: every part is done) */
-            if (slots) {
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t it = 0; it < items; it++) {
-                    const Item *i = &list[it];
-                    if (i->parts > 1 && i->j == 0)
-                        combine_parts(a, i->n, i->kvh, parts + i->slot * PART_FLOATS(G, D), i->parts, io_bf16, sc.acc);
-                }
-            }
-            free(buf);
-        }
-    }
-    free(list), free(parts);
-    return failed ? 2 : 0;
-}
-
-#define TM_ENTRY(name, T, is_bf16)                                                                       \
-    int name(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, const int32_t *block_tables, \
-             int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens, int64_t num_seqs, int64_t heads,  \
-             int64_t kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, T *out, \
-             int64_t out_stride, int num_threads, int64_t window) {                                      \
-        Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,      \
-                  heads, kv_heads, head_dim, num_blocks, block_size, scale, NULL, NULL, window};         \
-        return run(&a, num_seqs, bt_width, num_threads, is_bf16, is_bf16);                               \
-    }
-
-/* Returns 0 on success, 1 on arguments the kernel does not take or that would
- * read outside the pool (nothing written), 2 when scratch memory could not be
- * allocated. */
-TM_ENTRY(tm_paged_decode_f32, float, 0)
-TM_ENTRY(tm_paged_decode_bf16, uint16_t, 1)
-
-/* A pool in another format than q, its rows widened to float32 as they are read: a
- * quantized pool (kv_fmt KV_I8 or KV_FP8: one byte a code) with its per-block scales
- * [kv_heads, num_blocks], q and out float32, or bf16 when io_bf16; or a bf16 pool
- * (KV_BF16, no scales) under float32 q and out. */
-int tm_paged_decode_convert(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
-                            const float *k_scale, const float *v_scale, int kv_fmt, int io_bf16,
-                            const int32_t *block_tables, int64_t bt_stride, int64_t bt_width, const int32_t *seq_lens,
-                            int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t num_blocks,
-                            int64_t block_size, float scale, void *out, int64_t out_stride, int num_threads,
-                            int64_t window) {
-    const int quant = kv_fmt == KV_I8 || kv_fmt == KV_FP8;
-    if (!(quant && k_scale && v_scale) && !(kv_fmt == KV_BF16 && !io_bf16)) return 1;
-    Args a = {q, k_cache, v_cache, block_tables, seq_lens, out, q_stride, out_stride, bt_stride,
-              heads, kv_heads, head_dim, num_blocks, block_size, scale, k_scale, v_scale, window};
-    return run(&a, num_seqs, bt_width, num_threads, kv_fmt, io_bf16 ? 1 : 0);
-}
-
-/* Lets the loader check it has the file it expects. */
-int tm_kernels_abi_version(void) { return 14; }
-
-/* 1 when decode attention over a bf16 pool multiplies bf16-rounded queries and softmax
- * weights (ROWS_BF16_DOT), 0 when its arithmetic is float32. */
-int tm_kernels_bf16_attention(void) {
-#ifdef TM_ATTN_BF16_DOT
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* Head sizes must be a multiple of this. */
-int tm_kernels_vector_width(void) { return VW; }

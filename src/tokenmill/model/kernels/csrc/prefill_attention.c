@@ -1,6 +1,6 @@
 /* Causal attention for one prefill chunk, reading the paged KV cache in place.
  *
- * Included by decode_step.c after paged_attention.c (one library; it reuses
+ * Follows paged_attention.c in the library's one unit (kernels.c) (one library; it reuses
  * that file's vector type, loads, bf16 conversions and exp_nonpos).
  *
  * The chunk's queries sit at absolute positions seq_len - q_len ... seq_len - 1
@@ -17,7 +17,7 @@
  * heads, 3 kv heads, head_dim 64) well below the dense matmuls' rate (see
  * docs/performance.md), and a chunk after a cached
  * prefix first had to gather K/V out of the pool into contiguous copies. Here
- * both matmuls are register tiles like the dense ones in decode_step.c:
+ * both matmuls are register tiles like the dense ones in dense.c:
  *
  * - an item is (kv head, block of query positions); its rows are the block's
  *   positions x the group's query heads, position-major, in float32;
@@ -37,6 +37,7 @@
  * decode attention does (ROWS_BF16_DOT): K transposed into pairs of dimensions,
  * V into pairs of keys, q and the softmax weights rounded to bf16, sums float32.
  */
+#include "tm_kernels.h"
 
 #if VW == 16
 #define PF_TR 6 /* rows per register tile: 6 x 4 accumulators of 16 floats */
@@ -109,7 +110,7 @@ TM_INLINE void prefill_output(float *restrict o, const float *restrict p, const 
     }
 }
 
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
 /* prefill_scores with bf16 products (ROWS_BF16_DOT in paged_attention.c): kt2 holds the
  * key block as [D / 2][PF_KB] pairs (K[key][2i], K[key][2i + 1]), q2 each row's query as
  * D / 2 such pairs; one vdpbf16ps per pair of dimensions does two FMAs' work. */
@@ -236,7 +237,7 @@ TM_INLINE void prefill_load_block(const PrefillArgs *a, int64_t kvh, int64_t kb0
     }
 }
 
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
 /* prefill_load_block for a bf16 pool under bf16 products: K as [D / 2][PF_KB] pairs of
  * dimensions (a transpose of 32-bit words), V as [PF_KB / 2][D] pairs of keys, zeros
  * past nk. */
@@ -309,7 +310,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
     const int64_t key0 = W > 0 && pos[0] - W + 1 > 0 ? pos[0] - W + 1 : 0; /* the first row's window */
     for (int64_t kb0 = key0; kb0 < keys; kb0 += PF_KB) {
         const int64_t nk = keys - kb0 < PF_KB ? keys - kb0 : PF_KB;
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
         if (dot)
             prefill_load_block_bf16(a, kvh, kb0, nk, sc);
         else
@@ -320,7 +321,7 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
             if (pos[r0 + nr - 1] < kb0) continue; /* every row of the tile is before this block */
             if (W > 0 && pos[r0] - W + 1 >= kb0 + nk) continue; /* the block is before every row's window */
             float *s = sc->p;
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
             if (dot) {
                 const uint32_t *q2 = (const uint32_t *)sc->q + r0 * (D / 2);
                 if (nr == PF_TR)
@@ -364,11 +365,11 @@ TM_INLINE void prefill_item(const PrefillArgs *a, int64_t kvh, int64_t p0, int64
 
 /* prefill_item with the q/out dtype and head size 64 as compile-time constants; the
  * pool format is a runtime switch in prefill_load_block (once per key row). Not inlined:
- * prefill_run and the fused step (decode_step.c) share one copy of its variants, each
+ * prefill_run and the fused step (step.c) share one copy of its variants, each
  * call an item's worth of work. */
 static __attribute__((noinline)) void prefill_dispatch(const PrefillArgs *a, int64_t kvh, int64_t p0, int64_t np, int fmt, int bf16,
                                 PrefillScratch *sc) {
-#ifdef TM_ATTN_BF16_DOT
+#ifdef TM_BF16_DOT
     if (fmt == KV_BF16 && a->head_dim % 32 == 0 && a->head_dim <= 512) { /* bf16 products, as in decode */
         if (a->head_dim == 64)
             prefill_item(a, kvh, p0, np, fmt, bf16, 64, 1, sc);
