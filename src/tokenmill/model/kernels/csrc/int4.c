@@ -64,7 +64,7 @@ TM_INLINE void int4_q8_finish(const uint8_t *kb, const float *pz, const float *g
                 for (int b = 0; b < NB; b++) f[t][b] = vfma(zv, vsplat(gsum[b * G + j]), f[t][b]);
             }
     for (int t = 0; t < NT; t++)
-        for (int b = 0; b < NB; b++) out[t][b] = f[t][b];
+        for (int b = 0; b < NB; b++) memcpy(&out[t][b], &f[t][b], sizeof(vf));
 }
 
 #ifdef TM_Q4_VNNI
