@@ -75,7 +75,7 @@ def run_tree(tree: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", required=True, type=Path, help="the baseline checkout (its src/ and benchmarks/)")
     ap.add_argument("--new", default=Path("."), type=Path, help="the changed checkout (default: this one)")
     ap.add_argument("--rounds", type=int, default=4)
